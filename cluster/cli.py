@@ -1,0 +1,82 @@
+"""The `pdserve` command line. User errors print one line (`error: ...`) and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster.errors import PdserveError
+
+
+def _cmd_demo_model(args) -> None:
+    from cluster.model.demo import write_demo_model
+
+    print(write_demo_model(args.dir, seed=args.seed))
+
+
+def _cmd_generate(args) -> None:
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+
+    prompts = args.prompts or []
+    if not prompts:
+        raise PdserveError("give at least one prompt")
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device)
+    for out in engine.generate(prompts, params):
+        print(out.text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo-model", help="write the tiny random-weight demo checkpoint to DIR")
+    d.add_argument("dir")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_cmd_demo_model)
+
+    g = sub.add_parser("generate", help="generate completions in-process (prefill + decode in one engine)")
+    g.add_argument("prompts", nargs="*")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the demo model)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_cmd_generate)
+
+    _add_extra_commands(sub)
+    return p
+
+
+def _add_extra_commands(sub) -> None:
+    """Commands whose modules live in other packages register here (serve, loadtest)."""
+    try:
+        from cluster.launch import add_serve_command
+    except ImportError:
+        return
+    add_serve_command(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except PdserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""LLMEngine: prefill and decode in one process, the reference the disaggregated cluster must match.
+
+Its scheduler is deliberately simple: a step is either one packed prefill (chunked to a token budget)
+or one decode step over every running sequence; when the KV pool runs out, the newest sequence is
+preempted and recomputed later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from cluster.block_allocator import BlockAllocator
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.errors import InvalidRequestError
+from cluster.kv_cache import KVCacheSpec
+from cluster.model.config import ModelArchConfig
+from cluster.model.loader import load_model, resolve_dtype
+from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.sampler import SamplingTensors, sample
+from cluster.sampling_params import SamplingParams
+from cluster.sequence import Sequence, SequenceStatus
+from cluster.tokenizer import encode_prompt, load_tokenizer
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        dtype: str | None = None,
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int = 512,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 2048,
+        attention_backend: str = "torch",
+    ):
+        if model_dir is None:
+            from cluster.model.demo import ensure_demo_model
+
+            model_dir = ensure_demo_model()
+        self.model_dir = Path(model_dir)
+        self.arch = ModelArchConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_model(self.model_dir, dtype=dtype, device=device, attention_backend=attention_backend)
+        self.dtype = resolve_dtype(dtype or self.arch.dtype)
+        self.spec = KVCacheSpec.for_model(self.arch, block_size, num_blocks, self.dtype)
+        self.runner = ModelRunner(self.model, self.spec, device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = self.arch.max_position_embeddings
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self._rng = random.Random()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        ids = encode_prompt(self.tokenizer, prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
+                f"length of {self.max_model_len}", "max_tokens")
+        if self.spec.blocks_for_tokens(len(ids) + params.max_tokens) > self.allocator.capacity:
+            raise InvalidRequestError("request does not fit in the KV cache even alone", "max_tokens")
+        seq = Sequence(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            params=params,
+            seed=params.seed if params.seed is not None else self._rng.randrange(2**63),
+            eos_token_ids=self.arch.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Runs one prefill or decode step; returns the sequences that finished in it."""
+        chunks = self._schedule_prefill()
+        if chunks:
+            return self._run_prefill(chunks)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    def _schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
+        budget = self.max_prefill_tokens
+        chunks = []
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) + len(chunks) >= self.max_num_seqs:
+                break
+            total = seq.num_tokens  # prompt plus tokens kept from before a preemption
+            if not seq.block_table:
+                # Reserve the whole prompt plus the first decode slot up front, so later chunks
+                # and the first decode step can't fail for lack of blocks.
+                need = self.spec.blocks_for_tokens(total + 1)
+                if not self.allocator.can_allocate(need):
+                    break
+                seq.block_table = self.allocator.allocate(need)
+            n = min(total - seq.num_cached_tokens, budget)
+            toks = seq.all_token_ids[seq.num_cached_tokens : seq.num_cached_tokens + n]
+            chunks.append((seq, PrefillChunk(toks, seq.num_cached_tokens, seq.block_table)))
+            budget -= n
+            if seq.num_cached_tokens + n < total:
+                break  # a partially prefilled prompt blocks those behind it (FCFS)
+        return chunks
+
+    def _run_prefill(self, chunks) -> list[Sequence]:
+        logits = self.runner.prefill([c for _, c in chunks])
+        done_rows, done = [], []
+        for i, (seq, c) in enumerate(chunks):
+            seq.num_cached_tokens += len(c.token_ids)
+            if seq.num_cached_tokens == seq.num_tokens:
+                done_rows.append(i)
+                done.append(seq)
+        if not done:
+            return []
+        tokens = self._sample(logits[done_rows], done)
+        finished = []
+        for seq, tok in zip(done, tokens):
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.append_token(tok):
+                finished.append(seq)
+        self._retire(finished)
+        return finished
+
+    def _run_decode(self) -> list[Sequence]:
+        # Each running sequence writes its last token's K/V at position num_tokens - 1.
+        for seq in list(self.running):
+            while seq in self.running and len(seq.block_table) * self.spec.block_size < seq.num_tokens:
+                if self.allocator.can_allocate(1):
+                    seq.block_table += self.allocator.allocate(1)
+                else:
+                    self._preempt(self.running[-1])
+        if not self.running:
+            return []
+        seqs = list(self.running)
+        positions = [s.num_tokens - 1 for s in seqs]
+        logits = self.runner.decode([s.last_token_id for s in seqs], positions, [s.block_table for s in seqs])
+        tokens = self._sample(logits, seqs)
+        finished = [s for s, t in zip(seqs, tokens) if s.append_token(t)]
+        for s in seqs:
+            s.num_cached_tokens = s.num_tokens - 1
+        self._retire(finished)
+        return finished
+
+    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        st = SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], logits.device)
+        pos = torch.tensor([s.num_tokens for s in seqs], device=logits.device)
+        use_filter = any(s.params.needs_top_k_top_p for s in seqs)
+        return sample(logits, st, pos, use_filter).tolist()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's blocks; it is recomputed (prompt + outputs) later."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.num_cached_tokens = [], 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            seq.status = SequenceStatus.FINISHED
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+
+    # -- convenience ----------------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]) -> list[CompletionOutput]:
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        return [self.output_of(s) for s in seqs]
+
+    @staticmethod
+    def output_of(seq: Sequence) -> CompletionOutput:
+        text = seq.detokenizer.text if seq.detokenizer else ""
+        return CompletionOutput(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), text, seq.finish_reason or "")

@@ -1,0 +1,124 @@
+"""Typed messages, one per hop: gateway -> router -> prefill -> decode -> gateway.
+
+Control messages are small frozen dataclasses. They cross Ray actor calls (Ray serialises them) or,
+for the token stream, a ZMQ socket as msgpack (`to_wire`/`from_wire`): no pickle on a socket of ours.
+The bulk KV never travels in a message; it goes through a KVTransport into reserved blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Gateway -> router: a tokenized request (stop strings are handled by the gateway itself)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int  # resolved at the gateway so that retries and migrations sample identically
+    arrival_time: float  # time.time() at the gateway
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Router -> decode worker: hold KV blocks for a prompt about to be prefilled elsewhere."""
+
+    request: GenerateRequest
+    prefill_worker_id: str  # whose transfer sequence this reservation joins
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode worker -> router: blocks reserved for the prompt (+1 slot for the first decode step).
+
+    `transfer_seq` numbers transfers per (prefill, decode) pair; both transfer threads work
+    through them in order, which is what keeps point-to-point sends and receives matched.
+    """
+
+    request_id: str
+    decode_worker_id: str
+    block_ids: tuple[int, ...]
+    transfer_seq: int
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """Router -> prefill worker: compute the prompt's KV, sample the first token, ship the KV."""
+
+    request: GenerateRequest
+    reservation: Reservation
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """Prefill -> decode, ahead of (or instead of) the KV payload of one transfer."""
+
+    request_id: str
+    transfer_seq: int
+    num_tokens: int  # prompt tokens whose K/V follow
+    first_token: int
+    ok: bool = True  # False: the prefill failed or was aborted; no payload follows, free the blocks
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill worker -> router once the decode side has the KV (timings feed /metrics)."""
+
+    request_id: str
+    first_token: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer_bytes: int
+    ok: bool = True
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Decode worker -> gateway: every token one step produced, for all requests, in one message."""
+
+    worker_id: str
+    step: int
+    deltas: tuple[TokenDelta, ...]
+    step_time_s: float = 0.0
+    batch_size: int = 0
+    bucket: int = 0  # graph bucket the step replayed (0 = eager)
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["deltas"] = [asdict(x) for x in self.deltas]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "TokenBatch":
+        deltas = tuple(TokenDelta(x["request_id"], tuple(x["token_ids"]), x.get("finish_reason"), x.get("error"))
+                       for x in d["deltas"])
+        return cls(d["worker_id"], d["step"], deltas, d.get("step_time_s", 0.0), d.get("batch_size", 0), d.get("bucket", 0))
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Any worker -> router, polled: what admission and placement decide on."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    healthy: bool = True
+    free_blocks: int = 0
+    total_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    outstanding_prefill_tokens: int = 0
+    extra: dict = field(default_factory=dict)

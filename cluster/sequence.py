@@ -1,0 +1,59 @@
+"""A request's life inside one engine or worker: tokens, KV blocks, sampling state, stop checks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for prefill
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, KV transfer in flight
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: the request's seed or one drawn at admission
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens whose K/V are in this worker's cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token(self, token_id: int) -> str | None:
+        """Records a sampled token; returns the finish reason if the sequence must stop now."""
+        self.output_token_ids.append(token_id)
+        n, p = len(self.output_token_ids), self.params
+        if token_id in p.stop_token_ids and n >= p.min_tokens:
+            self.finish_reason = "stop"
+        elif not p.ignore_eos and token_id in self.eos_token_ids and n >= p.min_tokens:
+            self.finish_reason = "stop"
+        if self.detokenizer is not None and self.finish_reason is None:
+            self.detokenizer.add(token_id)
+            if self.detokenizer.stopped:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and n >= p.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason

@@ -1,0 +1,25 @@
+"""What a worker needs to build its model and KV cache; frozen, handed to each actor at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str
+    dtype: str | None = None  # None: the checkpoint's
+    device: str = "cpu"  # "cuda" inside a GPU actor (Ray sets CUDA_VISIBLE_DEVICES)
+    attention_backend: str = "torch"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_memory_fraction of free GPU memory
+    kv_memory_fraction: float = 0.85  # of the memory free after the weights load
+    cpu_num_blocks: int = 512  # the pool on CPU, where free memory says little
+    max_num_seqs: int = 128
+    max_prefill_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
+    graph_buckets: str | tuple[int, ...] = "vllm"
+    use_cuda_graph: bool = True
+    compile_decode: bool = False
+    seed: int = 0
