@@ -1,0 +1,3 @@
+from cluster.transport.base import KVArrival, KVTransport, TransferStats
+
+__all__ = ["KVArrival", "KVTransport", "TransferStats"]
