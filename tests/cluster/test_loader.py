@@ -1,0 +1,73 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from cluster.errors import ModelLoadError
+from cluster.model.config import ModelArchConfig
+from cluster.model.loader import load_model
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="missing config.json"):
+        load_model(tmp_path)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'.*GPT2LMHeadModel"):
+        load_model(tmp_path)
+
+
+def test_unsupported_rope_type(demo_model_dir, tmp_path):
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    with pytest.raises(ModelLoadError, match="rope_type 'yarn'"):
+        ModelArchConfig.from_dict(cfg)
+
+
+def test_missing_shard_is_named(qwen2_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(qwen2_model_dir, d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (d / victim).unlink()
+    with pytest.raises(ModelLoadError, match=victim):
+        load_model(d)
+
+
+def test_missing_weights_are_named(demo_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(demo_model_dir, d)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="layers.2.mlp.gate_up_proj"):
+        load_model(d)
+
+
+def test_dtype_override_and_transformers5_config(demo_model_dir):
+    model = load_model(demo_model_dir, dtype="bfloat16")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay tied
+    assert model.rotary.cos.dtype == torch.float32
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    rope = dict(cfg.pop("rope_scaling"), rope_theta=cfg.pop("rope_theta"))
+    v5 = ModelArchConfig.from_dict({**cfg, "rope_parameters": rope})
+    assert v5 == ModelArchConfig.from_dict(json.loads((demo_model_dir / "config.json").read_text()))
+
+
+def test_demo_model_is_deterministic(tmp_path):
+    from cluster.model.demo import write_demo_model
+
+    a, b = write_demo_model(tmp_path / "a"), write_demo_model(tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
