@@ -1,0 +1,41 @@
+"""DecodeWorkerActor: the Ray face of DecodeWorker. Every method returns at once; the decode loop
+runs on the worker's own thread, and tokens leave through the ZMQ token sink, never through Ray.
+
+The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, sink)`.
+"""
+
+from __future__ import annotations
+
+from cluster.messages import GenerateRequest, Reservation, ReserveRequest, WorkerStats
+from cluster.worker_config import WorkerConfig
+from decode_worker.decode_worker import DecodeWorker
+
+
+class DecodeWorkerActor:
+    def __init__(self, worker_id: str, cfg: WorkerConfig, token_sink: str | None):
+        self.worker = DecodeWorker(worker_id, cfg, token_sink)
+
+    def ready(self) -> bool:
+        """Returns once the model is loaded and the graphs are captured (the constructor finished)."""
+        return True
+
+    def reserve(self, req: ReserveRequest) -> Reservation | None:
+        return self.worker.reserve(req)
+
+    def submit_local(self, req: GenerateRequest) -> bool:
+        return self.worker.submit_local(req)
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    def step_metrics(self) -> dict:
+        return self.worker.step_metrics()
+
+    # The transport engineer adds `init_transport(spec)` here: build the transport over
+    # `self.worker.kv_cache` and hand it to `self.worker.attach_transport(transport)`.
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

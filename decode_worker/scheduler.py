@@ -1,0 +1,276 @@
+"""Continuous batching for the decode worker. No torch, no CUDA state: tested on CPU with fake outputs.
+
+A request's life here:
+  reserve()   -> WAITING_FOR_KV (blocks reserved, a transfer will land in them)
+  on_arrival  -> RUNNING with the prefill's first token      (or freed, if the transfer failed)
+  add_local() -> WAITING (prefilled on this worker, between decode steps; also where preempted
+                 requests go to be recomputed)
+  decode steps until append_token() says stop, or abort().
+
+Pipelining: the worker launches step t+1 before it reads step t's tokens, so a running sequence can
+have one token in flight. Step t+1's input for such a row is step t's output on the device
+(`DecodeRow.prev_row`), its position is one past the last confirmed token, and a row whose
+max_tokens is already reached by the token in flight is not scheduled at all. Sequences that stop on
+EOS/stop tokens are only known to have stopped one step late; their extra row is discarded.
+
+Blocks are freed only once no step in flight can write them (see BlockManager). When the pool is
+short, `schedule_decode` asks the worker to drain the pipeline first (so every deferred free lands),
+then preempts the newest sequences, which are recomputed by a local prefill later (vLLM's
+"recompute" preemption): a short pool never corrupts KV, it only costs recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.messages import TokenDelta
+from cluster.model_runner import PrefillChunk
+from cluster.sequence import Sequence, SequenceStatus
+from decode_worker.block_manager import BlockManager
+
+
+@dataclass
+class DecodeRow:
+    seq: Sequence
+    token_id: int  # host-known input token; ignored when prev_row >= 0
+    prev_row: int  # row of the step in flight whose sampled token is this row's input, or -1
+    position: int  # position of the input token (its K/V goes there; context length = position + 1)
+
+
+@dataclass
+class DecodeBatch:
+    step: int
+    rows: list[DecodeRow]
+    needs_drain: bool = False  # pool short while a step is in flight: drain, then schedule again
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+class DecodeScheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = max_model_len
+        self.waiting_for_kv: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()  # local prefill (new or preempted)
+        self.running: list[Sequence] = []
+        # request_id -> (step, row) of each of its tokens still on the device, oldest first.
+        self._pending: dict[str, deque[tuple[int, int]]] = {}
+        self._last_step: dict[str, int] = {}  # request_id -> last step that included it
+        self.completed_step = -1  # every step <= this one has finished on the device
+        self.num_preemptions = 0
+
+    # -- admission --------------------------------------------------------------------------------
+    @property
+    def num_seqs(self) -> int:
+        return len(self.waiting_for_kv) + len(self.waiting) + len(self.running)
+
+    def has_room(self) -> bool:
+        return self.num_seqs < self.max_num_seqs
+
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """Blocks for the prompt plus the first decode slot; None if they (or a batch row) don't fit."""
+        if not self.has_room():
+            return None
+        blocks = self.blocks.allocate_for_tokens(len(seq.prompt_token_ids) + 1)
+        if blocks is None:
+            return None
+        seq.block_table = blocks
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv[seq.request_id] = seq
+        return blocks
+
+    def add_local(self, seq: Sequence) -> bool:
+        """Queues a request to prefill here. Blocks are taken now so that it can't be starved later."""
+        if not self.has_room():
+            return False
+        blocks = self.blocks.allocate_for_tokens(seq.num_tokens + 1)
+        if blocks is None:
+            return False
+        seq.block_table = blocks
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        return True
+
+    def on_arrival(self, request_id: str, first_token: int | None, ok: bool, error: str | None = None) -> TokenDelta | None:
+        """A transfer finished. Returns the delta to publish (first token, or an error), or None if the
+        request was aborted meanwhile (its blocks go back to the pool now)."""
+        if self.blocks.release_transfer(request_id):
+            return None  # aborted while the transfer was in flight
+        seq = self.waiting_for_kv.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_cached_tokens = len(seq.prompt_token_ids)
+        if not ok:
+            self.blocks.free_now(seq.block_table)
+            seq.block_table = []
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "error"
+            return TokenDelta(request_id, (), "error", error or "KV transfer failed")
+        seq.status = SequenceStatus.RUNNING
+        reason = seq.append_token(first_token)
+        if reason is not None:
+            self._finish(seq)
+        else:
+            self.running.append(seq)
+        return TokenDelta(request_id, (first_token,), reason)
+
+    def abort(self, request_id: str, transfer_pending: bool) -> bool:
+        """Drops a request. transfer_pending: a transport may still write its reserved blocks."""
+        seq = self.waiting_for_kv.pop(request_id, None)
+        if seq is not None:
+            if transfer_pending:
+                self.blocks.hold_for_transfer(request_id, seq.block_table)
+            else:
+                self.blocks.free_now(seq.block_table)
+            seq.block_table = []
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            return True
+        for queue in (self.waiting, self.running):
+            for s in queue:
+                if s.request_id == request_id:
+                    queue.remove(s)
+                    s.finish_reason = "abort"
+                    self._finish(s)
+                    return True
+        return False
+
+    # -- local prefill ----------------------------------------------------------------------------
+    def schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
+        """Prefill chunks under the token budget, FCFS (a partially done prompt blocks those behind)."""
+        budget, chunks = self.max_prefill_tokens, []
+        for seq in self.waiting:
+            if budget == 0 or not seq.block_table:  # a preempted sequence still waiting for blocks
+                break
+            n = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            toks = seq.all_token_ids[seq.num_cached_tokens : seq.num_cached_tokens + n]
+            chunks.append((seq, PrefillChunk(toks, seq.num_cached_tokens, seq.block_table)))
+            budget -= n
+            if seq.num_cached_tokens + n < seq.num_tokens:
+                break
+        return chunks
+
+    def on_prefill_done(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> list[Sequence]:
+        """Advances the chunks' sequences; returns those whose prompt is complete (they need a token)."""
+        done = []
+        for seq, c in chunks:
+            seq.num_cached_tokens += len(c.token_ids)
+            if seq.num_cached_tokens == seq.num_tokens:
+                done.append(seq)
+        return done
+
+    def on_prefill_token(self, seq: Sequence, token: int) -> TokenDelta:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        reason = seq.append_token(token)
+        if reason is not None:
+            self._finish(seq)
+        else:
+            self.running.append(seq)
+        return TokenDelta(seq.request_id, (token,), reason)
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _input_of(self, seq: Sequence) -> tuple[int, int, int]:
+        """(token_id, prev_row, position) of the sequence's next decode input."""
+        pending = self._pending.get(seq.request_id)
+        if not pending:
+            return seq.last_token_id, -1, seq.num_tokens - 1
+        # NOTE: only the latest step's output is on the device, so the token in flight must be from
+        # the step just before this one; the worker's loop keeps at most one step unread.
+        return 0, pending[-1][1], seq.num_tokens - 1 + len(pending)
+
+    def _schedulable(self, seq: Sequence) -> bool:
+        # The token in flight already reaches max_tokens (or the context limit): nothing left to run.
+        pending = len(self._pending.get(seq.request_id, ()))
+        return (len(seq.output_token_ids) + pending < seq.params.max_tokens
+                and seq.num_tokens + pending < self.max_model_len)
+
+    def schedule_decode(self, step: int, pipeline_busy: bool) -> DecodeBatch:
+        """The rows of decode step `step`. pipeline_busy: a step is in flight whose results aren't
+        processed yet. Grows block tables; on a short pool returns needs_drain or preempts."""
+        batch = DecodeBatch(step, [])
+        candidates = [s for s in self.running if self._schedulable(s)]
+        need = sum(self.blocks.blocks_needed(s.block_table, self._input_of(s)[2] + 1) for s in candidates)
+        if need > self.blocks.num_free:
+            if pipeline_busy:
+                batch.needs_drain = True
+                return batch
+            # Preempt the newest until the rest fit (the engine's policy; recomputed later).
+            while candidates and need > self.blocks.num_free:
+                victim = candidates.pop()
+                need -= self.blocks.blocks_needed(victim.block_table, self._input_of(victim)[2] + 1)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+        for seq in candidates:
+            token, prev_row, pos = self._input_of(seq)
+            ok = self.blocks.grow(seq.block_table, pos + 1)
+            assert ok, "blocks were counted above"
+            batch.rows.append(DecodeRow(seq, token, prev_row, pos))
+        return batch
+
+    def on_step_launched(self, batch: DecodeBatch) -> None:
+        for i, r in enumerate(batch.rows):
+            self._pending.setdefault(r.seq.request_id, deque()).append((batch.step, i))
+            self._last_step[r.seq.request_id] = batch.step
+
+    def on_step_output(self, batch: DecodeBatch, tokens: list[int]) -> list[TokenDelta]:
+        """Step `batch.step` completed with these sampled tokens (row order). Returns what to publish."""
+        self.completed_step = max(self.completed_step, batch.step)
+        deltas = []
+        for row, tok in zip(batch.rows, tokens):
+            seq = row.seq
+            rid = seq.request_id
+            pending = self._pending.get(rid)
+            if not pending or pending[0][0] != batch.step:
+                continue  # finished, aborted or preempted after this step was launched
+            pending.popleft()
+            if seq.status is not SequenceStatus.RUNNING or seq.finish_reason is not None:
+                continue  # finished, aborted or preempted after this step was launched
+            reason = seq.append_token(tok)
+            seq.num_cached_tokens = seq.num_tokens - 1
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq)
+            deltas.append(TokenDelta(rid, (tok,), reason))
+        self.blocks.step_completed(batch.step)
+        return deltas
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        assert not self._pending.get(seq.request_id), "preempt only with the pipeline drained"
+        self._release(seq)
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)  # before new local requests; takes blocks again in readmit()
+        self.num_preemptions += 1
+
+    def readmit_preempted(self) -> None:
+        """Gives blocks back to preempted sequences at the head of the queue, as they fit."""
+        for seq in self.waiting:
+            if seq.block_table:
+                continue
+            blocks = self.blocks.allocate_for_tokens(seq.num_tokens + 1)
+            if blocks is None:
+                break
+            seq.block_table = blocks
+
+    def prefill_ready(self) -> bool:
+        return bool(self.waiting) and bool(self.waiting[0].block_table)
+
+    def _release(self, seq: Sequence) -> None:
+        last = self._last_step.pop(seq.request_id, -1)
+        self.blocks.free_after_step(seq.block_table, last, self.completed_step)
+        seq.block_table = []
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self._pending.pop(seq.request_id, None)
+        self._release(seq)
+
+    def has_decode_work(self) -> bool:
+        return any(self._schedulable(s) for s in self.running)

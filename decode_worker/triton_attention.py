@@ -1,0 +1,179 @@
+"""Paged decode attention in Triton, registered as attention backend "triton".
+
+One program handles one (sequence, kv head, split): the G query heads sharing that kv head are one
+[G, head_dim] tile (GQA costs one K/V read for G heads), and it walks its part of the sequence in
+tiles of BLOCK_N tokens gathered through the block table, with an online softmax.
+
+Flash-decoding: at small batch there are too few (sequence, kv head) pairs to fill the GPU, so each
+sequence's context is split into `num_splits` parts run in parallel, each writing an unnormalised
+partial output and its log-sum-exp; a second kernel merges them. The split count depends only on the
+batch shape (host-static, so a captured graph keeps it); the part length is computed in the kernel
+from the row's context length, so it adapts to the context without recapture.
+
+Sliding window: only the last `window` positions are read. The prefill path delegates to the torch
+reference (prefill is eager and compute-bound; the decode worker only prefills locally).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cluster.attention.backend import register_backend
+from cluster.attention.metadata import AttentionMetadata
+from cluster.attention.torch_ref import TorchAttentionBackend
+
+BLOCK_N = 64
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KC, VC, BT, CTX, MidO, MidLse, Out,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_mb, stride_mh, stride_ms,
+    stride_ot, stride_oh,
+    scale, window,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(CTX + b).to(tl.int32)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    per = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK) * BLOCK
+    s_lo = lo + split * per
+    s_hi = tl.minimum(s_lo + per, ctx)
+
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    g_ok = g < G
+    heads = kvh * G + g
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    n = tl.arange(0, BLOCK)
+    for start in range(s_lo, s_hi, BLOCK):
+        offs = start + n
+        valid = offs < s_hi
+        blk = tl.load(BT + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_off = blk[:, None] * stride_kb + (offs % PAGE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    if NUM_SPLITS == 1:  # the whole context in one program: write the normalised output directly
+        out = acc / l[:, None]
+        tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=g_ok[:, None])
+    else:  # an empty split stores lse = -inf and weighs nothing in the merge
+        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        base = b * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(MidO + base[:, None] * D + d[None, :], out, mask=g_ok[:, None])
+        tl.store(MidLse + base, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    MidO, MidLse, Out,
+    stride_mb, stride_mh, stride_ms, stride_ot, stride_oh,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    base = b * stride_mb + h * stride_mh + s * stride_ms
+    lse = tl.load(MidLse + base, mask=s < NUM_SPLITS, other=float("-inf"))
+    o = tl.load(MidO + base[:, None] * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    w = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty (context >= 1), so max is finite
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence so that batch * kv_heads * splits covers about two waves of SMs."""
+    work = batch * num_kv_heads
+    return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // work)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    bsz, num_heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    assert k_cache.stride(3) == 1 and q.stride(2) == 1 and head_dim & (head_dim - 1) == 0
+    group = num_heads // kv_heads
+    splits = num_splits or choose_num_splits(bsz, kv_heads, q.device)
+    out = torch.empty_like(q)
+    if splits > 1:
+        mid_o = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    ms = (num_heads * splits, splits, 1)  # strides of mid_lse, and of mid_o in units of head_dim
+    _decode_split_kernel[(bsz, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse, out,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        *ms,
+        out.stride(0), out.stride(1),
+        scale, sliding_window or 0,
+        G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
+        NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(bsz, num_heads)](
+            mid_o, mid_lse, out, *ms, out.stride(0), out.stride(1),
+            D=head_dim, NUM_SPLITS=splits, SP=triton.next_power_of_2(splits), num_warps=1,
+        )
+    return out
+
+
+@register_backend("triton")
+class TritonAttentionBackend(TorchAttentionBackend):
+    """Decode through the Triton kernel; store_kv and prefill as the torch reference does them."""
+
+    def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
+        self.store_kv(k, v, kv_layer, meta.slot_mapping)
+        if meta.is_prefill:
+            return self._prefill(q, k, v, kv_layer, meta)
+        return paged_decode_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens,
+                                      self.scale, self.sliding_window)
