@@ -1,0 +1,90 @@
+"""Bucket choice and padding. On CPU the runner runs eagerly with the same padding as the graphs."""
+
+import random
+
+import pytest
+import torch
+
+from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
+from cluster.model.loader import load_model
+from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling_params import SamplingParams
+from cluster.sequence import Sequence
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_for, bucket_sizes, choose_variant, padding_waste
+from decode_worker.scheduler import DecodeRow
+
+
+def test_bucket_policies():
+    v = bucket_sizes("vllm", 512)
+    assert v[:5] == [1, 2, 4, 8, 16] and 248 in v and 256 in v and 272 in v and v[-1] == 512
+    assert all(b - a == 8 for a, b in zip(v[3:], v[4:]) if b <= 256)
+    assert bucket_sizes("vllm", 100)[-2:] == [96, 100]  # capped, and max_num_seqs itself is a bucket
+    assert bucket_sizes("pow2", 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes("pow2", 48) == [1, 2, 4, 8, 16, 32, 48]
+    assert bucket_sizes((4, 1, 300), 256) == [1, 4]
+    with pytest.raises(ValueError):
+        bucket_sizes("nope", 8)
+    assert bucket_for([1, 2, 4, 8], 3) == 4 and bucket_for([1, 2, 4, 8], 9) is None
+
+
+def test_padding_waste_of_the_default_policy_is_under_4_percent():
+    mix = list(range(1, 257))
+    assert padding_waste(bucket_sizes("vllm", 256), mix) <= 0.04
+    assert padding_waste(bucket_sizes("pow2", 256), mix) > 0.2
+    assert padding_waste([1, 2, 3], [5, 6]) == 0.0  # above the largest bucket: eager, unpadded
+
+
+def test_variant_choice():
+    g, s, f = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)
+    assert choose_variant([g, g]) == "greedy"
+    assert choose_variant([g, s]) == "sample"
+    assert choose_variant([s, f, g]) == "filtered"
+    assert choose_variant([g], captured=("sample", "filtered")) == "sample"
+
+
+@pytest.fixture(scope="module")
+def setup(demo_model_dir):
+    model = load_model(demo_model_dir, dtype="float32")
+    spec = KVCacheSpec.for_model(model.cfg, 16, 64, torch.float32)
+    runner = ModelRunner(model, spec, "cpu")
+    return model, spec, runner
+
+
+def test_padded_rows_write_only_the_null_block_and_match_unpadded_decode(setup):
+    model, spec, runner = setup
+    rng = random.Random(0)
+    gr = BucketedGraphRunner(model, runner.kv_cache, spec.block_size, max_num_seqs=8, max_blocks_per_seq=16,
+                             buckets=(1, 2, 4, 8))
+    lens = [5, 20, 33]
+    seqs, blocks = [], 1
+    for i, n in enumerate(lens):
+        table = list(range(blocks, blocks + spec.blocks_for_tokens(n + 1)))
+        blocks += len(table)
+        prompt = [rng.randrange(5, 500) for _ in range(n)]
+        runner.prefill([PrefillChunk(prompt, 0, table)])
+        s = Sequence(f"r{i}", prompt, SamplingParams(temperature=0.0), seed=0)
+        s.block_table = table
+        seqs.append(s)
+    kv_before = runner.kv_cache.clone()
+    rows = [DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in seqs]
+    h = gr.launch(rows)
+    assert (h.info.batch_size, h.info.bucket, h.info.graph, h.info.variant) == (3, 4, False, "greedy")
+    tokens = h.tokens()
+    # Only the three rows' own slots and the NULL block changed.
+    changed = (runner.kv_cache != kv_before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
+    touched = {(b, o) for b, o in changed.nonzero().tolist()}
+    expected = {(s.block_table[(s.num_tokens - 1) // 16], (s.num_tokens - 1) % 16) for s in seqs}
+    assert touched - {(NULL_BLOCK, 0)} == expected
+    # Same tokens as an unpadded eager decode over the same KV.
+    runner.kv_cache.copy_(kv_before)
+    ref = runner.decode([s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs], [s.block_table for s in seqs])
+    assert tokens == ref.argmax(-1).tolist()
+    # The next step takes its input tokens from the device (prev_row), not from the host.
+    for s, t in zip(seqs, tokens):
+        s.output_token_ids.append(t)
+    runner.kv_cache.copy_(kv_before)
+    gr.launch(rows)  # rewrite the same KV, leaving out_tokens as before
+    rows2 = [DecodeRow(s, 0, i, s.num_tokens - 1) for i, s in enumerate(seqs)]
+    tok2 = gr.launch(rows2).tokens()
+    ref2 = runner.decode(tokens, [s.num_tokens - 1 for s in seqs], [s.block_table for s in seqs])
+    assert tok2 == ref2.argmax(-1).tolist()

@@ -1,0 +1,239 @@
+"""DecodeWorker end to end on CPU: KV arrives through a loopback transport (prefilled by a separate
+ModelRunner, as a prefill worker would) or is prefilled locally; outputs must equal LLMEngine's."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from cluster.engine import LLMEngine
+from cluster.kv_cache import KVCacheSpec
+from cluster.messages import GenerateRequest, KVHeader, ReserveRequest, TokenBatch
+from cluster.model.loader import load_model
+from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling_params import SamplingParams
+from cluster.worker_config import WorkerConfig
+from decode_worker.decode_worker import DecodeWorker
+from decode_worker.loopback_transport import LoopbackTransport
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts(seed, lengths):
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(5, 500) for _ in range(n - 1)] for n in lengths]
+
+
+class FakePrefill:
+    """A prefill worker in miniature: its own model and cache, ships KV through the loopback."""
+
+    def __init__(self, model_dir, worker: DecodeWorker, worker_id="p0"):
+        self.id = worker_id
+        model = load_model(model_dir, dtype="float32")
+        spec = KVCacheSpec.for_model(model.cfg, worker.cfg.block_size, 128, torch.float32)
+        self.runner = ModelRunner(model, spec, "cpu")
+        self.spec = spec
+        self.transport = LoopbackTransport(self.runner.kv_cache, worker.kv_cache)
+        worker.attach_transport(self.transport)
+
+    def reserve(self, worker, rid, prompt, params):
+        req = GenerateRequest(rid, tuple(prompt), params, seed=0, arrival_time=time.time())
+        return worker.reserve(ReserveRequest(req, self.id))
+
+    def prefill_and_send(self, res, prompt):
+        blocks = list(range(1, 1 + self.spec.blocks_for_tokens(len(prompt))))
+        logits = self.runner.prefill([PrefillChunk(prompt, 0, blocks)])
+        first = int(logits.argmax(-1)[0])
+        self.transport.send(res, KVHeader(res.request_id, res.transfer_seq, len(prompt), first), blocks)
+
+
+class Collector:
+    def __init__(self, worker):
+        self.worker, self.tokens, self.finish = worker, {}, {}
+
+    def poll(self, timeout=0.05):
+        for b in self.worker.poll_token_batches(timeout):
+            self.add(b)
+
+    def add(self, b: TokenBatch):
+        for d in b.deltas:
+            self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finish_reason:
+                assert d.request_id not in self.finish, f"{d.request_id} finished twice"
+                self.finish[d.request_id] = d.finish_reason
+
+    def wait(self, cond, timeout=60):
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < timeout, f"timed out; tokens so far {self.tokens}, stats {self.worker.stats()}"
+            self.poll()
+
+
+def make_worker(model_dir, **kw):
+    cfg = WorkerConfig(model_dir=str(model_dir), dtype="float32", max_num_seqs=kw.pop("max_num_seqs", 8),
+                       graph_buckets=kw.pop("graph_buckets", "vllm"), **kw)
+    return DecodeWorker("d0", cfg, token_sink=kw.pop("token_sink", None))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir):
+    return LLMEngine(demo_model_dir, dtype="float32", max_prefill_tokens=512)
+
+
+def test_greedy_equals_engine_with_requests_joining_and_leaving(demo_model_dir, engine):
+    ps = prompts(0, [3, 70, 18, 130, 9, 45, 250])
+    max_toks = [20, 6, 14, 25, 3, 17, 9]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_toks]
+    ref = engine.generate(ps, params)
+    worker = make_worker(demo_model_dir)
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        col = Collector(worker)
+        # Wave 1 through the transport, wave 2 joins mid-batch (transport + one local prefill).
+        for i in (0, 1, 2):
+            pre.prefill_and_send(pre.reserve(worker, f"r{i}", ps[i], params[i]), ps[i])
+        col.wait(lambda: len(col.tokens.get("r1", [])) >= 3)
+        for i in (3, 4):
+            pre.prefill_and_send(pre.reserve(worker, f"r{i}", ps[i], params[i]), ps[i])
+        assert worker.submit_local(GenerateRequest("r5", tuple(ps[5]), params[5], 0, 0.0))
+        col.wait(lambda: "r1" in col.finish)  # a request left; one more joins after it
+        pre.prefill_and_send(pre.reserve(worker, "r6", ps[6], params[6]), ps[6])
+        col.wait(lambda: len(col.finish) == len(ps))
+        for i, r in enumerate(ref):
+            assert col.tokens[f"r{i}"] == list(r.token_ids), f"request {i} (prompt {len(ps[i])})"
+            assert col.finish[f"r{i}"] == "length"
+        m = worker.step_metrics()
+        assert m["steps_total"] > 0 and m["eager_steps_total"] == m["steps_total"]  # CPU: eager
+        assert len(set(m["bucket_steps"])) > 1 and m["padded_rows_total"] > 0  # the batch changed size
+        assert pre.transport.expect_order == [("p0", i) for i in range(6)]  # transfer_seq per peer
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+    finally:
+        worker.shutdown()
+
+
+def test_stop_tokens_eos_and_min_tokens(demo_model_dir, engine):
+    ps = prompts(1, [12, 40])
+    ref = engine.generate(ps, SamplingParams(max_tokens=30, **GREEDY))
+    # Stop on the 5th token of each reference output; one request must ignore it until min_tokens.
+    stop0, stop1 = ref[0].token_ids[4], ref[1].token_ids[4]
+    p0 = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop0,))
+    p1 = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=(stop1,), min_tokens=10)
+    ref2 = engine.generate(ps, [p0, p1])
+    worker = make_worker(demo_model_dir)
+    try:
+        col = Collector(worker)
+        worker.submit_local(GenerateRequest("a", tuple(ps[0]), p0, 0, 0.0))
+        worker.submit_local(GenerateRequest("b", tuple(ps[1]), p1, 0, 0.0))
+        col.wait(lambda: len(col.finish) == 2)
+        assert col.tokens["a"] == list(ref2[0].token_ids) and col.finish["a"] == ref2[0].finish_reason
+        assert col.tokens["b"] == list(ref2[1].token_ids) and col.finish["b"] == ref2[1].finish_reason
+    finally:
+        worker.shutdown()
+
+
+def test_abort_frees_blocks_and_defers_while_a_transfer_may_land(demo_model_dir):
+    worker = make_worker(demo_model_dir)
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        col = Collector(worker)
+        total = worker.stats().total_blocks
+        ps = prompts(2, [30, 50])
+        long = SamplingParams(max_tokens=200, **GREEDY)
+        res_a = pre.reserve(worker, "a", ps[0], long)
+        pre.prefill_and_send(res_a, ps[0])
+        col.wait(lambda: len(col.tokens.get("a", [])) >= 3)
+        res_b = pre.reserve(worker, "b", ps[1], long)  # reserved, transfer not sent yet
+        worker.abort("a")
+        worker.abort("b")
+        col.wait(lambda: col.finish.get("a") == "abort" and col.finish.get("b") == "abort")
+        # a's blocks come back; b's stay out of the pool until its transfer reports.
+        col.wait(lambda: worker.stats().free_blocks == total - len(res_b.block_ids))
+        assert worker.stats().extra["pending_free_blocks"] == len(res_b.block_ids)
+        pre.prefill_and_send(res_b, ps[1])  # lands late: the blocks were never reused
+        col.wait(lambda: worker.stats().free_blocks == total)
+        assert "b" not in col.tokens or col.tokens["b"] == []
+        worker.abort("nobody")  # unknown ids are ignored
+    finally:
+        worker.shutdown()
+
+
+def test_failed_transfer_publishes_error_and_frees(demo_model_dir):
+    worker = make_worker(demo_model_dir)
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        col = Collector(worker)
+        res = pre.reserve(worker, "a", prompts(3, [20])[0], SamplingParams(max_tokens=5, **GREEDY))
+        pre.transport.fail(res, "prefill worker died")
+        col.wait(lambda: "a" in col.finish)
+        assert col.finish["a"] == "error" and col.tokens["a"] == []
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+        # A first token that already ends the request: published with its finish reason, nothing runs.
+        p = prompts(3, [20])[0]
+        res = pre.reserve(worker, "b", p, SamplingParams(max_tokens=1, **GREEDY))
+        pre.prefill_and_send(res, p)
+        col.wait(lambda: "b" in col.finish)
+        assert col.finish["b"] == "length" and len(col.tokens["b"]) == 1
+    finally:
+        worker.shutdown()
+
+
+def test_reserve_returns_none_when_kv_does_not_fit(demo_model_dir):
+    worker = make_worker(demo_model_dir, num_blocks=9)  # 8 usable blocks of 16 tokens
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        p = SamplingParams(max_tokens=4, **GREEDY)
+        assert pre.reserve(worker, "a", prompts(4, [100])[0], p) is not None  # 7 blocks
+        assert pre.reserve(worker, "b", prompts(4, [40])[0], p) is None
+        with pytest.raises(Exception, match="even alone"):
+            pre.reserve(worker, "c", prompts(4, [200])[0], p)
+    finally:
+        worker.shutdown()
+
+
+def test_short_kv_pool_preempts_by_recompute_and_output_is_unchanged(demo_model_dir, engine):
+    ps = prompts(5, [40, 33, 50, 20])
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    ref = engine.generate(ps, params)
+    worker = make_worker(demo_model_dir, num_blocks=17)  # 16 usable: all four can't finish together
+    try:
+        col = Collector(worker)
+        for i, p in enumerate(ps):
+            assert worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0))
+        col.wait(lambda: len(col.finish) == len(ps))
+        assert worker.stats().extra["preemptions"] > 0
+        for i, r in enumerate(ref):
+            assert col.tokens[f"r{i}"] == list(r.token_ids)
+    finally:
+        worker.shutdown()
+
+
+def test_token_batches_arrive_over_a_real_zmq_socket(demo_model_dir, engine):
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    ps = prompts(6, [15, 60])
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    ref = engine.generate(ps, params)
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
+    worker = DecodeWorker("d1", cfg, token_sink=f"tcp://127.0.0.1:{port}")
+    col = Collector(worker)
+    try:
+        for i, p in enumerate(ps):
+            worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0))
+        t0, steps = time.time(), []
+        while len(col.finish) < 2:
+            assert time.time() - t0 < 60
+            if pull.poll(1000):
+                b = TokenBatch.from_wire(msgpack.unpackb(pull.recv(), raw=False))
+                assert b.worker_id == "d1"
+                steps.append(b.step)
+                col.add(b)
+        assert steps == sorted(steps)
+        for i, r in enumerate(ref):
+            assert col.tokens[f"r{i}"] == list(r.token_ids)
+    finally:
+        worker.shutdown()
+        pull.close()
