@@ -1,0 +1,253 @@
+"""ClusterConfig: everything `pdserve serve` takes, from the command line or a YAML file.
+
+Every field is both a YAML key (`decode_workers: 2`) and a flag (`--decode-workers 2`); the flags
+are generated from the fields, so the two can't drift apart. Flags override the YAML file, which
+overrides the defaults. Workers get a frozen `WorkerConfig` built from it (`worker_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.errors import PdserveError
+from cluster.worker_config import WorkerConfig
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    # -- what to serve, where ---------------------------------------------------------------------
+    model: str | None = None
+    """Hugging Face model directory; none serves the built-in demo model."""
+    served_model_name: str | None = None
+    """Model name clients pass as `model` (default: the model directory's name, or `pdserve-demo`)."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP gateway listens on (0.0.0.0 for all)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port (0: any free port)."""
+    api_key: str | None = None
+    """If set, /v1 requires `Authorization: Bearer <key>` (also read from PDSERVE_API_KEY)."""
+    address: str | None = None
+    """Ray cluster to join ('auto', 'ray://host:10001', 'host:6379'); none starts a local Ray instance."""
+
+    # -- workers and their resources ----------------------------------------------------------------
+    prefill_workers: int = Field(1, ge=0, le=1024)
+    """Prefill actors (0: every prompt is prefilled on its decode worker)."""
+    decode_workers: int = Field(1, ge=1, le=1024)
+    """Decode actors."""
+    gpus_per_worker: float | None = Field(None, ge=0.0, le=8.0)
+    """GPUs per actor; none: 1 when there are enough GPUs, an equal share when actors must share GPUs, 0 without."""
+    cpus_per_worker: float = Field(1.0, ge=0.0)
+    """CPUs Ray reserves per actor."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device the workers run on ('auto': cuda when the actor has a GPU)."""
+    ready_timeout_s: float = Field(600.0, gt=0)
+    """How long workers may take to load the model and answer their first stats call."""
+
+    # -- the engine inside each worker (WorkerConfig) -----------------------------------------------
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """Weights and KV dtype (default: the checkpoint's)."""
+    attention_backend: str = "torch"
+    """Attention backend registered in cluster.attention."""
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV block (a power of two)."""
+    num_blocks: int | None = Field(None, ge=2)
+    """KV blocks per worker; none: sized from kv_memory_fraction on GPU, cpu_num_blocks on CPU."""
+    kv_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of the GPU memory left after the weights that the KV cache takes."""
+    cpu_num_blocks: int = Field(512, ge=2)
+    """KV blocks per worker on CPU."""
+    max_num_seqs: int = Field(128, ge=1)
+    """Most sequences a decode worker runs at once."""
+    max_prefill_tokens: int = Field(4096, ge=1)
+    """Token budget of one prefill step."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Context length (default: the model's max_position_embeddings)."""
+    graph_buckets: str | tuple[int, ...] = "vllm"
+    """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
+    use_cuda_graph: bool = True
+    """Replay decode steps as CUDA graphs (GPU only)."""
+    compile_decode: bool = False
+    """torch.compile the decode step."""
+    seed: int = Field(0, ge=0)
+    """Seed of the workers' engines."""
+
+    # -- router: admission and placement -------------------------------------------------------------
+    local_prefill_threshold: int = Field(0, ge=0)
+    """Prompts of at most this many tokens are prefilled on the decode worker (0: never)."""
+    prefill_policy: str = "least_outstanding_tokens"
+    """Prefill placement policy (router.placement.PREFILL_POLICIES)."""
+    decode_policy: str = "least_loaded"
+    """Decode placement policy (router.placement.DECODE_POLICIES)."""
+    max_waiting_requests: int = Field(256, ge=1)
+    """Admitted requests without a first token yet; beyond it, HTTP 429."""
+    max_inflight_tokens: int = Field(1 << 20, ge=1)
+    """Sum of prompt + max_tokens over unfinished requests; beyond it, HTTP 429."""
+    retry_after_s: int = Field(1, ge=0)
+    """Retry-After sent with a 429."""
+    reserve_wait_s: float = Field(2.0, ge=0.0)
+    """How long a request waits for a decode worker with room before a 429."""
+    stats_interval_s: float = Field(0.1, gt=0.0)
+    """How often the router polls every worker's stats."""
+    call_timeout_s: float = Field(30.0, gt=0.0)
+    """Timeout of the router's control calls to workers (reserve, stats, abort)."""
+    prefill_timeout_s: float = Field(600.0, gt=0.0)
+    """Timeout of one prefill (queue + compute + KV transfer)."""
+    token_timeout_s: float = Field(600.0, gt=0.0)
+    """A request that gets no token for this long fails."""
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    """Largest accepted HTTP request body."""
+    token_stream_host: str | None = None
+    """Address the decode workers push tokens to (default: 127.0.0.1 locally, this node's IP in a cluster)."""
+    kv_transport: str | None = None
+    """KV transport backend for cluster.transport (default: its own choice)."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+    @field_validator("graph_buckets", mode="before")
+    @classmethod
+    def _buckets(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in ("vllm", "pow2"):
+            try:
+                v = tuple(int(x) for x in v.split(",") if x.strip())
+            except ValueError:
+                raise ValueError("graph_buckets must be 'vllm', 'pow2' or comma-separated sizes") from None
+        if isinstance(v, (list, tuple)):
+            if not v or any((not isinstance(x, int)) or x < 1 for x in v):
+                raise ValueError("graph bucket sizes must be positive integers")
+            return tuple(sorted(set(v)))
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("api_key must not be empty")
+        return v
+
+    @field_validator("prefill_policy")
+    @classmethod
+    def _prefill_policy(cls, v: str) -> str:
+        from router.placement import PREFILL_POLICIES
+
+        if v not in PREFILL_POLICIES.names():
+            raise ValueError(f"unknown prefill policy {v!r}; choose from {PREFILL_POLICIES.names()}")
+        return v
+
+    @field_validator("decode_policy")
+    @classmethod
+    def _decode_policy(cls, v: str) -> str:
+        from router.placement import DECODE_POLICIES
+
+        if v not in DECODE_POLICIES.names():
+            raise ValueError(f"unknown decode policy {v!r}; choose from {DECODE_POLICIES.names()}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClusterConfig":
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError("max_prefill_tokens must be at least block_size")
+        return self
+
+    # -- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+             env: dict[str, str] | None = None) -> "ClusterConfig":
+        """Defaults < YAML file < environment (PDSERVE_API_KEY) < explicit overrides (the flags)."""
+        import os
+
+        data: dict[str, Any] = {}
+        if yaml_path is not None:
+            data.update(read_yaml(yaml_path))
+        env = os.environ if env is None else env
+        if env.get("PDSERVE_API_KEY") and "api_key" not in (overrides or {}):
+            data["api_key"] = env["PDSERVE_API_KEY"]
+        data.update(overrides or {})
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise PdserveError(_one_line(e)) from None
+
+    def worker_config(self, model_dir: str, device: str) -> WorkerConfig:
+        return WorkerConfig(
+            model_dir=model_dir, dtype=self.dtype, device=device, attention_backend=self.attention_backend,
+            block_size=self.block_size, num_blocks=self.num_blocks, kv_memory_fraction=self.kv_memory_fraction,
+            cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
+            max_prefill_tokens=self.max_prefill_tokens, max_model_len=self.max_model_len,
+            graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,
+            compile_decode=self.compile_decode, seed=self.seed,
+        )
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise PdserveError(f"config file {p} does not exist") from None
+    except yaml.YAMLError as e:
+        raise PdserveError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PdserveError(f"config file {p} must hold a mapping of settings, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _one_line(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        parts.append(f"{loc}: {err['msg']}")
+    return "invalid configuration: " + "; ".join(parts)
+
+
+# -- flags ------------------------------------------------------------------------------------------
+_FLAGLESS = {"model"}  # the positional MODEL_DIR
+
+
+def _flag_type(annotation) -> tuple[Any, dict]:
+    """argparse kwargs for a field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if annotation is bool:
+        return None, {"action": argparse.BooleanOptionalAction}
+    if origin is Literal:
+        return None, {"choices": list(typing.get_args(annotation))}
+    if origin in (typing.Union, types.UnionType):  # e.g. str | tuple[int, ...]: the validator parses text
+        return None, {"type": str}
+    if annotation in (int, float, str):
+        return None, {"type": annotation}
+    return None, {"type": str}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ClusterConfig field; defaults are suppressed so only given flags override."""
+    for name, field in ClusterConfig.model_fields.items():
+        if name in _FLAGLESS:
+            continue
+        _, kwargs = _flag_type(field.annotation)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
+                            help=(field.description or "") + f" (default: {field.default!r})", **kwargs)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    d = {k: v for k, v in vars(args).items() if k in ClusterConfig.model_fields}
+    if getattr(args, "model_dir", None):
+        d["model"] = args.model_dir
+    return d

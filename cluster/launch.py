@@ -1,0 +1,358 @@
+"""`pdserve serve`: starts (or joins) Ray, places the workers, forms the KV transfer group, and runs
+the router and the OpenAI-compatible gateway.
+
+Start-up order matters: the gateway's token-stream socket is bound first (decode workers are
+created with its address), then the actors are placed and load the model, then the transport group
+is formed, and only then does the HTTP server start accepting, so /ready never lies.
+
+The gateway and router run in this (the launcher's) process, on uvicorn's event loop, not in a Ray
+actor: the token stream is received on the same loop that writes the HTTP responses (no extra hop,
+no Ray call per token), the process that owns the workers also owns the port (Ctrl-C / SIGTERM here
+stop everything in order, nothing is orphaned), and the gateway needs no GPU. Scaling the HTTP side
+out (several gateways) is a matter of running more launchers' gateways against the same actors;
+it is not needed at the rates one decode fleet produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cluster.config import ClusterConfig, add_config_flags, overrides_from_args
+from cluster.errors import PdserveError
+
+log = logging.getLogger("pdserve.launch")
+
+# (prefill handles by id, decode handles by id, cluster config) -> None; forms the KV transport group.
+TransportFormer = Callable[[dict[str, Any], dict[str, Any], ClusterConfig], None]
+
+
+def add_serve_command(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (prefill/decode on Ray)",
+                       description=__doc__.split("\n\n")[0])
+    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory (default: the demo model)")
+    s.add_argument("--config", default=None, help="YAML file with any of the settings below (flags win)")
+    add_config_flags(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    cfg = ClusterConfig.load(args.config, overrides_from_args(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ServingCluster(cfg).serve_forever()
+
+
+def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig) -> None:
+    """Connects every prefill worker to every decode worker for KV transfers.
+
+    Integration point with cluster/transport/factory.py (the transport engineer's): the factory
+    defines the group (ranks, rendezvous address, TransportSpec per worker); each actor then gets
+    `init_transport(spec)`, all at once, since forming the group is a collective.
+    """
+    if not prefill:
+        return  # every prompt is prefilled on its decode worker: no transfers at all
+    try:
+        from cluster.transport import factory
+    except ImportError:
+        raise PdserveError("no KV transport is available (cluster/transport/factory.py is missing); "
+                           "run with --prefill-workers 0 to prefill on the decode workers") from None
+    import ray
+
+    specs = factory.build_transport_specs(list(prefill), list(decode), backend=cfg.kv_transport)
+    handles = {**prefill, **decode}
+    ray.get([handles[wid].init_transport.remote(spec) for wid, spec in specs.items()], timeout=cfg.ready_timeout_s)
+
+
+def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:
+    """1 GPU each when there are enough; an equal share (1/k of one GPU) when actors must share."""
+    if cfg.gpus_per_worker is not None:
+        return cfg.gpus_per_worker
+    if cfg.device == "cpu" or cluster_gpus < 1:
+        return 0.0
+    n = cfg.prefill_workers + cfg.decode_workers
+    if cluster_gpus >= n:
+        return 1.0
+    return 1.0 / math.ceil(n / int(cluster_gpus))
+
+
+@dataclass
+class _Workers:
+    prefill: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)
+    placement_group: Any = None
+
+
+class ServingCluster:
+    """The running service: Ray actors + router + gateway. `start()` then `serve_forever()` (the CLI)
+    or `start_in_thread()` (tests, notebooks); `shutdown()` undoes all of it."""
+
+    def __init__(self, cfg: ClusterConfig, *, prefill_actor_cls=None, decode_actor_cls=None,
+                 form_transport_group: TransportFormer = form_kv_transport_group):
+        self.cfg = cfg
+        self._prefill_cls = prefill_actor_cls
+        self._decode_cls = decode_actor_cls
+        self._form_transport_group = form_transport_group
+        self.workers = _Workers()
+        self.app = None
+        self.url: str | None = None
+        self._owns_ray = False
+        self._token_stream = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def start(self) -> "ServingCluster":
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def _start(self) -> None:
+        import ray
+
+        from cluster.model.config import ModelArchConfig
+        from cluster.tokenizer import load_tokenizer
+        from router.admission import AdmissionController, AdmissionLimits
+        from router.gateway import Gateway, GatewayConfig, build_app
+        from router.metrics import ServingMetrics
+        from router.placement import graph_bucket_sizes
+        from router.router import Router, RouterConfig, WorkerClient
+        from router.token_stream import TokenStreamReceiver
+
+        cfg = self.cfg
+        model_dir = self._model_dir()
+        arch = ModelArchConfig.from_dir(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else Path(model_dir).name)
+
+        self._init_ray()
+        stream_host = cfg.token_stream_host or ("127.0.0.1" if self._local_ray() else ray.util.get_node_ip_address())
+        self._token_stream = TokenStreamReceiver(stream_host)
+        self._place_workers(str(model_dir), self._token_stream.address)
+        self._form_transport_group(self.workers.prefill, self.workers.decode, cfg)
+
+        metrics = ServingMetrics(name)
+        admission = AdmissionController(AdmissionLimits(
+            max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
+            max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s))
+        router = Router(
+            [WorkerClient(wid, "prefill", h) for wid, h in self.workers.prefill.items()],
+            [WorkerClient(wid, "decode", h) for wid, h in self.workers.decode.items()],
+            self._token_stream, admission,
+            RouterConfig(
+                local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
+                call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
+                reserve_wait_s=cfg.reserve_wait_s, prefill_policy=cfg.prefill_policy,
+                decode_policy=cfg.decode_policy, max_num_seqs=cfg.max_num_seqs,
+                graph_buckets=graph_bucket_sizes(cfg.graph_buckets, cfg.max_num_seqs) if cfg.use_cuda_graph else (),
+            ),
+            metrics,
+        )
+        gw = Gateway(GatewayConfig(model_name=name, max_model_len=max_model_len, api_key=cfg.api_key,
+                                   max_body_bytes=cfg.max_body_bytes, token_timeout_s=cfg.token_timeout_s),
+                     tokenizer, router, self._token_stream, metrics)
+        self.gateway = gw
+        self.app = build_app(gw)
+
+    def _model_dir(self) -> Path:
+        if self.cfg.model is None:
+            from cluster.model.demo import ensure_demo_model
+
+            return ensure_demo_model()
+        p = Path(self.cfg.model).expanduser().resolve()
+        if not (p / "config.json").is_file():
+            raise PdserveError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return p
+
+    def _local_ray(self) -> bool:
+        return self.cfg.address is None
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return  # the caller's Ray (a test, a notebook): use it, and leave it running
+        n = self.cfg.prefill_workers + self.cfg.decode_workers
+        kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+        if self._local_ray():
+            kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(n * self.cfg.cpus_per_worker))
+        try:
+            ray.init(address=self.cfg.address, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise PdserveError(f"cannot start or join Ray at {self.cfg.address or 'a local instance'}: "
+                               f"{str(e).splitlines()[0]}") from None
+        self._owns_ray = True
+
+    def _actor_classes(self):
+        import ray
+
+        decode_cls, prefill_cls = self._decode_cls, self._prefill_cls
+        if decode_cls is None:
+            from decode_worker.actor import DecodeWorkerActor as decode_cls
+        if prefill_cls is None and self.cfg.prefill_workers:
+            from prefill_worker.actor import PrefillWorkerActor as prefill_cls
+
+        def remote(cls):
+            return cls if cls is None or hasattr(cls, "options") else ray.remote(cls)
+        return remote(prefill_cls), remote(decode_cls)
+
+    def _place_workers(self, model_dir: str, token_sink: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.cfg
+        prefill_cls, decode_cls = self._actor_classes()
+        gpus = gpus_per_actor(cfg, ray.cluster_resources().get("GPU", 0.0))
+        device = "cuda" if gpus > 0 and cfg.device != "cpu" else "cpu"
+        if cfg.device == "cuda" and gpus == 0:
+            raise PdserveError("device is cuda but the Ray cluster has no GPU")
+        wcfg = cfg.worker_config(model_dir, device)
+        roles = [("prefill", i) for i in range(cfg.prefill_workers)] + [("decode", i) for i in range(cfg.decode_workers)]
+        bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
+        # spreads them over nodes only when one node can't hold them.
+        pg = placement_group([dict(bundle) for _ in roles], strategy="PACK", name=f"pdserve-{os.getpid()}")
+        self.workers.placement_group = pg
+        try:
+            ray.get(pg.ready(), timeout=cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {bundle} each "
+                               f"(available: {ray.available_resources()})") from None
+        for k, (role, i) in enumerate(roles):
+            wid = f"{role}-{i}"
+            opts = dict(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=f"pdserve-{os.getpid()}-{wid}",
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k))
+            if role == "prefill":
+                self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)
+            else:
+                self.workers.decode[wid] = decode_cls.options(**opts).remote(wid, wcfg, token_sink)
+        handles = {**self.workers.prefill, **self.workers.decode}
+        log.info("waiting for %d workers to load %s on %s", len(handles), model_dir, device)
+        refs = {wid: h.stats.remote() for wid, h in handles.items()}
+        try:
+            ray.get(list(refs.values()), timeout=cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PdserveError(f"workers did not start within {cfg.ready_timeout_s:g}s") from None
+        except ray.exceptions.RayActorError as e:
+            cause = str(e).strip().splitlines()
+            raise PdserveError(f"a worker failed to start: {cause[-1] if cause else e}") from None
+
+    # -- serving ----------------------------------------------------------------------------------
+    def _uvicorn_server(self):
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+        return uvicorn.Server(config)
+
+    def _bound_url(self) -> str:
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        return f"http://{shown}:{port}"
+
+    async def _serve(self, announce: bool) -> None:
+        self._server = server = self._uvicorn_server()
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            self.url = self._bound_url()
+            if announce:
+                print(f"pdserve: serving {self.gateway.cfg.model_name} at {self.url}/v1 "
+                      f"({len(self.workers.prefill)} prefill, {len(self.workers.decode)} decode workers)", flush=True)
+        await task
+        if not server.started:
+            raise PdserveError(f"the HTTP server could not start on {self.cfg.host}:{self.cfg.port}")
+
+    def serve_forever(self) -> None:
+        """The CLI: blocks until Ctrl-C or SIGTERM, then shuts everything down."""
+        # uvicorn handles SIGINT/SIGTERM while it runs (graceful stop), then re-raises the signal
+        # into the previous handler: SIGTERM must become an exception here, not a silent exit that
+        # would orphan the actors.
+        def on_sigterm(signum, frame):
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            self.start()
+            asyncio.run(self._serve(announce=True))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.shutdown()
+            signal.signal(signal.SIGTERM, previous)
+
+    def start_in_thread(self, timeout_s: float = 60.0) -> str:
+        """Serves from a background thread; returns the base URL once the server accepts."""
+        if self.app is None:
+            self.start()
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                asyncio.run(self._serve(announce=False))
+            except BaseException as e:  # noqa: BLE001 (reported to the caller below)
+                errors.append(e)
+        self._thread = threading.Thread(target=run, name="pdserve-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while self.url is None:
+            if errors or not self._thread.is_alive():
+                self.shutdown()
+                raise PdserveError(f"the gateway did not start: {errors[0] if errors else 'thread exited'}")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise PdserveError("the gateway did not start in time")
+            time.sleep(0.02)
+        return self.url
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+        try:
+            import ray
+        except ImportError:  # pragma: no cover
+            return
+        if ray.is_initialized():
+            handles = [*self.workers.prefill.values(), *self.workers.decode.values()]
+            refs = [h.shutdown.remote() for h in handles]
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=10)
+            except Exception:
+                pass
+            for h in handles:
+                try:
+                    ray.kill(h)
+                except Exception:
+                    pass
+            if self.workers.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                try:
+                    remove_placement_group(self.workers.placement_group)
+                except Exception:
+                    pass
+            if self._owns_ray:
+                ray.shutdown()
+        if self._token_stream is not None:
+            self._token_stream.close()
+        print("pdserve: stopped", file=sys.stderr, flush=True)

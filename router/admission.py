@@ -1,0 +1,114 @@
+"""AdmissionController: whether a request may enter the cluster now.
+
+Rules, in order:
+1. 400 when the request can never run: prompt + max_tokens beyond the model's context, or more KV
+   blocks than the largest decode worker has in all.
+2. 503 when no decode worker is healthy.
+3. 429 (with Retry-After) when the router already holds `max_waiting_requests` requests that have
+   no first token yet, when admitting would exceed `max_inflight_tokens` (prompt + max_tokens of
+   every admitted, unfinished request), or when no healthy decode worker has room for the prompt
+   (plus the first decode slot) right now.
+
+An admitted request holds a ticket until the gateway releases it (finished, failed or aborted), so
+the counters can't leak; `mark_running` moves it from waiting to running at its first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.errors import CapacityError, InvalidRequestError, PdserveError
+from router.placement import WorkerView
+
+
+class OverloadedError(CapacityError):
+    """HTTP 429: try again later (after `retry_after_s`)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NoHealthyWorkerError(PdserveError):
+    """HTTP 503: no worker can serve the request at all."""
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_model_len: int
+    block_size: int
+    max_waiting_requests: int = 256
+    max_inflight_tokens: int = 1 << 20
+    retry_after_s: int = 1
+
+
+@dataclass
+class _Ticket:
+    tokens: int
+    waiting: bool = True
+
+
+class AdmissionController:
+    def __init__(self, limits: AdmissionLimits):
+        self.limits = limits
+        self._tickets: dict[str, _Ticket] = {}
+        self.num_waiting = 0
+        self.inflight_tokens = 0
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self._tickets)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.limits.block_size)
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """Request-only checks (no cluster state): 400 when it can never run."""
+        n = self.limits.max_model_len
+        if prompt_len + max_tokens > n:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {n} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+
+    def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView]) -> None:
+        self.check_request(prompt_len, max_tokens)
+        if request_id in self._tickets:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        healthy = [v for v in decode_views if v.healthy]
+        if not healthy:
+            raise NoHealthyWorkerError("no healthy decode worker is available")
+        largest = max(v.total_blocks for v in healthy)
+        if self.blocks_for(prompt_len + max_tokens) > largest:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) does not fit in the KV cache of "
+                f"any decode worker ({largest * self.limits.block_size} tokens)", "max_tokens")
+        lim = self.limits
+        if self.num_waiting >= lim.max_waiting_requests:
+            raise OverloadedError(f"too many waiting requests ({self.num_waiting}); retry later", lim.retry_after_s)
+        tokens = prompt_len + max_tokens
+        if self.inflight_tokens and self.inflight_tokens + tokens > lim.max_inflight_tokens:
+            raise OverloadedError(
+                f"too many tokens in flight ({self.inflight_tokens} + {tokens} > {lim.max_inflight_tokens}); "
+                "retry later", lim.retry_after_s)
+        need = self.blocks_for(prompt_len + 1)
+        if not any(v.free_blocks >= need for v in healthy):
+            raise OverloadedError(f"no decode worker has {need} free KV blocks for this prompt; retry later",
+                                  lim.retry_after_s)
+        self._tickets[request_id] = _Ticket(tokens)
+        self.num_waiting += 1
+        self.inflight_tokens += tokens
+
+    def mark_running(self, request_id: str) -> None:
+        t = self._tickets.get(request_id)
+        if t is not None and t.waiting:
+            t.waiting = False
+            self.num_waiting -= 1
+
+    def release(self, request_id: str) -> None:
+        t = self._tickets.pop(request_id, None)
+        if t is None:
+            return
+        if t.waiting:
+            self.num_waiting -= 1
+        self.inflight_tokens -= t.tokens

@@ -1,0 +1,218 @@
+"""OpenAI-compatible request and response bodies (the HTTP edge of the gateway).
+
+Requests are validated strictly: a wrong JSON type is a 400, never a silent coercion ("5" is not an
+integer). Fields we accept but do not implement (logprobs, echo, n > 1, penalties) are rejected with a
+400 naming the parameter, rather than ignored, so a client never gets an answer it did not ask for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.errors import InvalidRequestError
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 disables
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    seed: int | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    def check_unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequestError("only n=1 is supported", "n")
+        if self.logprobs not in (None, False):
+            raise InvalidRequestError("logprobs are not supported", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise InvalidRequestError(f"{name} is not supported (only 0)", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, a list of token ids, or a one-element batch of either (batched prompts: 400).
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported", "echo")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("only best_of=1 is supported", "best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidRequestError("batched prompts are not supported; send one prompt per request", "prompt")
+            return p[0]
+        return p
+
+
+class TextContentPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer spelling of max_tokens
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ------------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, message: str, type: str, param: str | None = None, code: str | int | None = None) -> "ErrorResponse":
+        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code))

@@ -1,0 +1,183 @@
+"""Placement: which prefill worker computes a prompt and which decode worker generates from it.
+
+Policies are small classes behind two registries, so a deployment picks them by name in its
+config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded`). They rank the
+router's `WorkerView`s (polled `WorkerStats` plus what the router itself placed since the poll);
+the router walks the ranking and falls back to the next worker when one refuses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar
+
+from cluster.messages import GenerateRequest, WorkerStats
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def deco(cls: type[T]) -> type[T]:
+            if name in self._items:
+                raise ValueError(f"{self.kind} policy {name!r} is already registered")
+            self._items[name] = cls
+            return cls
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def create(self, name: str, **kwargs) -> T:
+        if name not in self._items:
+            raise ValueError(f"unknown {self.kind} policy {name!r}; choose from {self.names()}")
+        return self._items[name](**kwargs)
+
+
+@dataclass
+class WorkerView:
+    """The router's picture of one worker: the last polled stats, plus optimistic local updates for
+    what the router placed since (so a burst between two polls doesn't all land on one worker).
+    `pending_*` are reset by the next poll, whose stats already include those placements."""
+
+    worker_id: str
+    role: str
+    stats: WorkerStats
+    healthy: bool = False  # until the first successful poll
+    consecutive_failures: int = 0
+    pending_blocks: int = 0
+    pending_running: int = 0
+    pending_prefill_tokens: int = 0
+    inflight: set[str] = field(default_factory=set)  # request ids the router has placed here
+
+    @property
+    def total_blocks(self) -> int:
+        return self.stats.total_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.stats.free_blocks - self.pending_blocks)
+
+    @property
+    def running(self) -> int:
+        return self.stats.running + self.stats.waiting + self.pending_running
+
+    @property
+    def outstanding_prefill_tokens(self) -> int:
+        return self.stats.outstanding_prefill_tokens + self.pending_prefill_tokens
+
+    def update(self, stats: WorkerStats) -> None:
+        self.stats = stats
+        self.healthy = stats.healthy
+        self.consecutive_failures = 0
+        self.pending_blocks = self.pending_running = self.pending_prefill_tokens = 0
+
+
+def graph_bucket_sizes(spec: str | tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes a worker captures graphs for (same spellings as WorkerConfig)."""
+    if isinstance(spec, str):
+        if spec == "vllm":
+            sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max(max_num_seqs, 256) + 1, 16))
+        elif spec == "pow2":
+            sizes = [1 << i for i in range(max(1, max_num_seqs).bit_length() + 1)]
+        else:
+            raise ValueError(f"graph_buckets must be 'vllm', 'pow2' or a list of sizes, got {spec!r}")
+    else:
+        sizes = list(spec)
+    out = sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+    return tuple(out)
+
+
+def padding_waste(batch_size: int, buckets: tuple[int, ...]) -> float:
+    """Fraction of a replayed graph spent on padded rows at this batch size (0 when it fits exactly
+    or when the batch is beyond the largest bucket and runs eagerly)."""
+    if batch_size <= 0 or not buckets:
+        return 0.0
+    i = bisect.bisect_left(buckets, batch_size)
+    if i == len(buckets):
+        return 0.0
+    return (buckets[i] - batch_size) / buckets[i]
+
+
+# -- prefill ---------------------------------------------------------------------------------------
+class PrefillPolicy(ABC):
+    @abstractmethod
+    def rank(self, views: list[WorkerView], request: GenerateRequest) -> list[WorkerView]:
+        """Healthy prefill workers, best first."""
+
+
+PREFILL_POLICIES: Registry[PrefillPolicy] = Registry("prefill")
+
+
+@PREFILL_POLICIES.register("least_outstanding_tokens")
+class LeastOutstandingTokens(PrefillPolicy):
+    """Fewest prompt tokens queued or running: prefill time grows with tokens, not with requests."""
+
+    def rank(self, views, request):
+        healthy = [v for v in views if v.healthy]
+        return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens, v.worker_id))
+
+
+@PREFILL_POLICIES.register("round_robin")
+class PrefillRoundRobin(PrefillPolicy):
+    def __init__(self):
+        self._next = itertools.count()
+
+    def rank(self, views, request):
+        healthy = sorted((v for v in views if v.healthy), key=lambda v: v.worker_id)
+        if not healthy:
+            return []
+        k = next(self._next) % len(healthy)
+        return healthy[k:] + healthy[:k]
+
+
+# -- decode ----------------------------------------------------------------------------------------
+class DecodePolicy(ABC):
+    @abstractmethod
+    def rank(self, views: list[WorkerView], request: GenerateRequest, blocks_needed: int) -> list[WorkerView]:
+        """Healthy decode workers with room for `blocks_needed` blocks, best first."""
+
+
+DECODE_POLICIES: Registry[DecodePolicy] = Registry("decode")
+
+
+@DECODE_POLICIES.register("least_loaded")
+class LeastLoadedDecode(DecodePolicy):
+    """Load = the larger of KV usage and batch occupancy after placing the request, in coarse steps
+    (`load_quantum`), so that near-equal workers tie; the tie goes to the worker whose new batch
+    size pads least to its next graph bucket, then to more free blocks."""
+
+    def __init__(self, buckets: tuple[int, ...] = (), max_num_seqs: int = 128, load_quantum: float = 0.05):
+        self.buckets = buckets
+        self.max_num_seqs = max(1, max_num_seqs)
+        self.load_quantum = load_quantum
+
+    def _key(self, v: WorkerView, blocks_needed: int):
+        kv_after = 1.0 - (v.free_blocks - blocks_needed) / max(1, v.total_blocks)
+        batch_after = v.running + 1
+        load = max(kv_after, batch_after / self.max_num_seqs)
+        return (int(load / self.load_quantum), padding_waste(batch_after, self.buckets), -v.free_blocks, v.worker_id)
+
+    def rank(self, views, request, blocks_needed):
+        fits = [v for v in views if v.healthy and v.free_blocks >= blocks_needed]
+        return sorted(fits, key=lambda v: self._key(v, blocks_needed))
+
+
+@DECODE_POLICIES.register("round_robin")
+class DecodeRoundRobin(DecodePolicy):
+    def __init__(self, **_):
+        self._next = itertools.count()
+
+    def rank(self, views, request, blocks_needed):
+        fits = sorted((v for v in views if v.healthy and v.free_blocks >= blocks_needed), key=lambda v: v.worker_id)
+        if not fits:
+            return []
+        k = next(self._next) % len(fits)
+        return fits[k:] + fits[:k]

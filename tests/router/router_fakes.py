@@ -1,0 +1,231 @@
+"""Test doubles of the prefill and decode workers, with the real actors' APIs.
+
+`FakeDecodeWorker` runs `cluster.engine.LLMEngine` on its own thread and PUSHes one msgpack
+TokenBatch per engine step to the gateway over a real ZMQ socket, exactly like the real decode
+worker; its greedy outputs are the reference engine's by construction. Reservations hold KV blocks
+until the (fake) prefill worker reports the transfer, so admission, placement and abort-frees-blocks
+are exercised against real block accounting. `FakePrefillWorker` waits `prefill_delay_s`, then tells
+its decode worker that the KV landed (the decode engine recomputes the prompt itself).
+
+They work as Ray actors (the launcher wraps them with ray.remote) and as plain objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import replace
+
+import msgpack
+
+from cluster.engine import LLMEngine
+from cluster.messages import (GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenBatch,
+                              TokenDelta, WorkerStats)
+from cluster.sequence import SequenceStatus
+from cluster.worker_config import WorkerConfig
+
+
+class FakeDecodeWorker:
+    def __init__(self, worker_id: str, cfg: WorkerConfig, token_sink: str | None, step_delay_s: float = 0.0):
+        self.worker_id = worker_id
+        self.engine = LLMEngine(cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks or cfg.cpu_num_blocks,
+                                max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
+        self.step_delay_s = step_delay_s
+        self.token_sink = token_sink
+        self.sent: list[TokenBatch] = []  # without a sink (unit tests)
+        self._lock = threading.Lock()
+        self._reserved: dict[str, tuple[GenerateRequest, int]] = {}
+        self._tracked: dict[str, tuple[object, int]] = {}  # request id -> (Sequence, tokens emitted)
+        self._seq = itertools.count()
+        self._transfer_seq: dict[str, itertools.count] = {}
+        self._steps = itertools.count()
+        self._stop = threading.Event()
+        self.reserve_calls = 0
+        self.local_submits = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    # -- the actor API ------------------------------------------------------------------------------
+    def _blocks(self, req: GenerateRequest) -> int:
+        return self.engine.spec.blocks_for_tokens(len(req.prompt_token_ids) + 1)
+
+    def _free_locked(self) -> int:
+        pending = sum(n for _, n in self._reserved.values())
+        pending += sum(self.engine.spec.blocks_for_tokens(s.num_tokens + 1) for s in self.engine.waiting if not s.block_table)
+        return self.engine.allocator.num_free - pending
+
+    def reserve(self, rr: ReserveRequest) -> Reservation | None:
+        with self._lock:
+            self.reserve_calls += 1
+            need = self._blocks(rr.request)
+            if self._free_locked() < need:
+                return None
+            self._reserved[rr.request.request_id] = (rr.request, need)
+            seq = next(self._transfer_seq.setdefault(rr.prefill_worker_id, itertools.count()))
+            return Reservation(rr.request.request_id, self.worker_id, tuple(range(1, need + 1)), seq)
+
+    def kv_arrived(self, request_id: str, ok: bool) -> None:
+        with self._lock:
+            entry = self._reserved.pop(request_id, None)
+            if entry is not None and ok:
+                self._add_locked(entry[0])
+
+    def submit_local(self, req: GenerateRequest) -> bool:
+        with self._lock:
+            if self._free_locked() < self._blocks(req):
+                return False
+            self.local_submits += 1
+            self._add_locked(req)
+            return True
+
+    def _add_locked(self, req: GenerateRequest) -> None:
+        params = replace(req.params, seed=req.seed, stop=())
+        seq = self.engine.add_request(list(req.prompt_token_ids), params, request_id=req.request_id)
+        self._tracked[req.request_id] = (seq, 0)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._reserved.pop(request_id, None)
+            entry = self._tracked.pop(request_id, None)
+            if entry is None:
+                return
+            seq = entry[0]
+            e = self.engine
+            if seq in e.waiting:
+                e.waiting.remove(seq)
+            if seq in e.running:
+                e.running.remove(seq)
+            if seq.block_table:
+                e.allocator.free(seq.block_table)
+                seq.block_table = []
+            seq.status = SequenceStatus.FINISHED
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            e = self.engine
+            return WorkerStats(self.worker_id, "decode", True, free_blocks=max(0, self._free_locked()),
+                               total_blocks=e.allocator.capacity, running=len(e.running),
+                               waiting=len(e.waiting) + len(self._reserved))
+
+    def step_metrics(self) -> dict:
+        return {}
+
+    def init_transport(self, spec) -> None:
+        pass
+
+    def set_step_delay(self, seconds: float) -> None:
+        self.step_delay_s = seconds
+
+    def counters(self) -> dict:
+        return {"reserve_calls": self.reserve_calls, "local_submits": self.local_submits}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # -- the decode loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sock = None
+        if self.token_sink is not None:
+            import zmq
+
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.token_sink)
+        while not self._stop.is_set():
+            with self._lock:
+                if not self.engine.has_work():
+                    batch = None
+                else:
+                    t0 = time.perf_counter()
+                    finished = set(id(s) for s in self.engine.step())
+                    batch = TokenBatch(self.worker_id, next(self._steps), self._deltas_locked(finished),
+                                       time.perf_counter() - t0, len(self.engine.running), 0)
+            if batch is None:
+                time.sleep(0.002)
+                continue
+            if batch.deltas:
+                if sock is not None:
+                    sock.send(msgpack.packb(batch.to_wire(), use_bin_type=True))
+                else:
+                    self.sent.append(batch)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _deltas_locked(self, finished: set[int]) -> tuple[TokenDelta, ...]:
+        deltas = []
+        for rid, (seq, emitted) in list(self._tracked.items()):
+            new = tuple(seq.output_token_ids[emitted:])
+            done = id(seq) in finished
+            if new or done:
+                deltas.append(TokenDelta(rid, new, seq.finish_reason if done else None))
+                self._tracked[rid] = (seq, emitted + len(new))
+            if done:
+                del self._tracked[rid]
+        return tuple(deltas)
+
+
+class FakePrefillWorker:
+    """Prefill double: after `prefill_delay_s`, tells the reserving decode worker the KV landed."""
+
+    def __init__(self, worker_id: str, cfg: WorkerConfig, prefill_delay_s: float = 0.01):
+        self.worker_id = worker_id
+        self.prefill_delay_s = prefill_delay_s
+        self.decode: dict = {}
+        self._aborted: set[str] = set()
+        self._outstanding: dict[str, int] = {}
+        self.submitted = 0
+
+    def init_transport(self, spec: dict) -> None:
+        self.decode = spec["decode"]
+
+    async def _notify(self, decode_id: str, request_id: str, ok: bool) -> None:
+        fn = self.decode[decode_id].kv_arrived
+        if hasattr(fn, "remote"):
+            await fn.remote(request_id, ok)
+        else:
+            fn(request_id, ok)
+
+    async def submit(self, task: PrefillTask) -> PrefillResult:
+        rid = task.request.request_id
+        self.submitted += 1
+        self._outstanding[rid] = len(task.request.prompt_token_ids)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.sleep(self.prefill_delay_s)
+            t1 = time.perf_counter()
+            ok = rid not in self._aborted
+            await self._notify(task.reservation.decode_worker_id, rid, ok)
+            t2 = time.perf_counter()
+        finally:
+            self._outstanding.pop(rid, None)
+            self._aborted.discard(rid)
+        if not ok:
+            return PrefillResult(rid, -1, 0.0, t1 - t0, 0.0, 0, ok=False, error="aborted")
+        nbytes = len(task.reservation.block_ids) * 4096
+        return PrefillResult(rid, -1, 0.0, t1 - t0, t2 - t1, nbytes)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._outstanding:
+            self._aborted.add(request_id)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "prefill", True, waiting=len(self._outstanding),
+                           outstanding_prefill_tokens=sum(self._outstanding.values()))
+
+    def counters(self) -> dict:
+        return {"submitted": self.submitted}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def fake_transport_group(prefill: dict, decode: dict, cfg) -> None:
+    """The launcher's transport-forming hook for the fakes: prefill workers learn the decode handles."""
+    import ray
+
+    ray.get([h.init_transport.remote({"decode": decode}) for h in prefill.values()])
