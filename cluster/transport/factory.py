@@ -1,0 +1,66 @@
+"""How a worker gets its KV transport: one frozen TransportSpec for the whole cluster, one call.
+
+    spec = TransportSpec("torch_dist", store_host=internal_ip, store_port=store.port)  # launcher
+    transport = create_transport(spec, runner.kv_cache, worker_id, role="prefill")    # each worker
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cluster.transport.base import KVTransport
+
+KINDS = ("torch_dist", "same_gpu", "local")
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    kind: str  # "torch_dist" | "same_gpu" (CUDA IPC; on CPU the in-process "local" pool) | "local" (= same_gpu)
+    store_host: str = ""  # the TCPStore on the cluster's internal address; "" = in-process HashStore (tests)
+    store_port: int = 0
+    backend: str = "gloo"  # torch_dist payload: "gloo" (CPU caches, or host-staged from GPU) | "nccl"
+    bind_host: str = ""  # address gloo binds to; "" = this host's address on the route to store_host
+    namespace: str = "pdserve"  # store key prefix; distinct per launch so stale keys never match
+    expect_timeout_s: float = 120.0  # decode: longest wait for a reserved transfer's header (queue + prefill)
+    transfer_timeout_s: float = 30.0  # either side: longest payload phase once the transfer is claimed
+    peer_timeout_s: float = 10.0  # a peer whose heartbeat stalls this long is dead
+    heartbeat_s: float = 0.5
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown KV transport kind {self.kind!r}; choose one of {KINDS}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.store_host in ("0.0.0.0", "::"):
+            raise ValueError("store_host must be the cluster's internal address, not a wildcard")
+        if min(self.expect_timeout_s, self.transfer_timeout_s, self.peer_timeout_s, self.heartbeat_s) <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+_HASH_STORES: dict[str, dist.HashStore] = {}
+
+
+def store_factory(spec: TransportSpec):
+    """A zero-argument function returning a store client (one per thread: clients are not shared)."""
+    if not spec.store_host:
+        store = _HASH_STORES.setdefault(spec.namespace, dist.HashStore())
+        return lambda: store
+    timeout = datetime.timedelta(seconds=max(spec.transfer_timeout_s, 30.0))
+    return lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, wait_for_workers=False,
+                                 timeout=timeout, use_libuv=True)
+
+
+def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str) -> KVTransport:
+    """role: "prefill" | "decode". Returns at once: pairs connect lazily at their first transfer."""
+    factory = store_factory(spec)
+    if spec.kind == "torch_dist":
+        from cluster.transport.torch_dist import TorchDistTransport
+
+        return TorchDistTransport(spec, kv_cache, worker_id, role, factory)
+    from cluster.transport.same_gpu import SameGPUTransport
+
+    return SameGPUTransport(spec, kv_cache, worker_id, role, factory)

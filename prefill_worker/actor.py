@@ -1,0 +1,49 @@
+"""PrefillWorkerActor: the Ray face of PrefillWorker. The launcher makes it an actor:
+
+    Actor = ray.remote(num_gpus=1)(PrefillWorkerActor)      # an async actor: many submits in flight
+    w = Actor.remote("prefill-0", cfg)
+    ray.get([w.init_transport.remote(spec) for w in all_workers])
+    result = await w.submit.remote(task)                      # -> PrefillResult
+
+Only small typed messages cross Ray; the KV goes through the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.messages import PrefillResult, PrefillTask, WorkerStats
+from cluster.transport.factory import TransportSpec, create_transport
+from cluster.worker_config import WorkerConfig
+from prefill_worker.prefill_worker import PrefillWorker
+
+
+class PrefillWorkerActor:
+    def __init__(self, worker_id: str, cfg: WorkerConfig):
+        self.worker = PrefillWorker(worker_id, cfg).start()
+
+    def init_transport(self, spec: TransportSpec) -> None:
+        """Connects to the cluster's store; returns at once (pairs form at their first transfer)."""
+        old = self.worker.transport
+        self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
+                                  send_timeout_s=spec.transfer_timeout_s)
+        if old is not None:
+            old.close()
+
+    async def submit(self, task: PrefillTask) -> PrefillResult:
+        return await asyncio.wrap_future(self.worker.submit(task))
+
+    def abort(self, request_id: str) -> bool:
+        return self.worker.abort(request_id)
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    def transfer_metrics(self) -> dict:
+        t = self.worker.transport
+        return t.metrics() if t is not None and hasattr(t, "metrics") else {}
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        if self.worker.transport is not None:
+            self.worker.transport.close()

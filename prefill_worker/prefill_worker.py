@@ -1,0 +1,259 @@
+"""PrefillWorker: batches waiting prompts into packed variable-length prefills, samples each prompt's
+first token and ships its KV to the decode worker that reserved blocks for it. No Ray here (actor.py).
+
+One loop thread computes; each finished prompt's transfer runs on its own short-lived thread, so the
+next batch's forward overlaps the previous batch's transfers. A prompt's blocks go back to this
+worker's pool only when `send` returned: the decode side has the KV (or the transfer failed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.block_allocator import BlockAllocator
+from cluster.kv_cache import KVCacheSpec, blocks_that_fit
+from cluster.messages import KVHeader, PrefillResult, PrefillTask, WorkerStats
+from cluster.model.config import ModelArchConfig
+from cluster.model.loader import load_model, resolve_dtype
+from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.sampler import SamplingTensors, sample
+from cluster.transport.base import KVTransport
+from cluster.worker_config import WorkerConfig
+
+
+@dataclass
+class _Job:
+    task: PrefillTask
+    future: Future
+    submitted: float
+    started: float = 0.0
+    done_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+    @property
+    def prompt(self):
+        return self.task.request.prompt_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, cfg: WorkerConfig, transport: KVTransport | None = None,
+                 send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None):
+        self.worker_id = worker_id
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.arch = arch or ModelArchConfig.from_dir(cfg.model_dir)
+        dtype = resolve_dtype(cfg.dtype or self.arch.dtype)
+        self.model = model or load_model(cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
+                                         attention_backend=cfg.attention_backend)
+        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, self._num_blocks(dtype), dtype)
+        self.runner = ModelRunner(self.model, self.spec, self.device)
+        self.allocator = BlockAllocator(self.spec.num_blocks)
+        self.transport = transport
+        self.send_timeout_s = send_timeout_s
+        self.max_prefill_tokens = cfg.max_prefill_tokens
+        self._waiting: deque[_Job] = deque()
+        self._jobs: dict[str, _Job] = {}
+        self._sending = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        if self.cfg.num_blocks is not None:
+            return self.cfg.num_blocks
+        if self.device.type != "cuda":
+            return self.cfg.cpu_num_blocks
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return blocks_that_fit(self.arch, self.cfg.block_size, dtype, int(free * self.cfg.kv_memory_fraction))
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    # -- API ------------------------------------------------------------------------------------
+    def start(self) -> "PrefillWorker":
+        self._thread = threading.Thread(target=self._loop, name=f"prefill-{self.worker_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, task: PrefillTask) -> Future:
+        """Queues a prompt; the future resolves to a PrefillResult once the decode side has the KV
+        (ok=False with `error` if the prefill, the transfer or an abort stopped it)."""
+        fut: Future = Future()
+        n = len(task.request.prompt_token_ids)
+        if n == 0 or self.spec.blocks_for_tokens(n) > self.allocator.capacity:
+            fut.set_result(self._failed(task, 0.0, f"prompt of {n} tokens does not fit this prefill worker"))
+            self._spawn_abort(task)
+            return fut
+        job = _Job(task, fut, time.perf_counter())
+        with self._cv:
+            self._jobs[job.request_id] = job
+            self._waiting.append(job)
+            self._cv.notify()
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        """A queued or computing prompt stops; its decode worker is told (header ok=False). A prompt
+        whose KV is already being sent finishes the transfer. Returns whether anything was aborted."""
+        with self._cv:
+            job = self._jobs.get(request_id)
+            if job is None or job.aborted:
+                return False
+            job.aborted = True
+            if job.done_tokens == 0 and not job.blocks and job in self._waiting:
+                self._waiting.remove(job)
+                self._finish_aborted(job)
+            return True
+
+    def set_transport(self, transport: KVTransport, send_timeout_s: float | None = None) -> None:
+        self.transport = transport
+        if send_timeout_s is not None:
+            self.send_timeout_s = send_timeout_s
+
+    def stats(self) -> WorkerStats:
+        with self._cv:
+            outstanding = sum(len(j.prompt) - j.done_tokens for j in self._waiting)
+            extra = {"sending": self._sending}
+        if self.transport is not None and hasattr(self.transport, "metrics"):
+            m = self.transport.metrics()
+            extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
+        return WorkerStats(self.worker_id, "prefill", healthy=not self._stop, free_blocks=self.allocator.num_free,
+                           total_blocks=self.allocator.capacity, running=extra["sending"],
+                           waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting:
+                    self._cv.wait()
+                if self._stop:
+                    return
+            if not self.step():
+                with self._cv:  # blocks held by transfers in flight: wait for one to finish
+                    self._cv.wait(timeout=0.01)
+
+    def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
+        budget, chunks = self.max_prefill_tokens, []
+        with self._cv:
+            for job in list(self._waiting):
+                if budget == 0:
+                    break
+                if not job.blocks:
+                    need = self.spec.blocks_for_tokens(len(job.prompt))
+                    if not self.allocator.can_allocate(need):
+                        break
+                    job.blocks = self.allocator.allocate(need)
+                    job.started = time.perf_counter()
+                n = min(len(job.prompt) - job.done_tokens, budget)
+                toks = job.prompt[job.done_tokens:job.done_tokens + n]
+                chunks.append((job, PrefillChunk(toks, job.done_tokens, job.blocks)))
+                budget -= n
+                if job.done_tokens + n < len(job.prompt):
+                    break  # a partially prefilled prompt goes first next step (FCFS)
+        return chunks
+
+    def step(self) -> bool:
+        """One packed forward over the scheduled chunks; False if nothing could be scheduled."""
+        chunks = self._schedule()
+        if not chunks:
+            return False
+        try:
+            logits = self.runner.prefill([c for _, c in chunks])
+            done = []
+            for i, (job, c) in enumerate(chunks):
+                job.done_tokens += len(c.token_ids)
+                if job.done_tokens == len(job.prompt):
+                    done.append((i, job))
+            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []  # syncs: KV is complete
+        except Exception as e:  # fail this batch, keep serving
+            with self._cv:
+                for job, _ in chunks:
+                    if job in self._waiting:
+                        self._waiting.remove(job)
+                    self._release(job)
+            for job, _ in chunks:
+                job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
+                self._spawn_abort(job.task)
+            return True
+        with self._cv:
+            for (_, job), tok in zip(done, tokens):
+                self._waiting.remove(job)
+                if job.aborted:
+                    self._finish_aborted(job)
+                    continue
+                self._sending += 1
+                threading.Thread(target=self._send, args=(job, tok, time.perf_counter()), daemon=True).start()
+        return True
+
+    def _sample(self, logits: torch.Tensor, jobs: list[_Job]) -> list[int]:
+        """The first token sits at position len(prompt): the same noise the engine would draw."""
+        reqs = [j.task.request for j in jobs]
+        st = SamplingTensors.from_params([r.params for r in reqs], [r.seed for r in reqs], logits.device)
+        pos = torch.tensor([len(r.prompt_token_ids) for r in reqs], device=logits.device)
+        return sample(logits, st, pos, any(r.params.needs_top_k_top_p for r in reqs)).tolist()
+
+    # -- transfer and completion ----------------------------------------------------------------
+    def _send(self, job: _Job, first_token: int, prefill_done: float) -> None:
+        res = job.task.reservation
+        header = KVHeader(job.request_id, res.transfer_seq, len(job.prompt), first_token)
+        queue_s, prefill_s = job.started - job.submitted, prefill_done - job.started
+        try:
+            if self.transport is None:
+                raise RuntimeError("no KV transport (init_transport first)")
+            st = self.transport.send(res, header, job.blocks, self.send_timeout_s)
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, st.seconds, st.bytes)
+        except Exception as e:
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False,
+                                   error=f"{type(e).__name__}: {e}")
+        with self._cv:
+            self._release(job)  # only now: the decode side confirmed (or the transfer is over)
+            self._sending -= 1
+            self._cv.notify_all()
+        job.future.set_result(result)
+
+    def _release(self, job: _Job) -> None:
+        if job.blocks:
+            self.allocator.free(job.blocks)
+            job.blocks = []
+        self._jobs.pop(job.request_id, None)
+
+    def _finish_aborted(self, job: _Job) -> None:
+        """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
+        self._release(job)
+        job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, "aborted"))
+        self._spawn_abort(job.task)
+
+    def _failed(self, task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
+        return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)
+
+    def _spawn_abort(self, task: PrefillTask) -> None:
+        """The transfer_seq must still be filled (ok=False) so the decode side frees its blocks now."""
+        if self.transport is None:
+            return
+
+        def run():
+            try:
+                self.transport.send_abort(task.reservation, task.request.request_id, self.send_timeout_s)
+            except Exception:
+                pass  # the decode side's expect timeout covers a transport that cannot say it
+
+        threading.Thread(target=run, daemon=True).start()

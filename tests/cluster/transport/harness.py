@@ -1,0 +1,133 @@
+"""Test harness: a decode side built from ModelRunner.decode + the sampler (the real decode worker is
+elsewhere), and a prefill worker child process driven over multiprocessing queues (test plumbing only)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import time
+from collections import defaultdict
+
+import torch
+
+from cluster.block_allocator import BlockAllocator
+from cluster.kv_cache import KVCacheSpec
+from cluster.messages import GenerateRequest, PrefillTask, Reservation
+from cluster.model.config import ModelArchConfig
+from cluster.model.loader import load_model, resolve_dtype
+from cluster.model_runner import ModelRunner
+from cluster.sampler import SamplingTensors, sample
+from cluster.sampling_params import SamplingParams
+from cluster.transport.base import kv_cache_blocks
+from cluster.transport.factory import create_transport
+
+_ids = itertools.count()
+
+
+def request(prompt, max_tokens=8, temperature=0.0, seed=0, rid=None) -> GenerateRequest:
+    return GenerateRequest(rid or f"r{next(_ids)}", tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                           ignore_eos=True), seed, time.time())
+
+
+def block_checksum(kv_cache: torch.Tensor, block_ids) -> list[int]:
+    """Exact per-block fingerprint: the sum of the blocks' raw 32-bit words (as int64)."""
+    b = kv_cache_blocks(kv_cache, list(block_ids)).contiguous()
+    words = b.view(torch.int32).to(torch.int64)
+    return words.transpose(0, 2).reshape(len(block_ids), -1).sum(-1).tolist()
+
+
+class DecodeSide:
+    def __init__(self, worker_id, model_dir, spec, num_blocks=256, with_model=True):
+        self.worker_id = worker_id
+        self.arch = ModelArchConfig.from_dir(model_dir)
+        dtype = resolve_dtype(self.arch.dtype)
+        self.kvspec = KVCacheSpec.for_model(self.arch, 16, num_blocks, dtype)
+        self.kv_cache = self.kvspec.allocate("cpu")
+        self.runner = None
+        if with_model:
+            self.runner = ModelRunner(load_model(model_dir, device="cpu"), self.kvspec, "cpu", kv_cache=self.kv_cache)
+        self.allocator = BlockAllocator(num_blocks)
+        self.transport = create_transport(spec, self.kv_cache, worker_id, "decode")
+        self._seq = defaultdict(itertools.count)
+
+    def reserve(self, req: GenerateRequest, prefill_id: str, blocks=None) -> PrefillTask:
+        blocks = blocks or self.allocator.allocate(self.kvspec.blocks_for_tokens(len(req.prompt_token_ids) + 1))
+        res = Reservation(req.request_id, self.worker_id, tuple(blocks), next(self._seq[prefill_id]))
+        self.transport.expect(res, prefill_id)
+        return PrefillTask(req, res)
+
+    def wait_arrivals(self, n, timeout=30.0):
+        out, deadline = [], time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < deadline:
+            got = self.transport.poll_arrivals()
+            out += got
+            if not got:
+                time.sleep(0.002)
+        return out
+
+    def greedy_decode(self, req: GenerateRequest, blocks, first_token: int) -> list[int]:
+        """Decodes from the arrived KV exactly as the engine would after its prefill step."""
+        prompt, table, out = list(req.prompt_token_ids), list(blocks), [first_token]
+        while len(out) < req.params.max_tokens:
+            pos = len(prompt) + len(out) - 1
+            while len(table) * 16 <= pos:
+                table += self.allocator.allocate(1)
+            logits = self.runner.decode([out[-1]], [pos], [table])
+            st = SamplingTensors.from_params([req.params], [req.seed], "cpu")
+            out.append(sample(logits, st, torch.tensor([pos + 1]), False).tolist()[0])
+        extra = table[len(blocks):]
+        if extra:
+            self.allocator.free(extra)
+        return out
+
+
+def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
+    """Runs a PrefillWorker with a transport; tasks come on in_q as (task, abort_after_s | None)."""
+    torch.set_num_threads(1)
+    from cluster.worker_config import WorkerConfig
+    from prefill_worker.prefill_worker import PrefillWorker
+
+    cfg = WorkerConfig(model_dir=str(model_dir), num_blocks=opts.get("num_blocks", 256),
+                       max_prefill_tokens=opts.get("budget", 64))
+    w = PrefillWorker(worker_id, cfg)
+    t = create_transport(spec, w.kv_cache, worker_id, "prefill")
+    send, die_after, slow = t.send, opts.get("die_after_sends"), opts.get("slow", {})
+    sends = itertools.count(1)
+
+    def snooping_send(res, header, src, timeout_s):
+        # What the prefill computed, captured right before it ships (test only).
+        out_q.put(("kv", header.request_id, block_checksum(w.kv_cache, src), kv_cache_blocks(w.kv_cache, src).clone()
+                   if opts.get("ship_kv") else None))
+        if header.request_id in slow:
+            time.sleep(slow[header.request_id])
+        if die_after is not None and next(sends) > die_after:
+            os._exit(17)  # killed mid-stream: the claim never comes
+        return send(res, header, src, timeout_s)
+
+    t.send = snooping_send
+    w.set_transport(t, send_timeout_s=opts.get("send_timeout_s", 10.0))
+    w.start()
+    futs = []
+    while True:
+        try:
+            item = in_q.get(timeout=0.05)
+        except queue.Empty:
+            item = ()
+        if item is None:
+            break
+        if item:
+            task, abort_after = item
+            futs.append(w.submit(task))
+            if abort_after is not None:
+                time.sleep(abort_after)
+                w.abort(task.request.request_id)
+        for f in [f for f in futs if f.done()]:
+            futs.remove(f)
+            out_q.put(("result", f.result()))
+    for f in futs:
+        out_q.put(("result", f.result(timeout=60)))
+    out_q.put(("metrics", {k: v for k, v in t.metrics().items() if k != "recent"}))
+    w.shutdown()
+    t.close()
+    out_q.put(("done", worker_id))
