@@ -1,0 +1,414 @@
+"""Decode-step benchmark on one GPU: eager vs CUDA graphs vs Hugging Face generate.
+
+Random bf16 weights with the shapes of Llama-3.2-1B and Llama-3.1-8B (built on the GPU from a config,
+nothing downloaded), prompts of 512 tokens, batch sizes 1..256. Per (model, batch, mode) it records
+the median step time, tokens/s and the memory floor: (weights + KV bytes read per step) over the
+device-to-device copy bandwidth measured in the same run. Also: padding waste per bucket policy,
+capture time and memory per bucket, kernel launches per step (torch.profiler), the sampler variants'
+cost, host time per step (schedule + prepare + process + publish) and how much the overlap hides.
+
+The step loop is the decode worker's own (DecodeScheduler + BucketedGraphRunner, step t+1 launched
+before step t's tokens are read), driven here without the worker's thread so that overlap can be
+switched off for comparison.
+
+    python -m loadtest.bench_decode [--quick] [--out loadtest/results/decode_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from cluster.kv_cache import KVCacheSpec
+from cluster.messages import TokenBatch
+from cluster.model.config import ModelArchConfig
+from cluster.model.loader import random_model
+from cluster.sampling_params import SamplingParams
+from cluster.sequence import Sequence
+from decode_worker.block_manager import BlockManager
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_sizes, padding_waste
+from decode_worker.scheduler import DecodeScheduler
+
+PROMPT_LEN = 512
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MAX_NUM_SEQS = 256
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+SHAPES = {
+    "llama-1b-shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                           rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                           rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+}
+
+
+def hf_config_dict(name: str) -> dict:
+    return dict(SHAPES[name], model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+                hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                bos_token_id=128000, eos_token_id=128001, dtype="bfloat16")
+
+
+def arch_of(name: str) -> ModelArchConfig:
+    # Positions past MAX_MODEL_LEN are never used here: keep the rotary tables small.
+    d = hf_config_dict(name)
+    d["max_position_embeddings"] = 4096
+    return ModelArchConfig.from_dict(d)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# -- memory bandwidth ---------------------------------------------------------------------------
+def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, counting bytes read plus written (what a decode step's reads compare to)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / median(times) / 1e9
+
+
+# -- the decode loop under test ------------------------------------------------------------------
+class Bench:
+    def __init__(self, name: str, kv_blocks: int, buckets, variants, compile_decode=False):
+        self.name = name
+        self.arch = arch_of(name)
+        torch.manual_seed(0)
+        self.model = random_model(self.arch, torch.bfloat16, "cuda", attention_backend="triton")
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.spec = KVCacheSpec.for_model(self.arch, BLOCK_SIZE, kv_blocks, torch.bfloat16)
+        # Random KV (never time on zeros); every row attends over its own 512 prompt tokens.
+        self.kv_cache = torch.empty(self.spec.shape, dtype=torch.bfloat16, device="cuda").normal_()
+        self.model.bind_kv_cache(self.kv_cache)
+        kw = dict(block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, max_blocks_per_seq=MAX_MODEL_LEN // BLOCK_SIZE)
+        self.graph = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, variants=variants,
+                                         compile_decode=compile_decode, **kw)
+        self.eager = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, variants=variants,
+                                         use_cuda_graph=False, **kw)
+
+    def kv_bytes_per_step(self, bs: int) -> int:
+        return bs * PROMPT_LEN * self.arch.kv_bytes_per_token(2)
+
+    def new_scheduler(self, bs: int, params: SamplingParams) -> DecodeScheduler:
+        sched = DecodeScheduler(BlockManager(self.spec.num_blocks, BLOCK_SIZE), MAX_NUM_SEQS, 4096, MAX_MODEL_LEN)
+        for i in range(bs):
+            s = Sequence(f"r{i}", [1] * PROMPT_LEN, params, seed=i, eos_token_ids=self.arch.eos_token_ids)
+            assert sched.reserve(s) is not None
+            sched.on_arrival(s.request_id, 7, ok=True)
+        return sched
+
+    def run_loop(self, runner: BucketedGraphRunner, bs: int, steps: int, overlap: bool, variant=None):
+        """The worker's loop body. Returns per-step wall, device and host times (seconds)."""
+        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        sched = self.new_scheduler(bs, params)
+        inflight = None
+        walls, gpus, hosts = [], [], []
+        last = time.perf_counter()
+        step = 0
+        while step < steps or inflight is not None:
+            t0 = time.perf_counter()
+            launched = None
+            if step < steps:
+                batch = sched.schedule_decode(step, pipeline_busy=inflight is not None)
+                handle = runner.launch(batch.rows, variant)
+                sched.on_step_launched(batch)
+                launched = (batch, handle, time.perf_counter() - t0)
+                step += 1
+            if not overlap and launched is not None:
+                pending = [launched]
+                launched = None
+            else:
+                pending = [inflight] if inflight is not None else []
+            for b, h, host_pre in pending:
+                toks = h.tokens()  # waits for that step only
+                t1 = time.perf_counter()
+                deltas = sched.on_step_output(b, toks)
+                TokenBatch("bench", b.step, tuple(deltas)).to_wire()  # the publish cost, less the socket
+                hosts.append(host_pre + time.perf_counter() - t1)
+                gpus.append(h.gpu_time_s)
+                now = time.perf_counter()
+                walls.append(now - last)
+                last = now
+            inflight = launched
+        skip = min(5, len(walls) // 4)  # warm-up steps
+        return walls[skip:], gpus[skip:], hosts[skip:]
+
+
+def profile_launches(bench: Bench, runner: BucketedGraphRunner, bs: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = bench.new_scheduler(bs, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    batch = sched.schedule_decode(0, False)
+    runner.launch(batch.rows).tokens()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.launch(batch.rows).tokens()
+        torch.cuda.synchronize()
+    kernels = api = graph_launches = memcpy = 0
+    kernel_us = 0.0
+    for e in prof.events():
+        dev = str(getattr(e, "device_type", ""))
+        if dev.endswith("CUDA"):
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                memcpy += 1
+            else:
+                kernels += 1
+                kernel_us += e.device_time_total if hasattr(e, "device_time_total") else 0.0
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            api += 1
+        elif e.name.startswith("cudaGraphLaunch"):
+            graph_launches += 1
+    return {"kernels_per_step": kernels, "host_kernel_launch_calls": api, "graph_launches": graph_launches,
+            "memcpy_per_step": memcpy, "kernel_time_us": kernel_us}
+
+
+# -- Hugging Face baseline -----------------------------------------------------------------------
+def hf_model_from(bench: Bench, device: str = "cuda"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = hf_config_dict(bench.name)
+    cfg.pop("architectures")
+    cfg.pop("model_type")
+    rope = cfg.pop("rope_scaling")
+    cfg["rope_parameters"] = dict(rope, rope_theta=cfg.pop("rope_theta"))
+    cfg.pop("dtype")
+    config = LlamaConfig(**cfg)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    a, ours = bench.arch, bench.model
+    q, kv, inter = a.q_size, a.kv_size, a.intermediate_size
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(ours.embed_tokens.weight)
+        hf.model.norm.weight.copy_(ours.norm.weight)
+        if not a.tie_word_embeddings:
+            hf.lm_head.weight.copy_(ours.lm_head.weight)
+        for L, M in zip(hf.model.layers, ours.layers):
+            w = M.self_attn.qkv_proj.weight
+            L.self_attn.q_proj.weight.copy_(w[:q])
+            L.self_attn.k_proj.weight.copy_(w[q : q + kv])
+            L.self_attn.v_proj.weight.copy_(w[q + kv :])
+            L.self_attn.o_proj.weight.copy_(M.self_attn.o_proj.weight)
+            gu = M.mlp.gate_up_proj.weight
+            L.mlp.gate_proj.weight.copy_(gu[:inter])
+            L.mlp.up_proj.weight.copy_(gu[inter:])
+            L.mlp.down_proj.weight.copy_(M.mlp.down_proj.weight)
+            L.input_layernorm.weight.copy_(M.input_layernorm.weight)
+            L.post_attention_layernorm.weight.copy_(M.post_attention_layernorm.weight)
+    return hf
+
+
+def hf_step_ms(hf, bs: int, new_tokens: int) -> float:
+    """Per decode step of generate(): (time for 2 + n tokens - time for 2 tokens) / n."""
+    ids = torch.randint(10, 120000, (bs, PROMPT_LEN), device="cuda")
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    gen(2)
+    short, long = gen(2), gen(2 + new_tokens)
+    return (long - short) / new_tokens * 1e3
+
+
+# -- main ----------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="1B shape only, batch 1 and 64, fewer steps")
+    ap.add_argument("--out", default="loadtest/results/decode_h200.json")
+    ap.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd capture (1B, batch 1 and 64)")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "the decode benchmark needs a GPU"
+    models = args.models.split(",") if args.models else (["llama-1b-shape"] if args.quick else list(SHAPES))
+    batch_sizes = [1, 64] if args.quick else BATCH_SIZES
+    steps = args.steps or (30 if args.quick else 60)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    copy_gbps = copy_bandwidth_gbps()
+    log(f"device-to-device copy: {copy_gbps:.0f} GB/s")
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+        "prompt_len": PROMPT_LEN, "copy_GBps": copy_gbps, "rows": [], "capture": {}, "launches": {},
+        "host": [], "sampler_variants": [], "compile": [], "errors": [],
+        "padding_waste": {p: padding_waste(bucket_sizes(p, MAX_NUM_SEQS), range(1, MAX_NUM_SEQS + 1))
+                          for p in ("vllm", "pow2")},
+    }
+    result["padding_waste"]["bench_sizes_only"] = padding_waste(BATCH_SIZES, range(1, MAX_NUM_SEQS + 1))
+
+    def save():
+        out_path.write_text(json.dumps(result, indent=1))
+
+    for name in models:
+        t_model = time.perf_counter()
+        kv_blocks = max(batch_sizes) * ((PROMPT_LEN + steps + 16) // BLOCK_SIZE + 1) + 2
+        bench = Bench(name, kv_blocks, buckets="vllm", variants=("greedy", "sample", "filtered"))
+        log(f"{name}: {bench.weight_bytes / 1e9:.2f} GB of weights, KV pool {kv_blocks} blocks")
+        bench.graph.capture(progress=False)
+        result["capture"][name] = {
+            "policy": "vllm", "max_num_seqs": MAX_NUM_SEQS, "variants": list(bench.graph.variants),
+            "buckets": len(bench.graph.buckets), "graphs": bench.graph.num_captures,
+            "seconds": bench.graph.capture_seconds, "bytes": bench.graph.capture_bytes,
+            "per_bucket": {str(b): s for b, s in sorted(bench.graph.capture_stats.items())},
+        }
+        log(f"  captured {bench.graph.num_captures} graphs in {bench.graph.capture_seconds:.1f}s, "
+            f"{bench.graph.capture_bytes / 2**20:.0f} MiB")
+        captures_before = bench.graph.num_captures
+        for bs in batch_sizes:
+            floor_ms = (bench.weight_bytes + bench.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
+            for mode, runner in (("graph", bench.graph), ("eager", bench.eager)):
+                try:
+                    walls, gpus, hosts = bench.run_loop(runner, bs, steps, overlap=True)
+                    step_ms = median(walls) * 1e3
+                    row = {"model": name, "batch_size": bs, "mode": mode, "step_ms": step_ms,
+                           "gpu_step_ms": median(gpus) * 1e3, "floor_ms": floor_ms,
+                           "floor_fraction": floor_ms / step_ms, "tokens_per_s": bs / (step_ms / 1e3),
+                           "host_us": median(hosts) * 1e6}
+                    result["rows"].append(row)
+                    log(f"  bs={bs:3d} {mode:5s} step {step_ms:7.3f} ms (gpu {row['gpu_step_ms']:.3f}, floor "
+                        f"{floor_ms:.3f}, {row['floor_fraction']:.0%}) host {row['host_us']:.0f} us")
+                    if mode == "graph":
+                        walls_s, gpus_s, hosts_s = bench.run_loop(runner, bs, steps // 2, overlap=False)
+                        result["host"].append({
+                            "model": name, "batch_size": bs, "host_us": median(hosts) * 1e6,
+                            "step_ms_overlap": step_ms, "step_ms_no_overlap": median(walls_s) * 1e3,
+                            "gpu_step_ms": row["gpu_step_ms"],
+                            "exposed_host_us_no_overlap": (median(walls_s) - median(gpus_s)) * 1e6,
+                            "exposed_host_us_overlap": max(0.0, median(walls) - median(gpus)) * 1e6,
+                        })
+                except Exception as e:  # noqa: BLE001 - keep the other measurements
+                    traceback.print_exc()
+                    result["errors"].append(f"{name} bs={bs} {mode}: {e!r}")
+            save()
+        result["capture"][name]["captures_while_serving"] = bench.graph.num_captures - captures_before
+        for bs in (1, 64):
+            for mode, runner in (("graph", bench.graph), ("eager", bench.eager)):
+                try:
+                    result["launches"][f"{name}/bs{bs}/{mode}"] = profile_launches(bench, runner, bs)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    result["errors"].append(f"profile {name} {bs} {mode}: {e!r}")
+        for bs in [b for b in (1, 64, 256) if b in batch_sizes]:
+            for v in ("greedy", "sample", "filtered"):
+                walls, gpus, _ = bench.run_loop(bench.graph, bs, max(10, steps // 3), overlap=True, variant=v)
+                result["sampler_variants"].append({"model": name, "batch_size": bs, "variant": v,
+                                                   "gpu_step_ms": median(gpus) * 1e3})
+        log(f"  launches: {json.dumps({k: v for k, v in result['launches'].items() if k.startswith(name)})}")
+        save()
+        if not args.no_hf:
+            try:
+                hf = hf_model_from(bench)
+                del bench.eager
+                for bs in batch_sizes:
+                    floor_ms = (bench.weight_bytes + bench.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
+                    ms = hf_step_ms(hf, bs, 6 if args.quick else 8)
+                    result["rows"].append({"model": name, "batch_size": bs, "mode": "hf", "step_ms": ms,
+                                           "floor_ms": floor_ms, "floor_fraction": floor_ms / ms,
+                                           "tokens_per_s": bs / (ms / 1e3)})
+                    log(f"  bs={bs:3d} hf    step {ms:7.3f} ms")
+                    save()
+                del hf
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                result["errors"].append(f"hf {name}: {e!r}")
+        if args.compile and name == "llama-1b-shape":
+            try:
+                t0 = time.perf_counter()
+                cb = BucketedGraphRunner(bench.model, bench.kv_cache, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN // BLOCK_SIZE,
+                                         buckets=(1, 64), variants=("greedy",), compile_decode=True)
+                cb.capture(progress=False)
+                compile_s = time.perf_counter() - t0
+                for bs in (1, 64):
+                    walls, gpus, _ = bench.run_loop(cb, bs, steps, overlap=True)
+                    plain = next(r for r in result["rows"] if r["model"] == name and r["batch_size"] == bs
+                                 and r["mode"] == "graph")
+                    result["compile"].append({"model": name, "batch_size": bs, "compile_and_capture_s": compile_s,
+                                              "gpu_step_ms_compiled": median(gpus) * 1e3,
+                                              "gpu_step_ms_plain": plain["gpu_step_ms"]})
+                    log(f"  compiled bs={bs}: gpu {median(gpus) * 1e3:.3f} ms vs plain {plain['gpu_step_ms']:.3f}")
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                result["errors"].append(f"compile: {e!r}")
+        save()
+        log(f"  {name} done in {time.perf_counter() - t_model:.0f}s")
+        del bench
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    save()
+    try:
+        plot(result, out_path.with_suffix(".png"))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        result["errors"].append(f"plot: {e!r}")
+        save()
+    log(f"wrote {out_path}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        for mode, style in (("graph", "o-"), ("eager", "s--"), ("hf", "^:")):
+            rows = sorted((r for r in result["rows"] if r["model"] == name and r["mode"] == mode),
+                          key=lambda r: r["batch_size"])
+            if rows:
+                ax.plot([r["batch_size"] for r in rows], [r["step_ms"] for r in rows], style, label=mode)
+        floor = sorted({(r["batch_size"], r["floor_ms"]) for r in result["rows"] if r["model"] == name})
+        ax.plot([b for b, _ in floor], [f for _, f in floor], "k-", lw=1, label="memory floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("decode step (ms)")
+        ax.set_title(f"{name}, 512-token prompts, bf16 ({result['copy_GBps']:.0f} GB/s copy)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
