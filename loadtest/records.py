@@ -1,0 +1,134 @@
+"""What the Locust processes write for the report: raw client events and the step log.
+
+Locust's own CSV percentiles are bucketed (2 significant digits), so every Locust process also
+appends exact per-event rows to `events-<pid>.csv` in the output directory, and the step shape
+appends one JSON line per step transition to `steps.jsonl`. The report reads both back and joins
+them by wall-clock time (`time.time()`), which is also the clock of the server's step records.
+
+Event kinds (`value` unit in brackets):
+  ttft [ms]     request start -> first token chunk; `t` is the first chunk's arrival
+  itl [ms]      one gap between two consecutive token chunks; `t` is the later chunk's arrival
+  tpot [ms]     (latency - ttft) / (output tokens - 1); `t` is the last chunk's arrival
+  e2e [ms]      request start -> last token chunk; `t` as for tpot
+  tokens [n]    output tokens of the request (usage.completion_tokens, else the chunk count)
+  chunks [n]    token chunks the request streamed (tokens / chunks converts chunk rate to tokens/s)
+  stall [ms]    no token for the stall timeout: time since the last chunk (or the start); `t` = when given up
+  error [0]     the request failed otherwise (HTTP status, connection, error event in the stream)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+EVENT_FIELDS = ("t", "step", "kind", "value")
+EVENT_KINDS = ("ttft", "itl", "tpot", "e2e", "tokens", "chunks", "stall", "error")
+STEPS_FILE = "steps.jsonl"
+EVENTS_GLOB = "events-*.csv"
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float
+    step: int
+    kind: str
+    value: float
+
+
+class EventWriter:
+    """Appends rows to one CSV per process; flushed once per request, never inside a stream."""
+
+    def __init__(self, path: Path):
+        new = not path.exists()
+        self._f = open(path, "a", newline="", buffering=1 << 16)
+        self._w = csv.writer(self._f)
+        if new:
+            self._w.writerow(EVENT_FIELDS)
+
+    def write(self, rows: Iterable[tuple[float, int, str, float]]) -> None:
+        self._w.writerows((f"{t:.6f}", step, kind, f"{value:.4f}") for t, step, kind, value in rows)
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_events(out_dir: Path) -> list[Event]:
+    events: list[Event] = []
+    for path in sorted(Path(out_dir).glob(EVENTS_GLOB)):
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                try:
+                    events.append(Event(float(row["t"]), int(row["step"]), row["kind"], float(row["value"])))
+                except (KeyError, TypeError, ValueError):  # a torn last line of a killed process
+                    continue
+    events.sort(key=lambda e: e.t)
+    return events
+
+
+def append_step_log(out_dir: Path, record: dict) -> None:
+    with open(Path(out_dir) / STEPS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_step_log(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / STEPS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """One concurrency step: [start, end) in wall-clock seconds; the steady state is [steady_start, end)."""
+
+    index: int
+    users: int
+    start: float
+    ready: float  # when Locust reported all `users` running (start if never logged)
+    end: float
+    steady_start: float
+
+    @property
+    def steady_s(self) -> float:
+        return max(0.0, self.end - self.steady_start)
+
+
+def step_windows(log: list[dict], warmup_s: float, now: float | None = None) -> list[StepWindow]:
+    """Step log lines -> windows. A step ends where the next one starts, or at the final `end` line
+    (or `now`, for a step still running). Steps whose steady state is empty are still returned."""
+    starts: dict[int, dict] = {}
+    ready: dict[int, float] = {}
+    final_end = None
+    for rec in log:
+        ev = rec.get("event")
+        if ev == "start":
+            starts[int(rec["step"])] = rec
+        elif ev == "ready":
+            ready.setdefault(int(rec["step"]), float(rec["t"]))
+        elif ev == "end":
+            final_end = float(rec["t"])
+    order = sorted(starts)
+    windows = []
+    for i, idx in enumerate(order):
+        start = float(starts[idx]["t"])
+        if i + 1 < len(order):
+            end = float(starts[order[i + 1]]["t"])
+        elif final_end is not None:
+            end = final_end
+        elif now is not None:
+            end = now
+        else:
+            continue
+        r = min(max(ready.get(idx, start), start), end)
+        windows.append(StepWindow(idx, int(starts[idx]["users"]), start, r, end, min(end, r + warmup_s)))
+    return windows

@@ -1,0 +1,228 @@
+"""Server-side truth: the decode workers' own step records, polled from the gateway while Locust runs.
+
+Primary source, `GET /stats`:
+
+    {"decode_steps": [{"worker_id": str, "t": unix_time_float, "batch_size": int, "bucket": int,
+                       "padded_rows": int, "step_ms": float, "graph": bool}, ...],
+     "now": unix_time_float}
+
+holding recent step records; polled every `interval_s` and de-duplicated on (worker_id, t), so the
+poll interval only has to be shorter than the window the gateway keeps. If `/stats` is missing, the
+fallback scrapes the Prometheus histograms `pdserve:decode_batch_size`, `pdserve:decode_step_seconds`
+and `pdserve:graph_padding_ratio` from `/metrics` and differences their `_sum`/`_count` over each
+step's steady window (means only: no bucket, no percentiles). With neither, the server columns of
+the report are null.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+METRIC_HISTOGRAMS = ("pdserve:decode_batch_size", "pdserve:decode_step_seconds", "pdserve:graph_padding_ratio")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfINFNa]+)")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    worker_id: str
+    t: float
+    batch_size: int
+    bucket: int
+    padded_rows: int
+    step_ms: float
+    graph: bool
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepRecord":
+        return cls(str(d["worker_id"]), float(d["t"]), int(d["batch_size"]), int(d.get("bucket") or 0),
+                   int(d.get("padded_rows") or 0), float(d["step_ms"]), bool(d.get("graph", False)))
+
+
+def parse_histogram_totals(text: str, names=METRIC_HISTOGRAMS) -> dict[str, tuple[float, float]]:
+    """{histogram: (sum, count)} over all label sets, from Prometheus text exposition."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        metric, value = m.group(1), m.group(3)
+        for name in names:
+            if metric == name + "_sum":
+                sums[name] = sums.get(name, 0.0) + float(value)
+            elif metric == name + "_count":
+                counts[name] = counts.get(name, 0.0) + float(value)
+    return {n: (sums[n], counts[n]) for n in names if n in sums and n in counts}
+
+
+@dataclass
+class ServerStatsPoller:
+    """Polls /stats (or /metrics) on a thread; `records` and `snapshots` grow while it runs."""
+
+    base_url: str
+    interval_s: float = 0.5
+    headers: dict = field(default_factory=dict)
+    raw_path: Path | None = None  # every new /stats record is appended here as JSON
+    source: str | None = None  # "stats" | "metrics" | None (undecided or neither)
+    records: list[StepRecord] = field(default_factory=list)
+    snapshots: list[tuple[float, dict[str, tuple[float, float]]]] = field(default_factory=list)
+    gaps: int = 0  # polls whose oldest record was newer than the last one seen: records were lost
+
+    def __post_init__(self):
+        self._seen: set[tuple[str, float]] = set()
+        self._last_t: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> "ServerStatsPoller":
+        self._client = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=5.0)
+        self.source = self._detect()
+        self._thread = threading.Thread(target=self._run, name="server-stats", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            self.poll_once()  # the last records of the final step
+        except httpx.HTTPError:
+            pass
+        self._client.close()
+
+    def _detect(self) -> str | None:
+        try:
+            r = self._client.get("/stats")
+            if r.status_code == 200 and isinstance(r.json().get("decode_steps"), list):
+                return "stats"
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        try:
+            r = self._client.get("/metrics")
+            if r.status_code == 200 and "pdserve:decode_batch_size" in r.text:
+                return "metrics"
+        except httpx.HTTPError:
+            pass
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll_once()
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                continue  # a busy gateway may miss a poll; the next one catches up
+
+    def poll_once(self) -> None:
+        if self.source == "stats":
+            body = self._client.get("/stats").json()
+            new = [StepRecord.from_json(d) for d in body.get("decode_steps", [])]
+            self._add(new)
+        elif self.source == "metrics":
+            text = self._client.get("/metrics").text
+            with self._lock:
+                self.snapshots.append((time.time(), parse_histogram_totals(text)))
+
+    def _add(self, recs: list[StepRecord]) -> None:
+        fresh = []
+        oldest: dict[str, float] = {}
+        for r in recs:
+            oldest[r.worker_id] = min(oldest.get(r.worker_id, r.t), r.t)
+            key = (r.worker_id, r.t)
+            if key not in self._seen:
+                self._seen.add(key)
+                fresh.append(r)
+        for w, t in oldest.items():
+            if w in self._last_t and t > self._last_t[w]:
+                self.gaps += 1
+        for r in fresh:
+            self._last_t[r.worker_id] = max(self._last_t.get(r.worker_id, 0.0), r.t)
+        with self._lock:
+            self.records.extend(fresh)
+        if fresh and self.raw_path is not None:
+            with open(self.raw_path, "a") as f:
+                for r in fresh:
+                    f.write(json.dumps(r.__dict__) + "\n")
+
+    def summarize(self, t0: float, t1: float) -> dict:
+        """The server columns of one report row, over [t0, t1)."""
+        with self._lock:
+            if self.source == "stats":
+                return summarize_records([r for r in self.records if t0 <= r.t < t1])
+            if self.source == "metrics":
+                return summarize_snapshots(self.snapshots, t0, t1)
+        return empty_summary(None)
+
+
+def empty_summary(source: str | None) -> dict:
+    return {"server_source": source, "server_steps": 0, "server_workers": None, "server_batch_size": None,
+            "server_batch_size_mean": None, "server_bucket": None, "server_padded_rows": None,
+            "server_padding_ratio": None, "server_step_ms": None, "server_step_p90_ms": None,
+            "server_graph_fraction": None}
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize_records(recs: list[StepRecord]) -> dict:
+    out = empty_summary("stats")
+    # Idle steps (batch 0) are no decode work; drop them if a worker reports any.
+    recs = [r for r in recs if r.batch_size > 0]
+    if not recs:
+        return out
+    bs = [r.batch_size for r in recs]
+    out.update(
+        server_steps=len(recs),
+        server_workers=len({r.worker_id for r in recs}),
+        server_batch_size=statistics.median(bs),
+        server_batch_size_mean=round(statistics.fmean(bs), 3),
+        server_bucket=Counter(r.bucket for r in recs).most_common(1)[0][0],
+        server_padded_rows=statistics.median(r.padded_rows for r in recs),
+        server_padding_ratio=round(statistics.fmean(r.padded_rows / r.bucket if r.bucket else 0.0 for r in recs), 4),
+        server_step_ms=round(statistics.median(r.step_ms for r in recs), 4),
+        server_step_p90_ms=round(_percentile([r.step_ms for r in recs], 90), 4),
+        server_graph_fraction=round(sum(r.graph for r in recs) / len(recs), 4),
+    )
+    return out
+
+
+def summarize_snapshots(snaps: list[tuple[float, dict]], t0: float, t1: float) -> dict:
+    out = empty_summary("metrics")
+    inside = [s for s in snaps if t0 <= s[0] <= t1]
+    if len(inside) < 2:
+        return out
+    (_, a), (_, b) = inside[0], inside[-1]
+
+    def mean(name: str) -> tuple[float | None, float]:
+        if name not in a or name not in b:
+            return None, 0.0
+        ds, dc = b[name][0] - a[name][0], b[name][1] - a[name][1]
+        return (ds / dc if dc > 0 else None), dc
+
+    bs, n = mean("pdserve:decode_batch_size")
+    step_s, _ = mean("pdserve:decode_step_seconds")
+    ratio, _ = mean("pdserve:graph_padding_ratio")
+    out.update(server_steps=int(n), server_batch_size_mean=None if bs is None else round(bs, 3),
+               server_batch_size=None if bs is None else round(bs, 3),
+               server_step_ms=None if step_s is None else round(step_s * 1000, 4),
+               server_padding_ratio=None if ratio is None else round(ratio, 4))
+    if bs is not None and ratio is not None and ratio < 1:
+        # Exact when the batch is steady: padded / (batch + padded) = ratio.
+        out["server_padded_rows"] = round(bs * ratio / (1 - ratio), 3)
+        out["server_bucket"] = round(bs / (1 - ratio), 3)
+    return out

@@ -1,0 +1,185 @@
+"""CPU smoke runs of the load-test tooling: Locust headless through `loadtest.run`, report files and
+their numbers checked.
+
+`FakeDecodeServer` is a small OpenAI-compatible streaming server with a decode loop of its own: every
+step takes `base_ms + per_row_ms * batch` and emits one token to every active stream, and `/stats`
+serves its step records in the gateway's format. Against it the expected ITL is known, so the test
+checks the tooling's numbers, not a model's. A second test runs against the real `pdserve serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeDecodeServer:
+    def __init__(self, base_ms: float = 20.0, per_row_ms: float = 2.0, prefill_ms: float = 5.0,
+                 stall_after: int | None = None):
+        self.base_ms, self.per_row_ms, self.prefill_ms, self.stall_after = base_ms, per_row_ms, prefill_ms, stall_after
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.records: deque[dict] = deque(maxlen=4096)
+        self.active: dict[str, asyncio.Queue] = {}
+        app = FastAPI()
+
+        @app.on_event("startup")
+        async def _start():
+            asyncio.get_running_loop().create_task(self._decode_loop())
+
+        @app.get("/ready")
+        async def ready():
+            return {"ready": True}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+        @app.get("/stats")
+        async def stats():
+            return JSONResponse({"decode_steps": list(self.records), "now": time.time()})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            assert body["stream"] is True and body["ignore_eos"] is True and body["temperature"] == 0
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+        self.app = app
+
+    async def _decode_loop(self) -> None:
+        while True:
+            n = len(self.active)
+            step_ms = self.base_ms + self.per_row_ms * n
+            await asyncio.sleep(step_ms / 1000)
+            if not n:
+                continue
+            bucket = 1 << (n - 1).bit_length()
+            self.records.append({"worker_id": "decode-0", "t": time.time(), "batch_size": n, "bucket": bucket,
+                                 "padded_rows": bucket - n, "step_ms": step_ms, "graph": True})
+            for q in list(self.active.values()):
+                q.put_nowait(None)
+
+    async def _stream(self, body: dict):
+        rid = uuid.uuid4().hex
+        n = body["max_tokens"]
+        await asyncio.sleep(self.prefill_ms / 1000)
+        q: asyncio.Queue = asyncio.Queue()
+        self.active[rid] = q
+        try:
+            for i in range(n):
+                if self.stall_after is not None and i >= self.stall_after:
+                    await asyncio.sleep(3600)  # a hung stream: the client must give up
+                await q.get()
+                finish = "length" if i == n - 1 else None
+                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "model": body["model"],
+                                             "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}) + "\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                     "total_tokens": len(body["prompt"]) + n}
+            yield "data: " + json.dumps({"id": rid, "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.active.pop(rid, None)
+
+    def __enter__(self) -> "FakeDecodeServer":
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("fake server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _run_loadtest(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loadtest.run", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_steps_against_fake_server_report_itl_and_server_batches(tmp_path):
+    out = tmp_path / "lt"
+    t0 = time.monotonic()
+    with FakeDecodeServer(base_ms=20.0, per_row_ms=2.0) as srv:
+        r = _run_loadtest(["--url", srv.url, "--steps", "1,2", "--step-duration", "7", "--warmup", "2",
+                           "--prompt-tokens", "16", "--output-tokens", "8", "--stall-timeout", "5",
+                           "--stats-interval", "0.25", "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 60
+    # A progress line per step, then the table.
+    assert sum(line.startswith("[step ") for line in r.stdout.splitlines()) == 2, r.stdout
+    assert "ITL p50" in r.stdout
+
+    for name in ("summary.json", "itl.png", "locust_stats.csv", "locust_stats_history.csv", "steps.jsonl",
+                 "server_steps.jsonl"):
+        assert (out / name).is_file(), name
+    assert list(out.glob("events-*.csv"))
+    assert (out / "itl.png").read_bytes()[:4] == b"\x89PNG"
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["server_stats_source"] == "stats"
+    rows = summary["rows"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        b = row["batch_size"]
+        # The server saw the batch the step asked for, in the bucket the fake pads it to.
+        assert row["server_batch_size"] == b and row["server_bucket"] == b and row["server_padded_rows"] == 0
+        expect_ms = 20.0 + 2.0 * b
+        assert row["server_step_ms"] == pytest.approx(expect_ms)
+        # Client ITL ~ the server's step (asyncio.sleep overshoots by a little, never undershoots much).
+        assert 0.8 * expect_ms < row["itl_p50_ms"] < 1.6 * expect_ms, row
+        assert 0 < row["itl_p50_ms"] <= row["itl_p90_ms"] <= row["itl_p99_ms"]
+        assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] == pytest.approx(row["itl_p50_ms"], rel=0.3)
+        assert row["requests"] >= 5 and row["stalls"] == 0 and row["errors"] == 0
+        # b streams, one token per step each.
+        assert row["tokens_per_s"] == pytest.approx(b * 1000 / expect_ms, rel=0.35)
+
+    # Locust's CSV carries the custom request types.
+    stats = (out / "locust_stats.csv").read_text()
+    assert "ITL" in stats and "TTFT" in stats and "TPOT" in stats
+
+
+def test_stalled_streams_are_failures(tmp_path):
+    out = tmp_path / "lt"
+    with FakeDecodeServer(base_ms=10.0, per_row_ms=0.0, stall_after=3) as srv:
+        r = _run_loadtest(["--url", srv.url, "--steps", "2", "--step-duration", "4", "--warmup", "0",
+                           "--output-tokens", "8", "--stall-timeout", "1", "--start-stagger", "0", "--out", str(out)])
+    assert r.returncode == 1, r.stdout + r.stderr  # stalls make the run fail, after writing the report
+    row = json.loads((out / "summary.json").read_text())["rows"][0]
+    assert row["stalls"] >= 2 and row["requests"] == 0
+    assert "STALL" in (out / "locust_failures.csv").read_text()
+
+
+def test_refuses_non_loopback_url(tmp_path):
+    r = _run_loadtest(["--url", "http://10.1.2.3:8000", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "loopback" in r.stderr and "Traceback" not in r.stderr
