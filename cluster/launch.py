@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -110,6 +111,7 @@ class ServingCluster:
         self._server = None
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.tag = f"pdserve-{uuid.uuid4().hex[:8]}"  # names this cluster's placement group and actors
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> "ServingCluster":
@@ -226,7 +228,7 @@ class ServingCluster:
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
         # spreads them over nodes only when one node can't hold them.
-        pg = placement_group([dict(bundle) for _ in roles], strategy="PACK", name=f"pdserve-{os.getpid()}")
+        pg = placement_group([dict(bundle) for _ in roles], strategy="PACK", name=self.tag)
         self.workers.placement_group = pg
         try:
             ray.get(pg.ready(), timeout=cfg.ready_timeout_s)
@@ -235,7 +237,7 @@ class ServingCluster:
                                f"(available: {ray.available_resources()})") from None
         for k, (role, i) in enumerate(roles):
             wid = f"{role}-{i}"
-            opts = dict(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=f"pdserve-{os.getpid()}-{wid}",
+            opts = dict(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=f"{self.tag}-{wid}",
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k))
             if role == "prefill":
                 self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)

@@ -56,6 +56,7 @@ class WorkerView:
     pending_running: int = 0
     pending_prefill_tokens: int = 0
     inflight: set[str] = field(default_factory=set)  # request ids the router has placed here
+    placed_total: int = 0  # requests ever placed here: the last tie-break, so idle equals alternate
 
     @property
     def total_blocks(self) -> int:
@@ -122,7 +123,7 @@ class LeastOutstandingTokens(PrefillPolicy):
 
     def rank(self, views, request):
         healthy = [v for v in views if v.healthy]
-        return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens, v.worker_id))
+        return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens, v.placed_total, v.worker_id))
 
 
 @PREFILL_POLICIES.register("round_robin")
@@ -152,7 +153,8 @@ DECODE_POLICIES: Registry[DecodePolicy] = Registry("decode")
 class LeastLoadedDecode(DecodePolicy):
     """Load = the larger of KV usage and batch occupancy after placing the request, in coarse steps
     (`load_quantum`), so that near-equal workers tie; the tie goes to the worker whose new batch
-    size pads least to its next graph bucket, then to more free blocks."""
+    size pads least to its next graph bucket, then to more free blocks, then to the worker that was
+    given fewer requests so far (equal idle workers alternate instead of one taking everything)."""
 
     def __init__(self, buckets: tuple[int, ...] = (), max_num_seqs: int = 128, load_quantum: float = 0.05):
         self.buckets = buckets
@@ -163,7 +165,8 @@ class LeastLoadedDecode(DecodePolicy):
         kv_after = 1.0 - (v.free_blocks - blocks_needed) / max(1, v.total_blocks)
         batch_after = v.running + 1
         load = max(kv_after, batch_after / self.max_num_seqs)
-        return (int(load / self.load_quantum), padding_waste(batch_after, self.buckets), -v.free_blocks, v.worker_id)
+        return (int(load / self.load_quantum), padding_waste(batch_after, self.buckets), -v.free_blocks,
+                v.placed_total, v.worker_id)
 
     def rank(self, views, request, blocks_needed):
         fits = [v for v in views if v.healthy and v.free_blocks >= blocks_needed]

@@ -218,6 +218,7 @@ class Router:
         self._placed(rs, d, len(res.block_ids))
         rs.prefill_worker_id = p.worker_id
         p.inflight.add(rs.request_id)
+        p.placed_total += 1
         p.pending_prefill_tokens += len(rs.request.prompt_token_ids)
         self._spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
         return True
@@ -225,6 +226,7 @@ class Router:
     def _placed(self, rs: RequestStream, d: WorkerView, blocks: int) -> None:
         d.pending_blocks += blocks
         d.pending_running += 1
+        d.placed_total += 1
         d.inflight.add(rs.request_id)
 
     def _refused(self, d: WorkerView) -> None:

@@ -1,0 +1,258 @@
+"""End to end through real HTTP: uvicorn + gateway + router + Ray actors (the worker doubles)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from cluster.sampling_params import SamplingParams
+from conftest import wait_idle
+
+MODEL = "pdserve-demo"
+PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog and then",
+    "In the beginning",
+    "A B C D E F G",
+    "She opened the door and saw",
+    "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals",
+]
+
+
+def _sse(lines) -> list:
+    events = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _greedy(engine, prompt, max_tokens, **kw):
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+
+
+def test_completion_matches_engine(fake_cluster, reference_engine):
+    ref = _greedy(reference_engine, PROMPTS[0], 24, ignore_eos=True)
+    r = httpx.post(f"{fake_cluster.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == ref.text
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 24,
+                             "total_tokens": len(ref.prompt_token_ids) + 24}
+
+
+def test_streaming_completion_with_usage(fake_cluster, reference_engine):
+    ref = _greedy(reference_engine, PROMPTS[1], 20)
+    with httpx.stream("POST", f"{fake_cluster.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(ref.token_ids)
+    chunks = events[:-2]
+    assert all(c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
+
+
+def test_chat_plain_http_and_streaming(fake_cluster, reference_engine):
+    from cluster.tokenizer import encode_chat
+
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
+    ids = encode_chat(reference_engine.tokenizer, msgs)
+    ref = _greedy(reference_engine, ids, 16)
+    r = httpx.post(f"{fake_cluster.url}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    with httpx.stream("POST", f"{fake_cluster.url}/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+        events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "usage" not in events[1]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == ref.text
+
+
+def test_openai_client(fake_cluster, reference_engine):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{fake_cluster.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    ref = _greedy(reference_engine, PROMPTS[2], 12)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=10, temperature=0, seed=7)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=10, temperature=0, stream=True)]
+    assert "".join(pieces) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1_000_000)
+
+
+def test_concurrent_greedy_equals_engine(fake_cluster, reference_engine):
+    cases = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + (i * 5) % 25) for i in range(32)]
+    refs = reference_engine.generate([p for p, _ in cases],
+                                     [SamplingParams(max_tokens=m, temperature=0.0) for _, m in cases])
+
+    async def one(client, prompt, max_tokens, stream):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+        if not stream:
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=fake_cluster.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, m, i % 2 == 0) for i, (p, m) in enumerate(cases)))
+
+    texts = asyncio.run(main())
+    assert texts == [r.text for r in refs]
+    # Both decode workers took a share (placement spreads load), and all blocks came back.
+    import ray
+    counters = ray.get([h.counters.remote() for h in fake_cluster.workers.decode.values()])
+    assert all(c["reserve_calls"] > 0 for c in counters), counters
+    wait_idle(fake_cluster)
+
+
+def test_stop_string_finishes_and_frees_blocks(fake_cluster, reference_engine):
+    ref = _greedy(reference_engine, PROMPTS[3], 40, ignore_eos=True)
+    text = ref.text
+    cut = next((i for i in range(4, len(text)) if text[i].strip() and text.find(text[i:i + 2]) == i), None)
+    if cut is None:
+        pytest.skip("reference output too uniform to pick a stop string")
+    stop = text[cut:cut + 2]
+    r = httpx.post(f"{fake_cluster.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]})
+    body = r.json()
+    assert body["choices"][0]["text"] == text[:cut]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 40
+    wait_idle(fake_cluster)  # the decode worker was told to abort the rest
+
+
+def test_disconnect_frees_blocks(fake_cluster):
+    import ray
+
+    url = fake_cluster.url
+    before = ray.get([h.stats.remote() for h in fake_cluster.workers.decode.values()])
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPTS[5] * 4, "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        during = ray.get([h.stats.remote() for h in fake_cluster.workers.decode.values()])
+        assert sum(s.free_blocks for s in during) < sum(s.free_blocks for s in before)
+    # Closed mid-stream: the request must be aborted on its decode worker and its blocks freed.
+    wait_idle(fake_cluster)
+    deadline = time.monotonic() + 5
+    while fake_cluster.gateway.router.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fake_cluster.gateway.router.inflight
+    assert fake_cluster.gateway.router.admission.inflight_tokens == 0
+
+
+def test_non_streaming_disconnect_aborts(fake_cluster):
+    async def main():
+        async with httpx.AsyncClient(base_url=fake_cluster.url, timeout=60) as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json={
+                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True}))
+            await asyncio.sleep(1.0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    wait_idle(fake_cluster)
+    assert not fake_cluster.gateway.router.inflight
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "seed": -3}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+])
+def test_bad_completion_requests(fake_cluster, body, status, param):
+    r = httpx.post(f"{fake_cluster.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_bad_http_bodies(fake_cluster):
+    url = fake_cluster.url
+    cases = [
+        (httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400),
+        (httpx.post(f"{url}/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400),
+        (httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}), 400),
+        (httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400),
+        (httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400),
+        (httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x" * (5 << 20)}), 413),
+        (httpx.get(f"{url}/v1/nope"), 404),
+        (httpx.get(f"{url}/v1/completions"), 405),
+    ]
+    for r, status in cases:
+        assert r.status_code == status, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+
+
+def test_health_ready_models_metrics(fake_cluster):
+    url = fake_cluster.url
+    assert httpx.get(f"{url}/health").json()["healthy_decode_workers"] == 2
+    assert httpx.get(f"{url}/ready").status_code == 200
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=60)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "kv_transfer_seconds",
+                 "kv_transfer_bytes_total", "decode_batch_size", "graph_padding_ratio", "kv_cache_usage_perc",
+                 "num_requests_running", "num_requests_waiting"]:
+        assert f"pdserve:{name}" in text, name
+    assert 'pdserve:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
