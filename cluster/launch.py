@@ -34,8 +34,9 @@ from cluster.errors import PdserveError
 
 log = logging.getLogger("pdserve.launch")
 
-# (prefill handles by id, decode handles by id, cluster config) -> None; forms the KV transport group.
-TransportFormer = Callable[[dict[str, Any], dict[str, Any], ClusterConfig], None]
+# (prefill handles by id, decode handles by id, cluster config, **where) -> whatever must stay alive
+# while serving (the rendezvous store); forms the KV transport group.
+TransportFormer = Callable[..., Any]
 
 
 def add_serve_command(sub) -> None:
@@ -53,25 +54,38 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     ServingCluster(cfg).serve_forever()
 
 
-def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig) -> None:
-    """Connects every prefill worker to every decode worker for KV transfers.
+def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig,
+                            *, store_host: str = "127.0.0.1", device: str = "cpu", namespace: str = "pdserve"):
+    """Connects every prefill worker to every decode worker for KV transfers; returns the rendezvous
+    store, which the caller must keep alive while the cluster serves.
 
-    Integration point with cluster/transport/factory.py (the transport engineer's): the factory
-    defines the group (ranks, rendezvous address, TransportSpec per worker); each actor then gets
-    `init_transport(spec)`, all at once, since forming the group is a collective.
+    The launcher hosts the TCPStore (master) the transports rendezvous through; every actor gets the
+    same frozen `TransportSpec` via `init_transport(spec)`, which returns at once (pairs connect at
+    their first transfer). Kind: `cfg.kv_transport`, or by default `same_gpu` when the actors share
+    one GPU (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL between GPUs,
+    gloo on CPU).
     """
     if not prefill:
-        return  # every prompt is prefilled on its decode worker: no transfers at all
-    try:
-        from cluster.transport import factory
-    except ImportError:
-        raise PdserveError("no KV transport is available (cluster/transport/factory.py is missing); "
-                           "run with --prefill-workers 0 to prefill on the decode workers") from None
+        return None  # every prompt is prefilled on its decode worker: no transfers at all
     import ray
+    import torch.distributed as dist
 
-    specs = factory.build_transport_specs(list(prefill), list(decode), backend=cfg.kv_transport)
+    from cluster.transport.factory import TransportSpec
+
+    kind = cfg.kv_transport
+    if kind is None:
+        shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
+            cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
+        kind = "same_gpu" if shared_gpu else "torch_dist"
+    store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
+                         backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace)
     handles = {**prefill, **decode}
-    ray.get([handles[wid].init_transport.remote(spec) for wid, spec in specs.items()], timeout=cfg.ready_timeout_s)
+    try:
+        ray.get([h.init_transport.remote(spec) for h in handles.values()], timeout=cfg.ready_timeout_s)
+    except ray.exceptions.RayActorError as e:
+        raise PdserveError(f"forming the KV transport group failed: {str(e).strip().splitlines()[-1]}") from None
+    return store
 
 
 def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:
@@ -108,6 +122,8 @@ class ServingCluster:
         self.url: str | None = None
         self._owns_ray = False
         self._token_stream = None
+        self._kv_store = None
+        self._device = "cpu"
         self._server = None
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -145,7 +161,9 @@ class ServingCluster:
         stream_host = cfg.token_stream_host or ("127.0.0.1" if self._local_ray() else ray.util.get_node_ip_address())
         self._token_stream = TokenStreamReceiver(stream_host)
         self._place_workers(str(model_dir), self._token_stream.address)
-        self._form_transport_group(self.workers.prefill, self.workers.decode, cfg)
+        self._kv_store = self._form_transport_group(
+            self.workers.prefill, self.workers.decode, cfg, store_host=stream_host, device=self._device,
+            namespace=self.tag)
 
         metrics = ServingMetrics(name)
         admission = AdmissionController(AdmissionLimits(
@@ -220,7 +238,7 @@ class ServingCluster:
         cfg = self.cfg
         prefill_cls, decode_cls = self._actor_classes()
         gpus = gpus_per_actor(cfg, ray.cluster_resources().get("GPU", 0.0))
-        device = "cuda" if gpus > 0 and cfg.device != "cpu" else "cpu"
+        self._device = device = "cuda" if gpus > 0 and cfg.device != "cpu" else "cpu"
         if cfg.device == "cuda" and gpus == 0:
             raise PdserveError("device is cuda but the Ray cluster has no GPU")
         wcfg = cfg.worker_config(model_dir, device)
@@ -357,4 +375,5 @@ class ServingCluster:
                 ray.shutdown()
         if self._token_stream is not None:
             self._token_stream.close()
+        self._kv_store = None  # after the workers: they may still talk to it while shutting down
         print("pdserve: stopped", file=sys.stderr, flush=True)

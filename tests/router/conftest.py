@@ -26,7 +26,7 @@ def ray_session():
     ray.shutdown()
 
 
-def start_cluster(demo_model_dir, fakes: bool, **overrides):
+def start_cluster(demo_model_dir, fakes: bool, real_prefill: bool = False, **overrides):
     from cluster.config import ClusterConfig
     from cluster.launch import ServingCluster
 
@@ -38,6 +38,8 @@ def start_cluster(demo_model_dir, fakes: bool, **overrides):
         sc = ServingCluster(cfg, prefill_actor_cls=router_fakes.FakePrefillWorker,
                             decode_actor_cls=router_fakes.FakeDecodeWorker,
                             form_transport_group=router_fakes.fake_transport_group)
+    elif real_prefill:
+        sc = ServingCluster(cfg, decode_actor_cls=router_fakes.real_decode_actor_class())
     else:
         sc = ServingCluster(cfg)
     sc.start_in_thread()
@@ -81,6 +83,18 @@ def fake_cluster(ray_session, demo_model_dir):
 def real_decode_cluster(ray_session, demo_model_dir):
     pytest.importorskip("decode_worker.actor")
     sc = start_cluster(demo_model_dir, fakes=False, prefill_workers=0, decode_workers=1, api_key="sekret")
+    yield sc
+    sc.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_pd_cluster(ray_session, demo_model_dir):
+    """Real prefill and decode actors, KV over the real torch_dist (gloo) transport; prompts of at
+    most 12 tokens are prefilled on the decode worker (conditional disaggregation)."""
+    pytest.importorskip("prefill_worker.actor")
+    pytest.importorskip("cluster.transport.factory")
+    sc = start_cluster(demo_model_dir, fakes=False, real_prefill=True, prefill_workers=1, decode_workers=1,
+                       local_prefill_threshold=12)
     yield sc
     sc.shutdown()
 
