@@ -131,7 +131,7 @@ def test_steps_against_fake_server_report_itl_and_server_batches(tmp_path):
     out = tmp_path / "lt"
     t0 = time.monotonic()
     with FakeDecodeServer(base_ms=20.0, per_row_ms=2.0) as srv:
-        r = _run_loadtest(["--url", srv.url, "--steps", "1,2", "--step-duration", "7", "--warmup", "2",
+        r = _run_loadtest(["--url", srv.url, "--steps", "1,2", "--step-duration", "6", "--warmup", "2",
                            "--prompt-tokens", "16", "--output-tokens", "8", "--stall-timeout", "5",
                            "--stats-interval", "0.25", "--out", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -183,3 +183,29 @@ def test_stalled_streams_are_failures(tmp_path):
 def test_refuses_non_loopback_url(tmp_path):
     r = _run_loadtest(["--url", "http://10.1.2.3:8000", "--out", str(tmp_path)], timeout=60)
     assert r.returncode == 2 and "loopback" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_steps_against_real_cluster(tmp_path):
+    """`pdserve serve` with the demo model (Ray, prefill and decode workers on CPU), two short steps."""
+    import os
+
+    out = tmp_path / "lt"
+    prefill = os.environ.get("PDSERVE_LOADTEST_PREFILL_WORKERS", "1")
+    r = _run_loadtest(["--start-cluster", "--prefill-workers", prefill, "--decode-workers", "1",
+                       "--steps", "1,2", "--step-duration", "6", "--warmup", "2", "--prompt-tokens", "16",
+                       "--output-tokens", "24", "--stall-timeout", "10", "--ready-timeout", "120",
+                       "--out", str(out)], timeout=240)
+    if r.returncode == 2 and ("before /ready" in r.stderr or "was not ready" in r.stderr):
+        pytest.skip(f"`pdserve serve --prefill-workers {prefill}` did not come up: {r.stderr.strip()[-600:]}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "itl.png").is_file() and (out / "locust_stats.csv").is_file()
+    assert summary["server_stats_source"] in ("stats", "metrics")
+    rows = summary["rows"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        b = row["batch_size"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] and row["ttft_p50_ms"] > 0 and row["tokens_per_s"] > 0
+        assert row["requests"] >= 3 and row["stalls"] == 0 and row["errors"] == 0
+        # The decode batch the server ran is the step's concurrency, less the streams between requests.
+        assert 0.5 * b <= row["server_batch_size"] <= b, row
