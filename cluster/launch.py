@@ -100,6 +100,10 @@ def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:
     return 1.0 / math.ceil(n / int(cluster_gpus))
 
 
+class _Terminated(BaseException):
+    """SIGTERM, turned into an exception so that the shutdown below runs (then exit 0)."""
+
+
 @dataclass
 class _Workers:
     prefill: dict[str, Any] = field(default_factory=dict)
@@ -305,12 +309,14 @@ class ServingCluster:
         # into the previous handler: SIGTERM must become an exception here, not a silent exit that
         # would orphan the actors.
         def on_sigterm(signum, frame):
-            raise SystemExit(128 + signum)
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+            raise _Terminated()
+        previous = signal.getsignal(signal.SIGTERM)
         try:
-            self.start()
+            self.start()  # a SIGTERM in here still shuts down (start() cleans up on any exception)
+            # Installed after ray.init, which sets its own SIGTERM handler (sys.exit(15)) in the driver.
+            signal.signal(signal.SIGTERM, on_sigterm)
             asyncio.run(self._serve(announce=True))
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, _Terminated):
             pass
         finally:
             self.shutdown()

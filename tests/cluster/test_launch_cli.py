@@ -1,0 +1,67 @@
+"""`pdserve serve` as a user runs it: a subprocess with its own local Ray, the real decode worker
+(prefill on the decode worker: --prefill-workers 0), real HTTP, then SIGTERM shuts it all down."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cluster.cli import build_parser
+
+
+def test_serve_flags_and_help():
+    args = build_parser().parse_args(["serve", "/m", "--prefill-workers", "2", "--decode-workers", "3", "--port", "9000",
+                                      "--address", "auto", "--api-key", "k", "--config", "c.yaml"])
+    assert (args.model_dir, args.prefill_workers, args.decode_workers, args.port, args.address, args.config) == \
+        ("/m", 2, 3, 9000, "auto", "c.yaml")
+    assert not hasattr(args, "host")  # not given: the YAML file or the default decides
+
+
+def test_serve_bad_config_is_one_line(tmp_path):
+    (tmp_path / "c.yaml").write_text("decode_workers: 0\n")
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--config", str(tmp_path / "c.yaml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: invalid configuration: decode_workers")
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(240)
+def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
+    pytest.importorskip("decode_worker.actor")
+    env = dict(os.environ, PDSERVE_API_KEY="k", RAY_ADDRESS="")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+         "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "128",
+         "--served-model-name", "demo"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, out = None, []
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            m = re.search(r"serving demo at (http://\S+)/v1", line)
+            url = m.group(1) if m else None
+        assert url, "".join(out)
+        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                       json={"model": "demo", "prompt": "Once upon a time", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(out) + rest
+        assert "pdserve: stopped" in rest
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,66 @@
+"""ClusterConfig: YAML, flags, environment, validation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.config import ClusterConfig, add_config_flags, overrides_from_args
+from cluster.errors import PdserveError
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir", nargs="?", default=None)
+    add_config_flags(p)
+    return overrides_from_args(p.parse_args(argv))
+
+
+def test_every_field_has_a_flag_and_a_docstring():
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    flags = {a.dest for a in p._actions}
+    for name, field in ClusterConfig.model_fields.items():
+        assert field.description, name
+        assert name == "model" or name in flags, name
+
+
+def test_yaml_then_env_then_flags(tmp_path):
+    y = tmp_path / "cluster.yaml"
+    y.write_text("decode-workers: 3\nprefill_workers: 2\nport: 9000\ngraph_buckets: [1, 2, 4]\napi_key: fromyaml\n")
+    cfg = ClusterConfig.load(y, parse(["/models/x", "--port", "9100", "--no-use-cuda-graph"]), env={})
+    assert (cfg.decode_workers, cfg.prefill_workers, cfg.port, cfg.model) == (3, 2, 9100, "/models/x")
+    assert cfg.graph_buckets == (1, 2, 4) and cfg.use_cuda_graph is False and cfg.api_key == "fromyaml"
+    assert ClusterConfig.load(y, {}, env={"PDSERVE_API_KEY": "env"}).api_key == "env"
+    assert ClusterConfig.load(y, parse(["--api-key", "flag"]), env={"PDSERVE_API_KEY": "env"}).api_key == "flag"
+
+
+@pytest.mark.parametrize("bad", [{"decode_workers": 0}, {"block_size": 12}, {"port": 70000},
+                                 {"decode_policy": "random"}, {"graph_buckets": "1,x"}, {"api_key": " "},
+                                 {"unknown_setting": 1}, {"kv_memory_fraction": 1.5}])
+def test_invalid_settings_are_one_line_errors(bad):
+    with pytest.raises(PdserveError) as e:
+        ClusterConfig.load(None, bad, env={})
+    assert "\n" not in str(e.value)
+
+
+def test_bad_yaml(tmp_path):
+    with pytest.raises(PdserveError, match="does not exist"):
+        ClusterConfig.load(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(PdserveError, match="mapping"):
+        ClusterConfig.load(tmp_path / "list.yaml")
+
+
+def test_worker_config_and_gpu_shares():
+    from cluster.launch import gpus_per_actor
+
+    cfg = ClusterConfig(prefill_workers=1, decode_workers=1, num_blocks=64, max_num_seqs=8)
+    w = cfg.worker_config("/m", "cuda")
+    assert (w.model_dir, w.device, w.num_blocks, w.max_num_seqs) == ("/m", "cuda", 64, 8)
+    assert gpus_per_actor(cfg, 0) == 0.0
+    assert gpus_per_actor(cfg, 1) == 0.5  # one prefill + one decode share the GPU
+    assert gpus_per_actor(cfg, 2) == 1.0
+    assert gpus_per_actor(ClusterConfig(prefill_workers=2, decode_workers=3), 2) == pytest.approx(1 / 3)
+    assert gpus_per_actor(ClusterConfig(gpus_per_worker=0.25), 8) == 0.25

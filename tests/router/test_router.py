@@ -1,0 +1,159 @@
+"""Router with in-process worker doubles (no Ray): placement, reserve retries, aborts, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.messages import GenerateRequest, TokenDelta
+from cluster.sampling_params import SamplingParams
+from cluster.worker_config import WorkerConfig
+from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
+from router.router import Router, RouterConfig, WorkerClient
+from router.token_stream import TokenStreamReceiver
+from router_fakes import FakeDecodeWorker, FakePrefillWorker
+
+
+@pytest.fixture(scope="module")
+def workers(demo_model_dir):
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=12, max_num_seqs=8)
+    d0, d1 = FakeDecodeWorker("decode-0", cfg, None), FakeDecodeWorker("decode-1", cfg, None)
+    p = FakePrefillWorker("prefill-0", cfg, prefill_delay_s=0.0)
+    p.init_transport({"decode": {"decode-0": d0, "decode-1": d1}})
+    yield p, d0, d1
+    d0.shutdown()
+    d1.shutdown()
+
+
+def req(rid, n=5, max_tokens=4):
+    return GenerateRequest(rid, tuple(range(5, 5 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0), 0, 0.0)
+
+
+def make_router(workers, **kw):
+    p, d0, d1 = workers
+    stream = TokenStreamReceiver()
+    admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16))
+    router = Router([WorkerClient("prefill-0", "prefill", p)],
+                    [WorkerClient("decode-0", "decode", d0), WorkerClient("decode-1", "decode", d1)],
+                    stream, admission, RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1, **kw))
+    return router, stream
+
+
+async def _drain(d, rid, timeout=10.0):
+    """The doubles without a sink keep their batches; wait for the request's final delta."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        for b in list(d.sent):
+            for delta in b.deltas:
+                if delta.request_id == rid and delta.finish_reason:
+                    return delta
+        await asyncio.sleep(0.01)
+    raise TimeoutError(rid)
+
+
+def test_place_run_and_release(workers):
+    async def main():
+        router, stream = make_router(workers)
+        await router.start()
+        rs = await router.submit(req("a"))
+        assert rs.prefill_worker_id == "prefill-0" and rs.decode_worker_id in ("decode-0", "decode-1")
+        d = workers[1] if rs.decode_worker_id == "decode-0" else workers[2]
+        await _drain(d, "a")
+        router.finish("a")
+        assert router.admission.num_admitted == 0 and not router.inflight
+        rs2 = await router.submit(req("b"))
+        assert rs2.decode_worker_id != rs.decode_worker_id  # idle equals alternate
+        await _drain(workers[1] if rs2.decode_worker_id == "decode-0" else workers[2], "b")
+        router.finish("b")
+        await router.stop()
+        stream.close()
+    asyncio.run(main())
+
+
+def test_local_prefill_below_threshold(workers):
+    async def main():
+        router, stream = make_router(workers, local_prefill_threshold=8)
+        await router.start()
+        before = workers[0].submitted
+        rs = await router.submit(req("short", n=6))
+        assert rs.local_prefill and rs.prefill_worker_id is None and workers[0].submitted == before
+        router.finish("short", abort=True)
+        await router.stop()
+        stream.close()
+    asyncio.run(main())
+
+
+def test_full_decode_workers_give_429_and_abort_frees(workers):
+    async def main():
+        router, stream = make_router(workers)
+        await router.start()
+        # 11 usable blocks per worker; a 150-token prompt needs 10: one per worker.
+        a = await router.submit(req("big-a", n=150, max_tokens=2))
+        await asyncio.sleep(0.05)
+        b = await router.submit(req("big-b", n=150, max_tokens=2))
+        assert {a.decode_worker_id, b.decode_worker_id} == {"decode-0", "decode-1"}
+        router.finish("big-a", abort=True)
+        router.finish("big-b", abort=True)
+        await asyncio.sleep(0.1)
+        await router.poll_once()
+        assert all(v.free_blocks == v.total_blocks for v in router.decode_views())
+        await router.stop()
+        stream.close()
+    asyncio.run(main())
+
+
+def test_dead_worker_fails_its_requests_and_503_when_none_left(workers):
+    class Dead:
+        def stats(self):
+            raise ConnectionError("gone")
+
+        def abort(self, rid):
+            raise ConnectionError("gone")
+
+    async def main():
+        stream = TokenStreamReceiver()
+        router = Router([], [WorkerClient("decode-x", "decode", workers[1])], stream,
+                        AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                        RouterConfig(stats_interval_s=0.01, unhealthy_after_failures=2))
+        await router.start()
+        rs = await router.submit(req("doomed"))
+        assert rs.local_prefill  # no prefill worker: prefill on the decode worker
+        router.clients["decode-x"].handle = Dead()
+        delta = await rs.get(timeout=5)
+        while delta.finish_reason != "error":
+            delta = await rs.get(timeout=5)
+        assert "decode-x" in delta.error
+        router.finish("doomed", abort=True)
+        with pytest.raises(NoHealthyWorkerError):
+            await router.submit(req("next"))
+        assert not router.ready
+        await router.stop()
+        stream.close()
+        workers[1].abort("doomed")
+    asyncio.run(main())
+
+
+def test_token_stream_dispatch_over_zmq():
+    import msgpack
+    import zmq
+
+    from cluster.messages import TokenBatch
+
+    async def main():
+        stream = TokenStreamReceiver()
+        stream.start()
+        q = stream.register("r1")
+        batches = []
+        stream.on_batch = batches.append
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(stream.address)
+        sock.send(b"not msgpack")  # dropped, the stream survives
+        batch = TokenBatch("d0", 1, (TokenDelta("r1", (5, 6)), TokenDelta("gone", (1,))), 0.01, 2, 4)
+        sock.send(msgpack.packb(batch.to_wire()))
+        delta = await asyncio.wait_for(q.get(), 5)
+        assert delta == TokenDelta("r1", (5, 6)) and batches[0].bucket == 4
+        sock.close(linger=0)
+        await stream.stop()
+    asyncio.run(main())
