@@ -146,7 +146,8 @@ class StoreCoordinatedTransport(KVTransport):
             last_v, since = self._liveness.get(peer, (None, now))
             if v != last_v:
                 self._liveness[peer] = (v, now)
-            elif now - since > self.spec.peer_timeout_s:
+            elif v > 0 and now - since > self.spec.peer_timeout_s:
+                # (v == 0: the peer never started its transport; only the expect deadline judges it)
                 raise PeerDeadError(f"peer {peer} silent for {now - since:.1f}s (no heartbeat within "
                                     f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")
 
@@ -267,15 +268,22 @@ class StoreCoordinatedTransport(KVTransport):
         hkey = self._key(peer, self.worker_id, res.transfer_seq, "h")
         try:
             raw = self._wait_key(store, hkey, peer, p.deadline, f"header of transfer {res.transfer_seq}")
-            why = f"no KV from {peer} within expect_timeout_s={self.spec.expect_timeout_s}"
+            if peer in self._dead:
+                why = f"PeerDeadError: peer {peer} is marked dead: {self._dead[peer]}"
+            elif self._closed.is_set():
+                why = "RuntimeError: the KV transport closed"
+            elif p.deadline == 0.0:
+                why = "cancelled by the decode worker"
+            else:
+                why = f"TimeoutError: no KV from {peer} within expect_timeout_s={self.spec.expect_timeout_s}"
         except PeerDeadError as e:
-            raw, why = None, str(e)
-            self._mark_dead(peer, why)
+            raw, why = None, f"PeerDeadError: {e}"
+            self._mark_dead(peer, str(e))
         if raw is None:
             raw = store.compare_set(hkey, "", CANCEL)
             if raw == CANCEL:  # cancelled: nothing can land in these blocks any more
                 self._record("recv", res.request_id, 0, 0.0, False, peer)
-                return KVArrival(res, None, TransferStats(0, 0.0), error=f"TimeoutError: {why}")
+                return KVArrival(res, None, TransferStats(0, 0.0), error=why)
             # else the prefill claimed it in the meantime: take it
         t0 = time.perf_counter()
         header, nblocks, bpb = decode_header(raw)

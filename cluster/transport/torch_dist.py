@@ -87,12 +87,18 @@ class TorchDistTransport(StoreCoordinatedTransport):
     # -- prefill side ---------------------------------------------------------------------------
     def _push(self, store, reservation: Reservation, src_block_ids: list[int], deadline: float) -> int:
         peer, seq = reservation.decode_worker_id, reservation.transfer_seq
-        pg = self._group(peer)
-        rkey = self._key(self.worker_id, peer, seq, "r")
         # The decode side answers in transfer_seq order, so this may wait behind our own earlier
         # transfers (still prefilling): bounded like the decode side's own wait, while heartbeats
         # catch a dead peer within peer_timeout_s.
         turn = time.monotonic() + self.spec.expect_timeout_s
+        if peer not in self._groups:
+            # Form the pair's group only once the decode side is forming it too (it says so with "join"
+            # right before its constructor blocks), so a dead decode worker can't hold us in there.
+            jkey = f"{self.ns}/pg/{self.worker_id}/{peer}/join"
+            if self._wait_key(store, jkey, peer, max(deadline, turn), "the pair's group formation") is None:
+                raise TimeoutError(f"decode worker {peer} never started forming the transfer group")
+        pg = self._group(peer)
+        rkey = self._key(self.worker_id, peer, seq, "r")
         ready = self._wait_key(store, rkey, peer, max(deadline, turn), f"receives of transfer {seq}")
         if ready is None:
             raise TimeoutError(f"decode worker {peer} did not post receives for transfer {seq} in time")
@@ -134,6 +140,8 @@ class TorchDistTransport(StoreCoordinatedTransport):
     def _pull(self, store, peer: str, res: Reservation, nblocks: int, deadline: float) -> int:
         seq = res.transfer_seq
         dst = list(res.block_ids[:nblocks])
+        if peer not in self._groups:
+            store.set(f"{self.ns}/pg/{peer}/{self.worker_id}/join", b"1")
         pg = self._group(peer)
         cache = self.kv_cache
         direct = not self.staged and dst == list(range(dst[0], dst[0] + nblocks))

@@ -97,8 +97,8 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
 
     def snooping_send(res, header, src, timeout_s):
         # What the prefill computed, captured right before it ships (test only).
-        out_q.put(("kv", header.request_id, block_checksum(w.kv_cache, src), kv_cache_blocks(w.kv_cache, src).clone()
-                   if opts.get("ship_kv") else None))
+        kv = kv_cache_blocks(w.kv_cache, src).contiguous().view(torch.uint8).numpy().tobytes() if opts.get("ship_kv") else None
+        out_q.put(("kv", header.request_id, block_checksum(w.kv_cache, src), kv))
         if header.request_id in slow:
             time.sleep(slow[header.request_id])
         if die_after is not None and next(sends) > die_after:
@@ -108,6 +108,7 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
     t.send = snooping_send
     w.set_transport(t, send_timeout_s=opts.get("send_timeout_s", 10.0))
     w.start()
+    out_q.put(("ready", worker_id))
     futs = []
     while True:
         try:

@@ -1,0 +1,240 @@
+"""Prefill and decode in separate processes over gloo, coordinated through one TCPStore."""
+
+import multiprocessing as mp
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness  # noqa: E402
+
+from cluster.engine import LLMEngine  # noqa: E402
+from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.transport.base import kv_cache_blocks  # noqa: E402
+from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.factory import TransportSpec  # noqa: E402
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def store():
+    s = start_store("127.0.0.1", 0)
+    yield s
+
+
+def _spec(store, ns, **kw):
+    return TransportSpec("torch_dist", store_host="127.0.0.1", store_port=store.port, namespace=ns,
+                         heartbeat_s=0.1, **kw)
+
+
+class PrefillProc:
+    def __init__(self, spec, worker_id, model_dir, **opts):
+        self.in_q, self.out_q = CTX.Queue(), CTX.Queue()
+        self.proc = CTX.Process(target=harness.prefill_child, args=(spec, worker_id, model_dir, self.in_q, self.out_q, opts), daemon=True)
+        self.proc.start()
+        self.kv, self.sums, self.results, self.metrics = {}, {}, {}, None
+
+    def submit(self, task, abort_after=None):
+        self.in_q.put((task, abort_after))
+
+    def drain(self, block=False, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, *rest = self.out_q.get(timeout=0.05 if not block else max(0.01, deadline - time.monotonic()))
+            except Exception:
+                if not block or time.monotonic() > deadline or not self.proc.is_alive():
+                    return
+                continue
+            if kind == "kv":
+                self.sums[rest[0]] = rest[1]
+                if rest[2] is not None:
+                    self.kv[rest[0]] = rest[2]
+            elif kind == "result":
+                self.results[rest[0].request_id] = rest[0]
+            elif kind == "metrics":
+                self.metrics = rest[0]
+            elif kind == "done":
+                return
+            elif kind == "ready" and self._until_ready:
+                return
+
+    _until_ready = False
+
+    def wait_ready(self):
+        self._until_ready = True
+        self.drain(block=True)
+        self._until_ready = False
+
+    def finish(self):
+        self.in_q.put(None)
+        self.drain(block=True)
+        self.proc.join(timeout=30)
+
+
+def test_kv_bit_identical_and_greedy_matches_engine(demo_model_dir, store):
+    spec = _spec(store, "exact")
+    p = PrefillProc(spec, "p0", demo_model_dir, ship_kv=True, budget=48)
+    dec = harness.DecodeSide("d0", demo_model_dir, spec)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (7, 16, 61, 33, 100)]
+    reqs = [harness.request(pr, max_tokens=8) for pr in prompts]
+    # Non-contiguous reservation for one request exercises the staging + scatter path.
+    dec.allocator.allocate(1)
+    tasks = [dec.reserve(r, "p0") for r in reqs]
+    for t in tasks:
+        p.submit(t)
+    arrivals = dec.wait_arrivals(len(reqs))
+    p.finish()
+    assert len(arrivals) == len(reqs) and all(a.error is None for a in arrivals), arrivals
+    assert [a.reservation.transfer_seq for a in arrivals] == list(range(len(reqs)))
+    ref = LLMEngine(demo_model_dir).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for a, req, out in zip(arrivals, reqs, ref):
+        n = -(-len(req.prompt_token_ids) // 16)
+        got = kv_cache_blocks(dec.kv_cache, list(a.reservation.block_ids[:n]))
+        assert got.contiguous().view(torch.uint8).numpy().tobytes() == p.kv[req.request_id]  # bit-identical
+        assert a.stats.bytes == n * dec.kvspec.bytes_per_block and a.stats.gbps > 0
+        assert p.results[req.request_id].ok and p.results[req.request_id].transfer_bytes == a.stats.bytes
+        assert dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
+    assert p.metrics["transfers"] == len(reqs) and p.metrics["failures"] == 0
+    dec.transport.close()
+
+
+def test_interleaved_prefills_and_decodes_keep_order(demo_model_dir, store):
+    spec = _spec(store, "many")
+    ps = {pid: PrefillProc(spec, pid, demo_model_dir, budget=40) for pid in ("p0", "p1")}
+    decs = {did: harness.DecodeSide(did, demo_model_dir, spec, with_model=False) for did in ("d0", "d1")}
+    rng = random.Random(1)
+    sent = []
+    for i in range(16):
+        pid, did = rng.choice(sorted(ps)), rng.choice(sorted(decs))
+        req = harness.request([rng.randrange(5, 500) for _ in range(rng.randrange(1, 90))])
+        task = decs[did].reserve(req, pid)
+        ps[pid].submit(task)
+        sent.append((pid, did, task))
+    got = {did: d.wait_arrivals(sum(1 for _, x, _ in sent if x == did)) for did, d in decs.items()}
+    for p in ps.values():
+        p.finish()
+    for did, arrivals in got.items():
+        assert all(a.error is None for a in arrivals), arrivals
+        for pid in ps:
+            seqs = [a.reservation.transfer_seq for a in arrivals if (pid, did, a.reservation.request_id) in
+                    {(x, y, t.request.request_id) for x, y, t in sent}]
+            assert seqs == sorted(seqs) and len(seqs) == sum(1 for x, y, _ in sent if (x, y) == (pid, did))
+        for a in arrivals:
+            pid = next(x for x, _, t in sent if t.request.request_id == a.reservation.request_id)
+            n = -(-a.header.num_tokens // 16)
+            assert harness.block_checksum(decs[did].kv_cache, a.reservation.block_ids[:n]) == ps[pid].sums[a.reservation.request_id]
+    for d in decs.values():
+        d.transport.close()
+
+
+def test_killed_prefill_times_out_instead_of_hanging(demo_model_dir, store):
+    spec = _spec(store, "killp", peer_timeout_s=1.0, expect_timeout_s=60.0)
+    p = PrefillProc(spec, "p0", demo_model_dir, die_after_sends=1)
+    dec = harness.DecodeSide("d0", demo_model_dir, spec, with_model=False)
+    tasks = [dec.reserve(harness.request(list(range(5, 30))), "p0") for _ in range(3)]
+    p.submit(tasks[0])
+    arrivals = dec.wait_arrivals(1, timeout=60)
+    t0 = time.monotonic()
+    for t in tasks[1:]:
+        p.submit(t)
+    arrivals += dec.wait_arrivals(2, timeout=20)
+    elapsed = time.monotonic() - t0
+    p.proc.join(timeout=5)
+    assert p.proc.exitcode == 17
+    assert len(arrivals) == 3 and elapsed < 15, (arrivals, elapsed)
+    assert arrivals[0].error is None
+    for a in arrivals[1:]:
+        assert a.error and "dead" in a.error and a.header is None, a.error
+        dec.allocator.free(list(a.reservation.block_ids))  # the failed arrival is what frees them
+    # The peer stays dead: a later expect fails fast instead of waiting expect_timeout_s.
+    late = dec.reserve(harness.request(list(range(5, 9))), "p0")
+    (a,) = dec.wait_arrivals(1, timeout=5)
+    assert a.reservation == late.reservation and "dead" in a.error
+    dec.transport.close()
+
+
+def test_killed_decode_fails_the_send_with_a_clear_error(demo_model_dir, store):
+    from cluster.messages import KVHeader, Reservation
+    from cluster.transport.factory import create_transport
+
+    spec = _spec(store, "killd", peer_timeout_s=1.0, transfer_timeout_s=30.0)
+    # The decode worker reserved and then died: no heartbeat, no receives.
+    store.add("killd/hb/d0", 5)
+    kv = torch.randn(2, 2, 8, 16, 2, 4)
+    t = create_transport(spec, kv, "p0", "prefill")
+    res = Reservation("r-dead", "d0", (1, 2), 0)
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError), match="d0"):
+        t.send(res, KVHeader("r-dead", 0, 20, 3), [3, 4], timeout_s=30.0)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match="marked dead"):
+        t.send(Reservation("r2", "d0", (5,), 1), KVHeader("r2", 1, 4, 3), [5], timeout_s=30.0)
+    t.close()
+
+
+def test_random_aborts_and_timeouts_never_expose_foreign_blocks(demo_model_dir, store):
+    """A small pool forces block reuse; prefill aborts, decode cancels and expect timeouts race the
+    transfers. Every block a request decodes from must hold exactly that request's KV, from arrival
+    until it is freed, and a freed block must stay untouched until it is handed out again."""
+    spec = _spec(store, "chaos", expect_timeout_s=1.0)
+    rng = random.Random(7)
+    reqs = [harness.request([rng.randrange(5, 500) for _ in range(rng.randrange(1, 60))]) for _ in range(40)]
+    slow = {r.request_id: 1.5 for r in reqs if rng.random() < 0.2}  # past expect_timeout_s: cancelled
+    p = PrefillProc(spec, "p0", demo_model_dir, budget=32, slow=slow)
+    dec = harness.DecodeSide("d0", demo_model_dir, spec, num_blocks=24, with_model=False)
+    p.wait_ready()
+    POISON = float("nan")
+    dec.kv_cache.fill_(POISON)
+    poison_sum = harness.block_checksum(dec.kv_cache, [1])[0]
+    live, decoding, arrived_sums, outcomes = {}, [], {}, {"ok": 0, "aborted": 0, "timeout": 0, "cancelled": 0}
+    todo = list(reqs)
+
+    def check_free_untouched():
+        free = list(dec.allocator._free)
+        assert all(s == poison_sum for s in harness.block_checksum(dec.kv_cache, free)), "write into a free block"
+
+    deadline = time.monotonic() + 60
+    while (todo or live or decoding) and time.monotonic() < deadline:
+        if todo and dec.allocator.can_allocate(-(-len(todo[0].prompt_token_ids) // 16) + 1) and len(live) < 6:
+            req = todo.pop(0)
+            task = dec.reserve(req, "p0")
+            live[req.request_id] = task
+            r = rng.random()
+            p.submit(task, abort_after=0.0 if r < 0.15 else None)
+            if 0.15 <= r < 0.25:
+                dec.transport.cancel(task.reservation, "p0")  # decode side aborts: blocks held until arrival
+        for a in dec.transport.poll_arrivals():
+            task = live.pop(a.reservation.request_id)
+            blocks = list(a.reservation.block_ids)
+            if a.error is None:
+                n = -(-a.header.num_tokens // 16)
+                arrived_sums[a.reservation.request_id] = (harness.block_checksum(dec.kv_cache, blocks[:n]), n)
+                decoding.append((time.monotonic() + rng.random() * 0.2, a.reservation.request_id, blocks, n))
+                outcomes["ok"] += 1
+            else:
+                outcomes["timeout" if "Timeout" in a.error else "aborted"] += 1
+                dec.kv_cache[:, :, blocks] = POISON
+                dec.allocator.free(blocks)
+        for item in [d for d in decoding if d[0] < time.monotonic()]:
+            _, rid, blocks, n = item
+            assert harness.block_checksum(dec.kv_cache, blocks[:n]) == arrived_sums[rid][0], f"{rid}'s blocks were rewritten"
+            dec.kv_cache[:, :, blocks] = POISON
+            dec.allocator.free(blocks)
+            decoding.remove(item)
+        check_free_untouched()
+        time.sleep(0.002)
+    p.finish()
+    assert not todo and not live and not decoding, (len(todo), live, decoding)
+    for rid, (sums, n) in arrived_sums.items():
+        assert sums == p.sums[rid], f"{rid} decoded from KV that is not its own"
+    assert outcomes["ok"] >= 10 and outcomes["timeout"] + outcomes["aborted"] >= 5, outcomes
+    failed_sends = [r for r in p.results.values() if not r.ok]
+    assert all(r.error for r in failed_sends)
+    dec.transport.close()
