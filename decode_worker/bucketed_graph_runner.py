@@ -93,8 +93,9 @@ class StepInfo:
     batch_size: int
     bucket: int  # rows computed (padded); equals batch_size for an unpadded eager batch
     graph: bool
-    host_prepare_s: float
+    host_prepare_s: float  # filling the staging buffers and queueing the copies
     variant: str
+    launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
 
 
 class StepHandle:
@@ -142,7 +143,7 @@ class BucketedGraphRunner:
         self.variants = tuple(v for v in VARIANTS if v in variants)
         if not self.variants:
             raise ValueError(f"no known sampler variant in {list(variants)}; choose from {VARIANTS}")
-        self._forward_model = self._compiled_forward() if compile_decode else self._model_logits
+        self._logits_fn = self._compiled_logits() if compile_decode else self._logits
         self.compile_decode = compile_decode
 
         dev, mb = self.device, self.max_bs
@@ -161,6 +162,9 @@ class BucketedGraphRunner:
         self._np_floats = [t.numpy() for t in self._host_floats]
         self._np_tables = [t.numpy() for t in self._host_tables]
         self._slot = 0
+        # Timing events per staging slot, reused (a slot is reused only after its step was read).
+        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(2)] if pin else []
 
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -168,29 +172,30 @@ class BucketedGraphRunner:
         self.capture_stats: dict[int, dict[str, float]] = {}  # bucket -> seconds, bytes
 
     # -- the captured region ----------------------------------------------------------------------
-    def _model_logits(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(ids, pos, meta))
-
-    def _compiled_forward(self):
-        # Inductor fuses the norms, residual adds, rotary and SiLU*mul; dynamic batch so one compile
-        # serves every bucket (each bucket's graph then captures the compiled kernels).
-        return torch.compile(self._model_logits, dynamic=True, fullgraph=False)
-
-    def _forward(self, b: int, width: int, variant: str) -> None:
-        """Decode `b` rows from the static buffers into out_tokens[:b]. No host sync anywhere."""
-        host_ids, prev_row, pos, top_k, seeds = self.ints[: _INT_FIELDS * b].view(_INT_FIELDS, b)
-        temperature, top_p = self.floats[: _FLOAT_FIELDS * b].view(_FLOAT_FIELDS, b)
+    def _logits(self, host_ids, prev_row, pos, tables) -> torch.Tensor:
+        """Input ids, slot mapping and context lengths on the device, then the model: [b, vocab] float."""
         # Rows continuing from the previous step take its sampled token straight from the device.
         # (out_tokens is read here and only written at the end of this same step.)
         ids = torch.where(prev_row >= 0, self.out_tokens[prev_row.clamp(min=0)], host_ids)
-        tables = self.block_tables[:b, :width]
         blk = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long()
         meta = AttentionMetadata(
             slot_mapping=blk * self.block_size + pos % self.block_size,
             block_tables=tables,
             context_lens=(pos + 1).to(torch.int32),
         )
-        logits = self._forward_model(ids, pos, meta)
+        return self.model.compute_logits(self.model(ids, pos, meta))
+
+    def _compiled_logits(self):
+        # Inductor fuses the norms, residual adds, rotary, SiLU*mul and the input preparation; dynamic
+        # batch so one compile serves every bucket (each bucket's graph then captures the compiled
+        # kernels). The attention backend's KV write + kernel stay outside (a graph break per layer).
+        return torch.compile(self._logits, dynamic=True, fullgraph=False)
+
+    def _forward(self, b: int, width: int, variant: str) -> None:
+        """Decode `b` rows from the static buffers into out_tokens[:b]. No host sync anywhere."""
+        host_ids, prev_row, pos, top_k, seeds = self.ints[: _INT_FIELDS * b].view(_INT_FIELDS, b)
+        temperature, top_p = self.floats[: _FLOAT_FIELDS * b].view(_FLOAT_FIELDS, b)
+        logits = self._logits_fn(host_ids, prev_row, pos, self.block_tables[:b, :width])
         if variant == "greedy":
             tokens = logits.argmax(dim=-1)
         else:
@@ -288,19 +293,20 @@ class BucketedGraphRunner:
         cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if cuda:
-            start_ev = torch.cuda.Event(enable_timing=True)
-            end_ev = torch.cuda.Event(enable_timing=True)
+            start_ev, end_ev = self._events[slot]
             start_ev.record()
         self.ints[: _INT_FIELDS * b].copy_(self._host_ints[slot][: _INT_FIELDS * b], non_blocking=True)
         self.floats[: _FLOAT_FIELDS * b].copy_(self._host_floats[slot][: _FLOAT_FIELDS * b], non_blocking=True)
         self.block_tables[:b, :width].copy_(self._host_tables[slot][: b * width].view(b, width), non_blocking=True)
         info = StepInfo(n, b, graph is not None, time.perf_counter() - t0, variant)
+        t_launch = time.perf_counter()
         if graph is not None:
             # NOTE: columns >= width of the static block tables may hold stale ids from earlier steps.
             # They are valid block ids, and every kernel masks positions >= context length.
             graph.replay()
         else:
             self._forward(b, width, variant)
+        info.launch_s = time.perf_counter() - t_launch
         self._host_out[slot, :n].copy_(self.out_tokens[:n], non_blocking=True)
         if cuda:
             end_ev.record()

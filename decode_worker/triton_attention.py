@@ -125,6 +125,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // work)))
 
 
+# NOTE: kept out of torch.compile: its split count is computed from the batch size on the host, which
+# under a dynamic-shape compile would guard on (and recompile for) every bucket. The compiled decode
+# forward breaks around it and the CUDA graph captures both sides alike.
+@torch.compiler.disable
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -172,8 +176,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
     """Decode through the Triton kernel; store_kv and prefill as the torch reference does them."""
 
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
-        self.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.is_prefill:
+            self.store_kv(k, v, kv_layer, meta.slot_mapping)
             return self._prefill(q, k, v, kv_layer, meta)
+        return self._decode_step(q, k, v, kv_layer, meta)
+
+    # NOTE: outside torch.compile as a whole: the KV write mutates a slice of the cache in place, which
+    # Inductor would otherwise functionalise (a copy of the cache layer per step).
+    @torch.compiler.disable
+    def _decode_step(self, q, k, v, kv_layer, meta: AttentionMetadata):
+        self.store_kv(k, v, kv_layer, meta.slot_mapping)
         return paged_decode_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens,
                                       self.scale, self.sliding_window)
