@@ -105,8 +105,8 @@ class ClusterConfig(BaseModel):
     """Largest accepted HTTP request body."""
     token_stream_host: str | None = None
     """Address the decode workers push tokens to (default: 127.0.0.1 locally, this node's IP in a cluster)."""
-    kv_transport: str | None = None
-    """KV transport backend for cluster.transport (default: its own choice)."""
+    kv_transport: Literal["torch_dist", "same_gpu", "local"] | None = None
+    """KV transport kind (cluster.transport.factory); none: same_gpu when actors share one GPU, else torch_dist."""
 
     @field_validator("block_size")
     @classmethod

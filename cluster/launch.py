@@ -81,6 +81,10 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace)
     handles = {**prefill, **decode}
+    missing = [wid for wid, h in handles.items() if not hasattr(h, "init_transport")]
+    if missing:
+        raise PdserveError(f"workers {missing} have no init_transport(spec); run with --prefill-workers 0 "
+                           "to prefill on the decode workers")
     try:
         ray.get([h.init_transport.remote(spec) for h in handles.values()], timeout=cfg.ready_timeout_s)
     except ray.exceptions.RayActorError as e:
