@@ -77,6 +77,19 @@ def build_rows(events: list[Event], windows: list[StepWindow], server: Callable[
     return rows
 
 
+def target_checks(rows: list[dict]) -> dict:
+    """The issue's targets: client ITL p50 within 10 % of the server's step time at every batch size,
+    and ITL p50 at batch 64 at most twice that at batch 1 (None where the data is missing)."""
+    ratios = [r.get("itl_p50_over_step") for r in rows]
+    by_bs = {r["batch_size"]: r.get("itl_p50_ms") for r in rows}
+    b1, b64 = by_bs.get(1), by_bs.get(64)
+    return {
+        "itl_p50_within_10pct_of_step": (all(abs(x - 1) <= 0.10 for x in ratios) if ratios and None not in ratios
+                                         else None),
+        "itl_bs64_over_bs1": round(b64 / b1, 3) if b1 and b64 else None,
+    }
+
+
 def format_table(rows: list[dict]) -> str:
     cols = [("batch", "batch_size", "{:d}"), ("srv bs", "server_batch_size", "{:g}"), ("bucket", "server_bucket", "{:g}"),
             ("pad", "server_padded_rows", "{:g}"), ("step ms", "server_step_ms", "{:.2f}"),

@@ -31,7 +31,7 @@ import httpx
 
 from cluster.errors import PdserveError
 from loadtest.records import read_events, read_step_log, step_windows
-from loadtest.report import build_rows, format_table, progress_line, write_plot, write_summary
+from loadtest.report import build_rows, format_table, progress_line, target_checks, write_plot, write_summary
 from loadtest.server_stats import ServerStatsPoller
 
 REPO = Path(__file__).resolve().parent.parent
@@ -285,12 +285,15 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
     plot = Path(args.plot) if args.plot else out / "itl.png"
     summary.parent.mkdir(parents=True, exist_ok=True)
     plot.parent.mkdir(parents=True, exist_ok=True)
-    write_summary(summary, rows, config, {"server_stats_source": poller.source, "server_stats_gaps": poller.gaps,
+    checks = target_checks(rows)
+    write_summary(summary, rows, config, {"checks": checks, "server_stats_source": poller.source, "server_stats_gaps": poller.gaps,
                                           "server_step_records": len(poller.records), "output_dir": str(out)})
     made = write_plot(rows, plot, args.title)
     print()
     print(format_table(rows))
-    print(f"\nsummary: {summary}\nplot: {made or '(no data)'}\nlocust CSVs and raw events: {out}")
+    print(f"\ntargets: ITL p50 within 10% of server step: {checks['itl_p50_within_10pct_of_step']}; "
+          f"ITL p50 batch 64 / batch 1: {checks['itl_bs64_over_bs1']}")
+    print(f"summary: {summary}\nplot: {made or '(no data)'}\nlocust CSVs and raw events: {out}")
     if poller.gaps:
         print(f"note: {poller.gaps} /stats polls found records missing since the previous poll "
               f"(poll faster with --stats-interval)")
