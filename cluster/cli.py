@@ -59,11 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_extra_commands(sub) -> None:
     """Commands whose modules live in other packages register here (serve, loadtest)."""
-    try:
-        from cluster.launch import add_serve_command
-    except ImportError:
-        return
+    from cluster.launch import add_serve_command
+    from loadtest.run import add_loadtest_command
+
     add_serve_command(sub)
+    add_loadtest_command(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

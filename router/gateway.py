@@ -42,6 +42,7 @@ from router.openai_protocol import (
     ModelCard, ModelList, UsageInfo,
 )
 from router.router import RequestStream, Router
+from router.step_stats import StepStats
 from router.token_stream import TokenStreamReceiver
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ class Generation:
                     self.finish_reason = finish
                     yield text, finish
                 if finish is not None:
+                    rs = self.stream
+                    self.gw.step_stats.record_request(rid, arrival, rs.placed_time or arrival, rs.first_token_time,
+                                                      time.time(), self.completion_tokens, rs.prefill_result,
+                                                      rs.local_prefill)
                     m.e2e.observe(time.time() - arrival)
                     m.generation_tokens.inc(self.completion_tokens)
                     m.finished(finish)
@@ -159,7 +164,13 @@ class Gateway:
         self.router = router
         self.token_stream = token_stream
         self.metrics = metrics
-        token_stream.on_batch = metrics.observe_batch
+        self.step_stats = StepStats()
+
+        def on_batch(batch) -> None:
+            metrics.observe_batch(batch)
+            self.step_stats.record_batch(batch)
+
+        token_stream.on_batch = on_batch
         self._rng = random.Random()
 
     async def start(self) -> None:
@@ -444,6 +455,11 @@ def build_app(gw: Gateway) -> FastAPI:
     async def ready():
         ok = gw.router.ready
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/stats")
+    async def stats(since: float = 0.0):
+        """Recent decode steps (batch size, bucket, padding, step time) and request timings."""
+        return JSONResponse(gw.step_stats.snapshot(since))
 
     @app.get("/metrics")
     async def metrics():

@@ -49,6 +49,17 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     prefill = next(iter(real_pd_cluster.workers.prefill.values()))
     assert ray.get(prefill.stats.remote()).outstanding_prefill_tokens == 0
 
+    # /stats: the decode steps that ran and each request's TTFT split into its parts.
+    stats = httpx.get(f"{real_pd_cluster.url}/stats").json()
+    steps = stats["decode_steps"]
+    assert steps and all(s["batch_size"] >= 1 and s["step_ms"] > 0 for s in steps)
+    assert all(s["padded_rows"] == (s["bucket"] - s["batch_size"] if s["bucket"] else 0) for s in steps)
+    remote = [r for r in stats["requests"] if not r["local_prefill"]]
+    assert len(remote) == 8
+    for r in remote:
+        parts = r["queue_ms"] + r["prefill_ms"] + r["transfer_ms"] + r["first_step_ms"]
+        assert r["prefill_ms"] > 0 and r["transfer_ms"] > 0 and abs(parts - r["ttft_ms"]) < 1e-3
+
 
 def test_disaggregated_disconnect_frees_blocks(real_pd_cluster):
     with httpx.stream("POST", f"{real_pd_cluster.url}/v1/completions", timeout=60, json={
