@@ -40,6 +40,10 @@ def copy_blocks(dst_cache: torch.Tensor, dst_ids: list[int], src_cache: torch.Te
     a contiguous run is one strided copy_ (2*L chunks of run*block bytes); gather+scatter would read
     and write everything twice."""
     runs = block_runs(src_ids, dst_ids)
+    # NOTE: a strided copy is not vectorised; moving 8-byte words instead of bf16 elements cuts its
+    # index arithmetic 4x (head_dim * itemsize is a multiple of 8 for every model we serve).
+    if (dst_cache.shape[-1] * dst_cache.element_size()) % 8 == 0 and dst_cache.dtype == src_cache.dtype:
+        dst_cache, src_cache = dst_cache.view(torch.int64), src_cache.view(torch.int64)
     if len(runs) <= _MAX_RUNS:
         for s0, d0, n in runs:
             dst_cache[:, :, d0:d0 + n].copy_(src_cache[:, :, s0:s0 + n], non_blocking=True)
