@@ -162,6 +162,12 @@ class BucketedGraphRunner:
         self._np_floats = [t.numpy() for t in self._host_floats]
         self._np_tables = [t.numpy() for t in self._host_tables]
         self._slot = 0
+        # Host mirrors of the slowly changing per-row inputs (see _prepare).
+        self._row_owner: list[tuple | None] = [None] * mb
+        self._m_ints = np.zeros((_INT_FIELDS - 3, mb), dtype=np.int64)  # top_k, seed
+        self._m_floats = np.zeros((_FLOAT_FIELDS, mb), dtype=np.float32)  # temperature, top_p
+        self._m_floats[1] = 1.0
+        self._m_tables = np.full((mb, self.max_blocks), NULL_BLOCK, dtype=np.int32)
         # Timing events per staging slot, reused (a slot is reused only after its step was read).
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         for _ in range(2)] if pin else []
@@ -218,6 +224,9 @@ class BucketedGraphRunner:
         bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress)
         for b in bar:
             torch.cuda.synchronize()
+            # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
+            # difference in reserved memory is what this bucket's graphs added to the shared pool.
+            torch.cuda.empty_cache()
             t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             for v in self.variants:
                 self._forward(b, self.max_blocks, v)  # warm-up: lazy init, autotuning, allocator
@@ -230,6 +239,7 @@ class BucketedGraphRunner:
                 self.graphs[(b, v)] = g
                 self.num_captures += 1
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             self.capture_stats[b] = {
                 "seconds": time.perf_counter() - t0,
                 "bytes": torch.cuda.memory_reserved(self.device) - mem0,
@@ -249,33 +259,53 @@ class BucketedGraphRunner:
         return bucket_for(self.buckets, n) or n
 
     def _prepare(self, rows, b: int, slot: int) -> int:
-        """Fills host staging slot for a batch padded to b rows; returns the block-table width."""
+        """Fills host staging slot for a batch padded to b rows; returns the block-table width.
+
+        Per-row state that rarely changes (sampling parameters, block tables) lives in host mirrors
+        keyed by which sequence holds the row and how many blocks it had: a row is rewritten only when
+        that changes (a sequence joined/left or took a new block), then the mirror is copied into the
+        staging slot with one slice per field. Positions and input tokens change every step."""
         n = len(rows)
         ints = self._np_ints[slot][: _INT_FIELDS * b].reshape(_INT_FIELDS, b)
         floats = self._np_floats[slot][: _FLOAT_FIELDS * b].reshape(_FLOAT_FIELDS, b)
-        seqs = [r.seq for r in rows]
-        params = [s.params for s in seqs]
+        owner, m_ints, m_floats, m_tables = self._row_owner, self._m_ints, self._m_floats, self._m_tables
+        width = 1
+        for i, r in enumerate(rows):
+            seq = r.seq
+            table = seq.block_table
+            nb = len(table)
+            if nb > width:
+                width = nb
+            old = owner[i]
+            # Identity, not equality: a preempted and readmitted sequence gets a new table list.
+            if old is None or old[0] is not seq or old[1] is not table or old[2] != nb:
+                if old is None or old[0] is not seq:
+                    p = seq.params
+                    m_ints[0, i] = p.top_k
+                    m_ints[1, i] = seq.seed
+                    m_floats[0, i] = p.temperature
+                    m_floats[1, i] = p.top_p
+                    m_tables[i, nb:] = NULL_BLOCK
+                m_tables[i, :nb] = table
+                owner[i] = (seq, table, nb)
+        for i in range(n, b):  # padding rows: greedy, position 0 of NULL_BLOCK
+            if owner[i] is not None:
+                m_ints[:, i] = 0
+                m_floats[0, i] = 0.0
+                m_floats[1, i] = 1.0
+                m_tables[i, :] = NULL_BLOCK
+                owner[i] = None
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence holds {width} blocks, more than max_blocks_per_seq={self.max_blocks}")
         ints[0, :n] = [r.token_id for r in rows]
         ints[1, :n] = [r.prev_row for r in rows]
         ints[2, :n] = [r.position for r in rows]
-        ints[3, :n] = [p.top_k for p in params]
-        ints[4, :n] = [s.seed for s in seqs]
-        floats[0, :n] = [p.temperature for p in params]
-        floats[1, :n] = [p.top_p for p in params]
-        # Padding rows: host token 0 at position 0 of NULL_BLOCK, greedy.
         ints[0, n:] = 0
         ints[1, n:] = -1
-        ints[2:, n:] = 0
-        floats[0, n:] = 0.0
-        floats[1, n:] = 1.0
-        width = max(len(s.block_table) for s in seqs)
-        if width > self.max_blocks:
-            raise ValueError(f"a sequence holds {width} blocks, more than max_blocks_per_seq={self.max_blocks}")
-        tables = self._np_tables[slot][: b * width].reshape(b, width)
-        tables.fill(NULL_BLOCK)
-        for i, s in enumerate(seqs):
-            t = s.block_table
-            tables[i, : len(t)] = t
+        ints[2, n:] = 0
+        ints[3:, :] = m_ints[:, :b]
+        floats[:, :] = m_floats[:, :b]
+        self._np_tables[slot][: b * width].reshape(b, width)[:] = m_tables[:b, :width]
         return width
 
     @torch.inference_mode()

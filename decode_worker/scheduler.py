@@ -30,7 +30,15 @@ from cluster.sequence import Sequence, SequenceStatus
 from decode_worker.block_manager import BlockManager
 
 
-@dataclass
+def _delta(request_id: str, token_ids: tuple[int, ...], finish_reason: str | None) -> TokenDelta:
+    """TokenDelta without the frozen dataclass __init__ (object.__setattr__ per field): this runs
+    once per row per step on the loop thread, where it was a third of the output processing."""
+    d = object.__new__(TokenDelta)
+    d.__dict__.update(request_id=request_id, token_ids=token_ids, finish_reason=finish_reason, error=None)
+    return d
+
+
+@dataclass(slots=True)
 class DecodeRow:
     seq: Sequence
     token_id: int  # host-known input token; ignored when prev_row >= 0
@@ -194,23 +202,43 @@ class DecodeScheduler:
         """The rows of decode step `step`. pipeline_busy: a step is in flight whose results aren't
         processed yet. Grows block tables; on a short pool returns needs_drain or preempts."""
         batch = DecodeBatch(step, [])
-        candidates = [s for s in self.running if self._schedulable(s)]
-        need = sum(self.blocks.blocks_needed(s.block_table, self._input_of(s)[2] + 1) for s in candidates)
+        bsz, max_len, pending_of = self.blocks.block_size, self.max_model_len, self._pending
+        # One pass over the running set (this is the per-step host path: keep it flat).
+        plan = []  # (seq, token, prev_row, position, extra blocks)
+        need = 0
+        for seq in self.running:
+            pending = pending_of.get(seq.request_id)
+            n_pending = len(pending) if pending else 0
+            n_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            # The token in flight already reaches max_tokens (or the context limit): nothing to run.
+            if len(seq.output_token_ids) + n_pending >= seq.params.max_tokens or n_tokens + n_pending >= max_len:
+                continue
+            if n_pending:
+                # NOTE: only the latest step's output is on the device, so the token in flight must be
+                # from the step just before this one; the worker's loop keeps at most one step unread.
+                token, prev_row, pos = 0, pending[-1][1], n_tokens - 1 + n_pending
+            else:
+                token, prev_row, pos = seq.last_token_id, -1, n_tokens - 1
+            extra = pos // bsz + 1 - len(seq.block_table)
+            if extra > 0:
+                need += extra
+            plan.append((seq, token, prev_row, pos, extra))
         if need > self.blocks.num_free:
             if pipeline_busy:
                 batch.needs_drain = True
                 return batch
             # Preempt the newest until the rest fit (the engine's policy; recomputed later).
-            while candidates and need > self.blocks.num_free:
-                victim = candidates.pop()
-                need -= self.blocks.blocks_needed(victim.block_table, self._input_of(victim)[2] + 1)
+            while plan and need > self.blocks.num_free:
+                victim, *_, extra = plan.pop()
+                need -= max(extra, 0)
                 self._preempt(victim)
                 batch.preempted.append(victim)
-        for seq in candidates:
-            token, prev_row, pos = self._input_of(seq)
-            ok = self.blocks.grow(seq.block_table, pos + 1)
-            assert ok, "blocks were counted above"
-            batch.rows.append(DecodeRow(seq, token, prev_row, pos))
+        rows = batch.rows
+        for seq, token, prev_row, pos, extra in plan:
+            if extra > 0:
+                ok = self.blocks.grow(seq.block_table, pos + 1)
+                assert ok, "blocks were counted above"
+            rows.append(DecodeRow(seq, token, prev_row, pos))
         return batch
 
     def on_step_launched(self, batch: DecodeBatch) -> None:
@@ -232,11 +260,11 @@ class DecodeScheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.finish_reason is not None:
                 continue  # finished, aborted or preempted after this step was launched
             reason = seq.append_token(tok)
-            seq.num_cached_tokens = seq.num_tokens - 1
+            seq.num_cached_tokens = row.position + 1
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq)
-            deltas.append(TokenDelta(rid, (tok,), reason))
+            deltas.append(_delta(rid, (tok,), reason))
         self.blocks.step_completed(batch.step)
         return deltas
 
