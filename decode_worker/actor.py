@@ -34,8 +34,16 @@ class DecodeWorkerActor:
     def step_metrics(self) -> dict:
         return self.worker.step_metrics()
 
-    # The transport engineer adds `init_transport(spec)` here: build the transport over
-    # `self.worker.kv_cache` and hand it to `self.worker.attach_transport(transport)`.
+    def init_transport(self, spec) -> None:
+        """Builds the KV transport over this worker's cache; from then on reserve() expects transfers."""
+        from cluster.transport.factory import create_transport
+
+        w = self.worker
+        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
+
+    def transfer_metrics(self) -> dict:
+        t = self.worker.transport
+        return t.metrics() if t is not None and hasattr(t, "metrics") else {}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -195,6 +195,15 @@ class BucketedGraphRunner:
         # Inductor fuses the norms, residual adds, rotary, SiLU*mul and the input preparation; dynamic
         # batch so one compile serves every bucket (each bucket's graph then captures the compiled
         # kernels). The attention backend's KV write + kernel stay outside (a graph break per layer).
+        import torch._dynamo.config as dynamo_cfg
+
+        # Each graph break resumes in a layer's frame, guarded per layer instance and per batch-size
+        # specialisation: the default recompile limit (8) would silently leave deep models eager.
+        limit = 4 * self.model.cfg.num_layers + 16
+        for knob, value in (("recompile_limit", limit), ("cache_size_limit", limit),
+                            ("accumulated_recompile_limit", 8 * limit), ("accumulated_cache_size_limit", 8 * limit)):
+            if hasattr(dynamo_cfg, knob):
+                setattr(dynamo_cfg, knob, max(getattr(dynamo_cfg, knob), value))
         return torch.compile(self._logits, dynamic=True, fullgraph=False)
 
     def _forward(self, b: int, width: int, variant: str) -> None:
