@@ -232,18 +232,6 @@ def fake_transport_group(prefill: dict, decode: dict, cfg, **_) -> None:
 
 
 def real_decode_actor_class():
-    """The real DecodeWorkerActor; until its `init_transport` lands, a subclass adding exactly what
-    the actor's comment specifies (build the transport over the worker's KV cache and attach it)."""
     from decode_worker.actor import DecodeWorkerActor
 
-    if hasattr(DecodeWorkerActor, "init_transport"):
-        return DecodeWorkerActor
-
-    class DecodeWorkerActorWithTransport(DecodeWorkerActor):
-        def init_transport(self, spec) -> None:
-            from cluster.transport.factory import create_transport
-
-            w = self.worker
-            w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
-
-    return DecodeWorkerActorWithTransport
+    return DecodeWorkerActor
