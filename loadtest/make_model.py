@@ -30,6 +30,15 @@ SHAPES: dict[str, dict] = {
                          "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True,
     },
+    # Hugging Face meta-llama/Llama-3.1-8B's shape.
+    "llama-8b": {
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False,
+    },
     # The same layout at a size a CPU test can load in a second.
     "llama-tiny": {
         "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -52,7 +61,7 @@ def model_config(shape: str, dtype: str = "bfloat16") -> dict:
     return cfg
 
 
-def write_model(shape: str, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def write_model(shape: str, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu") -> Path:
     from cluster.model.demo import ensure_demo_model
 
     out = Path(out_dir)
@@ -65,17 +74,23 @@ def write_model(shape: str, out_dir: str | Path, dtype: str = "bfloat16", seed: 
 
     cfg = model_config(shape, dtype)
     tdtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seed)
+    # On a GPU host, drawing 8B random numbers on the device takes seconds instead of minutes.
+    gen = torch.Generator(device=device).manual_seed(seed)
     h, inter, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
 
     def w(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=gen) * cols**-0.5).to(tdtype)
+        return (torch.randn(rows, cols, generator=gen, device=device) * cols**-0.5).to(tdtype).cpu()
 
     emb = torch.zeros(v, h, dtype=tdtype)
-    emb[:demo_vocab] = (torch.randn(demo_vocab, h, generator=gen) * 0.5).to(tdtype)
+    emb[:demo_vocab] = (torch.randn(demo_vocab, h, generator=gen, device=device) * 0.5).to(tdtype).cpu()
     tensors = {"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(h, dtype=tdtype)}
+    if not cfg["tie_word_embeddings"]:
+        # Rows past the tokenizer's vocab stay zero, like the embedding's, so decoding prefers real ids.
+        head = torch.zeros(v, h, dtype=tdtype)
+        head[:demo_vocab] = (torch.randn(demo_vocab, h, generator=gen, device=device) * 0.5).to(tdtype).cpu()
+        tensors["lm_head.weight"] = head
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors.update({
@@ -98,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is much faster)")
     args = p.parse_args(argv)
-    print(write_model(args.shape, args.dir, args.dtype, args.seed))
+    print(write_model(args.shape, args.dir, args.dtype, args.seed, args.device))
     return 0
 
 
