@@ -21,16 +21,18 @@ if [[ $STAGES == *nccl* ]]; then
   python3 loadtest/bench_nccl.py --out "$OUT" || echo "bench_nccl failed"
 fi
 
+ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)" 2>/dev/null; }
+
 serve_and_bench() {  # setup-name, extra serve flags
   local setup=$1; shift
   python3 -m cluster.cli serve "$MODEL_DIR" --port 8000 $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
   local server=$!
   for _ in $(seq 1 400); do
-    curl -sf http://127.0.0.1:8000/ready >/dev/null && break
+    ready && break
     kill -0 $server 2>/dev/null || break
     sleep 1
   done
-  if curl -sf http://127.0.0.1:8000/ready >/dev/null; then
+  if ready; then
     python3 -m loadtest.bench_disagg --url http://127.0.0.1:8000 --setup "$setup" --rates "$RATES" \
       --duration "$DURATION" --prompt-lens "$PROMPT_LENS" --output-tokens 128 --out "$OUT/disagg_vs_colocated.json"
   else

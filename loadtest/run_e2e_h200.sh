@@ -17,6 +17,8 @@ WARMUP=${WARMUP:-10}
 GEN_DEVICE=${GEN_DEVICE:-cuda}
 SERVE_ARGS=${SERVE_ARGS:---device cuda --dtype bfloat16 --gpus-per-worker 0.5 --kv-memory-fraction 0.4 --max-model-len 4096 --max-num-seqs 128 --attention-backend triton}
 
+ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
+RAW=${RAW:-/tmp/pdserve-itl-raw}
 [ -f "$MODEL_DIR/model.safetensors" ] || python3 -m loadtest.make_model --shape "$SHAPE" --device "$GEN_DEVICE" "$MODEL_DIR" || exit 1
 # shellcheck disable=SC2086
 python3 -m cluster.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1 --port "$PORT" $SERVE_ARGS \
@@ -24,17 +26,19 @@ python3 -m cluster.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
 for _ in $(seq 1 300); do
-  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
+  ready && break
   kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -50 "$OUT/serve.log"; exit 1; }
   sleep 1
 done
-curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null || { echo "server not ready"; tail -50 "$OUT/serve.log"; exit 1; }
+ready || { echo "server not ready"; tail -50 "$OUT/serve.log"; exit 1; }
 echo "server ready"
 
 python3 -m loadtest.bench_e2e --url "http://127.0.0.1:$PORT" --out "$OUT/e2e_h200.json" ${E2E_ARGS:-}
 
 python3 -m loadtest.run --url "http://127.0.0.1:$PORT" --steps "$STEPS" --step-duration "$STEP_DURATION" \
   --warmup "$WARMUP" --prompt-tokens 128 --output-tokens 256 --stall-timeout 10 --processes ${PROCESSES:-4} \
-  --stats-interval 0.25 --out "$OUT/itl_raw" --summary "$OUT/itl_h200.json" --plot "$OUT/itl_h200.png" \
+  --stats-interval 0.25 --out "$RAW" --summary "$OUT/itl_h200.json" --plot "$OUT/itl_h200.png" \
   --title "pdserve on 1x H200: Llama-3.2-1B shape, bf16, prompt 128 / output 256 tokens" ${LT_ARGS:-}
 echo "loadtest exit $?"
+# Raw Locust CSVs and per-event records, packed (the summary JSON and plot sit beside it).
+tar -czf "$OUT/itl_raw.tgz" -C "$(dirname "$RAW")" "$(basename "$RAW")"
