@@ -126,6 +126,10 @@ class DecodeWorker:
         if n + req.params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
                                       f"the decode worker's max_model_len of {self.max_model_len}", "max_tokens")
+        p = req.params
+        if not all(-(2**63) <= x < 2**63 for x in (p.top_k, *p.stop_token_ids)):
+            # Checked here, not in the loop: an int64 overflow there would fail every request.
+            raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         if self.spec.blocks_for_tokens(n + req.params.max_tokens) > self.blocks.capacity:
             raise InvalidRequestError("request does not fit in the decode worker's KV cache even alone", "max_tokens")
         return Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,

@@ -172,8 +172,10 @@ class Gateway:
 
         token_stream.on_batch = on_batch
         self._rng = random.Random()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()  # tests and the drain look at the loop's tasks
         self.token_stream.start()
         await self.router.start()
 

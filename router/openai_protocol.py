@@ -8,13 +8,17 @@ integer). Fields we accept but do not implement (logprobs, echo, n > 1, penaltie
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import InvalidRequestError
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+
+# Integers that reach the workers become int64 tensors: anything wider is a 400 here, never an
+# overflow inside a decode step (which would fail every request on that worker).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class StreamOptions(BaseModel):
@@ -27,18 +31,18 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM): 0 or -1 disables
-    n: int = 1
+    top_k: Int64 | None = None  # extension (vLLM): 0 or -1 disables
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
-    seed: int | None = None
+    stop_token_ids: list[Int64] | None = None  # extension (vLLM)
+    seed: Int64 | None = None
     ignore_eos: bool = False  # extension (vLLM)
-    min_tokens: int = 0  # extension (vLLM)
+    min_tokens: Int64 = 0  # extension (vLLM)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
@@ -71,7 +75,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -113,7 +117,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer spelling of max_tokens
+    max_completion_tokens: Int64 | None = None  # the newer spelling of max_tokens
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,0 +1,184 @@
+"""Bad input never reaches a worker and never costs a 5xx: each named case is a 4xx with an OpenAI
+error body, a property-based fuzz of both request schemas (hypothesis) gets no 5xx, and the cluster
+serves normally afterwards with nothing leaked."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reliability_harness import MODEL, is_openai_error, start_cluster, wait_clean
+
+MAX_MODEL_LEN = 512
+MAX_BODY = 64 << 10
+FUZZ_EXAMPLES = 300
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_module, demo_model_dir):
+    sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY)
+    yield sc
+    sc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with httpx.Client(base_url=cluster.url, timeout=60) as c:
+        yield c
+
+
+def ok_completion(**kw):
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **kw}
+
+
+def ok_chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+NAMED_CASES = {
+    "prompt over the context length": ("/v1/completions", ok_completion(prompt="word " * 2000), 400),
+    "chat over the context length": ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": "word " * 2000}]), 400),
+    "max_tokens 0": ("/v1/completions", ok_completion(max_tokens=0), 400),
+    "max_tokens negative": ("/v1/completions", ok_completion(max_tokens=-5), 400),
+    "max_tokens huge": ("/v1/completions", ok_completion(max_tokens=10**12), 400),
+    "max_tokens 2**80": ("/v1/chat/completions", ok_chat(max_tokens=2**80), 400),
+    "max_completion_tokens 0": ("/v1/chat/completions", ok_chat(max_completion_tokens=0), 400),
+    "temperature a string": ("/v1/completions", ok_completion(temperature="hot"), 400),
+    "temperature numeric string": ("/v1/chat/completions", ok_chat(temperature="0.5"), 400),
+    "temperature NaN": ("/v1/completions", ok_completion(temperature=math.nan), 400),
+    "temperature negative": ("/v1/completions", ok_completion(temperature=-1.0), 400),
+    "top_k huge": ("/v1/completions", ok_completion(top_k=2**70, temperature=1.0), 400),
+    "stop_token_ids huge": ("/v1/completions", ok_completion(stop_token_ids=[2**70]), 400),
+    "unknown model": ("/v1/completions", ok_completion(model="gpt-17"), 404),
+    "empty messages": ("/v1/chat/completions", ok_chat(messages=[]), 400),
+    "bad role": ("/v1/chat/completions", ok_chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    "empty prompt": ("/v1/completions", ok_completion(prompt=""), 400),
+    "token id out of vocab": ("/v1/completions", ok_completion(prompt=[1, 2, 10**6]), 400),
+    "batched prompts": ("/v1/completions", ok_completion(prompt=["a", "b"]), 400),
+    "thousands of stop strings": ("/v1/completions", ok_completion(stop=[f"s{i}" for i in range(5000)]), 400),
+    "a very long stop string": ("/v1/completions", ok_completion(stop=["x" * 5000]), 400),
+    "n=2": ("/v1/completions", ok_completion(n=2), 400),
+    "missing model": ("/v1/completions", {"prompt": "hi"}, 400),
+    "body is a list": ("/v1/completions", [1, 2, 3], 400),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_CASES))
+def test_named_bad_input_is_4xx_with_openai_error(client, name):
+    path, body, status = NAMED_CASES[name]
+    t0 = time.monotonic()
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status, (name, r.status_code, r.text[:300])
+    assert is_openai_error(r), r.text[:300]
+    assert time.monotonic() - t0 < 5.0  # refused up front, never queued
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "\xff\xfe\xfd", "prompt": "hi"}', b"\xc3\x28\xa0\xa1", b"{not json",
+                                 b"", b"null", b'{"model": "pdserve-demo", "prompt": "hi", "max_tokens": 1e999}'])
+def test_malformed_bodies(client, raw):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500 and is_openai_error(r), (raw, r.status_code, r.text[:200])
+
+
+def test_body_over_the_payload_limit(client):
+    body = ok_completion(prompt="a" * (MAX_BODY + 10))
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 413 and is_openai_error(r)
+    assert r.json()["error"]["code"] == "request_too_large"
+
+    # Chunked (no Content-Length): the limit is enforced while reading.
+    def chunks():
+        yield b'{"model": "pdserve-demo", "prompt": "'
+        for _ in range(20):
+            yield b"a" * 8192
+        yield b'"}'
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and is_openai_error(r)
+
+
+# -- property-based fuzz of both request schemas --------------------------------------------------
+anything = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.floats(),
+              st.text(max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8)
+small_ints = st.one_of(st.integers(-3, 12), st.integers(min_value=-2**64, max_value=2**64))
+floats = st.one_of(st.floats(-2, 3), st.floats(), st.integers(-2, 3))
+token_ids = st.lists(st.one_of(st.integers(0, 511), st.integers(-2**40, 2**40)), max_size=20)
+
+
+def schemas(wild: bool):
+    """Completion and chat bodies: `wild` mixes anything at all into every field; otherwise each field
+    has a plausible type (often a valid value, often an out-of-range one)."""
+    def field(strategy):
+        return st.one_of(strategy, anything) if wild else strategy
+
+    sampling = {
+        "max_tokens": field(small_ints), "temperature": field(floats), "top_p": field(floats),
+        "top_k": field(small_ints), "n": field(st.integers(-1, 3)), "stream": field(st.booleans()),
+        "seed": field(small_ints),
+        "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": field(st.booleans())})),
+        "stop": field(st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=20))),
+        "stop_token_ids": field(token_ids), "ignore_eos": field(st.booleans()), "min_tokens": field(small_ints),
+        "presence_penalty": field(floats), "frequency_penalty": field(floats),
+        "logprobs": field(st.one_of(st.none(), st.booleans())), "user": field(st.text(max_size=8)),
+    }
+    model = st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), field(st.text(max_size=8)))
+    completion = st.fixed_dictionaries({"model": model, "prompt": field(st.one_of(
+        st.text(max_size=40), token_ids, st.lists(st.text(max_size=10), max_size=2), st.lists(token_ids, max_size=2)))},
+        optional={**sampling, "echo": field(st.booleans()), "suffix": field(st.text(max_size=4)),
+                  "best_of": field(st.integers(-1, 3))})
+    message = st.fixed_dictionaries(
+        {"role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]))},
+        optional={"content": field(st.one_of(st.none(), st.text(max_size=30), st.lists(
+            st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2))),
+            "name": field(st.text(max_size=4))})
+    chat = st.fixed_dictionaries({"model": model, "messages": field(st.lists(message, max_size=3))},
+                                 optional={**sampling, "max_completion_tokens": field(small_ints)})
+    return [st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat)]
+
+
+requests = st.one_of(*schemas(wild=False), *schemas(wild=True),
+                     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), anything))
+
+FUZZ_STATS = {"tried": 0, "by_status": {}}
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(req=requests)
+def _fuzz_one(client, req):
+    path, body = req
+    FUZZ_STATS["tried"] += 1
+    # Keep every accepted request short: the fuzz is about the edge, not about generating text.
+    if isinstance(body, dict):
+        for k in ("max_tokens", "max_completion_tokens"):
+            if type(body.get(k)) is int:
+                body[k] = min(body[k], 8)
+        if path.endswith("chat/completions") and "max_completion_tokens" not in body:
+            body.setdefault("max_tokens", 8)
+    r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    FUZZ_STATS["by_status"][r.status_code] = FUZZ_STATS["by_status"].get(r.status_code, 0) + 1
+    assert r.status_code < 500, (body, r.status_code, r.text[:300])
+    if r.status_code != 200:
+        assert is_openai_error(r), (body, r.text[:300])
+
+
+def test_fuzz_request_schemas_no_5xx(cluster, client):
+    t0 = time.monotonic()
+    _fuzz_one(client)
+    elapsed = time.monotonic() - t0
+    print(f"\nfuzz: {FUZZ_STATS['tried']} requests in {elapsed:.1f}s, by status {sorted(FUZZ_STATS['by_status'].items())}")
+    assert FUZZ_STATS["tried"] >= FUZZ_EXAMPLES
+    assert FUZZ_STATS["by_status"].get(200, 0) > 0  # the fuzz also reached the workers
+    # Still healthy, still correct, nothing leaked.
+    assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+    r = client.post("/v1/completions", json=ok_completion(temperature=0))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    wait_clean(cluster)
