@@ -21,9 +21,13 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # The Rust tokenizer under a fast HF tokenizer decodes a short window in ~3 us; the HF Python
+        # wrapper around it costs ~50 us a call, which at thousands of tokens/s is the gateway's limit.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> None:
         """Appends one token; sets `stopped` if a stop string completed."""

@@ -33,7 +33,7 @@ done
 ready || { echo "server not ready"; tail -50 "$OUT/serve.log"; exit 1; }
 echo "server ready"
 
-python3 -m loadtest.bench_e2e --url "http://127.0.0.1:$PORT" --out "$OUT/e2e_h200.json" ${E2E_ARGS:-}
+[ -n "${SKIP_E2E:-}" ] || python3 -m loadtest.bench_e2e --url "http://127.0.0.1:$PORT" --out "$OUT/e2e_h200.json" ${E2E_ARGS:-}
 
 python3 -m loadtest.run --url "http://127.0.0.1:$PORT" --steps "$STEPS" --step-duration "$STEP_DURATION" \
   --warmup "$WARMUP" --prompt-tokens 128 --output-tokens 256 --stall-timeout 10 --processes ${PROCESSES:-4} \

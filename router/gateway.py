@@ -254,11 +254,14 @@ class Gateway:
     async def _completion_chunks(self, gen: Generation, rid: str, body: CompletionRequest) -> AsyncIterator[str]:
         created = int(time.time())
         usage = body.include_usage
+        # Hot path (one event per token per request): the chunk's fixed parts are encoded once and
+        # only text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
+        head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
+                f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
+        tail = ',"usage":null}\n\n' if usage else '}\n\n'
         try:
             async for text, finish in gen.pieces():
-                chunk = CompletionResponse(id=rid, created=created, model=body.model,
-                                           choices=[CompletionChoice(text=text, finish_reason=finish)])
-                yield _event(chunk.model_dump_json(exclude_none=not usage))
+                yield f'{head}{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)}}}]{tail}'
             if usage:
                 chunk = CompletionResponse(id=rid, created=created, model=body.model, choices=[], usage=gen.usage)
                 yield _event(chunk.model_dump_json())

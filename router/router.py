@@ -91,7 +91,12 @@ class RequestStream:
         return self.request.request_id
 
     async def get(self, timeout: float | None = None) -> TokenDelta:
+        """The next delta, merged with any others already queued: a gateway that falls behind the
+        decode steps sends one chunk with several tokens instead of a backlog of single ones."""
         delta = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        while not self.queue.empty() and delta.finish_reason is None and delta.error is None:
+            nxt = self.queue.get_nowait()
+            delta = TokenDelta(delta.request_id, delta.token_ids + nxt.token_ids, nxt.finish_reason, nxt.error)
         if self.first_token_time is None and delta.token_ids:
             self.first_token_time = time.time()
             if self._router is not None:
