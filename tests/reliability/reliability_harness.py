@@ -68,11 +68,11 @@ def worker_stats(sc, roles=("decode",)):
 
 
 def wait_clean(sc, timeout_s: float = 20.0) -> dict:
-    """Waits until every live decode worker holds no request and every KV block is back in its free
-    pool, and the router holds no request; returns the workers' stats. Fails the test otherwise."""
+    """Waits until every live worker (prefill and decode) holds no request and every KV block is back
+    in its free pool, and the router holds no request; returns the workers' stats. Fails otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = worker_stats(sc)
+        stats = worker_stats(sc, roles=("decode", "prefill"))
         clean = all(s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0 for s in stats.values())
         router = sc.gateway.router
         if clean and not router.inflight and router.admission.num_admitted == 0:

@@ -1,0 +1,77 @@
+"""Clients that go away at random points under load (before the first byte, mid-stream, while a
+non-streaming answer is computed, while the prompt is being prefilled or its KV transferred): every KV
+block returns to the free pool on every worker, prefill and decode, and the router holds nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+
+from reliability_harness import MODEL, gateway_tasks, start_cluster, stream_completion, wait_clean
+
+REQUESTS = 48
+CONCURRENCY = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_module, demo_model_dir):
+    # One prefill worker (KV over the real gloo transport) and two decode workers; short prompts are
+    # prefilled on the decode worker, so both paths see disconnects.
+    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
+                       cpu_num_blocks=128)
+    yield sc
+    sc.shutdown()
+
+
+async def _one(client, rng: random.Random, i: int, outcomes: dict):
+    words = rng.choice([3, 8, 40, 120])
+    body = {"model": MODEL, "prompt": " ".join(f"w{(i * 7 + k) % 50}" for k in range(words)),
+            "max_tokens": rng.choice([16, 64, 200]), "ignore_eos": True, "temperature": rng.choice([0, 0.8])}
+    how = rng.choice(["stream_cut", "stream_cut", "stream_cut", "cancel", "cancel", "complete"])
+    try:
+        if how == "stream_cut":  # reads k events, then closes the connection
+            await stream_completion(client, body, stop_after=rng.randint(1, 12))
+        elif how == "cancel":  # the client gives up after a random delay (any phase, even prefill)
+            coro = (client.post("/v1/completions", json=body) if rng.random() < 0.5
+                    else stream_completion(client, body))
+            await asyncio.wait_for(coro, timeout=rng.uniform(0.0, 0.6))
+        else:
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code in (200, 429), r.text
+        outcomes[how] = outcomes.get(how, 0) + 1
+    except asyncio.TimeoutError:
+        outcomes["cancelled"] = outcomes.get("cancelled", 0) + 1
+
+
+def test_random_disconnects_leak_nothing(cluster):
+    rng = random.Random(8)
+    tasks_before = gateway_tasks(cluster)
+    outcomes: dict = {}
+
+    async def main():
+        sem = asyncio.Semaphore(CONCURRENCY)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=CONCURRENCY * 2)) as client:
+            async def bounded(i):
+                async with sem:
+                    await _one(client, rng, i, outcomes)
+            await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(REQUESTS))), timeout=90)
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    print(f"\ndisconnects: {REQUESTS} requests in {time.monotonic() - t0:.1f}s, outcomes {sorted(outcomes.items())}")
+    stats = wait_clean(cluster)
+    print("blocks free/total after:", {w: f"{s.free_blocks}/{s.total_blocks}" for w, s in stats.items()})
+    assert len(stats) == 3 and all(s.free_blocks == s.total_blocks for s in stats.values())
+    # No per-request asyncio task outlives its request on the gateway's loop.
+    deadline = time.monotonic() + 10
+    while (after := gateway_tasks(cluster)) != tasks_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after == tasks_before
+    # And the cluster still serves.
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
