@@ -101,6 +101,9 @@ class ClusterConfig(BaseModel):
     """Timeout of one prefill (queue + compute + KV transfer)."""
     token_timeout_s: float = Field(600.0, gt=0.0)
     """A request that gets no token for this long fails."""
+    drain_timeout_s: float = Field(30.0, ge=0.0)
+    """On SIGTERM: new requests get 503 and /ready turns false at once; in-flight requests may finish
+    for up to this long, then the server stops (a second SIGTERM stops it at once)."""
     max_body_bytes: int = Field(4 << 20, ge=1024)
     """Largest accepted HTTP request body."""
     token_stream_host: str | None = None

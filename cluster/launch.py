@@ -284,9 +284,39 @@ class ServingCluster:
     def _uvicorn_server(self):
         import uvicorn
 
+        cluster = self
+
+        class DrainingServer(uvicorn.Server):
+            """uvicorn, except that the first SIGTERM drains (cluster.drain) before the server stops."""
+
+            def handle_exit(self, sig, frame):
+                if sig == signal.SIGTERM and not self.should_exit and cluster._begin_drain(self):
+                    self._captured_signals.append(sig)  # re-raised once the server stopped: shutdown runs
+                    return
+                super().handle_exit(sig, frame)
+
         config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5, access_log=False)
-        return uvicorn.Server(config)
+        return DrainingServer(config)
+
+    def _begin_drain(self, server) -> bool:
+        """From the SIGTERM handler (the loop's thread): starts the drain once; False if it already
+        runs (a second SIGTERM then stops the server at once)."""
+        gw = getattr(self, "gateway", None)
+        loop = gw.loop if gw is not None else None
+        if loop is None or gw.draining:
+            return False
+        gw.draining = True  # /ready false and 503 from here on, before the loop even wakes up
+
+        async def drain_then_exit():
+            log.info("SIGTERM: draining %d in-flight requests (up to %gs)", len(gw.router.inflight),
+                     self.cfg.drain_timeout_s)
+            left = await gw.drain(self.cfg.drain_timeout_s)
+            if left:
+                log.warning("drain timeout: aborting %d requests still in flight", left)
+            server.should_exit = True
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain_then_exit(), name="drain"))
+        return True
 
     def _bound_url(self) -> str:
         host, port = self._server.servers[0].sockets[0].getsockname()[:2]
@@ -309,7 +339,7 @@ class ServingCluster:
 
     def serve_forever(self) -> None:
         """The CLI: blocks until Ctrl-C or SIGTERM, then shuts everything down."""
-        # uvicorn handles SIGINT/SIGTERM while it runs (graceful stop), then re-raises the signal
+        # uvicorn handles SIGINT/SIGTERM while it runs (SIGTERM drains first: DrainingServer), then re-raises the signal
         # into the previous handler: SIGTERM must become an exception here, not a silent exit that
         # would orphan the actors.
         def on_sigterm(signum, frame):

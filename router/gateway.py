@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, TokenDelta
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import encode_chat, encode_prompt
 from router.admission import NoHealthyWorkerError, OverloadedError
@@ -173,17 +173,37 @@ class Gateway:
         token_stream.on_batch = on_batch
         self._rng = random.Random()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False  # set by drain(): new requests get 503, /ready is false
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()  # tests and the drain look at the loop's tasks
         self.token_stream.start()
         await self.router.start()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stops admission, then waits up to `timeout_s` for the in-flight requests to finish;
+        returns how many are still running (the router aborts those when the gateway stops)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.router.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.router.inflight)
+        for rid in left:  # each ends with a clear error event (or a 500) and is aborted on its workers
+            self.token_stream.push(TokenDelta(rid, (), "error", f"the server shut down (drain timeout "
+                                                                f"{timeout_s:g}s) before the request finished"))
+        return len(left)
+
     async def stop(self) -> None:
         await self.router.stop()
         await self.token_stream.stop()
 
     # -- request building -------------------------------------------------------------------------
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                           code="draining", headers={"Retry-After": "1", "Connection": "close"})
+
     def _check_model(self, name: str) -> None:
         if name != self.cfg.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
@@ -212,6 +232,7 @@ class Gateway:
         return Generation(self, stream, params.stop)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_accepting()
         self._check_model(body.model)
         body.check_unsupported()
         ids = encode_prompt(self.tokenizer, body.single_prompt())
@@ -230,6 +251,7 @@ class Gateway:
         return await _unless_disconnected(request, collect())
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_accepting()
         self._check_model(body.model)
         body.check_unsupported()
         ids = encode_chat(self.tokenizer, [m.as_template_dict() for m in body.messages])
@@ -458,8 +480,9 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        ok = gw.router.ready
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        ok = gw.router.ready and not gw.draining
+        body = {"ready": ok, "draining": True} if gw.draining else {"ready": ok}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/stats")
     async def stats(since: float = 0.0):
