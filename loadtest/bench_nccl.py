@@ -73,12 +73,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="loadtest/results")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--paths", default="nccl", help="nccl, and gloo for the host-staged path")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
         sys.exit("bench_nccl needs 2 GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     sizes = [int(s) for s in args.sizes.split(",")]
-    doc = transfer_main(["--paths", "nccl,gloo", "--device", "cuda:0", "--decode-device", "cuda:1", "--no-prefill",
+    doc = transfer_main(["--paths", args.paths, "--device", "cuda:0", "--decode-device", "cuda:1", "--no-prefill",
                          "--sizes", args.sizes, "--out", args.out, "--name", "nccl_h200x2"])
     base = baseline(sizes)
     for r in doc["rows"]:
