@@ -93,6 +93,9 @@ class ClusterConfig(BaseModel):
     """Retry-After sent with a 429."""
     reserve_wait_s: float = Field(2.0, ge=0.0)
     """How long a request waits for a decode worker with room before a 429."""
+    migrate_on_worker_death: bool = True
+    """A dead worker's requests are placed again elsewhere (prompt + tokens so far; the stream goes on);
+    off: they end with an error event."""
     stats_interval_s: float = Field(0.1, gt=0.0)
     """How often the router polls every worker's stats."""
     call_timeout_s: float = Field(30.0, gt=0.0)

@@ -184,7 +184,8 @@ class ServingCluster:
             RouterConfig(
                 local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
-                reserve_wait_s=cfg.reserve_wait_s, prefill_policy=cfg.prefill_policy,
+                reserve_wait_s=cfg.reserve_wait_s, migrate_on_worker_death=cfg.migrate_on_worker_death,
+                prefill_policy=cfg.prefill_policy,
                 decode_policy=cfg.decode_policy, max_num_seqs=cfg.max_num_seqs,
                 graph_buckets=graph_bucket_sizes(cfg.graph_buckets, cfg.max_num_seqs) if cfg.use_cuda_graph else (),
             ),

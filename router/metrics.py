@@ -61,6 +61,9 @@ class ServingMetrics:
                                       m, registry=r).labels(model_name)
         self.reserve_retries = Counter("pdserve:reserve_retries", "Reservations a decode worker refused.", m,
                                        registry=r).labels(model_name)
+        self.migrations = Counter("pdserve:request_migrations",
+                                  "Requests moved to another worker after theirs died.", m,
+                                  registry=r).labels(model_name)
         self.running = Gauge("pdserve:num_requests_running", "Requests decoding on decode workers.", m,
                              registry=r).labels(model_name)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests admitted without a first token yet.", m,

@@ -11,6 +11,14 @@ The router also polls every worker's `stats()` (admission and placement decide o
 worker that stops answering unhealthy and fails the requests placed on it, and aborts a request on
 every worker that holds it when the gateway gives up on it (client gone, stop string, error).
 
+Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): when the
+gateway reads the failure, the request is placed again, as prompt + every token the client already
+got, with max_tokens less those and the same seed, under a new worker-side id (`<id>.m<k>`); the
+stream continues from the next token, so there is no gap and no duplicate, and greedy or seeded output
+is what it would have been. A request whose prefill worker dies is placed again the same way (nothing
+generated yet). The dead worker's late token frames are dropped: its worker-side id is unregistered
+from the token stream the moment the worker is found dead.
+
 Everything runs on the gateway's asyncio loop; workers are reached through `WorkerClient`, which
 takes a Ray actor handle or (in unit tests) a plain in-process object.
 """
@@ -21,7 +29,7 @@ import asyncio
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenDelta, WorkerStats
 from router.admission import AdmissionController, NoHealthyWorkerError, OverloadedError
@@ -64,6 +72,8 @@ class RouterConfig:
     call_timeout_s: float = 30.0  # reserve / submit_local / stats / abort
     prefill_timeout_s: float = 600.0  # P.submit: queue + prefill + transfer
     reserve_wait_s: float = 2.0  # how long a request may wait for a D with room before a 429
+    migrate_on_worker_death: bool = True  # re-place a dead worker's requests (else: an error event)
+    max_migrations: int = 3  # per request
     unhealthy_after_failures: int = 3  # missed stats polls (a dead Ray actor counts at once)
     prefill_policy: str = "least_outstanding_tokens"
     decode_policy: str = "least_loaded"
@@ -73,10 +83,17 @@ class RouterConfig:
 
 @dataclass
 class RequestStream:
-    """The gateway's handle on a placed request: its token deltas and where it runs."""
+    """The gateway's handle on a placed request: its token deltas and where it runs.
+
+    `request` is what the workers run (after a migration: prompt + tokens so far, under a new id);
+    `origin` is what the client asked for, and `request_id` is always the client's request's id."""
 
     request: GenerateRequest
     queue: asyncio.Queue
+    origin: GenerateRequest | None = None
+    generated: list[int] = field(default_factory=list)  # token ids the gateway has read so far
+    lost: str | None = None  # set when its worker died: the next read migrates the request
+    migrations: int = 0
     decode_worker_id: str | None = None
     prefill_worker_id: str | None = None
     local_prefill: bool = False
@@ -86,8 +103,16 @@ class RequestStream:
     prefill_result: PrefillResult | None = None
     _router: "Router | None" = field(default=None, repr=False)
 
+    def __post_init__(self):
+        if self.origin is None:
+            self.origin = self.request
+
     @property
     def request_id(self) -> str:
+        return self.origin.request_id
+
+    @property
+    def worker_request_id(self) -> str:
         return self.request.request_id
 
     async def get(self, timeout: float | None = None) -> TokenDelta:
@@ -97,6 +122,15 @@ class RequestStream:
         while not self.queue.empty() and delta.finish_reason is None and delta.error is None:
             nxt = self.queue.get_nowait()
             delta = TokenDelta(delta.request_id, delta.token_ids + nxt.token_ids, nxt.finish_reason, nxt.error)
+        self.generated.extend(delta.token_ids)
+        if self.lost is not None and delta.finish_reason == "error" and self._router is not None:
+            # Our worker died: every token before this delta was read, so the request resumes from
+            # exactly here on a healthy worker; the tokens read with the failure still go out.
+            end = await self._router.migrate(self, delta)
+            delta = TokenDelta(delta.request_id, delta.token_ids, end.finish_reason if end else None,
+                               end.error if end else None)
+            if not delta.token_ids and end is None:
+                return await self.get(timeout)
         if self.first_token_time is None and delta.token_ids:
             self.first_token_time = time.time()
             if self._router is not None:
@@ -241,7 +275,7 @@ class Router:
             self.metrics.reserve_retries.inc()
 
     async def _run_prefill(self, rs: RequestStream, p: WorkerView, task: PrefillTask) -> None:
-        rid = rs.request_id
+        rid, wrid = rs.request_id, rs.worker_request_id
         error = None
         try:
             result: PrefillResult = await self.clients[p.worker_id].call("submit", task, timeout=self.cfg.prefill_timeout_s)
@@ -260,12 +294,14 @@ class Router:
             error = f"prefill worker {p.worker_id} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._call_failed(p, e)
         finally:
-            rs.prefill_done = True
-            p.inflight.discard(rid)
-        if error is not None and rid in self.inflight:
+            current = rs.worker_request_id == wrid  # not migrated meanwhile
+            if current:
+                rs.prefill_done = True
+                p.inflight.discard(rid)
+        if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
-            self.token_stream.push(TokenDelta(rid, (), "error", error))
-            self._abort_on(rs.decode_worker_id, rid)
+            rs.queue.put_nowait(TokenDelta(wrid, (), "error", error))
+            self._abort_on(rs.decode_worker_id, wrid)
 
     def finish(self, request_id: str, abort: bool = False) -> None:
         """The gateway is done with the request. With `abort`, every worker that may still hold it
@@ -274,14 +310,52 @@ class Router:
         if rs is None:
             return
         self.admission.release(request_id)
-        self.token_stream.unregister(request_id)
+        self.token_stream.unregister(rs.worker_request_id)
+        self._forget_placement(rs, abort)
+
+    def _forget_placement(self, rs: RequestStream, abort: bool) -> None:
+        """Takes the request off its workers' books (and, with `abort`, off the workers themselves)."""
         for wid in (rs.decode_worker_id, rs.prefill_worker_id):
             if wid is not None:
-                self.views[wid].inflight.discard(request_id)
+                self.views[wid].inflight.discard(rs.request_id)
         if abort:
-            self._abort_on(rs.decode_worker_id, request_id)
+            self._abort_on(rs.decode_worker_id, rs.worker_request_id)
             if rs.prefill_worker_id is not None and not rs.prefill_done:
-                self._abort_on(rs.prefill_worker_id, request_id)
+                self._abort_on(rs.prefill_worker_id, rs.worker_request_id)
+
+    async def migrate(self, rs: RequestStream, failure: TokenDelta) -> TokenDelta | None:
+        """Places a request whose worker died again, as prompt + the tokens read so far; returns None
+        when it runs again (its tokens follow on the same queue), else the delta that ends it."""
+        why, rs.lost = rs.lost, None
+        origin = rs.origin
+        done = len(rs.generated)
+        left = origin.params.max_tokens - done
+        if rs.request_id not in self.inflight or not self.cfg.migrate_on_worker_death:
+            return failure
+        if left <= 0:
+            return TokenDelta(rs.worker_request_id, (), "length")
+        if rs.migrations >= self.cfg.max_migrations:
+            return TokenDelta(rs.worker_request_id, (), "error", f"{why}; not migrated again after {rs.migrations} moves")
+        self._forget_placement(rs, abort=True)  # whatever is left of it on a live worker
+        rs.migrations += 1
+        p = origin.params
+        rs.request = GenerateRequest(
+            f"{origin.request_id}.m{rs.migrations}", origin.prompt_token_ids + tuple(rs.generated),
+            replace(p, max_tokens=left, min_tokens=max(0, p.min_tokens - done)), origin.seed, origin.arrival_time)
+        rs.decode_worker_id = rs.prefill_worker_id = None
+        rs.local_prefill = rs.prefill_done = False
+        self.token_stream.attach(rs.worker_request_id, rs.queue)
+        log.warning("request %s: %s; migrating with %d tokens so far as %s", rs.request_id, why, done,
+                    rs.worker_request_id)
+        try:
+            await self._place(rs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return TokenDelta(rs.worker_request_id, (), "error", f"{why}; migration failed: {e}")
+        if self.metrics:
+            self.metrics.migrations.inc()
+        return None
 
     def _abort_on(self, worker_id: str | None, request_id: str) -> None:
         if worker_id is None:
@@ -341,6 +415,15 @@ class Router:
             self._fail_requests_on(v, "died" if dead else "stopped answering")
 
     def _fail_requests_on(self, v: WorkerView, why: str) -> None:
+        """Ends (or, with migration on, moves) every request placed on a worker that failed."""
         for rid in list(v.inflight):
-            self.token_stream.push(TokenDelta(rid, (), "error", f"{v.role} worker {v.worker_id} {why}"))
+            rs = self.inflight.get(rid)
+            if rs is None:
+                continue
+            msg = f"{v.role} worker {v.worker_id} {why}"
+            if self.cfg.migrate_on_worker_death and rs.lost is None:
+                rs.lost = msg
+                # Late frames of the dead worker for this request must not reach the client.
+                self.token_stream.unregister(rs.worker_request_id)
+            rs.queue.put_nowait(TokenDelta(rs.worker_request_id, (), "error", msg))
         v.inflight.clear()

@@ -45,6 +45,10 @@ class TokenStreamReceiver:
         self._queues[request_id] = q
         return q
 
+    def attach(self, request_id: str, queue: asyncio.Queue[TokenDelta]) -> None:
+        """Routes a worker-side id to an existing queue (a migrated request keeps its client's queue)."""
+        self._queues[request_id] = queue
+
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
