@@ -1,0 +1,95 @@
+"""Soak: mixed load for PDSERVE_SOAK_S seconds (default 45; RELIABILITY.md's figures come from a
+300 s run: `PDSERVE_SOAK_S=300 python -m pytest -s tests/reliability/test_soak.py`) on the demo model
+with a prefill and a decode worker: short prompts (prefilled on the decode worker) and long ones (KV
+over gloo), streaming and not, clients that go away mid-stream or before the answer. At the end no
+KV block, request, token-stream queue or asyncio task is left, and the gateway's resident memory
+after warm-up stays flat (bounded growth)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import httpx
+import pytest
+
+from reliability_harness import MODEL, gateway_tasks, rss_mb, start_cluster, stream_completion, wait_clean
+
+SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "45"))
+CONCURRENCY = 8
+WARMUP_FRACTION = 0.3
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_module, demo_model_dir):
+    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, local_prefill_threshold=16,
+                       cpu_num_blocks=256, max_waiting_requests=32)
+    yield sc
+    sc.shutdown()
+
+
+async def _client_loop(url: str, seed: int, deadline: float, counts: dict) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        i = 0
+        while time.monotonic() < deadline:
+            i += 1
+            words = rng.choice([2, 6, 12, 40, 150])
+            body = {"model": MODEL, "prompt": " ".join(f"w{(seed * 31 + i + k) % 60}" for k in range(words)),
+                    "max_tokens": rng.choice([4, 16, 48, 128]), "temperature": rng.choice([0, 0.7]),
+                    "ignore_eos": rng.random() < 0.5}
+            kind = rng.choice(["stream", "stream", "plain", "plain", "cut", "cancel"])
+            try:
+                if kind == "stream":
+                    status, _, _ = await stream_completion(client, body)
+                elif kind == "plain":
+                    status = (await client.post("/v1/completions", json=body)).status_code
+                elif kind == "cut":
+                    status, _, _ = await stream_completion(client, body, stop_after=rng.randint(1, 8))
+                    status = "cut"
+                else:
+                    await asyncio.wait_for(client.post("/v1/completions", json=body), rng.uniform(0.01, 0.5))
+                    status = 200
+            except asyncio.TimeoutError:
+                status = "cancelled"
+            counts[status] = counts.get(status, 0) + 1
+
+
+def test_soak_mixed_load(cluster):
+    tasks_before = gateway_tasks(cluster)
+    counts: dict = {}
+    rss: list[tuple[float, float]] = []
+
+    async def sample_rss(deadline):
+        while time.monotonic() < deadline:
+            rss.append((time.monotonic(), rss_mb()))
+            await asyncio.sleep(1.0)
+
+    async def main():
+        t0 = time.monotonic()
+        deadline = t0 + SOAK_S
+        await asyncio.wait_for(asyncio.gather(sample_rss(deadline), *(
+            _client_loop(cluster.url, s, deadline, counts) for s in range(CONCURRENCY))), timeout=SOAK_S + 90)
+        return t0
+
+    t0 = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    stats = wait_clean(cluster, timeout_s=30)
+    warm = [m for t, m in rss if t - t0 >= WARMUP_FRACTION * SOAK_S]
+    growth = warm[-1] - warm[0]
+    total = sum(counts.values())
+    print(f"\nsoak {elapsed:.0f}s: {total} requests ({total / elapsed:.1f}/s), outcomes {sorted(counts.items(), key=str)}; "
+          f"gateway RSS {rss[0][1]:.0f} -> {warm[0]:.0f} (after warm-up) -> {warm[-1]:.0f} MiB; "
+          f"blocks free {', '.join(f'{w} {s.free_blocks}/{s.total_blocks}' for w, s in stats.items())}")
+    assert counts.get(200, 0) > 0 and set(counts) <= {200, 429, "cut", "cancelled"}, counts
+    assert all(s.free_blocks == s.total_blocks for s in stats.values())
+    router = cluster.gateway.router
+    assert not router.inflight and router.admission.num_admitted == 0 and router.admission.inflight_tokens == 0
+    assert not cluster.gateway.token_stream._queues
+    deadline = time.monotonic() + 10
+    while (after := gateway_tasks(cluster)) != tasks_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after == tasks_before, (tasks_before, after)
+    assert growth < 25, f"gateway RSS grew {growth:.0f} MiB after warm-up"
