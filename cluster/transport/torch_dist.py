@@ -153,8 +153,14 @@ class TorchDistTransport(StoreCoordinatedTransport):
             staging = torch.empty(shape, dtype=cache.dtype, device=self.payload_device,
                                   pin_memory=self.staged)
             msgs = self._layer_messages(staging)
+        rkey = self._key(peer, self.worker_id, seq, "r")
+        if self.backend == "nccl":
+            # NCCL creates the pair's communicator lazily, inside the first send/recv, and a receive
+            # blocks there until the sender joins: say "ready" first, or both sides wait forever.
+            store.set(rkey, b"1")
         works = [pg.recv([m], 0, tag) for tag, m in enumerate(msgs)]
-        store.set(self._key(peer, self.worker_id, seq, "r"), b"1")
+        if self.backend != "nccl":
+            store.set(rkey, b"1")
         for w in works:
             w.wait()  # bounded by the group's timeout (transfer_timeout_s); raises if the peer broke
         if not direct:
