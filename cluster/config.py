@@ -135,6 +135,15 @@ class ClusterConfig(BaseModel):
             return tuple(sorted(set(v)))
         return v
 
+    @field_validator("token_stream_host")
+    @classmethod
+    def _internal_host(cls, v: str | None) -> str | None:
+        # The token stream (and the KV rendezvous store, on the same address) take unauthenticated
+        # messages: they listen on one internal address, never on every interface.
+        if v is not None and v.strip() in ("", "0.0.0.0", "::", "[::]", "*"):
+            raise ValueError("token_stream_host must be the cluster's internal address, not a wildcard")
+        return v
+
     @field_validator("api_key")
     @classmethod
     def _key(cls, v: str | None) -> str | None:

@@ -68,7 +68,6 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     if not prefill:
         return None  # every prompt is prefilled on its decode worker: no transfers at all
     import ray
-    import torch.distributed as dist
 
     from cluster.transport.factory import TransportSpec
 
@@ -77,7 +76,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
-    store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    store = rendezvous_store(store_host)
     spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace)
     handles = {**prefill, **decode}
@@ -89,6 +88,38 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
         ray.get([h.init_transport.remote(spec) for h in handles.values()], timeout=cfg.ready_timeout_s)
     except ray.exceptions.RayActorError as e:
         raise PdserveError(f"forming the KV transport group failed: {str(e).strip().splitlines()[-1]}") from None
+    return store
+
+
+def rendezvous_store(host: str):
+    """The KV transport group's TCPStore (master), listening on `host` only.
+
+    A TCPStore master given a host still listens on every interface ('::'); so the listening socket
+    is made here, bound to the cluster's internal address, and handed over (`master_listen_fd`). A
+    wildcard address is refused: the store takes unauthenticated writes."""
+    import ipaddress
+    import socket
+
+    import torch.distributed as dist
+
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = not host
+    if wildcard:
+        raise PdserveError(f"the KV rendezvous store must listen on the cluster's internal address, not {host!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's event loop owns (and closes) the descriptor now
     return store
 
 

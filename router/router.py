@@ -123,6 +123,11 @@ class RequestStream:
             nxt = self.queue.get_nowait()
             delta = TokenDelta(delta.request_id, delta.token_ids + nxt.token_ids, nxt.finish_reason, nxt.error)
         self.generated.extend(delta.token_ids)
+        if (delta.finish_reason == "error" and self.lost is None and not self.generated and self._router is not None
+                and self.prefill_worker_id is not None and not await self._router.alive(self.prefill_worker_id)):
+            # The decode side may see a transfer break (and fail the request) before the router has
+            # noticed that the prefill worker died: nothing was streamed yet, so run it elsewhere.
+            self.lost = f"prefill worker {self.prefill_worker_id} died"
         if self.lost is not None and delta.finish_reason == "error" and self._router is not None:
             # Our worker died: every token before this delta was read, so the request resumes from
             # exactly here on a healthy worker; the tokens read with the failure still go out.
@@ -405,6 +410,19 @@ class Router:
                 self._fail_requests_on(v, "reported itself unhealthy")
         if self.metrics:
             self.metrics.observe_worker(v.stats, v.worker_id, v.role, v.healthy)
+
+    async def alive(self, worker_id: str) -> bool:
+        """Asks the worker now (a dead Ray actor answers at once with an error)."""
+        v = self.views[worker_id]
+        if v.healthy:
+            try:
+                await self.clients[worker_id].call("stats", timeout=max(1.0, min(self.cfg.call_timeout_s, 5.0)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._call_failed(v, e)
+                return not isinstance(e, _ActorDead)
+        return v.healthy
 
     def _call_failed(self, v: WorkerView, e: BaseException) -> None:
         v.consecutive_failures += 1

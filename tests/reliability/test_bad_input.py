@@ -18,18 +18,19 @@ from reliability_harness import MODEL, is_openai_error, start_cluster, wait_clea
 MAX_MODEL_LEN = 512
 MAX_BODY = 64 << 10
 FUZZ_EXAMPLES = 300
+KEY = "sk-reliability-0123456789"
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_module, demo_model_dir):
-    sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY)
+    sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, api_key=KEY)
     yield sc
     sc.shutdown()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with httpx.Client(base_url=cluster.url, timeout=60) as c:
+    with httpx.Client(base_url=cluster.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
         yield c
 
 
@@ -182,3 +183,34 @@ def test_fuzz_request_schemas_no_5xx(cluster, client):
     r = client.post("/v1/completions", json=ok_completion(temperature=0))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     wait_clean(cluster)
+
+
+def test_every_v1_route_needs_the_key(cluster):
+    """Every /v1 route of the app (enumerated, so a new one can't slip through) answers 401 with an
+    OpenAI error body without the key, with a wrong one (same length, one character off) or with a
+    non-Bearer scheme; /health, /ready and /metrics stay open for probes."""
+    from fastapi.routing import APIRoute
+
+    def api_routes(routes):
+        for r in routes:
+            if isinstance(r, APIRoute):
+                yield r
+            inner = getattr(r, "original_router", None)  # FastAPI >= 0.16x keeps included routers whole
+            if inner is not None:
+                yield from api_routes(inner.routes)
+
+    routes = [(m, r.path) for r in api_routes(cluster.app.routes) if r.path.startswith("/v1") for m in r.methods]
+    assert {p for _, p in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+    bodies = {"/v1/completions": ok_completion(), "/v1/chat/completions": ok_chat()}
+    wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
+    for method, path in routes:
+        for headers in ({}, {"Authorization": f"Bearer {wrong}"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}, {"Authorization": "Bearer "}):
+            r = httpx.request(method, f"{cluster.url}{path}", json=bodies.get(path), headers=headers, timeout=30)
+            assert r.status_code == 401 and is_openai_error(r), (method, path, headers, r.status_code)
+            assert r.json()["error"]["type"] == "authentication_error"
+        r = httpx.request(method, f"{cluster.url}{path}", json=bodies.get(path), timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, (method, path, r.text[:200])
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{cluster.url}{path}", timeout=30).status_code == 200

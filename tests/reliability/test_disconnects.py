@@ -75,3 +75,26 @@ def test_random_disconnects_leak_nothing(cluster):
     # And the cluster still serves.
     r = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
+
+
+def test_internal_sockets_listen_on_loopback_only(cluster):
+    """In the local cluster the KV rendezvous store (launcher), the token stream (gateway) and the
+    gloo pairs of the workers (formed by the traffic above) listen on 127.0.0.1, never a wildcard."""
+    import psutil
+
+    me = psutil.Process()
+    mine = {c.laddr.port: c.laddr.ip for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert mine[cluster._kv_store.port] == "127.0.0.1"
+    stream_port = int(cluster._token_stream.address.rsplit(":", 1)[1])
+    assert mine[stream_port] == "127.0.0.1"
+    workers = [p for p in psutil.process_iter(["cmdline"])
+               if any(("PrefillWorkerActor" in a or "DecodeWorkerActor" in a) for a in (p.info["cmdline"] or []))]
+    assert len(workers) >= 3
+    # Ray's own per-process servers are Ray's business; ours are the gloo listeners (one per pair).
+    ray_ports = {c.laddr.port for c in me.net_connections(kind="inet")}  # nothing of ours shares them
+    ours = []
+    for p in workers:
+        for c in p.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                ours.append((p.info["cmdline"][0], c.laddr.ip, c.laddr.port))
+    print("\nworker listening sockets:", ours)

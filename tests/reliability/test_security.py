@@ -1,0 +1,122 @@
+"""Security of the cluster's own sockets (no cluster needed; the API key on /v1 is tested against a
+real gateway in test_bad_input.py): the KV rendezvous store listens on the internal address only and
+refuses a wildcard one; the token stream and the transport control plane never unpickle anything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import re
+from pathlib import Path
+
+import msgpack
+import psutil
+import pytest
+
+from cluster.errors import PdserveError
+from cluster.launch import rendezvous_store
+from cluster.messages import KVHeader, TokenBatch, TokenDelta
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _listening(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process(os.getpid()).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
+def test_store_refuses_a_wildcard_address(host):
+    with pytest.raises(PdserveError, match="internal address"):
+        rendezvous_store(host)
+
+
+def test_store_listens_on_the_internal_address_only():
+    import datetime
+
+    import torch.distributed as dist
+
+    store = rendezvous_store("127.0.0.1")
+    assert _listening(store.port) == {"127.0.0.1"}  # a plain TCPStore master would listen on '::'
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                           use_libuv=True)
+    client.set("k", b"v")
+    assert store.get("k") == b"v"
+
+
+def test_config_refuses_a_wildcard_token_stream_host():
+    from cluster.config import ClusterConfig
+
+    for host in ("0.0.0.0", "::", "*"):
+        with pytest.raises(PdserveError, match="token_stream_host"):
+            ClusterConfig.load(overrides={"token_stream_host": host})
+    assert ClusterConfig.load(overrides={"token_stream_host": "10.0.0.5"}).token_stream_host == "10.0.0.5"
+
+
+class _Boom:
+    """Unpickling this would create a file: proof that nothing on our sockets unpickles."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_token_stream_never_unpickles(tmp_path):
+    import zmq
+
+    from router.token_stream import TokenStreamReceiver
+
+    marker = tmp_path / "pwned"
+
+    async def main():
+        rx = TokenStreamReceiver("127.0.0.1")
+        q = rx.register("r1")
+        rx.start()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(rx.address)
+        push.send(pickle.dumps(_Boom(str(marker))))  # a malicious frame ...
+        push.send(msgpack.packb({"garbage": [1, 2]}))  # ... a malformed one ...
+        good = TokenBatch("decode-0", 1, (TokenDelta("r1", (5, 6)),))
+        push.send(msgpack.packb(good.to_wire()))  # ... and a good one: still delivered
+        delta = await asyncio.wait_for(q.get(), 10)
+        push.close()
+        ctx.term()
+        await rx.stop()
+        return delta
+
+    assert asyncio.run(main()).token_ids == (5, 6)
+    assert not marker.exists()
+
+
+def test_kv_header_is_an_int_vector_not_a_pickle():
+    from cluster.transport.control import decode_header, encode_header
+
+    raw = encode_header(KVHeader("req-1", 3, 17, 42), num_blocks=2, bytes_per_block=4096)
+    assert len(raw) == 8 * 8 + len(b"req-1") and b"req-1" in raw
+    assert decode_header(raw)[0] == KVHeader("req-1", 3, 17, 42)
+    with pytest.raises(ValueError):
+        decode_header(pickle.dumps(KVHeader("req-1", 3, 17, 42)))
+
+
+def test_no_pickle_on_our_sockets():
+    """The modules that own a socket or the store (gateway, router, token stream and publisher, KV
+    transports, messages) do not import pickle, cloudpickle or dill, nor call torch.load."""
+    files = [*ROOT.glob("router/*.py"), *ROOT.glob("cluster/transport/*.py"), ROOT / "cluster/messages.py",
+             ROOT / "decode_worker/token_publisher.py", ROOT / "prefill_worker/prefill_worker.py"]
+    assert len(files) > 10
+    bad = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill)\b|pickle\.loads?\(|torch\.load\(|"
+                     r"recv_pyobj|send_pyobj", re.M)
+    offenders = [str(f.relative_to(ROOT)) for f in files if bad.search(f.read_text())]
+    assert not offenders, offenders
+
+
+def test_api_key_compare_is_constant_time():
+    src = (ROOT / "router/gateway.py").read_text()
+    check = src[src.index("def check_api_key"):]
+    check = check[:check.index("\n\n")]
+    assert "hmac.compare_digest" in check and "==" not in check
