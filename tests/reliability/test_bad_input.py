@@ -205,7 +205,7 @@ def test_every_v1_route_needs_the_key(cluster):
     wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
     for method, path in routes:
         for headers in ({}, {"Authorization": f"Bearer {wrong}"}, {"Authorization": f"Basic {KEY}"},
-                        {"Authorization": KEY}, {"Authorization": "Bearer "}):
+                        {"Authorization": KEY}, {"Authorization": "Bearer"}):
             r = httpx.request(method, f"{cluster.url}{path}", json=bodies.get(path), headers=headers, timeout=30)
             assert r.status_code == 401 and is_openai_error(r), (method, path, headers, r.status_code)
             assert r.json()["error"]["type"] == "authentication_error"

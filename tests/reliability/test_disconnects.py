@@ -23,6 +23,7 @@ def cluster(ray_module, demo_model_dir):
     # prefilled on the decode worker, so both paths see disconnects.
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=128)
+    sc.listeners_before_traffic = _worker_listeners()  # Ray's own; gloo pairs form at the first transfer
     yield sc
     sc.shutdown()
 
@@ -77,24 +78,29 @@ def test_random_disconnects_leak_nothing(cluster):
     assert r.status_code == 200
 
 
-def test_internal_sockets_listen_on_loopback_only(cluster):
-    """In the local cluster the KV rendezvous store (launcher), the token stream (gateway) and the
-    gloo pairs of the workers (formed by the traffic above) listen on 127.0.0.1, never a wildcard."""
+def _worker_listeners() -> set[tuple[int, str, int]]:
     import psutil
 
-    me = psutil.Process()
-    mine = {c.laddr.port: c.laddr.ip for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        if any(("PrefillWorkerActor" in a or "DecodeWorkerActor" in a) for a in (p.info["cmdline"] or [])):
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.add((p.pid, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def test_internal_sockets_listen_on_loopback_only(cluster):
+    """In the local cluster the KV rendezvous store (launcher), the token stream (gateway) and the
+    gloo pairs of the workers (formed by the traffic above) listen on 127.0.0.1, never a wildcard.
+    (Each worker process also has Ray's own core-worker server, there before any traffic: Ray's.)"""
+    import psutil
+
+    mine = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
     assert mine[cluster._kv_store.port] == "127.0.0.1"
-    stream_port = int(cluster._token_stream.address.rsplit(":", 1)[1])
-    assert mine[stream_port] == "127.0.0.1"
-    workers = [p for p in psutil.process_iter(["cmdline"])
-               if any(("PrefillWorkerActor" in a or "DecodeWorkerActor" in a) for a in (p.info["cmdline"] or []))]
-    assert len(workers) >= 3
-    # Ray's own per-process servers are Ray's business; ours are the gloo listeners (one per pair).
-    ray_ports = {c.laddr.port for c in me.net_connections(kind="inet")}  # nothing of ours shares them
-    ours = []
-    for p in workers:
-        for c in p.net_connections(kind="inet"):
-            if c.status == psutil.CONN_LISTEN:
-                ours.append((p.info["cmdline"][0], c.laddr.ip, c.laddr.port))
-    print("\nworker listening sockets:", ours)
+    assert mine[int(cluster._token_stream.address.rsplit(":", 1)[1])] == "127.0.0.1"
+    ours = _worker_listeners() - cluster.listeners_before_traffic
+    print(f"\nworker listeners opened by KV transfers: {sorted(ours)}")
+    assert len(ours) >= 2  # a gloo pair (prefill-0 with each decode worker that got a transfer)
+    assert {ip for _, ip, _ in ours} == {"127.0.0.1"}
