@@ -8,6 +8,7 @@ overrides the defaults. Workers get a frozen `WorkerConfig` built from it (`work
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from pathlib import Path
@@ -45,6 +46,11 @@ class ClusterConfig(BaseModel):
     """GPUs per actor; none: 1 when there are enough GPUs, an equal share when actors must share GPUs, 0 without."""
     cpus_per_worker: float = Field(1.0, ge=0.0)
     """CPUs Ray reserves per actor."""
+    prefill_resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources every prefill actor needs, e.g. {"prefill": 1} to pin prefill to the nodes
+    started with --resources '{"prefill": N}' (JSON on the command line)."""
+    decode_resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources every decode actor needs, e.g. {"decode": 1} (JSON on the command line)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device the workers run on ('auto': cuda when the actor has a GPU)."""
     ready_timeout_s: float = Field(600.0, gt=0)
@@ -111,8 +117,27 @@ class ClusterConfig(BaseModel):
     """Largest accepted HTTP request body."""
     token_stream_host: str | None = None
     """Address the decode workers push tokens to (default: 127.0.0.1 locally, this node's IP in a cluster)."""
+    kv_store_port: int = Field(0, ge=0, le=65535)
+    """Port of the KV transfer group's rendezvous store, on the driver's internal address (0: any free
+    port). Fix it to open it between nodes in a firewall."""
     kv_transport: Literal["torch_dist", "same_gpu", "local"] | None = None
     """KV transport kind (cluster.transport.factory); none: same_gpu when actors share one GPU, else torch_dist."""
+
+    @field_validator("prefill_resources", "decode_resources", mode="before")
+    @classmethod
+    def _resources(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON object of resource amounts: {e}") from None
+        if isinstance(v, dict):
+            reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(v))
+            if reserved:
+                raise ValueError(f"{reserved} are set by cpus_per_worker/gpus_per_worker, not as custom resources")
+            if any(not isinstance(x, (int, float)) or x < 0 for x in v.values()):
+                raise ValueError("resource amounts must be non-negative numbers")
+        return v
 
     @field_validator("block_size")
     @classmethod

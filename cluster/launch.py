@@ -76,7 +76,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
-    store = rendezvous_store(store_host)
+    store = rendezvous_store(store_host, cfg.kv_store_port)
     spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace)
     handles = {**prefill, **decode}
@@ -91,7 +91,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     return store
 
 
-def rendezvous_store(host: str):
+def rendezvous_store(host: str, port: int = 0):
     """The KV transport group's TCPStore (master), listening on `host` only.
 
     A TCPStore master given a host still listens on every interface ('::'); so the listening socket
@@ -111,7 +111,7 @@ def rendezvous_store(host: str):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.bind((host, 0))
+        sock.bind((host, port))
         sock.listen(128)
         port = sock.getsockname()[1]
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
@@ -284,18 +284,22 @@ class ServingCluster:
         wcfg = cfg.worker_config(model_dir, device)
         roles = [("prefill", i) for i in range(cfg.prefill_workers)] + [("decode", i) for i in range(cfg.decode_workers)]
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}
         # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
-        # spreads them over nodes only when one node can't hold them.
-        pg = placement_group([dict(bundle) for _ in roles], strategy="PACK", name=self.tag)
+        # spreads them over nodes only when one node can't hold them; custom resources in a role's
+        # bundle pin that role to the nodes that offer them.
+        pg = placement_group([{**bundle, **extra[role]} for role, _ in roles], strategy="PACK", name=self.tag)
         self.workers.placement_group = pg
         try:
             ray.get(pg.ready(), timeout=cfg.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {bundle} each "
+                               f"(plus {extra['prefill'] or {}} for prefill, {extra['decode'] or {}} for decode) "
                                f"(available: {ray.available_resources()})") from None
         for k, (role, i) in enumerate(roles):
             wid = f"{role}-{i}"
             opts = dict(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=f"{self.tag}-{wid}",
+                        resources=extra[role] or None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k))
             if role == "prefill":
                 self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)

@@ -78,3 +78,13 @@ def test_dockerfile_installs_every_package(path):
     text = (DEPLOY / path).read_text()
     for pkg in ("cluster", "prefill_worker", "decode_worker", "router", "loadtest"):
         assert f"COPY {pkg} ./{pkg}" in text
+
+
+def test_pdserve_cluster_yaml_is_a_valid_config():
+    from cluster.config import ClusterConfig
+
+    cfg = ClusterConfig.load(DEPLOY / "pdserve-cluster.yaml")
+    assert cfg.prefill_resources == {"prefill": 1} and cfg.decode_resources == {"decode": 1}
+    assert cfg.kv_store_port == 29600
+    wcfg = cfg.worker_config("/models/m", "cuda")
+    assert wcfg.compile_decode and wcfg.attention_backend == "triton"

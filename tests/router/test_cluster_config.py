@@ -38,7 +38,9 @@ def test_yaml_then_env_then_flags(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"decode_workers": 0}, {"block_size": 12}, {"port": 70000},
                                  {"decode_policy": "random"}, {"graph_buckets": "1,x"}, {"api_key": " "},
-                                 {"unknown_setting": 1}, {"kv_memory_fraction": 1.5}])
+                                 {"unknown_setting": 1}, {"kv_memory_fraction": 1.5},
+                                 {"prefill_resources": "{not json"}, {"decode_resources": {"GPU": 1}},
+                                 {"decode_resources": {"decode": -1}}, {"kv_store_port": 70000}])
 def test_invalid_settings_are_one_line_errors(bad):
     with pytest.raises(PdserveError) as e:
         ClusterConfig.load(None, bad, env={})

@@ -1,0 +1,142 @@
+"""A real two-node Ray cluster on one machine: `ray start --head` with a `prefill` resource and a
+second `ray start --address` with a `decode` resource; `pdserve serve --address` joins it, pins
+prefill to the first node and decode to the second, and answers HTTP over the cross-node gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+# Asks each worker actor which node it runs on, and that node which custom resources it offers.
+PLACEMENT_PROBE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+nodes = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
+out = {}
+for a in ray.util.list_named_actors(all_namespaces=True):
+    role = a["name"].rsplit("-", 2)[-2]
+    if role in ("prefill", "decode"):
+        h = ray.get_actor(a["name"], namespace=a["namespace"])
+        node = ray.get(h.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+        out[role] = nodes[node]
+print(json.dumps(out))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_node(args: list[str], env: dict) -> subprocess.Popen:
+    # --block keeps the node's processes children of this one, so the test stops exactly its own
+    # nodes (never `ray stop`, which would stop every Ray on the machine).
+    head = ["--include-dashboard=false"] if "--head" in args else []
+    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+                             "--num-cpus=2", *head, *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(p: subprocess.Popen, timeout: float = 5) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.fixture
+def two_node_cluster():
+    # A short temp dir: Ray's Unix sockets live under it and their paths are limited to 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
+    gcs = _free_port()
+    # Token authentication on, as the deployment guide asks: every node and client shares the token.
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    head = _ray_node(["--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", '--resources={"prefill": 1}',
+                      f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={_free_port()}",
+                      f"--ray-client-server-port={_free_port()}"], env)
+    nodes = [head]
+    try:
+        address = f"127.0.0.1:{gcs}"
+        deadline = time.monotonic() + 60
+        while subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
+                             env=env, capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline and head.poll() is None, "head node did not start"
+            time.sleep(1)
+        nodes.append(_ray_node([f"--address={address}", "--node-ip-address=127.0.0.1", '--resources={"decode": 1}',
+                                f"--dashboard-agent-listen-port={_free_port()}"], env))
+        yield address, env
+    finally:
+        for p in reversed(nodes):
+            _stop(p)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_dir, tmp_path):
+    address, env = two_node_cluster
+    port = _free_port()
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(json.dumps({  # YAML is a superset of JSON
+        "address": address, "port": port, "prefill_workers": 1, "decode_workers": 1, "device": "cpu",
+        "prefill_resources": {"prefill": 1}, "decode_resources": {"decode": 1}, "kv_transport": "torch_dist",
+        "cpu_num_blocks": 256, "served_model_name": "pdserve-demo",
+    }))
+    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--config", str(cfg)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "pdserve serve did not become ready"
+            time.sleep(1)
+
+        # Which node runs which worker: ask the cluster itself.
+        placed = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert placed.returncode == 0, placed.stderr
+        roles = json.loads(placed.stdout.strip().splitlines()[-1])
+        assert "prefill" in roles["prefill"] and "decode" not in roles["prefill"]
+        assert "decode" in roles["decode"] and "prefill" not in roles["decode"]
+
+        prompt = "Once upon a time there was a small model that wanted to tell stories about the sea"
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "pdserve-demo", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        from cluster.engine import LLMEngine
+        from cluster.sampling_params import SamplingParams
+
+        ref = LLMEngine(demo_model_dir).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == ref[0].text
+        metrics = httpx.get(f"{url}/metrics").text
+        sent = [ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_transfer_bytes_total")]
+        assert sent and float(sent[0].split()[-1]) > 0  # the KV crossed nodes through the transfer group
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
