@@ -341,6 +341,8 @@ class Router:
             return TokenDelta(rs.worker_request_id, (), "length")
         if rs.migrations >= self.cfg.max_migrations:
             return TokenDelta(rs.worker_request_id, (), "error", f"{why}; not migrated again after {rs.migrations} moves")
+        # Nothing more from the old placement may reach the client (late tokens, the abort's delta).
+        self.token_stream.unregister(rs.worker_request_id)
         self._forget_placement(rs, abort=True)  # whatever is left of it on a live worker
         rs.migrations += 1
         p = origin.params
