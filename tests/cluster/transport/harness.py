@@ -32,6 +32,8 @@ def request(prompt, max_tokens=8, temperature=0.0, seed=0, rid=None) -> Generate
 
 def block_checksum(kv_cache: torch.Tensor, block_ids) -> list[int]:
     """Exact per-block fingerprint: the sum of the blocks' raw 32-bit words (as int64)."""
+    if not block_ids:
+        return []
     b = kv_cache_blocks(kv_cache, list(block_ids)).contiguous()
     words = b.view(torch.int32).to(torch.int64)
     return words.transpose(0, 2).reshape(len(block_ids), -1).sum(-1).tolist()
