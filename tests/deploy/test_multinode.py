@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -90,26 +91,25 @@ def two_node_cluster():
 
 def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_dir, tmp_path):
     address, env = two_node_cluster
-    port = _free_port()
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(json.dumps({  # YAML is a superset of JSON
-        "address": address, "port": port, "prefill_workers": 1, "decode_workers": 1, "device": "cpu",
+        "address": address, "port": 0, "prefill_workers": 1, "decode_workers": 1, "device": "cpu",
         "prefill_resources": {"prefill": 1}, "decode_resources": {"decode": 1}, "kv_transport": "torch_dist",
         "cpu_num_blocks": 256, "served_model_name": "pdserve-demo",
     }))
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--config", str(cfg)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:  # port 0: the server picks a free port and prints its URL
+        server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--config",
+                                   str(cfg)], env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while not (m := re.search(r"serving \S+ at (http://\S+)/v1", log.read_text())):
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "pdserve serve did not start"
+            time.sleep(1)
+        url = m.group(1)
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "pdserve serve did not become ready"
             time.sleep(1)
 
