@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -105,12 +105,6 @@ def _check_url(url: str, allow_remote: bool) -> None:
         raise PdserveError(f"--url {url} is not a loopback address; pass --allow-remote to load a remote server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _auth(api_key: str) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -129,13 +123,14 @@ class ClusterProcess:
     """`pdserve serve` as a subprocess in its own process group, logging to OUT/serve.log."""
 
     def __init__(self, args: argparse.Namespace, out: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # Port 0: the server binds a free port itself and prints its URL (a port picked here could be
+        # taken by one of Ray's processes before the server binds it).
+        self.url: str | None = None
         cmd = [sys.executable, "-m", "cluster.cli", "serve"]
         if args.model:
             cmd.append(args.model)
         cmd += ["--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
-                "--host", "127.0.0.1", "--port", str(self.port), *args.serve_arg]
+                "--host", "127.0.0.1", "--port", "0", *args.serve_arg]
         self.cmd = cmd
         self.log_path = out / "serve.log"
         self._log = open(self.log_path, "w")
@@ -148,8 +143,11 @@ class ClusterProcess:
             if self.proc.poll() is not None:
                 raise PdserveError(f"`pdserve serve` exited with {self.proc.returncode} before /ready; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
+            if self.url is None:
+                m = re.search(r"serving \S+ at (http://\S+)/v1", self.log_path.read_text(errors="replace"))
+                self.url = m.group(1) if m else None
             try:
-                if httpx.get(self.url + "/ready", headers=headers, timeout=2.0).status_code == 200:
+                if self.url and httpx.get(self.url + "/ready", headers=headers, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -226,13 +224,14 @@ def run(args: argparse.Namespace) -> int:
     if args.start_cluster:
         cluster = ClusterProcess(args, out)
         print(f"starting cluster: {' '.join(cluster.cmd)} (log: {cluster.log_path})", flush=True)
-        url = cluster.url
+        url = None
     else:
         url = args.url.rstrip("/")
         _check_url(url, args.allow_remote)
     try:
         if cluster is not None:
             cluster.wait_ready(args.ready_timeout, headers)
+            url = cluster.url
             print(f"cluster ready at {url}", flush=True)
         model = args.model_name or _model_name(url, headers)
         return _run_locust(args, url, out, model, steps, warmup, stagger, processes, headers)
