@@ -34,10 +34,15 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self.tokens.append(token_id)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        if self.read_offset == len(self.tokens):
+            return
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return  # an incomplete UTF-8 sequence: wait for the next token (at the end, emit it as is)
         start = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
@@ -48,8 +53,15 @@ class IncrementalDetokenizer:
                 self.text = self.text[: max(0, start - self.hold) + min(hits)]
                 self.stopped = True
 
+    def flush(self) -> None:
+        """The sequence ended: tokens still held back (an incomplete UTF-8 sequence) become text."""
+        if not self.stopped:
+            self._advance(final=True)
+
     def take_new_text(self, final: bool = False) -> str:
         """Text not yet handed out, minus a tail that might still become a stop string."""
+        if final:
+            self.flush()
         end = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted : end]
         self.emitted = end

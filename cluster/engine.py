@@ -198,5 +198,8 @@ class LLMEngine:
 
     @staticmethod
     def output_of(seq: Sequence) -> CompletionOutput:
-        text = seq.detokenizer.text if seq.detokenizer else ""
+        text = ""
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
+            text = seq.detokenizer.text
         return CompletionOutput(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), text, seq.finish_reason or "")

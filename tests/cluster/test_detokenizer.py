@@ -43,3 +43,14 @@ def test_stop_string_spanning_tokens(tokenizer):
     assert len(out) > 2
     det = IncrementalDetokenizer(tokenizer, [0], stop=("cdef",))
     assert "".join(_feed(det, out)) == " ab"
+
+
+def test_held_back_bytes_are_emitted_at_the_end(tokenizer):
+    # Token ids of lone UTF-8 continuation bytes: held back while more could complete a character,
+    # then, when the sequence ends, emitted as the tokenizer decodes them (replacement characters).
+    lone = [i for i in range(5, len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"][:1] * 3
+    assert lone, "the demo tokenizer has byte-fallback tokens"
+    det = IncrementalDetokenizer(tokenizer, [0])
+    pieces = _feed(det, lone, final=False)
+    assert "".join(pieces) == ""
+    assert det.take_new_text(final=True) == tokenizer.decode(lone)
