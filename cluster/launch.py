@@ -359,9 +359,23 @@ class ServingCluster:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         return f"http://{shown}:{port}"
 
+    def _listen_socket(self):
+        """The gateway's socket, bound here: a port in use is a one-line error, not uvicorn's exit."""
+        import socket
+
+        host, port = self.cfg.host, self.cfg.port
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise PdserveError(f"the HTTP server cannot listen on {host}:{port}: {e.strerror}") from None
+        return sock
+
     async def _serve(self, announce: bool) -> None:
         self._server = server = self._uvicorn_server()
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(server.serve(sockets=[self._listen_socket()]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
