@@ -38,10 +38,6 @@ class KVCacheSpec:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    @property
-    def usable_blocks(self) -> int:
-        return self.num_blocks - 1
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

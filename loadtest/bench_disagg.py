@@ -19,10 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.report import percentile
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else None
 
 
 async def one_request(client, model, prompt, max_tokens, stall_s):
@@ -51,7 +49,6 @@ async def one_request(client, model, prompt, max_tokens, stall_s):
 
 async def run_rate(url, model, rate, duration, prompt_lens, output_tokens, seed, stall_s):
     rng = random.Random(seed)
-    results = []
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
         tasks = []
@@ -61,9 +58,7 @@ async def run_rate(url, model, rate, duration, prompt_lens, output_tokens, seed,
             prompt = [10 + rng.randrange(400) for _ in range(n)]
             tasks.append(asyncio.create_task(one_request(client, model, prompt, output_tokens, stall_s)))
             await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
-        sent_for = duration
-        results = await asyncio.gather(*tasks)
-    return results, sent_for
+        return await asyncio.gather(*tasks)
 
 
 def summarize(setup, rate, results, sent_for, ttft_slo, tpot_slo):
@@ -75,9 +70,9 @@ def summarize(setup, rate, results, sent_for, ttft_slo, tpot_slo):
         "failed": len(results) - len(ok), "stalled": sum(r["stalled"] for r in ok),
         "goodput_rps": len(good) / sent_for, "throughput_rps": len(ok) / sent_for,
         "slo_attainment": len(good) / len(results) if results else 0.0,
-        "itl_p50_ms": _pct(gaps_ms, 0.5), "itl_p99_ms": _pct(gaps_ms, 0.99),
-        "ttft_p50_ms": _pct([r["ttft"] * 1e3 for r in ok], 0.5), "ttft_p99_ms": _pct([r["ttft"] * 1e3 for r in ok], 0.99),
-        "tpot_p50_ms": _pct([r["tpot"] * 1e3 for r in ok], 0.5),
+        "itl_p50_ms": percentile(gaps_ms, 50), "itl_p99_ms": percentile(gaps_ms, 99),
+        "ttft_p50_ms": percentile([r["ttft"] * 1e3 for r in ok], 50), "ttft_p99_ms": percentile([r["ttft"] * 1e3 for r in ok], 99),
+        "tpot_p50_ms": percentile([r["tpot"] * 1e3 for r in ok], 50),
         "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
     }
 
@@ -105,9 +100,9 @@ def main(argv=None) -> int:
                                          "duration_s": args.duration, "ttft_slo_s": args.ttft_slo_s,
                                          "tpot_slo_s": args.tpot_slo_s})
     for rate in [float(x) for x in args.rates.split(",")]:
-        results, sent_for = asyncio.run(run_rate(args.url, model, rate, args.duration, lens, args.output_tokens,
-                                                 args.seed, args.stall_s))
-        row = summarize(args.setup, rate, results, sent_for, args.ttft_slo_s, args.tpot_slo_s)
+        results = asyncio.run(run_rate(args.url, model, rate, args.duration, lens, args.output_tokens,
+                                       args.seed, args.stall_s))
+        row = summarize(args.setup, rate, results, args.duration, args.ttft_slo_s, args.tpot_slo_s)
         doc["rows"] = [r for r in doc["rows"] if not (r["setup"] == args.setup and r["request_rate"] == rate)] + [row]
         print(json.dumps(row))
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,15 +20,13 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.report import percentile
+
 
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else None
 
 
 def stream_once(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -84,8 +82,8 @@ def main(argv=None) -> int:
         "max_tokens": args.max_tokens,
         "requests": args.requests,
         "itl_http_p50_ms": _median(itl_ms),
-        "itl_http_p90_ms": _pct(itl_ms, 0.9),
-        "itl_http_p99_ms": _pct(itl_ms, 0.99),
+        "itl_http_p90_ms": percentile(itl_ms, 90),
+        "itl_http_p99_ms": percentile(itl_ms, 99),
         "server_step_ms": _median(steps),
         "server_steps": len(steps),
         "ttft_client_ms": _median([t * 1e3 for t in ttfts]),
