@@ -17,13 +17,14 @@ from typing import Sequence as Seq
 import torch
 
 from cluster.block_allocator import BlockAllocator
+from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampler import SamplingTensors, sample
+from cluster.sampler import sample_tokens
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
 from cluster.tokenizer import encode_prompt, load_tokenizer
@@ -105,26 +106,25 @@ class LLMEngine:
         return []
 
     def _schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
-        budget = self.max_prefill_tokens
-        chunks = []
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) + len(chunks) >= self.max_num_seqs:
-                break
-            total = seq.num_tokens  # prompt plus tokens kept from before a preemption
+        planned = 0
+
+        def admit(seq: Sequence) -> bool:
+            nonlocal planned
+            if len(self.running) + planned >= self.max_num_seqs:
+                return False
             if not seq.block_table:
                 # Reserve the whole prompt plus the first decode slot up front, so later chunks
                 # and the first decode step can't fail for lack of blocks.
-                need = self.spec.blocks_for_tokens(total + 1)
+                need = self.spec.blocks_for_tokens(seq.num_tokens + 1)
                 if not self.allocator.can_allocate(need):
-                    break
+                    return False
                 seq.block_table = self.allocator.allocate(need)
-            n = min(total - seq.num_cached_tokens, budget)
-            toks = seq.all_token_ids[seq.num_cached_tokens : seq.num_cached_tokens + n]
-            chunks.append((seq, PrefillChunk(toks, seq.num_cached_tokens, seq.block_table)))
-            budget -= n
-            if seq.num_cached_tokens + n < total:
-                break  # a partially prefilled prompt blocks those behind it (FCFS)
-        return chunks
+            planned += 1
+            return True
+
+        # Prompt plus tokens kept from before a preemption.
+        return fcfs_chunks(self.waiting, self.max_prefill_tokens,
+                           lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table), admit)
 
     def _run_prefill(self, chunks) -> list[Sequence]:
         logits = self.runner.prefill([c for _, c in chunks])
@@ -168,10 +168,7 @@ class LLMEngine:
         return finished
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-        st = SamplingTensors.from_params([s.params for s in seqs], [s.seed for s in seqs], logits.device)
-        pos = torch.tensor([s.num_tokens for s in seqs], device=logits.device)
-        use_filter = any(s.params.needs_top_k_top_p for s in seqs)
-        return sample(logits, st, pos, use_filter).tolist()
+        return sample_tokens(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs])
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's blocks; it is recomputed (prompt + outputs) later."""

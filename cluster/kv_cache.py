@@ -7,10 +7,14 @@ batch point their block tables and slot mappings at it, so their writes land now
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cluster.model.config import ModelArchConfig
+
+if TYPE_CHECKING:
+    from cluster.worker_config import WorkerConfig
 
 NULL_BLOCK = 0
 
@@ -45,6 +49,45 @@ class KVCacheSpec:
         # Zeroed so that a never-written slot can't hold NaN bit patterns that a masked lane
         # would still multiply (0 * NaN = NaN) in some kernels.
         return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int  # bytes on the device
+    free: int  # bytes free on the device right now (all processes)
+    reserved_here: int  # bytes this process's allocator holds (weights loaded so far, caches)
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, torch.cuda.memory_reserved(device))
+
+
+def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                   memory: DeviceMemory | None = None) -> int:
+    """THE KV pool sizing rule, for prefill and decode workers alike (call it after the weights load).
+
+    - `cfg.num_blocks` if set; on CPU `cfg.cpu_num_blocks`.
+    - On CUDA: this worker's share of the device (`cfg.gpu_share`, < 1 when actors share a GPU) less
+      what this process already holds (weights), less headroom for the largest step's activations,
+      times `kv_memory_fraction`; never more than what is actually free. Counting the share from the
+      total, not from free memory, keeps actors that start at the same time on one GPU from each
+      taking the whole of it.
+    Returns blocks including the reserved NULL_BLOCK."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if device.type != "cuda":
+        return cfg.cpu_num_blocks
+    mem = memory or device_memory(device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    # Decode: logits plus the sampler's [B, V] temporaries dominate; prefill: the packed batch's
+    # gate/up and QKV activations (and their temporaries). Hidden states are small beside them.
+    decode_act = cfg.max_num_seqs * (arch.vocab_size * 40 + 4 * arch.intermediate_size * elem)
+    prefill_act = cfg.max_prefill_tokens * (6 * arch.intermediate_size + 8 * arch.hidden_size) * elem
+    headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
+    mine = int(mem.total * min(1.0, cfg.gpu_share)) - mem.reserved_here
+    budget = int((min(mine, mem.free) - headroom) * cfg.kv_memory_fraction)
+    return max(2, blocks_that_fit(arch, cfg.block_size, dtype, budget) + 1)
 
 
 def blocks_that_fit(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

@@ -121,4 +121,9 @@ class WorkerStats:
     running: int = 0
     waiting: int = 0
     outstanding_prefill_tokens: int = 0
+    # Decode only: the batch sizes its step is padded to (the CUDA-graph buckets it captured; the
+    # eager path pads the same way) and its batch limit. Placement reads these from the worker
+    # itself, never from a policy recomputed elsewhere.
+    graph_buckets: tuple[int, ...] = ()
+    max_num_seqs: int = 0
     extra: dict = field(default_factory=dict)

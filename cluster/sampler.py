@@ -84,6 +84,18 @@ def sample(
     return torch.where(st.temperature == 0, greedy, sampled)
 
 
+def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int],
+                  positions: list[int]) -> list[int]:
+    """THE host-side sampling rule after a prefill (a prompt's first token, or the next token of a
+    recomputed sequence) and in the reference engine: row i samples the token at position
+    `positions[i]` (= the tokens before it) with its own parameters and seed. Every path that samples
+    outside the decode worker's graph calls this, so a seeded request draws the same first token
+    wherever it is prefilled. Syncs (returns host ints)."""
+    st = SamplingTensors.from_params(params, seeds, logits.device)
+    pos = torch.tensor(positions, device=logits.device)
+    return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist()
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)

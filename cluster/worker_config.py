@@ -14,6 +14,7 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_memory_fraction of free GPU memory
     kv_memory_fraction: float = 0.85  # of the memory free after the weights load
+    gpu_share: float = 1.0  # fraction of the GPU this worker owns (< 1 when actors share one GPU)
     cpu_num_blocks: int = 512  # the pool on CPU, where free memory says little
     max_num_seqs: int = 128
     max_prefill_tokens: int = 4096

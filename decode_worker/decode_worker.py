@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, blocks_that_fit
+from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import GenerateRequest, Reservation, ReserveRequest, TokenBatch, TokenDelta, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner
-from cluster.sampler import SamplingTensors, sample
+from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
 from cluster.transport.base import KVTransport
 from cluster.worker_config import WorkerConfig
@@ -47,23 +47,6 @@ class _Launched:
     batch: DecodeBatch
     handle: StepHandle
     host_s: float  # host time spent on this step before launch (schedule + prepare)
-
-
-def kv_pool_blocks(cfg: WorkerConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """cfg.num_blocks if set; on CUDA a fraction of the memory free after the weights, less the
-    headroom the graph pool and a step's activations need; else cfg.cpu_num_blocks."""
-    if cfg.num_blocks is not None:
-        return cfg.num_blocks
-    if device.type != "cuda":
-        return cfg.cpu_num_blocks
-    free, _ = torch.cuda.mem_get_info(device)
-    # The largest step's activations: logits plus the sampler's [B, V] temporaries (noise is int64,
-    # the top-k/top-p sort keeps values and indices) dominate; hidden states are small beside them.
-    elem = torch.empty((), dtype=dtype).element_size()
-    act = cfg.max_num_seqs * (arch.vocab_size * 40 + 4 * arch.intermediate_size * elem)
-    headroom = max(1 << 30, 2 * act)
-    budget = int((free - headroom) * cfg.kv_memory_fraction)
-    return max(2, blocks_that_fit(arch, cfg.block_size, dtype, budget) + 1)
 
 
 class DecodeWorker:
@@ -184,6 +167,7 @@ class DecodeWorker:
                 free_blocks=self.blocks.num_free, total_blocks=self.blocks.capacity, running=len(s.running),
                 waiting=len(s.waiting_for_kv) + len(s.waiting),
                 outstanding_prefill_tokens=sum(x.num_tokens - x.num_cached_tokens for x in s.waiting),
+                graph_buckets=tuple(self.graph_runner.buckets), max_num_seqs=self.cfg.max_num_seqs,
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error},
@@ -285,10 +269,9 @@ class DecodeWorker:
         if not done:
             return []
         rows = [i for i, (s, _) in enumerate(chunks) if s in done]
-        st = SamplingTensors.from_params([s.params for s in done], [s.seed for s in done], self.device)
-        pos = torch.tensor([s.num_tokens for s in done], device=self.device)
-        use_filter = any(s.params.needs_top_k_top_p for s in done)
-        tokens = sample(logits[rows], st, pos, use_filter).tolist()  # NOTE: syncs; prefill is eager anyway
+        # NOTE: syncs; the local prefill is eager anyway.
+        tokens = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
+                               [s.num_tokens for s in done])
         return [self.scheduler.on_prefill_token(s, t) for s, t in zip(done, tokens)]
 
     def _fail_all(self, error: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.chunked_prefill import fcfs_chunks
 from cluster.messages import TokenDelta
 from cluster.model_runner import PrefillChunk
 from cluster.sequence import Sequence, SequenceStatus
@@ -150,18 +151,11 @@ class DecodeScheduler:
 
     # -- local prefill ----------------------------------------------------------------------------
     def schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
-        """Prefill chunks under the token budget, FCFS (a partially done prompt blocks those behind)."""
-        budget, chunks = self.max_prefill_tokens, []
-        for seq in self.waiting:
-            if budget == 0 or not seq.block_table:  # a preempted sequence still waiting for blocks
-                break
-            n = min(seq.num_tokens - seq.num_cached_tokens, budget)
-            toks = seq.all_token_ids[seq.num_cached_tokens : seq.num_cached_tokens + n]
-            chunks.append((seq, PrefillChunk(toks, seq.num_cached_tokens, seq.block_table)))
-            budget -= n
-            if seq.num_cached_tokens + n < seq.num_tokens:
-                break
-        return chunks
+        """Prefill chunks under the token budget, FCFS (cluster.chunked_prefill). A preempted sequence
+        still waiting for blocks (readmit_preempted) ends the batch: nothing overtakes it."""
+        return fcfs_chunks(self.waiting, self.max_prefill_tokens,
+                           lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table),
+                           lambda s: bool(s.block_table))
 
     def on_prefill_done(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> list[Sequence]:
         """Advances the chunks' sequences; returns those whose prompt is complete (they need a token)."""

@@ -77,19 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--title", default="", help="plot title")
 
 
-def add_loadtest_command(sub) -> None:
-    """Registers `pdserve loadtest` on the CLI's subparsers."""
-    p = sub.add_parser("loadtest", help="Locust load test: ITL per decode batch size, joined with server step records",
-                       description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.set_defaults(func=_cmd_loadtest)
-
-
-def _cmd_loadtest(args: argparse.Namespace) -> None:
-    if run(args) != 0:
-        raise PdserveError("some streams stalled or failed (see the report)")
-
-
 # -- helpers ----------------------------------------------------------------------------------------
 def _check_url(url: str, allow_remote: bool) -> None:
     u = urlparse(url)
@@ -126,7 +113,7 @@ class ClusterProcess:
         # Port 0: the server binds a free port itself and prints its URL (a port picked here could be
         # taken by one of Ray's processes before the server binds it).
         self.url: str | None = None
-        cmd = [sys.executable, "-m", "cluster.cli", "serve"]
+        cmd = [sys.executable, "-m", "cluster.app.cli", "serve"]
         if args.model:
             cmd.append(args.model)
         cmd += ["--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
@@ -312,8 +299,9 @@ def _print_progress(out: Path, warmup: float, poller, printed: set[int], n_steps
         print(progress_line(row, n_steps), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest.run") -> int:
+    """`pdserve loadtest ...` and `python -m loadtest.run ...`: 0, 1 if streams stalled or failed, 2 on bad input."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -25,7 +25,7 @@ ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.
 
 serve_and_bench() {  # setup-name, extra serve flags
   local setup=$1; shift
-  python3 -m cluster.cli serve "$MODEL_DIR" --port 8000 $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
+  python3 -m cluster.app.cli serve "$MODEL_DIR" --port 8000 $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
   local server=$!
   for _ in $(seq 1 400); do
     ready && break

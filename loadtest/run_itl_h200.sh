@@ -22,9 +22,9 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-256}
 STALL_TIMEOUT=${STALL_TIMEOUT:-10}
 PROCESSES=${PROCESSES:-4}
-# Two actors share the GPU: leave each a share of memory for its KV cache; Triton paged attention and
+# Two actors share the GPU (each sizes its KV pool from its half); Triton paged attention and
 # CUDA graphs for decode; the context is capped so nothing sizes for 128k tokens.
-SERVE_ARGS=${SERVE_ARGS:---device cuda --dtype bfloat16 --gpus-per-worker 0.5 --kv-memory-fraction 0.4 --max-model-len 4096 --max-num-seqs 128 --attention-backend triton}
+SERVE_ARGS=${SERVE_ARGS:---device cuda --dtype bfloat16 --gpus-per-worker 0.5 --max-model-len 4096 --max-num-seqs 128 --attention-backend triton}
 
 if [ ! -f "$MODEL_DIR/model.safetensors" ]; then
   python -m loadtest.make_model --shape llama-1b "$MODEL_DIR"

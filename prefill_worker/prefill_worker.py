@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.block_allocator import BlockAllocator
-from cluster.kv_cache import KVCacheSpec, blocks_that_fit
+from cluster.chunked_prefill import fcfs_chunks
+from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import KVHeader, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampler import SamplingTensors, sample
+from cluster.sampler import sample_tokens
 from cluster.transport.base import KVTransport
 from cluster.worker_config import WorkerConfig
 
@@ -56,7 +57,8 @@ class PrefillWorker:
         dtype = resolve_dtype(cfg.dtype or self.arch.dtype)
         self.model = model or load_model(cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
                                          attention_backend=cfg.attention_backend)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, self._num_blocks(dtype), dtype)
+        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
+                                          kv_pool_blocks(cfg, self.arch, dtype, self.device), dtype)
         self.runner = ModelRunner(self.model, self.spec, self.device)
         self.allocator = BlockAllocator(self.spec.num_blocks)
         self.transport = transport
@@ -68,14 +70,6 @@ class PrefillWorker:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-
-    def _num_blocks(self, dtype: torch.dtype) -> int:
-        if self.cfg.num_blocks is not None:
-            return self.cfg.num_blocks
-        if self.device.type != "cuda":
-            return self.cfg.cpu_num_blocks
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return blocks_that_fit(self.arch, self.cfg.block_size, dtype, int(free * self.cfg.kv_memory_fraction))
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -152,24 +146,18 @@ class PrefillWorker:
                     self._cv.wait(timeout=0.01)
 
     def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
-        budget, chunks = self.max_prefill_tokens, []
+        def admit(job: _Job) -> bool:
+            if not job.blocks:
+                need = self.spec.blocks_for_tokens(len(job.prompt))
+                if not self.allocator.can_allocate(need):
+                    return False
+                job.blocks = self.allocator.allocate(need)
+                job.started = time.perf_counter()
+            return True
+
         with self._cv:
-            for job in list(self._waiting):
-                if budget == 0:
-                    break
-                if not job.blocks:
-                    need = self.spec.blocks_for_tokens(len(job.prompt))
-                    if not self.allocator.can_allocate(need):
-                        break
-                    job.blocks = self.allocator.allocate(need)
-                    job.started = time.perf_counter()
-                n = min(len(job.prompt) - job.done_tokens, budget)
-                toks = job.prompt[job.done_tokens:job.done_tokens + n]
-                chunks.append((job, PrefillChunk(toks, job.done_tokens, job.blocks)))
-                budget -= n
-                if job.done_tokens + n < len(job.prompt):
-                    break  # a partially prefilled prompt goes first next step (FCFS)
-        return chunks
+            return fcfs_chunks(list(self._waiting), self.max_prefill_tokens,
+                               lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
     def step(self) -> bool:
         """One packed forward over the scheduled chunks; False if nothing could be scheduled."""
@@ -205,11 +193,10 @@ class PrefillWorker:
         return True
 
     def _sample(self, logits: torch.Tensor, jobs: list[_Job]) -> list[int]:
-        """The first token sits at position len(prompt): the same noise the engine would draw."""
+        """The first token sits at position len(prompt): the same draw the engine would make."""
         reqs = [j.task.request for j in jobs]
-        st = SamplingTensors.from_params([r.params for r in reqs], [r.seed for r in reqs], logits.device)
-        pos = torch.tensor([len(r.prompt_token_ids) for r in reqs], device=logits.device)
-        return sample(logits, st, pos, any(r.params.needs_top_k_top_p for r in reqs)).tolist()
+        return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                             [len(r.prompt_token_ids) for r in reqs])
 
     # -- transfer and completion ----------------------------------------------------------------
     def _send(self, job: _Job, first_token: int, prefill_done: float) -> None:

@@ -232,88 +232,153 @@ class Gateway:
         return Generation(self, stream, params.stop)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_accepting()
-        self._check_model(body.model)
-        body.check_unsupported()
-        ids = encode_prompt(self.tokenizer, body.single_prompt())
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.cfg.default_max_tokens
-        params = self._params(body, max_tokens)
-        self.router.admission.check_request(len(ids), max_tokens)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = await self.start_generation(rid, ids, params)
-        if body.stream:
-            return _sse(self._completion_chunks(gen, rid, body))
-
-        async def collect():
-            text = "".join([t async for t, _ in gen.pieces()])
-            return CompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-                CompletionChoice(text=text, finish_reason=gen.finish_reason)])
-        return await _unless_disconnected(request, collect())
+        return await self._serve(_COMPLETIONS, body, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._serve(_CHAT, body, request)
+
+    async def _serve(self, api: "_Endpoint", body, request: Request) -> Response:
+        """Both endpoints: checks, tokenize, admit and place, then stream SSE events or collect."""
         self._check_accepting()
         self._check_model(body.model)
         body.check_unsupported()
-        ids = encode_chat(self.tokenizer, [m.as_template_dict() for m in body.messages])
-        max_tokens = body.requested_max_tokens
-        if max_tokens is None:  # like vLLM: as much as the context (and the KV cache) leaves
-            room = min(self.cfg.max_model_len, self._kv_capacity_tokens() or self.cfg.max_model_len) - len(ids)
-            max_tokens = max(1, room)
+        ids = api.prompt_ids(self, body)
+        max_tokens = api.max_tokens(self, body, ids)
         params = self._params(body, max_tokens)
         self.router.admission.check_request(len(ids), max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
         gen = await self.start_generation(rid, ids, params)
         if body.stream:
-            return _sse(self._chat_chunks(gen, rid, body))
+            return _sse(self._events(api, gen, rid, body))
 
         async def collect():
             text = "".join([t async for t, _ in gen.pieces()])
-            return ChatCompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-                ChatChoice(message=ChatResponseMessage(content=text), finish_reason=gen.finish_reason)])
+            return api.response(rid, body, text, gen)
         return await _unless_disconnected(request, collect())
 
-    # -- streaming --------------------------------------------------------------------------------
-    async def _completion_chunks(self, gen: Generation, rid: str, body: CompletionRequest) -> AsyncIterator[str]:
-        created = int(time.time())
-        usage = body.include_usage
+    async def _events(self, api: "_Endpoint", gen: Generation, rid: str, body) -> AsyncIterator[str]:
+        fmt = api.chunks(rid, body, int(time.time()))
+        try:
+            for event in fmt.opening():
+                yield event
+            async for text, finish in gen.pieces():
+                yield fmt.piece(text, finish)
+            if body.include_usage:
+                yield fmt.usage(gen.usage)
+        except GenerationError as e:
+            yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())
+        yield "data: [DONE]\n\n"
+
+
+class _Endpoint:
+    """What differs between /v1/completions and /v1/chat/completions; everything else is shared."""
+
+    id_prefix: str
+
+    def prompt_ids(self, gw: Gateway, body) -> list[int]:
+        raise NotImplementedError
+
+    def max_tokens(self, gw: Gateway, body, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def response(self, rid: str, body, text: str, gen: Generation):
+        raise NotImplementedError
+
+    def chunks(self, rid: str, body, created: int) -> "_ChunkFormat":
+        raise NotImplementedError
+
+
+class _ChunkFormat:
+    def opening(self) -> list[str]:
+        return []
+
+    def piece(self, text: str, finish: str | None) -> str:
+        raise NotImplementedError
+
+    def usage(self, usage: UsageInfo) -> str:
+        raise NotImplementedError
+
+
+class _CompletionsEndpoint(_Endpoint):
+    id_prefix = "cmpl"
+
+    def prompt_ids(self, gw, body: CompletionRequest) -> list[int]:
+        return encode_prompt(gw.tokenizer, body.single_prompt())
+
+    def max_tokens(self, gw, body: CompletionRequest, ids) -> int:
+        return body.max_tokens if body.max_tokens is not None else gw.cfg.default_max_tokens
+
+    def response(self, rid, body, text, gen):
+        return CompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
+            CompletionChoice(text=text, finish_reason=gen.finish_reason)])
+
+    def chunks(self, rid, body, created):
+        return _CompletionChunks(rid, body, created)
+
+
+class _CompletionChunks(_ChunkFormat):
+    def __init__(self, rid: str, body: CompletionRequest, created: int):
+        self.rid, self.body, self.created = rid, body, created
         # Hot path (one event per token per request): the chunk's fixed parts are encoded once and
         # only text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
-        head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
-                f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
-        tail = ',"usage":null}\n\n' if usage else '}\n\n'
-        try:
-            async for text, finish in gen.pieces():
-                yield f'{head}{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)}}}]{tail}'
-            if usage:
-                chunk = CompletionResponse(id=rid, created=created, model=body.model, choices=[], usage=gen.usage)
-                yield _event(chunk.model_dump_json())
-        except GenerationError as e:
-            yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())
-        yield "data: [DONE]\n\n"
+        self.head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
+                     f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
+        self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
 
-    async def _chat_chunks(self, gen: Generation, rid: str, body: ChatCompletionRequest) -> AsyncIterator[str]:
-        created = int(time.time())
-        usage = body.include_usage
+    def piece(self, text, finish):
+        return f'{self.head}{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)}}}]{self.tail}'
 
-        def chunk(delta: DeltaMessage, finish: str | None) -> str:
-            c = ChatCompletionChunk(id=rid, created=created, model=body.model,
-                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
-            d = c.model_dump(exclude_none=True)
-            d["choices"][0]["finish_reason"] = finish  # always present, null until the end
-            if usage:
-                d["usage"] = None
-            return _event(json.dumps(d, separators=(",", ":")))
+    def usage(self, usage):
+        chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
+        return _event(chunk.model_dump_json())
 
-        try:
-            yield chunk(DeltaMessage(role="assistant", content=""), None)
-            async for text, finish in gen.pieces():
-                yield chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish)
-            if usage:
-                c = ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[], usage=gen.usage)
-                yield _event(c.model_dump_json())
-        except GenerationError as e:
-            yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())
-        yield "data: [DONE]\n\n"
+
+class _ChatEndpoint(_Endpoint):
+    id_prefix = "chatcmpl"
+
+    def prompt_ids(self, gw, body: ChatCompletionRequest) -> list[int]:
+        return encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+
+    def max_tokens(self, gw, body: ChatCompletionRequest, ids) -> int:
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # like vLLM: as much as the context (and the KV cache) leaves
+            room = min(gw.cfg.max_model_len, gw._kv_capacity_tokens() or gw.cfg.max_model_len) - len(ids)
+            max_tokens = max(1, room)
+        return max_tokens
+
+    def response(self, rid, body, text, gen):
+        return ChatCompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
+            ChatChoice(message=ChatResponseMessage(content=text), finish_reason=gen.finish_reason)])
+
+    def chunks(self, rid, body, created):
+        return _ChatChunks(rid, body, created)
+
+
+class _ChatChunks(_ChunkFormat):
+    def __init__(self, rid: str, body: ChatCompletionRequest, created: int):
+        self.rid, self.body, self.created = rid, body, created
+
+    def _chunk(self, delta: DeltaMessage, finish: str | None) -> str:
+        c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model,
+                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+        d = c.model_dump(exclude_none=True)
+        d["choices"][0]["finish_reason"] = finish  # always present, null until the end
+        if self.body.include_usage:
+            d["usage"] = None
+        return _event(json.dumps(d, separators=(",", ":")))
+
+    def opening(self):
+        return [self._chunk(DeltaMessage(role="assistant", content=""), None)]
+
+    def piece(self, text, finish):
+        return self._chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish)
+
+    def usage(self, usage):
+        c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
+        return _event(c.model_dump_json())
+
+
+_COMPLETIONS, _CHAT = _CompletionsEndpoint(), _ChatEndpoint()
 
 
 def _event(data: str) -> str:

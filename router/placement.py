@@ -81,21 +81,6 @@ class WorkerView:
         self.pending_blocks = self.pending_running = self.pending_prefill_tokens = 0
 
 
-def graph_bucket_sizes(spec: str | tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
-    """The decode batch sizes a worker captures graphs for (same spellings as WorkerConfig)."""
-    if isinstance(spec, str):
-        if spec == "vllm":
-            sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max(max_num_seqs, 256) + 1, 16))
-        elif spec == "pow2":
-            sizes = [1 << i for i in range(max(1, max_num_seqs).bit_length() + 1)]
-        else:
-            raise ValueError(f"graph_buckets must be 'vllm', 'pow2' or a list of sizes, got {spec!r}")
-    else:
-        sizes = list(spec)
-    out = sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
-    return tuple(out)
-
-
 def padding_waste(batch_size: int, buckets: tuple[int, ...]) -> float:
     """Fraction of a replayed graph spent on padded rows at this batch size (0 when it fits exactly
     or when the batch is beyond the largest bucket and runs eagerly)."""
@@ -154,18 +139,17 @@ class LeastLoadedDecode(DecodePolicy):
     """Load = the larger of KV usage and batch occupancy after placing the request, in coarse steps
     (`load_quantum`), so that near-equal workers tie; the tie goes to the worker whose new batch
     size pads least to its next graph bucket, then to more free blocks, then to the worker that was
-    given fewer requests so far (equal idle workers alternate instead of one taking everything)."""
+    given fewer requests so far (equal idle workers alternate instead of one taking everything).
+    Buckets and batch limit are each worker's own (`WorkerStats.graph_buckets`, `max_num_seqs`)."""
 
-    def __init__(self, buckets: tuple[int, ...] = (), max_num_seqs: int = 128, load_quantum: float = 0.05):
-        self.buckets = buckets
-        self.max_num_seqs = max(1, max_num_seqs)
+    def __init__(self, load_quantum: float = 0.05):
         self.load_quantum = load_quantum
 
     def _key(self, v: WorkerView, blocks_needed: int):
         kv_after = 1.0 - (v.free_blocks - blocks_needed) / max(1, v.total_blocks)
         batch_after = v.running + 1
-        load = max(kv_after, batch_after / self.max_num_seqs)
-        return (int(load / self.load_quantum), padding_waste(batch_after, self.buckets), -v.free_blocks,
+        load = max(kv_after, batch_after / max(1, v.stats.max_num_seqs or batch_after))
+        return (int(load / self.load_quantum), padding_waste(batch_after, v.stats.graph_buckets), -v.free_blocks,
                 v.placed_total, v.worker_id)
 
     def rank(self, views, request, blocks_needed):
@@ -175,7 +159,7 @@ class LeastLoadedDecode(DecodePolicy):
 
 @DECODE_POLICIES.register("round_robin")
 class DecodeRoundRobin(DecodePolicy):
-    def __init__(self, **_):
+    def __init__(self):
         self._next = itertools.count()
 
     def rank(self, views, request, blocks_needed):

@@ -77,8 +77,6 @@ class RouterConfig:
     unhealthy_after_failures: int = 3  # missed stats polls (a dead Ray actor counts at once)
     prefill_policy: str = "least_outstanding_tokens"
     decode_policy: str = "least_loaded"
-    graph_buckets: tuple[int, ...] = ()
-    max_num_seqs: int = 128
 
 
 @dataclass
@@ -161,8 +159,7 @@ class Router:
         self.prefill_ids = [c.worker_id for c in prefill]
         self.decode_ids = [c.worker_id for c in decode]
         self.prefill_policy = PREFILL_POLICIES.create(cfg.prefill_policy)
-        self.decode_policy = DECODE_POLICIES.create(cfg.decode_policy, buckets=cfg.graph_buckets,
-                                                    max_num_seqs=cfg.max_num_seqs)
+        self.decode_policy = DECODE_POLICIES.create(cfg.decode_policy)
         self.inflight: dict[str, RequestStream] = {}
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None

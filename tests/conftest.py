@@ -29,6 +29,14 @@ def demo_model_dir() -> Path:
     return ensure_demo_model()
 
 
+@pytest.fixture(scope="session")
+def reference_engine(demo_model_dir):
+    """The in-process engine every cluster test compares its outputs with."""
+    from cluster.engine import LLMEngine
+
+    return LLMEngine(demo_model_dir, num_blocks=1024, max_num_seqs=64)
+
+
 def _save_hf_variant(config, demo_dir: Path, out: Path, seed: int) -> Path:
     """A checkpoint written by transformers itself (sharded), with peaked random weights."""
     from transformers import AutoModelForCausalLM

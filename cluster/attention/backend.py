@@ -61,7 +61,7 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
     if name == "triton":
         try:
-            import decode_worker.triton_attention  # noqa: F401
+            import cluster.attention.triton_decode  # noqa: F401
         except ImportError as e:  # triton missing: the caller asked for it explicitly
             raise ValueError(f"attention backend 'triton' is unavailable: {e}") from None
     if name not in _REGISTRY:

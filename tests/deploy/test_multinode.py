@@ -4,6 +4,7 @@ prefill to the first node and decode to the second, and answers HTTP over the cr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -69,9 +70,11 @@ def two_node_cluster():
     gcs = _free_port()
     # Token authentication on, as the deployment guide asks: every node and client shares the token.
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # Ray starts its client server (default port 10001) only when ray[client] (grpcio) is installed,
+    # and refuses --ray-client-server-port without it: pick a free port only where it will be used.
+    client = [f"--ray-client-server-port={_free_port()}"] if importlib.util.find_spec("grpc") else []
     head = _ray_node(["--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", '--resources={"prefill": 1}',
-                      f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={_free_port()}",
-                      f"--ray-client-server-port={_free_port()}"], env)
+                      f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={_free_port()}", *client], env)
     nodes = [head]
     try:
         address = f"127.0.0.1:{gcs}"
@@ -99,7 +102,7 @@ def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_d
     }))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # port 0: the server picks a free port and prints its URL
-        server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--config",
+        server = subprocess.Popen([sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--config",
                                    str(cfg)], env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:

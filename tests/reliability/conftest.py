@@ -14,10 +14,3 @@ def ray_module():
     yield ray
     if owned:
         ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def reference_engine(demo_model_dir):
-    from cluster.engine import LLMEngine
-
-    return LLMEngine(demo_model_dir, num_blocks=1024, max_num_seqs=64)

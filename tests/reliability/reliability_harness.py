@@ -6,81 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
-import time
 
 import httpx
 
-MODEL = "pdserve-demo"
-
-
-def init_ray():
-    """Starts Ray unless a caller (another test package's session fixture) already did; returns
-    whether this call owns it (and must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    return True
+from serving_harness import MODEL, init_ray, start_cluster as _start, wait_clean, wait_ready, worker_stats  # noqa: F401
 
 
 def start_cluster(demo_model_dir, **overrides):
-    """The real launcher with the real prefill/decode actors on CPU."""
-    from cluster.config import ClusterConfig
-    from cluster.launch import ServingCluster
-
-    settings = dict(model=str(demo_model_dir), served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num_seqs=32,
-                    use_cuda_graph=False, stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu",
-                    ready_timeout_s=120, prefill_workers=0, decode_workers=1)
-    settings.update(overrides)
-    sc = ServingCluster(ClusterConfig(**settings))
-    sc.start_in_thread()
-    wait_ready(sc.url)
-    return sc
-
-
-def wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if httpx.get(f"{url}/ready").status_code == 200:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready")
-
-
-def worker_stats(sc, roles=("decode",)):
-    import ray
-
-    handles = {}
-    if "decode" in roles:
-        handles.update(sc.workers.decode)
-    if "prefill" in roles:
-        handles.update(sc.workers.prefill)
-    alive = {}
-    for wid, h in handles.items():
-        try:
-            alive[wid] = ray.get(h.stats.remote(), timeout=10)
-        except Exception:  # a worker a test killed
-            pass
-    return alive
-
-
-def wait_clean(sc, timeout_s: float = 20.0) -> dict:
-    """Waits until every live worker (prefill and decode) holds no request and every KV block is back
-    in its free pool, and the router holds no request; returns the workers' stats. Fails otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = worker_stats(sc, roles=("decode", "prefill"))
-        clean = all(s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0 for s in stats.values())
-        router = sc.gateway.router
-        if clean and not router.inflight and router.admission.num_admitted == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not clean: workers {stats}, router inflight {list(router.inflight)}, "
-                                 f"admitted {router.admission.num_admitted}")
-        time.sleep(0.05)
+    """The real launcher with the real actors on CPU (by default every prompt prefilled on decode)."""
+    return _start(demo_model_dir, **{"prefill_workers": 0, "decode_workers": 1, **overrides})
 
 
 def gateway_tasks(sc) -> list[str]:

@@ -42,7 +42,7 @@ def test_sigterm_drains_then_exits(demo_model_dir):
     pytest.importorskip("decode_worker.actor")
     env = dict(os.environ, RAY_ADDRESS="")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+        [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
          "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
          "--served-model-name", "demo", "--drain-timeout-s", str(DRAIN_S)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from cluster.errors import PdserveError
-from cluster.launch import rendezvous_store
+from cluster.app.launch import rendezvous_store
 from cluster.messages import KVHeader, TokenBatch, TokenDelta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_store_listens_on_the_internal_address_only():
 
 
 def test_config_refuses_a_wildcard_token_stream_host():
-    from cluster.config import ClusterConfig
+    from cluster.app.config import ClusterConfig
 
     for host in ("0.0.0.0", "::", "*"):
         with pytest.raises(PdserveError, match="token_stream_host"):

@@ -107,7 +107,7 @@ class FakeDecodeWorker:
             e = self.engine
             return WorkerStats(self.worker_id, "decode", True, free_blocks=max(0, self._free_locked()),
                                total_blocks=e.allocator.capacity, running=len(e.running),
-                               waiting=len(e.waiting) + len(self._reserved))
+                               waiting=len(e.waiting) + len(self._reserved), max_num_seqs=e.max_num_seqs)
 
     def step_metrics(self) -> dict:
         return {}

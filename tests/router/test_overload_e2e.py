@@ -6,7 +6,8 @@ import asyncio
 
 import httpx
 
-from conftest import start_cluster, wait_idle
+from conftest import start_cluster
+from serving_harness import wait_idle
 
 
 def test_429_under_overload_then_recovery(ray_session, demo_model_dir):

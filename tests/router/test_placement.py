@@ -6,14 +6,15 @@ import pytest
 
 from cluster.messages import GenerateRequest, WorkerStats
 from cluster.sampling_params import SamplingParams
-from router.placement import (DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView, graph_bucket_sizes,
-                              padding_waste)
+from decode_worker.bucketed_graph_runner import bucket_sizes
+from router.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView, padding_waste
 
 REQ = GenerateRequest("r", (1, 2, 3), SamplingParams(), 0, 0.0)
 
 
-def dview(wid, free=100, total=100, running=0, healthy=True):
-    v = WorkerView(wid, "decode", WorkerStats(wid, "decode", healthy, free, total, running))
+def dview(wid, free=100, total=100, running=0, healthy=True, buckets=(), max_num_seqs=64):
+    v = WorkerView(wid, "decode", WorkerStats(wid, "decode", healthy, free, total, running, graph_buckets=buckets,
+                                              max_num_seqs=max_num_seqs))
     v.healthy = healthy
     return v
 
@@ -42,17 +43,18 @@ def test_prefill_fewest_outstanding_tokens_skips_unhealthy():
 
 
 def test_decode_prefers_free_kv_and_small_batches():
-    d = LeastLoadedDecode(buckets=(), max_num_seqs=64)
+    d = LeastLoadedDecode()
     views = [dview("d0", free=10, total=100), dview("d1", free=90, total=100), dview("d2", free=95, running=60)]
     assert [v.worker_id for v in d.rank(views, REQ, 1)] == ["d1", "d0", "d2"]
     assert [v.worker_id for v in d.rank(views, REQ, 20)] == ["d1", "d2"]  # d0 lacks the blocks
 
 
 def test_decode_tie_broken_by_least_graph_padding():
-    buckets = graph_bucket_sizes("vllm", 256)
-    d = LeastLoadedDecode(buckets=buckets, max_num_seqs=256, load_quantum=0.1)
+    buckets = tuple(bucket_sizes("vllm", 256))
+    d = LeastLoadedDecode(load_quantum=0.1)
     # Same coarse load; one more request makes d0's batch 9 (pads to 16) and d1's 16 (no padding).
-    views = [dview("d0", running=8), dview("d1", running=15)]
+    views = [dview("d0", running=8, buckets=buckets, max_num_seqs=256),
+             dview("d1", running=15, buckets=buckets, max_num_seqs=256)]
     assert padding_waste(9, buckets) > padding_waste(16, buckets) == 0.0
     assert d.rank(views, REQ, 1)[0].worker_id == "d1"
 
@@ -71,11 +73,10 @@ def test_round_robin_rotates():
     assert [rr.rank(views, REQ, 1)[0].worker_id for _ in range(4)] == ["a", "b", "c", "a"]
 
 
-def test_graph_bucket_sizes():
-    assert graph_bucket_sizes("pow2", 20) == (1, 2, 4, 8, 16, 20)
-    assert graph_bucket_sizes((4, 1, 64), 32) == (1, 4, 32)
-    v = graph_bucket_sizes("vllm", 512)
-    assert v[:5] == (1, 2, 4, 8, 16) and v[-1] == 512 and 264 not in v and 272 in v
-    assert padding_waste(600, v) == 0.0  # beyond the largest bucket: eager, no padding
-    with pytest.raises(ValueError):
-        graph_bucket_sizes("fib", 8)
+def test_each_worker_is_judged_by_its_own_buckets():
+    # Explicit buckets (3, 5): batch 4 pads to 5 on d0; d1 captured (4,), so batch 4 pads nothing.
+    d = LeastLoadedDecode(load_quantum=1.0)
+    views = [dview("d0", running=3, buckets=(3, 5)), dview("d1", running=3, buckets=(4,))]
+    assert padding_waste(4, (3, 5)) > 0 and padding_waste(4, (4,)) == 0.0
+    assert d.rank(views, REQ, 1)[0].worker_id == "d1"
+    assert padding_waste(6, (3, 5)) == 0.0  # beyond the largest bucket: eager, no padding

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cluster.sampling_params import SamplingParams
-from conftest import wait_idle
+from serving_harness import wait_idle
 
 MODEL = "pdserve-demo"
 AUTH = {"Authorization": "Bearer sekret"}

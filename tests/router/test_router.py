@@ -157,3 +157,23 @@ def test_token_stream_dispatch_over_zmq():
         sock.close(linger=0)
         await stream.stop()
     asyncio.run(main())
+
+
+def test_router_learns_graph_buckets_from_the_decode_worker(demo_model_dir):
+    """The router pads-aware placement reads the buckets the worker really captured: for explicit
+    buckets 3,5 that is [3, 5] (a policy recomputed in the router once assumed (3, 5, 128))."""
+    from decode_worker.decode_worker import DecodeWorker
+
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", num_blocks=16, max_num_seqs=128,
+                       graph_buckets=(3, 5))
+    worker = DecodeWorker("decode-0", cfg, token_sink=None)
+    try:
+        router = Router([], [WorkerClient("decode-0", "decode", worker)], TokenStreamReceiver(),
+                        AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)))
+        asyncio.run(router.poll_once())
+        stats = router.views["decode-0"].stats
+        assert stats.graph_buckets == tuple(worker.graph_runner.buckets) == (3, 5)
+        assert stats.max_num_seqs == 128
+        assert worker.graph_runner.padded_size(4) == 5 and worker.graph_runner.padded_size(6) == 6
+    finally:
+        worker.shutdown()

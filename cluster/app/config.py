@@ -35,7 +35,8 @@ class ClusterConfig(BaseModel):
     api_key: str | None = None
     """If set, /v1 requires `Authorization: Bearer <key>` (also read from PDSERVE_API_KEY)."""
     address: str | None = None
-    """Ray cluster to join ('auto', 'ray://host:10001', 'host:6379'); none starts a local Ray instance."""
+    """Ray cluster to join from one of its nodes ('auto' or 'host:6379'); none starts a local Ray instance.
+    (Ray Client 'ray://' addresses are not supported: workers push tokens to this process directly.)"""
 
     # -- workers and their resources ----------------------------------------------------------------
     prefill_workers: int = Field(1, ge=0, le=1024)
@@ -219,10 +220,12 @@ class ClusterConfig(BaseModel):
         except ValidationError as e:
             raise PdserveError(_one_line(e)) from None
 
-    def worker_config(self, model_dir: str, device: str) -> WorkerConfig:
+    def worker_config(self, model_dir: str, device: str, gpu_share: float = 1.0) -> WorkerConfig:
+        """gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU)."""
         return WorkerConfig(
             model_dir=model_dir, dtype=self.dtype, device=device, attention_backend=self.attention_backend,
             block_size=self.block_size, num_blocks=self.num_blocks, kv_memory_fraction=self.kv_memory_fraction,
+            gpu_share=gpu_share,
             cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens, max_model_len=self.max_model_len,
             graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,

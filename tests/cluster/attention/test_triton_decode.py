@@ -1,18 +1,15 @@
 """The Triton paged decode kernel against the torch reference: on GPU natively, on CPU through
 Triton's interpreter (skipped if triton is not installed)."""
 
-import os
-
 import pytest
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-pytest.importorskip("triton")
+use_interpreter_without_cuda()  # before triton is imported
 
 from cluster.attention import AttentionMetadata, get_backend  # noqa: E402
 from cluster.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from decode_worker.triton_attention import paged_decode_attention  # noqa: E402
+from cluster.attention.triton_decode import paged_decode_attention  # noqa: E402
 
 
 def _case(b, heads, kv_heads, head_dim, page, ctx_lens, num_blocks, dtype, device, seed):

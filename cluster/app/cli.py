@@ -58,15 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_extra_commands(sub) -> None:
-    """Commands whose modules live in other packages register here (serve, loadtest)."""
-    from cluster.launch import add_serve_command
-    from loadtest.run import add_loadtest_command
+    """`serve` (the launcher) and `loadtest`. The load-test tooling (Locust, httpx, plotting) is only
+    imported when `pdserve loadtest` runs: its arguments are parsed by its own parser then."""
+    from cluster.app.launch import add_serve_command
 
     add_serve_command(sub)
-    add_loadtest_command(sub)
+    # Listed here for `pdserve --help`; main() hands its arguments to loadtest.run's own parser.
+    sub.add_parser("loadtest", add_help=False,
+                   help="Locust load test: ITL per decode batch size (pdserve loadtest --help)")
+
+
+def _loadtest(argv: list[str]) -> int:
+    from loadtest.run import main as loadtest_main
+
+    return loadtest_main(argv, prog="pdserve loadtest")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["loadtest"]:
+        return _loadtest(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

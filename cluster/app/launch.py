@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.config import ClusterConfig, add_config_flags, overrides_from_args
+from cluster.app.config import ClusterConfig, add_config_flags, overrides_from_args
 from cluster.errors import PdserveError
 
 log = logging.getLogger("pdserve.launch")
@@ -185,7 +185,6 @@ class ServingCluster:
         from router.admission import AdmissionController, AdmissionLimits
         from router.gateway import Gateway, GatewayConfig, build_app
         from router.metrics import ServingMetrics
-        from router.placement import graph_bucket_sizes
         from router.router import Router, RouterConfig, WorkerClient
         from router.token_stream import TokenStreamReceiver
 
@@ -217,8 +216,7 @@ class ServingCluster:
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
                 reserve_wait_s=cfg.reserve_wait_s, migrate_on_worker_death=cfg.migrate_on_worker_death,
                 prefill_policy=cfg.prefill_policy,
-                decode_policy=cfg.decode_policy, max_num_seqs=cfg.max_num_seqs,
-                graph_buckets=graph_bucket_sizes(cfg.graph_buckets, cfg.max_num_seqs) if cfg.use_cuda_graph else (),
+                decode_policy=cfg.decode_policy,
             ),
             metrics,
         )
@@ -281,7 +279,7 @@ class ServingCluster:
         self._device = device = "cuda" if gpus > 0 and cfg.device != "cpu" else "cpu"
         if cfg.device == "cuda" and gpus == 0:
             raise PdserveError("device is cuda but the Ray cluster has no GPU")
-        wcfg = cfg.worker_config(model_dir, device)
+        wcfg = cfg.worker_config(model_dir, device, gpu_share=gpus if 0 < gpus < 1 else 1.0)
         roles = [("prefill", i) for i in range(cfg.prefill_workers)] + [("decode", i) for i in range(cfg.decode_workers)]
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}

@@ -1,0 +1,90 @@
+"""Starting a real serving cluster in tests, shared by every test package that needs one
+(tests/router, tests/reliability, ...): the real launcher (`ServingCluster`) with real Ray actors, the
+router and the gateway under uvicorn on 127.0.0.1, reached over real HTTP."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+
+MODEL = "pdserve-demo"
+
+# Small, fast CPU settings; a test overrides what it exercises.
+CPU_DEFAULTS = dict(served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num_seqs=32, use_cuda_graph=False,
+                    stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120)
+
+
+def init_ray(num_cpus: int = 8) -> bool:
+    """Starts Ray unless a caller already did; returns whether this call owns it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def start_cluster(demo_model_dir, *, prefill_actor_cls=None, decode_actor_cls=None, form_transport_group=None,
+                  **overrides):
+    """A started cluster (in a thread of this process) that answers /ready; `sc.url` is its base URL."""
+    from cluster.app.config import ClusterConfig
+    from cluster.app.launch import ServingCluster
+
+    cfg = ClusterConfig(**{"model": str(demo_model_dir), **CPU_DEFAULTS, **overrides})
+    kwargs = dict(prefill_actor_cls=prefill_actor_cls, decode_actor_cls=decode_actor_cls)
+    if form_transport_group is not None:
+        kwargs["form_transport_group"] = form_transport_group
+    sc = ServingCluster(cfg, **kwargs)
+    sc.start_in_thread()
+    wait_ready(sc.url)
+    return sc
+
+
+def wait_ready(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready")
+
+
+def worker_stats(sc, roles=("decode",)) -> dict:
+    """Stats of the live workers of these roles (a worker a test killed is left out)."""
+    import ray
+
+    handles = {}
+    if "decode" in roles:
+        handles.update(sc.workers.decode)
+    if "prefill" in roles:
+        handles.update(sc.workers.prefill)
+    alive = {}
+    for wid, h in handles.items():
+        try:
+            alive[wid] = ray.get(h.stats.remote(), timeout=10)
+        except Exception:
+            pass
+    return alive
+
+
+def wait_clean(sc, roles=("decode", "prefill"), timeout_s: float = 20.0, router: bool = True) -> dict:
+    """Waits until every live worker holds no request and every KV block is back in its pool (and,
+    with `router`, the router holds no request); returns the workers' stats. Fails otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(sc, roles)
+        clean = all(s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0 for s in stats.values())
+        r = sc.gateway.router
+        if clean and (not router or (not r.inflight and r.admission.num_admitted == 0)):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not clean: workers {stats}, router inflight {list(r.inflight)}, "
+                                 f"admitted {r.admission.num_admitted}")
+        time.sleep(0.05)
+
+
+def wait_idle(sc, timeout_s: float = 15.0) -> list:
+    """Waits until every decode worker holds no request and all its blocks are free; returns stats."""
+    return list(wait_clean(sc, roles=("decode",), timeout_s=timeout_s, router=False).values())
