@@ -1,51 +1,145 @@
 """Incremental detokenization and stop-string matching, on the host, outside any decode loop.
 
-Decodes only a short window of recent tokens per step (vLLM's prefix/read offsets), so the cost per
-token is constant. Text that could still turn into a stop string is held back until it can't.
+Each new token is decoded against a short window of the tokens before it (vLLM's prefix/read offsets),
+so the cost per token is constant; text that ends in an incomplete UTF-8 sequence waits for the next
+token. Two decoders implement that rule and give the same text (tests/cluster/test_detokenizer.py):
+the Rust `tokenizers.decoders.DecodeStream` (one call per token, ~2 us) where it is exact, and the
+same algorithm in Python over the tokenizer's decode (two calls per token) as the reference and the
+fallback. Text that could still turn into a stop string is held back until it can't.
+
+The decode worker's token publisher runs one per request (cluster/stream_messages.py carries the
+text to the gateway); the in-process engine runs one per sequence.
 """
 
 from __future__ import annotations
 
 # Prompt tokens kept as left context so tokenizers that merge leading spaces decode correctly.
 _CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class _OffsetsDecoder:
+    """vLLM's incremental decode: new text = decode(window + new) - decode(window)."""
+
+    def __init__(self, decode, tokens: list[int], read_offset: int):
+        self._decode = decode
+        self.tokens = tokens
+        self.prefix_offset = 0
+        self.read_offset = read_offset
+
+    def push(self, token_id: int) -> str | None:
+        self.tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True) or ""
+
+    def _advance(self, final: bool) -> str | None:
+        if self.read_offset == len(self.tokens):
+            return None
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if not final and (len(full) <= len(prefix) or full.endswith(_REPLACEMENT)):
+            return None  # an incomplete UTF-8 sequence: wait for the next token (at the end, emit it as is)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(prefix) :]
+
+
+class _RustStreamDecoder:
+    """The same rule inside the Rust tokenizer (`DecodeStream.step`). Its state is mirrored here
+    (`window`: the tokens its prefix decodes, `pending`: tokens not yet released) only to flush held
+    bytes at the end and to hand over to the Python decoder if the stream ever refuses a token."""
+
+    def __init__(self, backend, decode, context: list[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._decode = decode
+        self._stream = DecodeStream(ids=list(context), skip_special_tokens=True)
+        self.window = list(context)
+        self.pending: list[int] = []
+
+    def push(self, token_id: int) -> str | None:
+        self.pending.append(token_id)
+        out = self._stream.step(self._backend, token_id)
+        if out is not None:
+            self.window, self.pending = self.pending, []
+        return out
+
+    def flush(self) -> str:
+        if not self.pending:
+            return ""
+        text = self._decode(self.window + self.pending)[len(self._decode(self.window)) :]
+        self.window, self.pending = self.pending, []
+        return text
+
+    def as_offsets(self) -> _OffsetsDecoder:
+        return _OffsetsDecoder(self._decode, self.window + self.pending, len(self.window))
+
+
+def _stream_is_exact(decode, context: list[int]) -> bool:
+    """DecodeStream takes its prompt context as text only if that text is complete: a prompt ending
+    inside a UTF-8 character would be re-emitted as output."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=True)  # tokenizers >= 0.22: prefill ids
+    except (ImportError, TypeError):
+        return False
+    return not decode(context).endswith(_REPLACEMENT)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
+    def __init__(self, tokenizer, prompt_token_ids, stop: tuple[str, ...] = (), *, resumed_tokens: int = 0,
+                 resumed_chars: int = 0, use_decode_stream: bool = True):
+        """`resumed_tokens`/`resumed_chars`: a migrated request's prompt ends with `resumed_tokens`
+        tokens it already generated, of whose text the client has `resumed_chars` characters; they are
+        decoded again here (not handed out again), so the text goes on exactly where it stopped."""
         self.text = ""  # all output text so far (truncated at a stop string once one matches)
         self.emitted = 0  # characters of self.text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False
         # The Rust tokenizer under a fast HF tokenizer decodes a short window in ~3 us; the HF Python
-        # wrapper around it costs ~50 us a call, which at thousands of tokens/s is the gateway's limit.
+        # wrapper around it costs ~50 us a call, which at thousands of tokens/s would be the limit.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+            decode = lambda ids: backend.decode(ids, skip_special_tokens=True)  # noqa: E731
         else:
-            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True,  # noqa: E731
+                                                  clean_up_tokenization_spaces=False)
+        prompt = list(prompt_token_ids)
+        n = len(prompt) - resumed_tokens
+        context = prompt[:n][-_CONTEXT_TOKENS:]
+        if use_decode_stream and backend is not None and _stream_is_exact(decode, context):
+            self._decoder: _OffsetsDecoder | _RustStreamDecoder = _RustStreamDecoder(backend, decode, context)
+        else:
+            self._decoder = _OffsetsDecoder(decode, context, len(context))
+        for token_id in prompt[n:]:
+            self.add(token_id)
+        self.emitted = min(resumed_chars, len(self.text))
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        return isinstance(self._decoder, _RustStreamDecoder)
 
     def add(self, token_id: int) -> None:
         """Appends one token; sets `stopped` if a stop string completed."""
         if self.stopped:
             return
-        self.tokens.append(token_id)
-        self._advance(final=False)
+        try:
+            new = self._decoder.push(token_id)
+        except Exception:  # the Rust stream refused a prefix it did not expect: go on in Python
+            if not isinstance(self._decoder, _RustStreamDecoder):
+                raise
+            self._decoder = self._decoder.as_offsets()
+            new = self._decoder._advance(final=False)
+        if new is not None:
+            self._append(new)
 
-    def _advance(self, final: bool) -> None:
-        if self.read_offset == len(self.tokens):
-            return
-        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset :])
-        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
-            return  # an incomplete UTF-8 sequence: wait for the next token (at the end, emit it as is)
+    def _append(self, new: str) -> None:
         start = len(self.text)
-        self.text += full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += new
         if self.stop:
             window = self.text[max(0, start - self.hold) :]
             hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
@@ -56,7 +150,9 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """The sequence ended: tokens still held back (an incomplete UTF-8 sequence) become text."""
         if not self.stopped:
-            self._advance(final=True)
+            new = self._decoder.flush()
+            if new:
+                self._append(new)
 
     def take_new_text(self, final: bool = False) -> str:
         """Text not yet handed out, minus a tail that might still become a stop string."""

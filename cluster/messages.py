@@ -1,26 +1,35 @@
 """Typed messages, one per hop: gateway -> router -> prefill -> decode -> gateway.
 
-Control messages are small frozen dataclasses. They cross Ray actor calls (Ray serialises them) or,
-for the token stream, a ZMQ socket as msgpack (`to_wire`/`from_wire`): no pickle on a socket of ours.
-The bulk KV never travels in a message; it goes through a KVTransport into reserved blocks.
+Control messages are small frozen dataclasses. They cross Ray actor calls (Ray serialises them) or
+the gateway -> router channel (msgspec msgpack, router/router_messages.py); the token stream's own
+messages are in cluster/stream_messages.py. No pickle on a socket of ours. The bulk KV never travels
+in a message; it goes through a KVTransport into reserved blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from cluster.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Gateway -> router: a tokenized request (stop strings are handled by the gateway itself)."""
+    """Gateway -> router -> workers: a tokenized request.
+
+    Stop strings travel in `params`: the decode worker's token publisher detokenizes and ends the
+    request there when one matches."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int  # resolved at the gateway so that retries and migrations sample identically
     arrival_time: float  # time.time() at the gateway
+    reply_to: str | None = None  # token sink of the gateway holding the client's connection (None: local)
+    # After a migration the prompt ends with tokens the request already generated: how many, and how
+    # many characters of their text the client already has (the new detokenizer resumes from there).
+    resumed_tokens: int = 0
+    resumed_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class TokenDelta:
+    """Decode loop -> its token publisher (same process): new token ids of one request."""
+
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -88,7 +99,8 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Decode worker -> gateway: every token one step produced, for all requests, in one message."""
+    """Decode loop -> its token publisher (same process): every token one step produced, for all
+    requests; the publisher turns it into text for each gateway (cluster/stream_messages.py)."""
 
     worker_id: str
     step: int
@@ -96,17 +108,6 @@ class TokenBatch:
     step_time_s: float = 0.0
     batch_size: int = 0
     bucket: int = 0  # graph bucket the step replayed (0 = eager)
-
-    def to_wire(self) -> dict:
-        d = asdict(self)
-        d["deltas"] = [asdict(x) for x in self.deltas]
-        return d
-
-    @classmethod
-    def from_wire(cls, d: dict) -> "TokenBatch":
-        deltas = tuple(TokenDelta(x["request_id"], tuple(x["token_ids"]), x.get("finish_reason"), x.get("error"))
-                       for x in d["deltas"])
-        return cls(d["worker_id"], d["step"], deltas, d.get("step_time_s", 0.0), d.get("batch_size", 0), d.get("bucket", 0))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """DecodeWorkerActor: the Ray face of DecodeWorker. Every method returns at once; the decode loop
 runs on the worker's own thread, and tokens leave through the ZMQ token sink, never through Ray.
 
-The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, sink)`.
+The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, stats_sink)`;
+tokens go to the gateway each request names (`GenerateRequest.reply_to`), step records to `stats_sink`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from decode_worker.decode_worker import DecodeWorker
 
 
 class DecodeWorkerActor:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, token_sink: str | None):
-        self.worker = DecodeWorker(worker_id, cfg, token_sink)
+    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None):
+        self.worker = DecodeWorker(worker_id, cfg, stats_sink)
 
     def ready(self) -> bool:
         """Returns once the model is loaded and the graphs are captured (the constructor finished)."""

@@ -3,6 +3,8 @@
 The loop, on its own thread, one iteration per decode step:
     take arrived KV  ->  local prefill (token-budgeted)  ->  schedule step t+1  ->  launch step t+1
     ->  read step t's tokens (they were copied to pinned memory while t+1 was queued)  ->  publish
+Publishing only enqueues: the TokenPublisher's thread detokenizes, applies stop strings (a match
+ends the request here, through abort()) and sends each gateway its own requests' text.
 Step t+1 is launched before step t's tokens are read: its rows that continue from step t take their
 input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
@@ -29,6 +31,7 @@ from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner
 from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
+from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVTransport
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
@@ -50,8 +53,9 @@ class _Launched:
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, token_sink: str | None = None, *,
+    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True):
+        """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -78,7 +82,7 @@ class DecodeWorker:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
-        self.publisher = TokenPublisher(token_sink)
+        self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
         self.transport: KVTransport | None = None
 
         self._lock = threading.RLock()  # reentrant: the loop drains under it
@@ -129,8 +133,10 @@ class DecodeWorker:
         with self._lock:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
+            self.publisher.register(req.request)
             blocks = self.scheduler.reserve(seq)
             if blocks is None:
+                self.publisher.forget(seq.request_id)
                 return None
             peer = req.prefill_worker_id
             res = Reservation(seq.request_id, self.worker_id, tuple(blocks), self._transfer_seq[peer])
@@ -147,16 +153,20 @@ class DecodeWorker:
         with self._lock:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
+            self.publisher.register(req)
             ok = self.scheduler.add_local(seq)
+            if not ok:
+                self.publisher.forget(seq.request_id)
         if ok:
             self._wake.set()
         return ok
 
     def abort(self, request_id: str) -> None:
+        """Drops the request (the router gave up on it, or its publisher matched a stop string)."""
         with self._lock:
             pending = request_id in self._expected
             if self.scheduler.abort(request_id, transfer_pending=pending):
-                self._outbox.append(TokenDelta(request_id, (), "abort"))
+                self._outbox.append(TokenDelta(request_id, (), "abort"))  # ends its publisher state
         self._wake.set()
 
     def stats(self) -> WorkerStats:
@@ -181,8 +191,8 @@ class DecodeWorker:
                  capture_stats={str(k): v for k, v in gr.capture_stats.items()})
         return m
 
-    def poll_token_batches(self, timeout: float = 0.0) -> list[TokenBatch]:
-        """Without a token sink: the batches published so far (tests and in-process use)."""
+    def poll_token_batches(self, timeout: float = 0.0) -> list:
+        """The StreamBatches of requests without a reply_to so far (tests and in-process use)."""
         return self.publisher.drain(timeout)
 
     def shutdown(self) -> None:

@@ -1,7 +1,18 @@
-"""Ships each step's TokenBatch to the gateway from its own thread: the decode loop only enqueues.
+"""TokenPublisher: the decode worker's output side, on its own thread; the decode loop only enqueues.
 
-With a sink address, batches go out as msgpack over a ZMQ PUSH socket connected to it (the gateway
-binds a PULL socket). Without one (in-process use, tests), they are kept for `drain()`.
+Per request, registered before it can produce a token: a detokenizer (cluster.detokenizer) with the
+request's stop strings, and the token sink of the gateway that holds its client (`reply_to`). Per
+batch of steps taken off the queue:
+
+- token ids become text; a stop string ends the request here: its delta says finish_reason "stop",
+  with the text cut before the stop string, `on_stop(request_id)` tells the loop to drop it (its KV
+  blocks go back to the pool), and whatever tokens of it are still in flight are dropped;
+- each gateway gets one `StreamBatch` with only its own requests' deltas (one PUSH socket per
+  gateway, connected at first use), so K gateway processes each carry 1/K of the stream;
+- the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
+  step-level Prometheus metrics), once, however many gateways there are.
+
+Requests without a `reply_to` (in-process use, tests) are kept for `drain()`.
 """
 
 from __future__ import annotations
@@ -9,51 +20,59 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
+from typing import Callable
 
-from cluster.messages import TokenBatch
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (it is gone or stuck)
 
 
-def encode_token_batch(batch: TokenBatch) -> dict:
-    """The same dict as `batch.to_wire()`, built without dataclasses.asdict (which deep-copies field
-    by field and costs ~10 us per delta: a 256-row step would spend milliseconds in it)."""
-    return {
-        "worker_id": batch.worker_id,
-        "step": batch.step,
-        "deltas": [{"request_id": d.request_id, "token_ids": d.token_ids, "finish_reason": d.finish_reason,
-                    "error": d.error} for d in batch.deltas],
-        "step_time_s": batch.step_time_s,
-        "batch_size": batch.batch_size,
-        "bucket": batch.bucket,
-    }
+class _Outgoing:
+    __slots__ = ("reply_to", "detok")
+
+    def __init__(self, reply_to: str | None, detok: IncrementalDetokenizer):
+        self.reply_to = reply_to
+        self.detok = detok
 
 
 class TokenPublisher:
-    def __init__(self, sink: str | None, keep_local: int = 100_000):
-        self.sink = sink
-        self._queue: queue.Queue = queue.Queue()
-        self._local: deque[TokenBatch] = deque(maxlen=keep_local)
+    def __init__(self, worker_id: str, tokenizer, stats_sink: str | None = None,
+                 on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000):
+        self.worker_id = worker_id
+        self.tokenizer = tokenizer
+        self.stats_sink = stats_sink
+        self.on_stop = on_stop
+        self._requests: dict[str, _Outgoing] = {}  # written by callers' threads, read by the publisher's
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._local: deque = deque(maxlen=keep_local)
         self._local_cv = threading.Condition()
-        self.sent = 0
-        self._thread: threading.Thread | None = None
-        if sink is not None:
-            self._thread = threading.Thread(target=self._run, name="decode-token-publisher", daemon=True)
-            self._thread.start()
+        self.sent = 0  # frames sent to gateways
+        self.dropped = 0  # frames a gateway could not take (gone)
+        self._thread = threading.Thread(target=self._run, name="decode-token-publisher", daemon=True)
+        self._thread.start()
+
+    # -- callers' threads -------------------------------------------------------------------------
+    def register(self, req: GenerateRequest) -> None:
+        """Before the request can produce a token (reserve / submit_local)."""
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
+                                       resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars)
+        self._requests[req.request_id] = _Outgoing(req.reply_to, detok)
+
+    def forget(self, request_id: str) -> None:
+        """A registered request that will produce nothing (not placed here after all)."""
+        self._requests.pop(request_id, None)
 
     def publish(self, batch: TokenBatch) -> None:
-        if self.sink is None:
-            with self._local_cv:
-                self._local.append(batch)
-                self._local_cv.notify_all()
-        else:
-            self._queue.put(batch)
+        self._queue.put(batch)
 
-    def drain(self, timeout: float = 0.0) -> list[TokenBatch]:
-        """Local mode: the batches published so far (waits up to `timeout` for at least one)."""
+    def drain(self, timeout: float = 0.0):
+        """The StreamBatches of requests without a reply_to so far (waits up to `timeout` for one)."""
         with self._local_cv:
             if not self._local and timeout > 0:
                 self._local_cv.wait(timeout)
@@ -61,27 +80,107 @@ class TokenPublisher:
             self._local.clear()
             return out
 
-    def _run(self) -> None:
-        import msgpack
-        import zmq  # imported here: the GPU benchmark host has no pyzmq and never publishes
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
 
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(self.sink)
+    # -- the publisher's thread -------------------------------------------------------------------
+    def _text_delta(self, d: TokenDelta, make_delta):
+        """(reply_to, StreamDelta) for a loop delta, or None when nobody may see it any more."""
+        out = self._requests.get(d.request_id)
+        if out is None:
+            return None  # ended here already (stop string), or never ours (an abort after the end)
+        tokens, finish, detok = d.token_ids, d.finish_reason, out.detok
+        stopped = False
+        for i, tok in enumerate(tokens):
+            detok.add(tok)
+            if detok.stopped:
+                tokens, finish, stopped = tokens[: i + 1], "stop", True
+                break
+        text = detok.take_new_text(final=finish is not None)
+        if finish is not None:
+            del self._requests[d.request_id]
+        if stopped and d.finish_reason is None and self.on_stop is not None:
+            self.on_stop(d.request_id)  # the loop still runs it: drop it there, free its blocks
+        return out.reply_to, make_delta(d.request_id, tokens, text, finish, d.error)
+
+    def _run(self) -> None:
+        # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
+        from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
+
+        socks: dict[str, object] = {}
+        stats_sock = None
         try:
             while True:
-                item = self._queue.get()
-                if item is _STOP:
+                items = [self._queue.get()]
+                while True:  # everything already queued goes out together (a behind publisher catches up)
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = items[-1] is _STOP
+                batches = [b for b in items if b is not _STOP]
+                if batches:
+                    now = time.time()
+                    by_sink: dict[str | None, list] = {}
+                    records = []
+                    for b in batches:
+                        if b.batch_size > 0:
+                            records.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket,
+                                                            b.step_time_s))
+                        for d in b.deltas:
+                            item = self._text_delta(d, StreamDelta)
+                            if item is not None:
+                                by_sink.setdefault(item[0], []).append(item[1])
+                    step = batches[-1].step
+                    for sink, deltas in by_sink.items():
+                        frame = StreamBatch(self.worker_id, step, tuple(deltas))
+                        if sink is None:
+                            with self._local_cv:
+                                self._local.append(frame)
+                                self._local_cv.notify_all()
+                        else:
+                            self._send(socks, sink, encode(frame))
+                    if records and self.stats_sink is not None:
+                        if stats_sock is None:
+                            stats_sock = self._connect(self.stats_sink)
+                        self._send_to(stats_sock, self.stats_sink, encode(StepRecordBatch(tuple(records))))
+                if stop:
                     break
-                sock.send(msgpack.packb(encode_token_batch(item), use_bin_type=True))
-                self.sent += 1
-        except Exception:  # noqa: BLE001 - a dead sink must not kill the worker; the gateway will notice
-            log.exception("token publisher to %s failed", self.sink)
+        except Exception:  # noqa: BLE001 - a broken publisher must not kill the worker; gateways time out
+            log.exception("token publisher of %s failed", self.worker_id)
         finally:
-            sock.close()
+            for s in [*socks.values(), stats_sock]:
+                if s is not None:
+                    s.close()
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(_STOP)
-            self._thread.join(timeout=5)
+    @staticmethod
+    def _connect(address: str):
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        sock.connect(address)
+        return sock
+
+    def _send(self, socks: dict, sink: str, frame: bytes) -> None:
+        sock = socks.get(sink)
+        if sock is None:
+            sock = socks[sink] = self._connect(sink)
+        if self._send_to(sock, sink, frame):
+            self.sent += 1
+
+    def _send_to(self, sock, address: str, frame: bytes) -> bool:
+        import zmq
+
+        try:
+            # NOTE: never blocks: one gateway that went away must not stall every other one.
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.dropped += 1
+            if self.dropped & (self.dropped - 1) == 0:  # 1st, 2nd, 4th ... drop: log, don't flood
+                log.warning("token publisher of %s: %s is not taking frames; %d dropped", self.worker_id,
+                            address, self.dropped)
+            return False

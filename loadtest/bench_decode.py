@@ -36,13 +36,16 @@ from cluster.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_sizes, padding_waste
 from decode_worker.scheduler import DecodeScheduler
-from decode_worker.token_publisher import encode_token_batch
 
 
 def msgpack_encode(batch) -> bytes:
-    import msgpack
+    """A step's deltas in their wire format (cluster/stream_messages.py), as the publisher thread
+    sends them to a gateway; its detokenization (no tokenizer here) is not part of this timing."""
+    from cluster.stream_messages import StreamBatch, StreamDelta, encode
 
-    return msgpack.packb(encode_token_batch(batch), use_bin_type=True)
+    return encode(StreamBatch(batch.worker_id, batch.step, tuple(
+        StreamDelta(d.request_id, d.token_ids, "", d.finish_reason, d.error) for d in batch.deltas)))
+
 
 PROMPT_LEN = 512
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]

@@ -1,14 +1,16 @@
-"""The OpenAI-compatible HTTP gateway (FastAPI): tokenize, hand to the router, detokenize, stream.
+"""The OpenAI-compatible HTTP gateway (FastAPI): tokenize, hand to the router, stream text back.
 
 `build_app(gateway)` returns the FastAPI app; `Gateway` holds what the endpoints share (tokenizer,
-router, token stream, metrics) and owns their start/stop through the app's lifespan.
+router client, token stream, metrics) and owns their start/stop through the app's lifespan. Several
+gateway processes serve one port (cluster/app/api_server.py); each has its own token sink.
 
 Per request the gateway tokenizes (chat template for /v1/chat/completions), resolves the sampling
-seed, and submits a `GenerateRequest` to the router; admission and placement errors become HTTP
-status codes before any byte of the response is sent. Token ids then arrive from the decode worker
-over the token stream; the gateway detokenizes them incrementally and applies stop strings (a
-decode worker only knows token-level stops). A stop string, a client that goes away, or an error
-ends the request with `router.finish(abort=True)`, which frees its KV blocks on every worker.
+seed, and submits a `GenerateRequest` naming its token sink (`reply_to`) to the one router over its
+channel (router/router_client.py); admission and placement errors become HTTP status codes before
+any byte of the response is sent. Text then arrives straight from the decode worker, already
+detokenized with stop strings applied there (decode_worker/token_publisher.py): this event loop only
+frames SSE events. A client that goes away or an error ends the request with `finish(abort=True)`,
+which frees its KV blocks on every worker; a worker's death migrates it (`Generation._recover`).
 """
 
 from __future__ import annotations
@@ -21,29 +23,31 @@ import random
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
-from cluster.messages import GenerateRequest, TokenDelta
+from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
+from cluster.stream_messages import StreamDelta
 from cluster.tokenizer import encode_chat, encode_prompt
 from router.admission import NoHealthyWorkerError, OverloadedError
-from router.metrics import CONTENT_TYPE, ServingMetrics
+from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse,
     ModelCard, ModelList, UsageInfo,
 )
-from router.router import RequestStream, Router
-from router.step_stats import StepStats
-from router.token_stream import TokenStreamReceiver
+from router.router import DrainingError
+from router.router_client import RouterClient
+from router.router_messages import Drain, RequestFailed
+from router.step_stats import DEFAULT_LIMIT, MAX_LIMIT
+from router.token_stream import TokenMailbox, TokenStreamReceiver
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,11 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
+def _draining() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                    code="draining", headers={"Retry-After": "1", "Connection": "close"})
+
+
 def _api_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -85,6 +94,8 @@ def _api_error(e: Exception) -> APIError:
                         headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, CapacityError):
         return APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(e, DrainingError):
+        return _draining()
     if isinstance(e, NoHealthyWorkerError):
         return APIError(503, str(e), "service_unavailable", code="no_healthy_worker")
     if isinstance(e, GenerationError):
@@ -93,15 +104,24 @@ def _api_error(e: Exception) -> APIError:
 
 
 class Generation:
-    """One admitted request from the gateway's side: token ids in, text pieces out."""
+    """One admitted request from the gateway's side: text pieces out of its mailbox."""
 
-    def __init__(self, gw: "Gateway", stream: RequestStream, stop: tuple[str, ...]):
+    def __init__(self, gw: "Gateway", req: GenerateRequest, mailbox: TokenMailbox):
         self.gw = gw
-        self.stream = stream
-        self.prompt_tokens = len(stream.request.prompt_token_ids)
-        self.completion_tokens = 0
+        self.request_id = req.request_id
+        self.worker_request_id = req.request_id  # changes when a worker's death moves the request
+        self.arrival = req.arrival_time
+        self.mailbox = mailbox
+        self.prompt_tokens = len(req.prompt_token_ids)
+        self.generated: list[int] = []  # every token id the client got (what a migration resumes from)
+        self.emitted_chars = 0  # ... and how many characters of text
+        self.migrations = 0
+        self.first_token_time: float | None = None
         self.finish_reason: str | None = None
-        self.detok = IncrementalDetokenizer(gw.tokenizer, list(stream.request.prompt_token_ids), stop)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
 
     @property
     def usage(self) -> UsageInfo:
@@ -109,100 +129,140 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (new text, finish reason or None); the last piece carries the finish reason."""
-        rid, m = self.stream.request_id, self.gw.metrics
-        arrival = self.stream.request.arrival_time
+        gw, m = self.gw, self.gw.metrics
         last = None
         abort = True  # unless a worker itself finished the request
         try:
             while True:
-                try:
-                    delta = await self.stream.get(self.gw.cfg.token_timeout_s)
-                except asyncio.TimeoutError:
-                    raise GenerationError(f"no token for {self.gw.cfg.token_timeout_s:g}s") from None
-                if delta.finish_reason == "error" or delta.error:
-                    raise GenerationError(delta.error or "the decode worker failed the request")
-                now = time.time()
-                if delta.token_ids:
+                d = await self.mailbox.next()
+                if d.token_ids:
+                    now = time.time()
                     if last is None:
-                        m.ttft.observe(now - arrival)
+                        m.ttft.observe(now - self.arrival)
+                        self.first_token_time = now
+                        gw.client.first_token(self.request_id, now)
                     else:
                         m.itl.observe(now - last)
                     last = now
-                finish = None
-                for tok in delta.token_ids:
-                    self.completion_tokens += 1
-                    self.detok.add(tok)
-                    if self.detok.stopped:
-                        finish = "stop"  # a stop string: the decode worker doesn't know, abort there
-                        break
-                if finish is None and delta.finish_reason is not None:
-                    finish = delta.finish_reason
-                    abort = False
-                text = self.detok.take_new_text(final=finish is not None)
+                    self.generated.extend(d.token_ids)
+                text, finish = d.text, d.finish_reason
+                if finish == "error" or d.error is not None:
+                    end = await self._recover(d.error or "the decode worker failed the request")
+                    if end is None:  # placed again: the tokens read with the failure still go out
+                        if text:
+                            self.emitted_chars += len(text)
+                            yield text, None
+                        continue
+                    finish, error = end
+                    if finish == "error":
+                        raise GenerationError(error or "the decode worker failed the request")
                 if text or finish is not None:
+                    self.emitted_chars += len(text)
                     self.finish_reason = finish
                     yield text, finish
-                if finish is not None:
-                    rs = self.stream
-                    self.gw.step_stats.record_request(rid, arrival, rs.placed_time or arrival, rs.first_token_time,
-                                                      time.time(), self.completion_tokens, rs.prefill_result,
-                                                      rs.local_prefill)
-                    m.e2e.observe(time.time() - arrival)
+                if finish is not None:  # the worker (or the router) finished it: nothing to abort
+                    abort = False
+                    m.e2e.observe(time.time() - self.arrival)
                     m.generation_tokens.inc(self.completion_tokens)
                     m.finished(finish)
                     return
         finally:
             # Also on cancellation (the client went away): frees the request's KV blocks everywhere.
-            self.gw.router.finish(rid, abort=abort)
+            gw.end(self, abort)
+
+    async def _recover(self, error: str) -> tuple[str, str | None] | None:
+        """A worker failed the request: the router places it again if that worker died (None: go on
+        reading the same mailbox), else says how it ends."""
+        ts = self.gw.token_stream
+        ts.unregister(self.worker_request_id)  # nothing more from that placement may reach the client
+        self.migrations += 1
+        wrid = f"{self.request_id}.m{self.migrations}"
+        ts.attach(wrid, self.mailbox)  # before the router places it: its first token may come at once
+        end = await self.gw.client.migrate(self.request_id, wrid, tuple(self.generated), self.emitted_chars, error)
+        if end is None:
+            self.worker_request_id = wrid
+        else:
+            ts.unregister(wrid)
+        return end
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, tokenizer, router: Router, token_stream: TokenStreamReceiver,
-                 metrics: ServingMetrics):
+    def __init__(self, cfg: GatewayConfig, tokenizer, client: RouterClient, token_stream: TokenStreamReceiver,
+                 metrics: GatewayMetrics):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.router = router
+        self.client = client
         self.token_stream = token_stream
         self.metrics = metrics
-        self.step_stats = StepStats()
-
-        def on_batch(batch) -> None:
-            metrics.observe_batch(batch)
-            self.step_stats.record_batch(batch)
-
-        token_stream.on_batch = on_batch
+        self.active: dict[str, Generation] = {}
         self._rng = random.Random()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False  # set by drain(): new requests get 503, /ready is false
+        self.on_drained = lambda left: None  # the API-server process stops its HTTP server here
+        client.on_failed = self._request_failed
+        client.on_drain = self._drain_requested
+        client.status = lambda: (token_stream.open_streams, len(asyncio.all_tasks()), self.draining)
 
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()  # tests and the drain look at the loop's tasks
+        self.loop = asyncio.get_running_loop()
         self.token_stream.start()
-        await self.router.start()
+        await self.client.start()
+
+    async def stop(self) -> None:
+        for gen in list(self.active.values()):
+            self.end(gen, abort=True)
+        await self.client.stop()
+        await self.token_stream.stop()
+
+    @property
+    def ready(self) -> bool:
+        """The router is ready (every worker polled, a decode worker healthy) and every gateway
+        process is up, and this one is not draining."""
+        st = self.client.state
+        return (not self.draining and self.client.connected and st is not None and st.ready
+                and st.gateways_up >= st.gateways_expected)
+
+    def end(self, gen: Generation, abort: bool) -> None:
+        """The request is over for this gateway (safe to call twice)."""
+        if self.active.pop(gen.request_id, None) is None:
+            return
+        self.token_stream.unregister(gen.worker_request_id)
+        self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
+
+    def _request_failed(self, msg: RequestFailed) -> None:
+        """A worker of the request died or failed it: drop that placement's late tokens, then let
+        the reader see the failure (it asks the router to migrate the request)."""
+        self.token_stream.push(StreamDelta(msg.worker_request_id, (), "", "error", msg.error))
+        self.token_stream.unregister(msg.worker_request_id)
+
+    def _drain_requested(self, msg: Drain) -> None:
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain_then_notify(msg.timeout_s), name="drain")
+
+    async def _drain_then_notify(self, timeout_s: float) -> None:
+        left = await self.drain(timeout_s)
+        self.on_drained(left)
 
     async def drain(self, timeout_s: float) -> int:
         """Stops admission, then waits up to `timeout_s` for the in-flight requests to finish;
-        returns how many are still running (the router aborts those when the gateway stops)."""
+        returns how many were still running (each ends with a clear error event)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.router.inflight and loop.time() < deadline:
+        while self.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        left = list(self.router.inflight)
-        for rid in left:  # each ends with a clear error event (or a 500) and is aborted on its workers
-            self.token_stream.push(TokenDelta(rid, (), "error", f"the server shut down (drain timeout "
-                                                                f"{timeout_s:g}s) before the request finished"))
+        left = list(self.active.values())
+        for gen in left:  # each ends with an error event (or a 500) and is aborted on its workers
+            self.token_stream.push(StreamDelta(gen.worker_request_id, (), "", "error",
+                                               f"the server shut down (drain timeout {timeout_s:g}s) before "
+                                               "the request finished"))
         return len(left)
-
-    async def stop(self) -> None:
-        await self.router.stop()
-        await self.token_stream.stop()
 
     # -- request building -------------------------------------------------------------------------
     def _check_accepting(self) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
-                           code="draining", headers={"Retry-After": "1", "Connection": "close"})
+            raise _draining()
 
     def _check_model(self, name: str) -> None:
         if name != self.cfg.model_name:
@@ -210,8 +270,8 @@ class Gateway:
                            "model_not_found")
 
     def _kv_capacity_tokens(self) -> int:
-        views = [v for v in self.router.decode_views() if v.healthy]
-        return max((v.total_blocks for v in views), default=0) * self.router.admission.limits.block_size
+        st = self.client.state
+        return st.kv_capacity_tokens if st is not None else 0
 
     def _params(self, body, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -225,11 +285,19 @@ class Gateway:
 
     async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-        # Stop strings stay here (the gateway applies them); workers see token-level stops only.
-        req = GenerateRequest(request_id, tuple(prompt_ids), replace(params, stop=()), seed, time.time())
-        stream = await self.router.submit(req)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return Generation(self, stream, params.stop)
+        req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
+                              reply_to=self.token_stream.address)
+        mailbox = self.token_stream.register(request_id)  # before the router places it
+        gen = Generation(self, req, mailbox)
+        self.active[request_id] = gen
+        try:
+            await self.client.submit(req)
+        except BaseException:
+            # Refused (nothing to undo), or the client left while it was being placed: the router
+            # undoes whatever placement it made.
+            self.end(gen, abort=True)
+            raise
+        return gen
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         return await self._serve(_COMPLETIONS, body, request)
@@ -245,7 +313,6 @@ class Gateway:
         ids = api.prompt_ids(self, body)
         max_tokens = api.max_tokens(self, body, ids)
         params = self._params(body, max_tokens)
-        self.router.admission.check_request(len(ids), max_tokens)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
         gen = await self.start_generation(rid, ids, params)
         if body.stream:
@@ -538,25 +605,28 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        healthy = sum(v.healthy for v in gw.router.decode_views())
+        st = gw.client.state
+        healthy = st.healthy_decode if st is not None and gw.client.connected else 0
         body = {"status": "ok" if healthy else "unhealthy", "healthy_decode_workers": healthy,
-                "healthy_prefill_workers": sum(v.healthy for v in gw.router.prefill_views())}
+                "healthy_prefill_workers": st.healthy_prefill if st is not None else 0}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/ready")
     async def ready():
-        ok = gw.router.ready and not gw.draining
+        ok = gw.ready
         body = {"ready": ok, "draining": True} if gw.draining else {"ready": ok}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/stats")
-    async def stats(since: float = 0.0):
-        """Recent decode steps (batch size, bucket, padding, step time) and request timings."""
-        return JSONResponse(gw.step_stats.snapshot(since))
+    async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):
+        """Decode steps (batch size, bucket, padding, step time) and request timings recorded since
+        `cursor` (at most `limit`), with the cursor to ask from next: built by the router, so the
+        poll costs this event loop one frame in and one out."""
+        return Response(await gw.client.query("stats", cursor, limit), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics():
-        gw.metrics.waiting.set(gw.router.admission.num_waiting)
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+        router_text = await gw.client.query("metrics")
+        return Response(gw.metrics.render() + router_text, media_type=CONTENT_TYPE)
 
     return app

@@ -1,17 +1,25 @@
-"""Prometheus metrics of the gateway and router, named like vLLM's with a `pdserve:` prefix.
+"""Prometheus metrics of the gateways and the router, named like vLLM's with a `pdserve:` prefix.
 
-One `ServingMetrics` per gateway, on its own registry (so several gateways can live in one process,
-as in tests). Request-level latencies are observed by the gateway, prefill/transfer timings from
-`PrefillResult`s by the router, step-level ones from the token stream's `TokenBatch`es, and gauges
-from the workers' polled `WorkerStats`.
+Two sets, each observed where its facts are:
+- `GatewayMetrics`, in every gateway (API-server) process: request latencies (TTFT, ITL, end to end),
+  streamed tokens, finished and refused requests. With several gateway processes each writes its own
+  file under PROMETHEUS_MULTIPROC_DIR (set by the launcher) and `/metrics` on any of them sums all.
+- `RouterMetrics`, in the router's process: prefill/transfer timings (from `PrefillResult`s), decode
+  steps (from the workers' step records), migrations, placements, and the gauges from the workers'
+  polled `WorkerStats`. A gateway's `/metrics` appends the router's text, fetched over its channel.
+
+Each instance has its own registry, so several clusters can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.messages import TokenBatch, WorkerStats
+from cluster.messages import WorkerStats
+from cluster.stream_messages import DecodeStepRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -20,58 +28,36 @@ _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class ServingMetrics:
+class _Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, m = self.registry, ["model_name"]
 
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"pdserve:{name}", doc, m, buckets=buckets, registry=r).labels(model_name)
+    def _hist(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(f"pdserve:{name}", doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", _LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a request.", _LATENCY_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time a request waited in a prefill queue.", _LATENCY_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "Time a prefill worker computed the prompt.",
-                            _LATENCY_BUCKETS)
-        self.kv_transfer = hist("kv_transfer_seconds", "Time the prompt's KV took from prefill to decode.",
-                                _LATENCY_BUCKETS)
-        self.kv_transfer_size = hist("kv_transfer_size_bytes", "Bytes of KV moved per request.", _BYTES_BUCKETS)
-        self.decode_step = hist("decode_step_seconds", "Duration of one decode step.", _LATENCY_BUCKETS)
-        self.decode_batch_size = hist("decode_batch_size", "Requests in one decode step.", _BATCH_BUCKETS)
-        self.graph_padding_ratio = hist("graph_padding_ratio", "Padded rows / graph bucket size per replayed step.",
-                                        _RATIO_BUCKETS)
-        self.prompt_tokens_hist = hist("request_prompt_tokens", "Prompt length of finished requests.",
-                                       _BYTES_BUCKETS)
-        self.kv_transfer_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes moved prefill -> decode.", m,
-                                         registry=r).labels(model_name)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests.", m,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens streamed to clients.", m,
-                                         registry=r).labels(model_name)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"pdserve:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+
+class GatewayMetrics(_Metrics):
+    def __init__(self, model_name: str):
+        super().__init__(model_name)
+        self.ttft = self._hist("time_to_first_token_seconds", "Time from arrival to the first token.",
+                               _LATENCY_BUCKETS)
+        self.itl = self._hist("inter_token_latency_seconds", "Time between two tokens of a request.",
+                              _LATENCY_BUCKETS)
+        self.e2e = self._hist("e2e_request_latency_seconds", "Time from arrival to the last token.",
+                              _LATENCY_BUCKETS)
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens streamed to clients.")
         self._success = Counter("pdserve:request_success", "Finished requests by finish reason.",
-                                m + ["finished_reason"], registry=r)
-        self._rejected = Counter("pdserve:request_rejected", "Requests refused, by HTTP status.", m + ["status"],
-                                 registry=r)
-        self.local_prefills = Counter("pdserve:local_prefill_requests",
-                                      "Requests prefilled on their decode worker (conditional disaggregation).",
-                                      m, registry=r).labels(model_name)
-        self.reserve_retries = Counter("pdserve:reserve_retries", "Reservations a decode worker refused.", m,
-                                       registry=r).labels(model_name)
-        self.migrations = Counter("pdserve:request_migrations",
-                                  "Requests moved to another worker after theirs died.", m,
-                                  registry=r).labels(model_name)
-        self.running = Gauge("pdserve:num_requests_running", "Requests decoding on decode workers.", m,
-                             registry=r).labels(model_name)
-        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests admitted without a first token yet.", m,
-                             registry=r).labels(model_name)
-        self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "KV-cache usage of a decode worker (1 = full).",
-                               m + ["worker_id"], registry=r)
-        self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
-                              m + ["worker_id", "role"], registry=r)
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._rejected = Counter("pdserve:request_rejected", "Requests refused, by HTTP status.",
+                                 ["model_name", "status"], registry=self.registry)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -79,13 +65,55 @@ class ServingMetrics:
     def rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
 
-    def observe_batch(self, batch: TokenBatch) -> None:
-        if batch.step_time_s > 0:
-            self.decode_step.observe(batch.step_time_s)
-        if batch.batch_size > 0:
-            self.decode_batch_size.observe(batch.batch_size)
-            if batch.bucket > 0:
-                self.graph_padding_ratio.observe(max(0, batch.bucket - batch.batch_size) / batch.bucket)
+    def render(self) -> bytes:
+        """Every gateway process's metrics summed (multiprocess mode), else this one's."""
+        path = os.environ.get(MULTIPROC_ENV)
+        if not path:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=path)
+        return generate_latest(registry)
+
+
+class RouterMetrics(_Metrics):
+    def __init__(self, model_name: str):
+        super().__init__(model_name)
+        r, m = self.registry, ["model_name"]
+        self.queue = self._hist("request_queue_time_seconds", "Time a request waited in a prefill queue.",
+                                _LATENCY_BUCKETS)
+        self.prefill = self._hist("request_prefill_time_seconds", "Time a prefill worker computed the prompt.",
+                                  _LATENCY_BUCKETS)
+        self.kv_transfer = self._hist("kv_transfer_seconds", "Time the prompt's KV took from prefill to decode.",
+                                      _LATENCY_BUCKETS)
+        self.kv_transfer_size = self._hist("kv_transfer_size_bytes", "Bytes of KV moved per request.", _BYTES_BUCKETS)
+        self.decode_step = self._hist("decode_step_seconds", "Duration of one decode step.", _LATENCY_BUCKETS)
+        self.decode_batch_size = self._hist("decode_batch_size", "Requests in one decode step.", _BATCH_BUCKETS)
+        self.graph_padding_ratio = self._hist("graph_padding_ratio", "Padded rows / graph bucket size per replayed step.",
+                                              _RATIO_BUCKETS)
+        self.kv_transfer_bytes = self._counter("kv_transfer_bytes", "KV bytes moved prefill -> decode.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.local_prefills = self._counter("local_prefill_requests",
+                                            "Requests prefilled on their decode worker (conditional disaggregation).")
+        self.reserve_retries = self._counter("reserve_retries", "Reservations a decode worker refused.")
+        self.migrations = self._counter("request_migrations", "Requests moved to another worker after theirs died.")
+        self.running = Gauge("pdserve:num_requests_running", "Requests decoding on decode workers.", m,
+                             registry=r).labels(self.model_name)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests admitted without a first token yet.", m,
+                             registry=r).labels(self.model_name)
+        self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "KV-cache usage of a decode worker (1 = full).",
+                               m + ["worker_id"], registry=r)
+        self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
+                              m + ["worker_id", "role"], registry=r)
+
+    def observe_step(self, rec: DecodeStepRecord) -> None:
+        if rec.step_time_s > 0:
+            self.decode_step.observe(rec.step_time_s)
+        if rec.batch_size > 0:
+            self.decode_batch_size.observe(rec.batch_size)
+            if rec.bucket > 0:
+                self.graph_padding_ratio.observe(max(0, rec.bucket - rec.batch_size) / rec.bucket)
 
     def observe_worker(self, stats: WorkerStats | None, worker_id: str, role: str, healthy: bool) -> None:
         self._healthy.labels(self.model_name, worker_id, role).set(1.0 if healthy else 0.0)

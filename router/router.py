@@ -3,7 +3,7 @@
 Per request: admission -> pick a prefill worker P and a decode worker D -> `D.reserve` (blocks for
 the prompt; None means D is full now, so the next D in the ranking is tried) -> `P.submit` in the
 background (P computes the prompt, ships its KV into the reserved blocks and returns timings) ->
-tokens flow D -> gateway over the token stream, not through the router. Prompts at or below
+tokens flow D -> the request's gateway over the token stream, not through the router. Prompts at or below
 `local_prefill_threshold` tokens skip P: `D.submit_local` prefills them on D itself, which is cheaper
 than a transfer (conditional disaggregation); so does every prompt while no prefill worker is healthy.
 
@@ -11,16 +11,17 @@ The router also polls every worker's `stats()` (admission and placement decide o
 worker that stops answering unhealthy and fails the requests placed on it, and aborts a request on
 every worker that holds it when the gateway gives up on it (client gone, stop string, error).
 
-Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): when the
-gateway reads the failure, the request is placed again, as prompt + every token the client already
-got, with max_tokens less those and the same seed, under a new worker-side id (`<id>.m<k>`); the
-stream continues from the next token, so there is no gap and no duplicate, and greedy or seeded output
-is what it would have been. A request whose prefill worker dies is placed again the same way (nothing
-generated yet). The dead worker's late token frames are dropped: its worker-side id is unregistered
-from the token stream the moment the worker is found dead.
+Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): the router
+tells the request's gateway (`notify`), which stops taking the dead placement's tokens at once and
+calls `migrate` with every token the client already got; the request is placed again as prompt +
+those tokens, with max_tokens less those and the same seed, under the worker-side id the gateway
+chose (`<id>.m<k>`); the stream continues from the next token, so there is no gap and no duplicate,
+and greedy or seeded output is what it would have been. A request whose prefill worker dies is placed
+again the same way (nothing generated yet).
 
-Everything runs on the gateway's asyncio loop; workers are reached through `WorkerClient`, which
-takes a Ray actor handle or (in unit tests) a plain in-process object.
+One Router serves every gateway process: it runs on the launcher's asyncio loop, reached by the
+gateways through `RouterServer` (router/router_server.py); workers are reached through
+`WorkerClient`, which takes a Ray actor handle or (in unit tests) a plain in-process object.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import asyncio
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenDelta, WorkerStats
+from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
 from router.admission import AdmissionController, NoHealthyWorkerError, OverloadedError
-from router.metrics import ServingMetrics
+from router.metrics import RouterMetrics
 from router.placement import DECODE_POLICIES, PREFILL_POLICIES, WorkerView
-from router.token_stream import TokenStreamReceiver
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ try:  # the router runs without Ray in unit tests; with Ray, a dead actor is rec
 except ImportError:  # pragma: no cover
     class _ActorDead(Exception):
         pass
+
+
+class DrainingError(NoHealthyWorkerError):
+    """HTTP 503: the server drains (SIGTERM) and takes no new request."""
 
 
 class WorkerClient:
@@ -80,17 +85,15 @@ class RouterConfig:
 
 
 @dataclass
-class RequestStream:
-    """The gateway's handle on a placed request: its token deltas and where it runs.
+class PlacedRequest:
+    """The router's record of an admitted request: where it runs and what happened to it.
 
     `request` is what the workers run (after a migration: prompt + tokens so far, under a new id);
     `origin` is what the client asked for, and `request_id` is always the client's request's id."""
 
     request: GenerateRequest
-    queue: asyncio.Queue
     origin: GenerateRequest | None = None
-    generated: list[int] = field(default_factory=list)  # token ids the gateway has read so far
-    lost: str | None = None  # set when its worker died: the next read migrates the request
+    lost: str | None = None  # set when its worker died: the gateway's next Migrate moves it
     migrations: int = 0
     decode_worker_id: str | None = None
     prefill_worker_id: str | None = None
@@ -99,7 +102,6 @@ class RequestStream:
     placed_time: float = 0.0
     first_token_time: float | None = None
     prefill_result: PrefillResult | None = None
-    _router: "Router | None" = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.origin is None:
@@ -113,44 +115,22 @@ class RequestStream:
     def worker_request_id(self) -> str:
         return self.request.request_id
 
-    async def get(self, timeout: float | None = None) -> TokenDelta:
-        """The next delta, merged with any others already queued: a gateway that falls behind the
-        decode steps sends one chunk with several tokens instead of a backlog of single ones."""
-        delta = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
-        while not self.queue.empty() and delta.finish_reason is None and delta.error is None:
-            nxt = self.queue.get_nowait()
-            delta = TokenDelta(delta.request_id, delta.token_ids + nxt.token_ids, nxt.finish_reason, nxt.error)
-        self.generated.extend(delta.token_ids)
-        if (delta.finish_reason == "error" and self.lost is None and not self.generated and self._router is not None
-                and self.prefill_worker_id is not None and not await self._router.alive(self.prefill_worker_id)):
-            # The decode side may see a transfer break (and fail the request) before the router has
-            # noticed that the prefill worker died: nothing was streamed yet, so run it elsewhere.
-            self.lost = f"prefill worker {self.prefill_worker_id} died"
-        if self.lost is not None and delta.finish_reason == "error" and self._router is not None:
-            # Our worker died: every token before this delta was read, so the request resumes from
-            # exactly here on a healthy worker; the tokens read with the failure still go out.
-            end = await self._router.migrate(self, delta)
-            delta = TokenDelta(delta.request_id, delta.token_ids, end.finish_reason if end else None,
-                               end.error if end else None)
-            if not delta.token_ids and end is None:
-                return await self.get(timeout)
-        if self.first_token_time is None and delta.token_ids:
-            self.first_token_time = time.time()
-            if self._router is not None:
-                self._router.admission.mark_running(self.request_id)
-        return delta
+
+# (request, error message): tells the request's gateway that a worker failed it.
+Notify = Callable[[PlacedRequest, str], None]
 
 
 class Router:
-    def __init__(self, prefill: list[WorkerClient], decode: list[WorkerClient], token_stream: TokenStreamReceiver,
-                 admission: AdmissionController, cfg: RouterConfig = RouterConfig(),
-                 metrics: ServingMetrics | None = None):
+    def __init__(self, prefill: list[WorkerClient], decode: list[WorkerClient], admission: AdmissionController,
+                 cfg: RouterConfig = RouterConfig(), metrics: RouterMetrics | None = None,
+                 notify: Notify | None = None):
         if not decode:
             raise ValueError("the router needs at least one decode worker")
         self.cfg = cfg
         self.admission = admission
-        self.token_stream = token_stream
         self.metrics = metrics
+        self.notify: Notify = notify or (lambda rs, error: None)
+        self.draining = False  # set on SIGTERM: new requests are refused (503)
         self.clients = {c.worker_id: c for c in [*prefill, *decode]}
         if len(self.clients) != len(prefill) + len(decode):
             raise ValueError("worker ids must be unique")
@@ -160,7 +140,7 @@ class Router:
         self.decode_ids = [c.worker_id for c in decode]
         self.prefill_policy = PREFILL_POLICIES.create(cfg.prefill_policy)
         self.decode_policy = DECODE_POLICIES.create(cfg.decode_policy)
-        self.inflight: dict[str, RequestStream] = {}
+        self.inflight: dict[str, PlacedRequest] = {}
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._polled_once = False
@@ -191,12 +171,15 @@ class Router:
         return [self.views[w] for w in self.prefill_ids]
 
     # -- requests ---------------------------------------------------------------------------------
-    async def submit(self, req: GenerateRequest) -> RequestStream:
+    async def submit(self, req: GenerateRequest) -> PlacedRequest:
         """Admits and places the request; returns once a decode worker holds it. Raises
-        InvalidRequestError (400), OverloadedError (429) or NoHealthyWorkerError (503)."""
+        InvalidRequestError (400), OverloadedError (429) or NoHealthyWorkerError (503). The request's
+        gateway listens for its tokens (at `req.reply_to`) before it submits."""
         rid = req.request_id
+        if self.draining:
+            raise DrainingError("the server is shutting down; retry on another replica")
         self.admission.admit(rid, len(req.prompt_token_ids), req.params.max_tokens, self.decode_views())
-        rs = RequestStream(req, self.token_stream.register(rid), _router=self)
+        rs = PlacedRequest(req)
         self.inflight[rid] = rs
         try:
             await self._place(rs)
@@ -206,9 +189,11 @@ class Router:
             self.finish(rid, abort=True)
             raise
         rs.placed_time = time.time()
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         return rs
 
-    async def _place(self, rs: RequestStream) -> None:
+    async def _place(self, rs: PlacedRequest) -> None:
         req = rs.request
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
@@ -231,7 +216,7 @@ class Router:
                                       "retry later", self.admission.limits.retry_after_s)
             await asyncio.sleep(self.cfg.stats_interval_s)
 
-    async def _try_local(self, rs: RequestStream, d: WorkerView, need: int) -> bool:
+    async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
         try:
             ok = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
@@ -246,7 +231,7 @@ class Router:
             self.metrics.local_prefills.inc()
         return True
 
-    async def _try_disaggregated(self, rs: RequestStream, d: WorkerView, p: WorkerView, need: int) -> bool:
+    async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, p: WorkerView, need: int) -> bool:
         try:
             res: Reservation | None = await self.clients[d.worker_id].call(
                 "reserve", ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s)
@@ -264,7 +249,7 @@ class Router:
         self._spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
         return True
 
-    def _placed(self, rs: RequestStream, d: WorkerView, blocks: int) -> None:
+    def _placed(self, rs: PlacedRequest, d: WorkerView, blocks: int) -> None:
         d.pending_blocks += blocks
         d.pending_running += 1
         d.placed_total += 1
@@ -276,7 +261,7 @@ class Router:
         if self.metrics:
             self.metrics.reserve_retries.inc()
 
-    async def _run_prefill(self, rs: RequestStream, p: WorkerView, task: PrefillTask) -> None:
+    async def _run_prefill(self, rs: PlacedRequest, p: WorkerView, task: PrefillTask) -> None:
         rid, wrid = rs.request_id, rs.worker_request_id
         error = None
         try:
@@ -302,7 +287,7 @@ class Router:
                 p.inflight.discard(rid)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
-            rs.queue.put_nowait(TokenDelta(wrid, (), "error", error))
+            self.notify(rs, error)
             self._abort_on(rs.decode_worker_id, wrid)
 
     def finish(self, request_id: str, abort: bool = False) -> None:
@@ -312,10 +297,16 @@ class Router:
         if rs is None:
             return
         self.admission.release(request_id)
-        self.token_stream.unregister(rs.worker_request_id)
         self._forget_placement(rs, abort)
 
-    def _forget_placement(self, rs: RequestStream, abort: bool) -> None:
+    def first_token(self, request_id: str, t: float) -> None:
+        """The request's first token reached its gateway: admission counts it as running."""
+        rs = self.inflight.get(request_id)
+        if rs is not None and rs.first_token_time is None:
+            rs.first_token_time = t
+            self.admission.mark_running(request_id)
+
+    def _forget_placement(self, rs: PlacedRequest, abort: bool) -> None:
         """Takes the request off its workers' books (and, with `abort`, off the workers themselves)."""
         for wid in (rs.decode_worker_id, rs.prefill_worker_id):
             if wid is not None:
@@ -325,30 +316,39 @@ class Router:
             if rs.prefill_worker_id is not None and not rs.prefill_done:
                 self._abort_on(rs.prefill_worker_id, rs.worker_request_id)
 
-    async def migrate(self, rs: RequestStream, failure: TokenDelta) -> TokenDelta | None:
-        """Places a request whose worker died again, as prompt + the tokens read so far; returns None
-        when it runs again (its tokens follow on the same queue), else the delta that ends it."""
+    async def migrate(self, request_id: str, worker_request_id: str, generated: tuple[int, ...],
+                      emitted_chars: int, failure: str) -> tuple[str, str | None] | None:
+        """A worker failed the request after the client got `generated` (and `emitted_chars`
+        characters of their text). If that worker died, places the request again as prompt +
+        `generated` under `worker_request_id` and returns None (its tokens follow to the same gateway);
+        otherwise returns the (finish_reason, error) that ends it."""
+        rs = self.inflight.get(request_id)
+        if rs is None:
+            return "error", failure
+        if (rs.lost is None and not generated and rs.prefill_worker_id is not None
+                and not await self.alive(rs.prefill_worker_id)):
+            # The decode side may see a transfer break (and fail the request) before the router has
+            # noticed that the prefill worker died: nothing was streamed yet, so run it elsewhere.
+            rs.lost = f"prefill worker {rs.prefill_worker_id} died"
+        if rs.lost is None or not self.cfg.migrate_on_worker_death:
+            return "error", failure
         why, rs.lost = rs.lost, None
         origin = rs.origin
-        done = len(rs.generated)
+        done = len(generated)
         left = origin.params.max_tokens - done
-        if rs.request_id not in self.inflight or not self.cfg.migrate_on_worker_death:
-            return failure
         if left <= 0:
-            return TokenDelta(rs.worker_request_id, (), "length")
+            return "length", None
         if rs.migrations >= self.cfg.max_migrations:
-            return TokenDelta(rs.worker_request_id, (), "error", f"{why}; not migrated again after {rs.migrations} moves")
-        # Nothing more from the old placement may reach the client (late tokens, the abort's delta).
-        self.token_stream.unregister(rs.worker_request_id)
+            return "error", f"{why}; not migrated again after {rs.migrations} moves"
         self._forget_placement(rs, abort=True)  # whatever is left of it on a live worker
         rs.migrations += 1
         p = origin.params
-        rs.request = GenerateRequest(
-            f"{origin.request_id}.m{rs.migrations}", origin.prompt_token_ids + tuple(rs.generated),
-            replace(p, max_tokens=left, min_tokens=max(0, p.min_tokens - done)), origin.seed, origin.arrival_time)
+        rs.request = replace(
+            origin, request_id=worker_request_id, prompt_token_ids=origin.prompt_token_ids + tuple(generated),
+            params=replace(p, max_tokens=left, min_tokens=max(0, p.min_tokens - done)),
+            resumed_tokens=done, resumed_chars=emitted_chars)
         rs.decode_worker_id = rs.prefill_worker_id = None
         rs.local_prefill = rs.prefill_done = False
-        self.token_stream.attach(rs.worker_request_id, rs.queue)
         log.warning("request %s: %s; migrating with %d tokens so far as %s", rs.request_id, why, done,
                     rs.worker_request_id)
         try:
@@ -356,7 +356,7 @@ class Router:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            return TokenDelta(rs.worker_request_id, (), "error", f"{why}; migration failed: {e}")
+            return "error", f"{why}; migration failed: {e}"
         if self.metrics:
             self.metrics.migrations.inc()
         return None
@@ -432,7 +432,8 @@ class Router:
             self._fail_requests_on(v, "died" if dead else "stopped answering")
 
     def _fail_requests_on(self, v: WorkerView, why: str) -> None:
-        """Ends (or, with migration on, moves) every request placed on a worker that failed."""
+        """Ends (or, with migration on, moves) every request placed on a worker that failed: its
+        gateway stops taking the dead placement's tokens and asks to migrate it (or ends it)."""
         for rid in list(v.inflight):
             rs = self.inflight.get(rid)
             if rs is None:
@@ -440,7 +441,5 @@ class Router:
             msg = f"{v.role} worker {v.worker_id} {why}"
             if self.cfg.migrate_on_worker_death and rs.lost is None:
                 rs.lost = msg
-                # Late frames of the dead worker for this request must not reach the client.
-                self.token_stream.unregister(rs.worker_request_id)
-            rs.queue.put_nowait(TokenDelta(rs.worker_request_id, (), "error", msg))
+            self.notify(rs, msg)
         v.inflight.clear()

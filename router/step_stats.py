@@ -1,8 +1,14 @@
-"""Recent decode steps and request timings, kept at the gateway for `GET /stats`.
+"""Recent decode steps and request timings, kept by the router for `GET /stats`.
 
-The decode workers already send each step's batch size, bucket and step time in their TokenBatch,
-so the gateway records them as they pass: load tests join the client's inter-token latency with
-what actually ran on the server without asking any worker.
+The decode workers send every step's record (batch size, bucket, step time) to the router's stats
+sink, and each gateway reports a finished request's client-side timings; the router adds what it
+knows (placement, prefill and transfer times). Load tests join the client's inter-token latency with
+what actually ran on the server from these, without asking any worker.
+
+Reads are incremental: every record gets a sequence number, `since(cursor, limit)` returns at most
+`limit` records from `cursor` on (pre-encoded JSON, built in the router's process, so a gateway only
+forwards bytes) and the cursor to ask from next. The log is bounded (`max_records`); a reader that
+fell further behind than that is told how many records it missed.
 """
 
 from __future__ import annotations
@@ -10,26 +16,37 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from cluster.messages import PrefillResult, TokenBatch
+import msgspec
+
+from cluster.messages import PrefillResult
+from cluster.stream_messages import DecodeStepRecord
+
+DEFAULT_LIMIT = 5_000
+MAX_LIMIT = 20_000
 
 
 class StepStats:
-    def __init__(self, max_steps: int = 50_000, max_requests: int = 10_000):
-        self.steps: deque[dict] = deque(maxlen=max_steps)
-        self.requests: deque[dict] = deque(maxlen=max_requests)
+    def __init__(self, max_records: int = 100_000):
+        self._log: deque[tuple[int, str, dict]] = deque(maxlen=max_records)  # (seq, kind, record)
+        self._next = 0
+        self._encode = msgspec.json.Encoder().encode
 
-    def record_batch(self, batch: TokenBatch) -> None:
-        if batch.batch_size <= 0:
+    @property
+    def cursor(self) -> int:
+        """The sequence number the next record will get."""
+        return self._next
+
+    def _add(self, kind: str, rec: dict) -> None:
+        self._log.append((self._next, kind, rec))
+        self._next += 1
+
+    def record_step(self, r: DecodeStepRecord) -> None:
+        if r.batch_size <= 0:
             return
-        self.steps.append({
-            "worker_id": batch.worker_id,
-            "t": time.time(),
-            "step": batch.step,
-            "batch_size": batch.batch_size,
-            "bucket": batch.bucket,
-            "padded_rows": max(0, batch.bucket - batch.batch_size) if batch.bucket else 0,
-            "step_ms": batch.step_time_s * 1e3,
-            "graph": batch.bucket > 0,
+        self._add("step", {
+            "worker_id": r.worker_id, "t": r.t, "step": r.step, "batch_size": r.batch_size, "bucket": r.bucket,
+            "padded_rows": max(0, r.bucket - r.batch_size) if r.bucket else 0, "step_ms": r.step_time_s * 1e3,
+            "graph": r.bucket > 0,
         })
 
     def record_request(self, request_id: str, arrival: float, placed: float, first_token: float | None,
@@ -44,11 +61,25 @@ class StepStats:
             queue = (placed - arrival) + result.queue_s
             rec.update(queue_ms=queue * 1e3, prefill_ms=result.prefill_s * 1e3, transfer_ms=result.transfer_s * 1e3,
                        first_step_ms=max(0.0, ttft - queue - result.prefill_s - result.transfer_s) * 1e3)
-        self.requests.append(rec)
+        self._add("request", rec)
 
-    def snapshot(self, since: float = 0.0) -> dict:
-        return {
-            "now": time.time(),
-            "decode_steps": [s for s in self.steps if s["t"] >= since],
-            "requests": [r for r in self.requests if r["t"] >= since],
-        }
+    def since(self, cursor: int = 0, limit: int = DEFAULT_LIMIT) -> bytes:
+        """JSON {"now", "cursor" (ask from here next), "missed" (records dropped before the reader got
+        them), "decode_steps": [...], "requests": [...]} with at most `limit` records from `cursor`."""
+        limit = max(1, min(limit or DEFAULT_LIMIT, MAX_LIMIT))
+        oldest = self._log[0][0] if self._log else self._next
+        cursor = max(0, min(cursor, self._next))
+        missed = max(0, oldest - cursor)
+        start = max(cursor, oldest)
+        end = min(start + limit, self._next)
+        picked = []
+        for seq, kind, rec in reversed(self._log):  # readers poll near the end: walk from there
+            if seq < start:
+                break
+            if seq < end:
+                picked.append((kind, rec))
+        steps, requests = [], []
+        for kind, rec in reversed(picked):
+            (steps if kind == "step" else requests).append(rec)
+        return self._encode({"now": time.time(), "cursor": end, "missed": missed,
+                             "decode_steps": steps, "requests": requests})

@@ -1,30 +1,76 @@
-"""TokenStreamReceiver: the gateway's end of the decode workers' token stream.
+"""TokenStreamReceiver: one gateway process's end of the decode workers' token stream.
 
-Each decode worker PUSHes one msgpack `TokenBatch` per step to the address this receiver binds
-(ZMQ PULL). The receiver runs on the gateway's asyncio loop and hands each `TokenDelta` to the
-asyncio queue of its request; deltas of requests nobody waits for (already finished or aborted)
-are dropped. No Ray call per token: one socket message per decode step for all requests.
+Each decode worker PUSHes to this gateway's PULL socket a `StreamBatch` holding only the deltas of
+the requests this gateway holds (their `reply_to` is `address`), already detokenized. The receiver
+runs on the gateway's event loop; per frame it does one msgspec decode (typed, no dict per row) and
+appends each delta to its request's `TokenMailbox`, waking the request's reader if it waits. Deltas of
+requests nobody waits for (finished, aborted, or a dead worker's late frames) are dropped.
+
+No task and no timer per token: a request's "no token for token_timeout_s" deadline is checked by
+one watchdog for all requests, which puts an error delta into a mailbox that has waited too long.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from cluster.messages import TokenBatch, TokenDelta
+from cluster.stream_messages import StreamDelta, decode_stream_batch
 
 log = logging.getLogger(__name__)
 
 
+class TokenMailbox:
+    """The deltas of one request not read yet, and its reader's wake-up."""
+
+    __slots__ = ("pending", "waiter", "last_activity")
+
+    def __init__(self, now: float):
+        self.pending: list[StreamDelta] = []
+        self.waiter: asyncio.Future | None = None
+        self.last_activity = now
+
+    def put(self, delta: StreamDelta, now: float) -> None:
+        self.pending.append(delta)
+        self.last_activity = now
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> StreamDelta:
+        """Every delta that arrived since the last call, merged into one (up to and including the first
+        that ends the request): a reader that falls behind sends one chunk with several tokens."""
+        while not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        first = self.pending[0]
+        if len(self.pending) == 1 or first.finish_reason is not None or first.error is not None:
+            del self.pending[0]
+            return first
+        tokens, text = [], []
+        end = None
+        n = 0
+        for d in self.pending:
+            n += 1
+            tokens.extend(d.token_ids)
+            text.append(d.text)
+            if d.finish_reason is not None or d.error is not None:
+                end = d
+                break
+        del self.pending[:n]
+        return StreamDelta(first.request_id, tuple(tokens), "".join(text),
+                           end.finish_reason if end else None, end.error if end else None)
+
+
 class TokenStreamReceiver:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        # Bound at construction (before any loop runs) so the address can be handed to decode
-        # workers when they are created; the asyncio side starts with `start()`.
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token_timeout_s: float = 600.0):
+        # Bound at construction (before any loop runs): the address goes out in every request.
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -34,39 +80,52 @@ class TokenStreamReceiver:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
-        self._task: asyncio.Task | None = None
-        self.on_batch: Callable[[TokenBatch], None] | None = None  # step-level metrics hook
+        self.token_timeout_s = token_timeout_s
+        self._mailboxes: dict[str, TokenMailbox] = {}  # worker-side request id -> its mailbox
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.batches_received = 0
 
-    def register(self, request_id: str) -> asyncio.Queue[TokenDelta]:
+    @property
+    def open_streams(self) -> int:
+        return len(self._mailboxes)
+
+    def register(self, worker_request_id: str) -> TokenMailbox:
         """Must happen before the request is dispatched: its first token may arrive at once."""
-        q: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        self._queues[request_id] = q
-        return q
+        mb = TokenMailbox(self._now())
+        self._mailboxes[worker_request_id] = mb
+        return mb
 
-    def attach(self, request_id: str, queue: asyncio.Queue[TokenDelta]) -> None:
-        """Routes a worker-side id to an existing queue (a migrated request keeps its client's queue)."""
-        self._queues[request_id] = queue
+    def attach(self, worker_request_id: str, mailbox: TokenMailbox) -> None:
+        """Routes a worker-side id to an existing mailbox (a migrated request keeps its client's)."""
+        self._mailboxes[worker_request_id] = mailbox
 
-    def unregister(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def unregister(self, worker_request_id: str) -> None:
+        self._mailboxes.pop(worker_request_id, None)
 
-    def push(self, delta: TokenDelta) -> None:
-        """Delivers a delta that did not come from a decode worker (router-side errors)."""
-        q = self._queues.get(delta.request_id)
-        if q is not None:
-            q.put_nowait(delta)
+    def push(self, delta: StreamDelta) -> None:
+        """Delivers a delta that did not come from a decode worker (router errors, drain, timeouts)."""
+        mb = self._mailboxes.get(delta.request_id)
+        if mb is not None:
+            mb.put(delta, self._now())
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="token-stream")
+        if not self._tasks:
+            self._loop = asyncio.get_running_loop()
+            for mb in self._mailboxes.values():
+                mb.last_activity = self._loop.time()
+            self._tasks = [self._loop.create_task(self._run(), name="token-stream"),
+                           self._loop.create_task(self._watchdog(), name="token-watchdog")]
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        boxes = self._mailboxes
         while True:
             try:
-                frame = await self._sock.recv()
-                batch = TokenBatch.from_wire(msgpack.unpackb(frame, raw=False))
+                batch = decode_stream_batch(await self._sock.recv(copy=False))
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
@@ -78,24 +137,32 @@ class TokenStreamReceiver:
                 log.exception("dropping a malformed token batch")
                 continue
             self.batches_received += 1
+            now = loop.time()
             for delta in batch.deltas:
-                q = self._queues.get(delta.request_id)
-                if q is not None:
-                    q.put_nowait(delta)
-            if self.on_batch is not None:
-                try:
-                    self.on_batch(batch)
-                except Exception:
-                    log.exception("token batch hook failed")
+                mb = boxes.get(delta.request_id)
+                if mb is not None:
+                    mb.put(delta, now)
+
+    async def _watchdog(self) -> None:
+        """The per-request deadline: a mailbox whose reader has waited `token_timeout_s` without a
+        delta gets an error (the request fails instead of hanging on a stuck worker)."""
+        timeout = self.token_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = asyncio.get_running_loop().time()
+            for rid, mb in list(self._mailboxes.items()):
+                if mb.waiter is not None and not mb.pending and now - mb.last_activity > timeout:
+                    mb.put(StreamDelta(rid, (), "", "error", f"no token for {timeout:g}s"), now)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             try:
-                await self._task
+                await t
             except (asyncio.CancelledError, Exception):
                 pass
-            self._task = None
+        self._tasks = []
         self.close()
 
     def close(self) -> None:

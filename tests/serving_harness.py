@@ -1,6 +1,7 @@
 """Starting a real serving cluster in tests, shared by every test package that needs one
 (tests/router, tests/reliability, ...): the real launcher (`ServingCluster`) with real Ray actors, the
-router and the gateway under uvicorn on 127.0.0.1, reached over real HTTP."""
+router on a thread of the test process and the API-server processes (uvicorn) on 127.0.0.1, reached
+over real HTTP."""
 
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ def start_cluster(demo_model_dir, *, prefill_actor_cls=None, decode_actor_cls=No
     return sc
 
 
+def gateway_status(sc, fresh: bool = True) -> dict[str, tuple[int, int]]:
+    """Per API-server process: (asyncio tasks on its loop, requests whose tokens it waits for), from
+    its heartbeats to the router (`fresh`: after one more heartbeat)."""
+    if fresh:
+        time.sleep(0.6)
+    return {g.gateway_id: (g.tasks, g.open_streams) for g in sc.router_server.gateways.values() if g.up}
+
+
 def wait_ready(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -76,7 +85,7 @@ def wait_clean(sc, roles=("decode", "prefill"), timeout_s: float = 20.0, router:
     while True:
         stats = worker_stats(sc, roles)
         clean = all(s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0 for s in stats.values())
-        r = sc.gateway.router
+        r = sc.router
         if clean and (not router or (not r.inflight and r.admission.num_admitted == 0)):
             return stats
         if time.monotonic() > deadline:

@@ -1,16 +1,20 @@
-"""`pdserve serve`: starts (or joins) Ray, places the workers, forms the KV transfer group, and runs
-the router and the OpenAI-compatible gateway.
+"""`pdserve serve`: starts (or joins) Ray, places the workers, forms the KV transfer group, runs the
+router, and starts the API-server processes that serve the OpenAI-compatible HTTP API.
 
-Start-up order matters: the gateway's token-stream socket is bound first (decode workers are
-created with its address), then the actors are placed and load the model, then the transport group
-is formed, and only then does the HTTP server start accepting, so /ready never lies.
+Processes:
+- this one, the launcher: the Ray driver, and the one Router (admission, placement, migration) on
+  its asyncio loop, served to the gateways by a RouterServer (router/router_server.py), which also
+  collects the decode workers' step records for /stats and /metrics;
+- `api_servers` gateway processes (cluster/app/api_server.py) sharing one listening socket, each
+  with its own token sink: decode workers send each of them only its own requests' text;
+- the Ray actors (prefill and decode workers).
 
-The gateway and router run in this (the launcher's) process, on uvicorn's event loop, not in a Ray
-actor: the token stream is received on the same loop that writes the HTTP responses (no extra hop,
-no Ray call per token), the process that owns the workers also owns the port (Ctrl-C / SIGTERM here
-stop everything in order, nothing is orphaned), and the gateway needs no GPU. Scaling the HTTP side
-out (several gateways) is a matter of running more launchers' gateways against the same actors;
-it is not needed at the rates one decode fleet produces.
+Start-up order: the router's sockets and the HTTP socket are bound first (a port in use is a one-line
+error before anything starts; the gateway processes start importing while the workers load), then
+the actors are placed (decode workers get the router's step-record sink) and the transport group is
+formed; /ready turns true only when the router has polled every worker and every gateway process is
+up. SIGTERM drains: the router refuses new requests, every gateway lets its in-flight requests finish
+(up to `drain_timeout_s`), then everything stops in order and the launcher exits 0.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -135,10 +141,6 @@ def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:
     return 1.0 / math.ceil(n / int(cluster_gpus))
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so that the shutdown below runs (then exit 0)."""
-
-
 @dataclass
 class _Workers:
     prefill: dict[str, Any] = field(default_factory=dict)
@@ -147,8 +149,8 @@ class _Workers:
 
 
 class ServingCluster:
-    """The running service: Ray actors + router + gateway. `start()` then `serve_forever()` (the CLI)
-    or `start_in_thread()` (tests, notebooks); `shutdown()` undoes all of it."""
+    """The running service: Ray actors + router + API-server processes. `start()` then
+    `serve_forever()` (the CLI) or `start_in_thread()` (tests, notebooks); `shutdown()` undoes it all."""
 
     def __init__(self, cfg: ClusterConfig, *, prefill_actor_cls=None, decode_actor_cls=None,
                  form_transport_group: TransportFormer = form_kv_transport_group):
@@ -157,13 +159,20 @@ class ServingCluster:
         self._decode_cls = decode_actor_cls
         self._form_transport_group = form_transport_group
         self.workers = _Workers()
-        self.app = None
+        self.router = None  # router.router.Router, on this process's serving loop
+        self.router_server = None  # router.router_server.RouterServer
+        self.api_servers = None  # cluster.app.api_server.APIServerPool
+        self.model_name: str | None = None
         self.url: str | None = None
+        self.failure: str | None = None  # why serving stopped on its own (an API server died)
         self._owns_ray = False
-        self._token_stream = None
         self._kv_store = None
         self._device = "cpu"
-        self._server = None
+        self._listen = None
+        self._tmp: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._draining = False
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.tag = f"pdserve-{uuid.uuid4().hex[:8]}"  # names this cluster's placement group and actors
@@ -180,37 +189,48 @@ class ServingCluster:
     def _start(self) -> None:
         import ray
 
+        from cluster.app.api_server import APIServerPool, default_api_servers
         from cluster.model.config import ModelArchConfig
-        from cluster.tokenizer import load_tokenizer
         from router.admission import AdmissionController, AdmissionLimits
-        from router.gateway import Gateway, GatewayConfig, build_app
-        from router.metrics import ServingMetrics
+        from router.metrics import RouterMetrics
         from router.router import Router, RouterConfig, WorkerClient
-        from router.token_stream import TokenStreamReceiver
+        from router.router_server import RouterServer
 
         cfg = self.cfg
         model_dir = self._model_dir()
         arch = ModelArchConfig.from_dir(model_dir)
-        tokenizer = load_tokenizer(model_dir)
         max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else Path(model_dir).name)
+        self.model_name = name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else Path(model_dir).name)
+        api_servers = cfg.api_servers or default_api_servers()
 
         self._init_ray()
         stream_host = cfg.token_stream_host or ("127.0.0.1" if self._local_ray() else ray.util.get_node_ip_address())
-        self._token_stream = TokenStreamReceiver(stream_host)
-        self._place_workers(str(model_dir), self._token_stream.address)
+        self._tmp = tempfile.mkdtemp(prefix="pdserve-")
+        metrics = RouterMetrics(name)
+        self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
+                                          gateways_expected=api_servers, block_size=cfg.block_size)
+        self._listen = self._listen_socket()
+        metrics_dir = os.path.join(self._tmp, "metrics")
+        os.mkdir(metrics_dir)
+        self.api_servers = APIServerPool(api_servers, self._listen, dict(
+            router_address=self.router_server.address, model_dir=str(model_dir), served_model_name=name,
+            max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+            token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=stream_host,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel())), metrics_dir)
+        self.api_servers.start()  # they load the tokenizer while the workers load the model
+
+        self._place_workers(str(model_dir), self.router_server.stats_sink)
         self._kv_store = self._form_transport_group(
             self.workers.prefill, self.workers.decode, cfg, store_host=stream_host, device=self._device,
             namespace=self.tag)
 
-        metrics = ServingMetrics(name)
         admission = AdmissionController(AdmissionLimits(
             max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
             max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s))
-        router = Router(
+        self.router = Router(
             [WorkerClient(wid, "prefill", h) for wid, h in self.workers.prefill.items()],
             [WorkerClient(wid, "decode", h) for wid, h in self.workers.decode.items()],
-            self._token_stream, admission,
+            admission,
             RouterConfig(
                 local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
@@ -220,11 +240,7 @@ class ServingCluster:
             ),
             metrics,
         )
-        gw = Gateway(GatewayConfig(model_name=name, max_model_len=max_model_len, api_key=cfg.api_key,
-                                   max_body_bytes=cfg.max_body_bytes, token_timeout_s=cfg.token_timeout_s),
-                     tokenizer, router, self._token_stream, metrics)
-        self.gateway = gw
-        self.app = build_app(gw)
+        self.router_server.attach(self.router)
 
     def _model_dir(self) -> Path:
         if self.cfg.model is None:
@@ -268,7 +284,7 @@ class ServingCluster:
             return cls if cls is None or hasattr(cls, "options") else ray.remote(cls)
         return remote(prefill_cls), remote(decode_cls)
 
-    def _place_workers(self, model_dir: str, token_sink: str) -> None:
+    def _place_workers(self, model_dir: str, stats_sink: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -302,7 +318,7 @@ class ServingCluster:
             if role == "prefill":
                 self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)
             else:
-                self.workers.decode[wid] = decode_cls.options(**opts).remote(wid, wcfg, token_sink)
+                self.workers.decode[wid] = decode_cls.options(**opts).remote(wid, wcfg, stats_sink)
         handles = {**self.workers.prefill, **self.workers.decode}
         log.info("waiting for %d workers to load %s on %s", len(handles), model_dir, device)
         refs = {wid: h.stats.remote() for wid, h in handles.items()}
@@ -314,49 +330,7 @@ class ServingCluster:
             cause = str(e).strip().splitlines()
             raise PdserveError(f"a worker failed to start: {cause[-1] if cause else e}") from None
 
-    # -- serving ----------------------------------------------------------------------------------
-    def _uvicorn_server(self):
-        import uvicorn
-
-        cluster = self
-
-        class DrainingServer(uvicorn.Server):
-            """uvicorn, except that the first SIGTERM drains (cluster.drain) before the server stops."""
-
-            def handle_exit(self, sig, frame):
-                if sig == signal.SIGTERM and not self.should_exit and cluster._begin_drain(self):
-                    self._captured_signals.append(sig)  # re-raised once the server stopped: shutdown runs
-                    return
-                super().handle_exit(sig, frame)
-
-        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5, access_log=False)
-        return DrainingServer(config)
-
-    def _begin_drain(self, server) -> bool:
-        """From the SIGTERM handler (the loop's thread): starts the drain once; False if it already
-        runs (a second SIGTERM then stops the server at once)."""
-        gw = getattr(self, "gateway", None)
-        loop = gw.loop if gw is not None else None
-        if loop is None or gw.draining:
-            return False
-        gw.draining = True  # /ready false and 503 from here on, before the loop even wakes up
-
-        async def drain_then_exit():
-            log.info("SIGTERM: draining %d in-flight requests (up to %gs)", len(gw.router.inflight),
-                     self.cfg.drain_timeout_s)
-            left = await gw.drain(self.cfg.drain_timeout_s)
-            if left:
-                log.warning("drain timeout: aborting %d requests still in flight", left)
-            server.should_exit = True
-        loop.call_soon_threadsafe(lambda: loop.create_task(drain_then_exit(), name="drain"))
-        return True
-
-    def _bound_url(self) -> str:
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        return f"http://{shown}:{port}"
-
+    # -- serving ---------------------------------------------------------------------------------
     def _listen_socket(self):
         """The gateway's socket, bound here: a port in use is a one-line error, not uvicorn's exit."""
         import socket
@@ -366,47 +340,104 @@ class ServingCluster:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+            # Connections queue here from now on; the API-server processes accept from this socket.
+            sock.listen(2048)
         except OSError as e:
             sock.close()
             raise PdserveError(f"the HTTP server cannot listen on {host}:{port}: {e.strerror}") from None
         return sock
 
+    def _bound_url(self) -> str:
+        host, port = self._listen.getsockname()[:2]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        return f"http://{shown}:{port}"
+
     async def _serve(self, announce: bool) -> None:
-        self._server = server = self._uvicorn_server()
-        task = asyncio.ensure_future(server.serve(sockets=[self._listen_socket()]))
-        while not server.started and not task.done():
+        """Runs the router until stopped (shutdown(), SIGTERM's drain, or an API server dying)."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        rs = self.router_server
+        await rs.start()
+        watcher = self._loop.create_task(self._watch_api_servers(), name="api-server-watch")
+        try:
+            deadline = time.monotonic() + self.cfg.ready_timeout_s
+            while not rs.ready and not self._stop.is_set():
+                if time.monotonic() > deadline:
+                    raise PdserveError(f"the API servers and the router were not ready within "
+                                       f"{self.cfg.ready_timeout_s:g}s ({rs.gateways_up} of "
+                                       f"{self.api_servers.count} API servers up)")
+                await asyncio.sleep(0.05)
+            if not self._stop.is_set():
+                self.url = self._bound_url()
+                if announce:
+                    print(f"pdserve: serving {self.model_name} at {self.url}/v1 ({len(self.workers.prefill)} prefill, "
+                          f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers)",
+                          flush=True)
+            await self._stop.wait()
+        finally:
+            watcher.cancel()
+            await rs.stop()
+
+    async def _watch_api_servers(self) -> None:
+        """An API server that dies on its own takes its clients with it (the router aborts its
+        requests); the others drain and the launcher stops, so that a supervisor restarts it whole."""
+        while True:
+            await asyncio.sleep(0.5)
+            dead = self.api_servers.exited()
+            if dead and not self._draining and not self._stopped:
+                self.failure = f"API server {dead[0][0]} exited with code {dead[0][1]}"
+                log.error("%s; draining the others and stopping", self.failure)
+                self._loop.create_task(self._drain_then_stop(), name="drain")
+                return
+
+    def request_drain(self) -> bool:
+        """SIGTERM (from any thread): drain once; False if a drain already runs."""
+        if self._loop is None or self._draining:
+            return False
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_stop(), name="drain"))
+        return True
+
+    async def _drain_then_stop(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        timeout = self.cfg.drain_timeout_s
+        log.info("draining %d in-flight requests (up to %gs)", len(self.router.inflight), timeout)
+        await self.router_server.drain(timeout)
+        # Each API server finishes its requests (or ends them at the timeout), then exits.
+        deadline = time.monotonic() + timeout + 15
+        while self.api_servers.alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if server.started:
-            self.url = self._bound_url()
-            if announce:
-                print(f"pdserve: serving {self.gateway.cfg.model_name} at {self.url}/v1 "
-                      f"({len(self.workers.prefill)} prefill, {len(self.workers.decode)} decode workers)", flush=True)
-        await task
-        if not server.started:
-            raise PdserveError(f"the HTTP server could not start on {self.cfg.host}:{self.cfg.port}")
+        self._stop.set()
 
     def serve_forever(self) -> None:
-        """The CLI: blocks until Ctrl-C or SIGTERM, then shuts everything down."""
-        # uvicorn handles SIGINT/SIGTERM while it runs (SIGTERM drains first: DrainingServer), then re-raises the signal
-        # into the previous handler: SIGTERM must become an exception here, not a silent exit that
-        # would orphan the actors.
-        def on_sigterm(signum, frame):
-            raise _Terminated()
+        """The CLI: blocks until Ctrl-C or SIGTERM (which drains first), then shuts everything down."""
         previous = signal.getsignal(signal.SIGTERM)
-        try:
-            self.start()  # a SIGTERM in here still shuts down (start() cleans up on any exception)
+
+        async def main():
+            loop = asyncio.get_running_loop()
             # Installed after ray.init, which sets its own SIGTERM handler (sys.exit(15)) in the driver.
-            signal.signal(signal.SIGTERM, on_sigterm)
-            asyncio.run(self._serve(announce=True))
-        except (KeyboardInterrupt, _Terminated):
+            # A second SIGTERM stops at once.
+            loop.add_signal_handler(signal.SIGTERM, lambda: self.request_drain() or self._stop_now())
+            await self._serve(announce=True)
+        try:
+            self.start()
+            asyncio.run(main())
+        except KeyboardInterrupt:
             pass
         finally:
             self.shutdown()
             signal.signal(signal.SIGTERM, previous)
+        if self.failure:
+            raise PdserveError(self.failure)
 
-    def start_in_thread(self, timeout_s: float = 60.0) -> str:
-        """Serves from a background thread; returns the base URL once the server accepts."""
-        if self.app is None:
+    def _stop_now(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def start_in_thread(self, timeout_s: float = 120.0) -> str:
+        """Serves from a background thread; returns the base URL once everything is ready."""
+        if self.router is None:
             self.start()
         errors: list[BaseException] = []
 
@@ -415,27 +446,37 @@ class ServingCluster:
                 asyncio.run(self._serve(announce=False))
             except BaseException as e:  # noqa: BLE001 (reported to the caller below)
                 errors.append(e)
-        self._thread = threading.Thread(target=run, name="pdserve-gateway", daemon=True)
+        self._thread = threading.Thread(target=run, name="pdserve-router", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while self.url is None:
             if errors or not self._thread.is_alive():
                 self.shutdown()
-                raise PdserveError(f"the gateway did not start: {errors[0] if errors else 'thread exited'}")
+                raise PdserveError(f"the cluster did not start: {errors[0] if errors else 'thread exited'}")
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise PdserveError("the gateway did not start in time")
+                raise PdserveError("the cluster did not start in time")
             time.sleep(0.02)
         return self.url
+
+    def call(self, fn, timeout_s: float = 10.0):
+        """Runs `fn()` on the router's loop (where the router's state lives) and returns its result."""
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
+        if self.api_servers is not None:
+            self.api_servers.stop()
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stop_now)
             self._thread.join(timeout=15)
+        if self._listen is not None:
+            self._listen.close()
         try:
             import ray
         except ImportError:  # pragma: no cover
@@ -461,7 +502,9 @@ class ServingCluster:
                     pass
             if self._owns_ray:
                 ray.shutdown()
-        if self._token_stream is not None:
-            self._token_stream.close()
+        if self.router_server is not None:
+            self.router_server.close()  # closed already if it served
         self._kv_store = None  # after the workers: they may still talk to it while shutting down
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
         print("pdserve: stopped", file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine import LLMEngine
 from cluster.kv_cache import KVCacheSpec
-from cluster.messages import GenerateRequest, KVHeader, ReserveRequest, TokenBatch
+from cluster.messages import GenerateRequest, KVHeader, ReserveRequest
 from cluster.model.loader import load_model
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class Collector:
         for b in self.worker.poll_token_batches(timeout):
             self.add(b)
 
-    def add(self, b: TokenBatch):
+    def add(self, b):
         for d in b.deltas:
             self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finish_reason:
@@ -73,7 +73,7 @@ class Collector:
 def make_worker(model_dir, **kw):
     cfg = WorkerConfig(model_dir=str(model_dir), dtype="float32", max_num_seqs=kw.pop("max_num_seqs", 8),
                        graph_buckets=kw.pop("graph_buckets", "vllm"), **kw)
-    return DecodeWorker("d0", cfg, token_sink=kw.pop("token_sink", None))
+    return DecodeWorker("d0", cfg)
 
 
 @pytest.fixture(scope="module")
@@ -208,32 +208,80 @@ def test_short_kv_pool_preempts_by_recompute_and_output_is_unchanged(demo_model_
         worker.shutdown()
 
 
-def test_token_batches_arrive_over_a_real_zmq_socket(demo_model_dir, engine):
+def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engine):
+    """Two gateways' token sinks and the router's step-record sink: each gateway sees exactly the
+    deltas of the requests that name it (reply_to), as text equal to the engine's; every step's
+    record goes to the stats sink once."""
     zmq = pytest.importorskip("zmq")
-    msgpack = pytest.importorskip("msgpack")
+    from cluster.stream_messages import decode_step_records, decode_stream_batch
+
     ctx = zmq.Context.instance()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ps = prompts(6, [15, 60])
+    sinks, addrs = [], []
+    for _ in range(3):
+        s = ctx.socket(zmq.PULL)
+        addrs.append(f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}")
+        sinks.append(s)
+    ps = prompts(6, [15, 60, 22, 9])
     params = SamplingParams(max_tokens=12, **GREEDY)
     ref = engine.generate(ps, params)
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
-    worker = DecodeWorker("d1", cfg, token_sink=f"tcp://127.0.0.1:{port}")
-    col = Collector(worker)
+    worker = DecodeWorker("d1", cfg, stats_sink=addrs[2])
+    got = [Collector(worker), Collector(worker)]
+    texts: dict[str, str] = {}
     try:
         for i, p in enumerate(ps):
-            worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0))
-        t0, steps = time.time(), []
-        while len(col.finish) < 2:
+            worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0, reply_to=addrs[i % 2]))
+        t0, records = time.time(), []
+        while sum(len(c.finish) for c in got) < len(ps):
             assert time.time() - t0 < 60
-            if pull.poll(1000):
-                b = TokenBatch.from_wire(msgpack.unpackb(pull.recv(), raw=False))
-                assert b.worker_id == "d1"
-                steps.append(b.step)
-                col.add(b)
-        assert steps == sorted(steps)
+            for k in (0, 1):
+                while sinks[k].poll(10):
+                    b = decode_stream_batch(sinks[k].recv())
+                    assert b.worker_id == "d1"
+                    got[k].add(b)
+                    for d in b.deltas:
+                        texts[d.request_id] = texts.get(d.request_id, "") + d.text
+        time.sleep(0.2)
+        while sinks[2].poll(10):
+            records += decode_step_records(sinks[2].recv()).records
         for i, r in enumerate(ref):
-            assert col.tokens[f"r{i}"] == list(r.token_ids)
+            mine, other = got[i % 2], got[1 - i % 2]
+            assert mine.tokens[f"r{i}"] == list(r.token_ids) and f"r{i}" not in other.tokens
+            assert texts[f"r{i}"] == r.text
+        steps = [r.step for r in records]
+        assert steps and steps == sorted(set(steps)) and all(r.worker_id == "d1" and r.batch_size >= 1 for r in records)
     finally:
         worker.shutdown()
-        pull.close()
+        for s in sinks:
+            s.close()
+
+
+def test_stop_string_ends_the_request_on_the_worker(demo_model_dir, engine):
+    """The publisher matches the stop string: finish "stop", text cut before it, and the loop drops
+    the request at once (its blocks back in the pool) instead of decoding to max_tokens."""
+    p = prompts(7, [12])[0]
+    ref = engine.generate([p], SamplingParams(max_tokens=60, **GREEDY))[0]
+    text = ref.text
+    cut = next((i for i in range(6, len(text) - 2) if text[i].strip() and text.find(text[i:i + 2]) == i), None)
+    if cut is None:
+        pytest.skip("reference output too uniform to pick a stop string")
+    stop = text[cut:cut + 2]
+    worker = make_worker(demo_model_dir, num_blocks=64)
+    col = Collector(worker)
+    out = []
+    try:
+        worker.submit_local(GenerateRequest("s", tuple(p), SamplingParams(max_tokens=60, stop=(stop,), **GREEDY), 0, 0.0))
+        t0 = time.time()
+        while "s" not in col.finish:
+            assert time.time() - t0 < 60
+            for b in worker.poll_token_batches(0.05):
+                col.add(b)
+                out += [d.text for d in b.deltas]
+        assert col.finish["s"] == "stop" and "".join(out) == text[:cut]
+        assert len(col.tokens["s"]) < 60 and col.tokens["s"] == list(ref.token_ids[:len(col.tokens["s"])])
+        t0 = time.time()
+        while worker.stats().running or worker.stats().free_blocks != worker.stats().total_blocks:
+            assert time.time() - t0 < 10, worker.stats()
+            time.sleep(0.02)
+    finally:
+        worker.shutdown()

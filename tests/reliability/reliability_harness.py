@@ -1,16 +1,17 @@
 """Helpers of the reliability tests: a real cluster per module (real Ray actors, the real router and
-gateway under uvicorn on 127.0.0.1, reached over HTTP), and the checks every test ends with: no KV
-block leaked on any worker, no request left in the router, no stray asyncio task on the gateway."""
+API-server processes under uvicorn on 127.0.0.1, reached over HTTP), and the checks every test ends
+with: no KV block leaked on any worker, no request left in the router, no stray asyncio task or
+token stream on any gateway."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
+import time
 
 import httpx
 
-from serving_harness import MODEL, init_ray, start_cluster as _start, wait_clean, wait_ready, worker_stats  # noqa: F401
+from serving_harness import (MODEL, gateway_status, init_ray, start_cluster as _start, wait_clean, wait_ready,  # noqa: F401
+                             worker_stats)
 
 
 def start_cluster(demo_model_dir, **overrides):
@@ -18,24 +19,28 @@ def start_cluster(demo_model_dir, **overrides):
     return _start(demo_model_dir, **{"prefill_workers": 0, "decode_workers": 1, **overrides})
 
 
-def gateway_tasks(sc) -> list[str]:
-    """Names of the asyncio tasks alive on the gateway's loop (besides the server's own)."""
-    loop = sc.gateway.loop
-    fut = asyncio.run_coroutine_threadsafe(_task_names(), loop)
-    return fut.result(timeout=5)
+def gateway_tasks(sc) -> dict[str, tuple[int, int]]:
+    """Per API-server process: (asyncio tasks, open token streams), fresh from its heartbeat."""
+    return gateway_status(sc)
 
 
-async def _task_names() -> list[str]:
-    me = asyncio.current_task()
-    # Router._poll: the stats poll's own short-lived per-worker calls (gathered, never left behind).
-    return sorted(name for t in asyncio.all_tasks() if t is not me
-                  and (name := t.get_coro().__qualname__) != "Router._poll")
+def wait_gateways_settle(sc, before: dict, timeout_s: float = 10.0) -> dict:
+    """Waits until every gateway holds as many tasks as `before` and no token stream; returns the last status."""
+    deadline = time.monotonic() + timeout_s
+    while (after := gateway_status(sc)) != before and time.monotonic() < deadline:
+        pass
+    return after
 
 
-def rss_mb() -> float:
+def api_server_pids(sc) -> list[int]:
+    return [p.pid for p in sc.api_servers.procs]
+
+
+def rss_mb(sc) -> float:
+    """Resident memory of the gateways: the API-server processes together."""
     import psutil
 
-    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+    return sum(psutil.Process(pid).memory_info().rss for pid in api_server_pids(sc)) / 2**20
 
 
 def is_openai_error(r: httpx.Response) -> bool:

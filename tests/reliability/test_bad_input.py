@@ -185,6 +185,22 @@ def test_fuzz_request_schemas_no_5xx(cluster, client):
     wait_clean(cluster)
 
 
+def _app_routes():
+    """The routes of the gateway's app, as every API-server process builds it (enumerated here)."""
+    from router.gateway import Gateway, GatewayConfig, build_app
+    from router.metrics import GatewayMetrics
+    from router.router_client import RouterClient
+    from router.token_stream import TokenStreamReceiver
+
+    tokens = TokenStreamReceiver()
+    try:
+        gw = Gateway(GatewayConfig(MODEL, MAX_MODEL_LEN, api_key=KEY), None, RouterClient("inproc://none", "probe",
+                     tokens.address), tokens, GatewayMetrics(MODEL))
+        return build_app(gw).routes
+    finally:
+        tokens.close()
+
+
 def test_every_v1_route_needs_the_key(cluster):
     """Every /v1 route of the app (enumerated, so a new one can't slip through) answers 401 with an
     OpenAI error body without the key, with a wrong one (same length, one character off) or with a
@@ -199,7 +215,7 @@ def test_every_v1_route_needs_the_key(cluster):
             if inner is not None:
                 yield from api_routes(inner.routes)
 
-    routes = [(m, r.path) for r in api_routes(cluster.app.routes) if r.path.startswith("/v1") for m in r.methods]
+    routes = [(m, r.path) for r in api_routes(_app_routes()) if r.path.startswith("/v1") for m in r.methods]
     assert {p for _, p in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
     bodies = {"/v1/completions": ok_completion(), "/v1/chat/completions": ok_chat()}
     wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")

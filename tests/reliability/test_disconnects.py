@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from reliability_harness import MODEL, gateway_tasks, start_cluster, stream_completion, wait_clean
+from reliability_harness import MODEL, api_server_pids, gateway_tasks, start_cluster, stream_completion, wait_clean, wait_gateways_settle
 
 REQUESTS = 48
 CONCURRENCY = 12
@@ -68,11 +68,8 @@ def test_random_disconnects_leak_nothing(cluster):
     stats = wait_clean(cluster)
     print("blocks free/total after:", {w: f"{s.free_blocks}/{s.total_blocks}" for w, s in stats.items()})
     assert len(stats) == 3 and all(s.free_blocks == s.total_blocks for s in stats.values())
-    # No per-request asyncio task outlives its request on the gateway's loop.
-    deadline = time.monotonic() + 10
-    while (after := gateway_tasks(cluster)) != tasks_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert after == tasks_before
+    # No per-request asyncio task or token stream outlives its request on any gateway's loop.
+    assert wait_gateways_settle(cluster, tasks_before) == tasks_before
     # And the cluster still serves.
     r = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
@@ -91,15 +88,21 @@ def _worker_listeners() -> set[tuple[int, str, int]]:
 
 
 def test_internal_sockets_listen_on_loopback_only(cluster):
-    """In the local cluster the KV rendezvous store (launcher), the token stream (gateway) and the
-    gloo pairs of the workers (formed by the traffic above) listen on 127.0.0.1, never a wildcard.
-    (Each worker process also has Ray's own core-worker server, there before any traffic: Ray's.)"""
+    """In the local cluster the KV rendezvous store and the router's step-record sink (launcher), the
+    token streams and the HTTP port (API servers) and the gloo pairs of the workers (formed by the
+    traffic above) listen on 127.0.0.1, never a wildcard. (Each worker process also has Ray's own
+    core-worker server, there before any traffic: Ray's.)"""
     import psutil
 
     mine = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN}
     assert mine[cluster._kv_store.port] == "127.0.0.1"
-    assert mine[int(cluster._token_stream.address.rsplit(":", 1)[1])] == "127.0.0.1"
+    assert mine[int(cluster.router_server.stats_sink.rsplit(":", 1)[1])] == "127.0.0.1"
+    sinks = {g.sink for g in cluster.router_server.gateways.values()}
+    gateways = {(c.laddr.ip, c.laddr.port) for pid in api_server_pids(cluster)
+                for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert {port for _, port in gateways} >= {int(s.rsplit(":", 1)[1]) for s in sinks} and len(sinks) >= 1
+    assert {ip for ip, _ in gateways} == {"127.0.0.1"}
     actors = {pid for pid, _, _ in cluster.listeners_before_traffic}
     ours = {x for x in _worker_listeners() - cluster.listeners_before_traffic if x[0] in actors}
     print(f"\nworker listeners opened by KV transfers: {sorted(ours)}")

@@ -64,10 +64,10 @@ def test_burst_of_10x_capacity(cluster):
 def test_memory_bounded_over_bursts(cluster):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}
     asyncio.run(_burst(cluster.url, 10 * CAPACITY, body))  # warm-up
-    before = rss_mb()
+    before = rss_mb(cluster)
     for _ in range(4):
         asyncio.run(_burst(cluster.url, 10 * CAPACITY, body))
-    after = rss_mb()
+    after = rss_mb(cluster)
     print(f"\ngateway RSS over 4 bursts of {10 * CAPACITY}: {before:.0f} -> {after:.0f} MiB")
     assert after - before < 40
     wait_clean(cluster)

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.errors import PdserveError
 from cluster.app.launch import rendezvous_store
-from cluster.messages import KVHeader, TokenBatch, TokenDelta
+from cluster.messages import KVHeader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,13 +67,14 @@ class _Boom:
 def test_token_stream_never_unpickles(tmp_path):
     import zmq
 
+    from cluster.stream_messages import StreamBatch, StreamDelta, encode
     from router.token_stream import TokenStreamReceiver
 
     marker = tmp_path / "pwned"
 
     async def main():
         rx = TokenStreamReceiver("127.0.0.1")
-        q = rx.register("r1")
+        mailbox = rx.register("r1")
         rx.start()
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
@@ -81,9 +82,8 @@ def test_token_stream_never_unpickles(tmp_path):
         push.connect(rx.address)
         push.send(pickle.dumps(_Boom(str(marker))))  # a malicious frame ...
         push.send(msgpack.packb({"garbage": [1, 2]}))  # ... a malformed one ...
-        good = TokenBatch("decode-0", 1, (TokenDelta("r1", (5, 6)),))
-        push.send(msgpack.packb(good.to_wire()))  # ... and a good one: still delivered
-        delta = await asyncio.wait_for(q.get(), 10)
+        push.send(encode(StreamBatch("decode-0", 1, (StreamDelta("r1", (5, 6), "ab"),))))  # ... a good one
+        delta = await asyncio.wait_for(mailbox.next(), 10)
         push.close()
         ctx.term()
         await rx.stop()
@@ -107,6 +107,7 @@ def test_no_pickle_on_our_sockets():
     """The modules that own a socket or the store (gateway, router, token stream and publisher, KV
     transports, messages) do not import pickle, cloudpickle or dill, nor call torch.load."""
     files = [*ROOT.glob("router/*.py"), *ROOT.glob("cluster/transport/*.py"), ROOT / "cluster/messages.py",
+             ROOT / "cluster/stream_messages.py", ROOT / "cluster/app/api_server.py",
              ROOT / "decode_worker/token_publisher.py", ROOT / "prefill_worker/prefill_worker.py"]
     assert len(files) > 10
     bad = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill)\b|pickle\.loads?\(|torch\.load\(|"

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from reliability_harness import MODEL, gateway_tasks, rss_mb, start_cluster, stream_completion, wait_clean
+from reliability_harness import MODEL, gateway_tasks, rss_mb, start_cluster, stream_completion, wait_clean, wait_gateways_settle
 
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "45"))
 CONCURRENCY = 8
@@ -64,7 +64,7 @@ def test_soak_mixed_load(cluster):
 
     async def sample_rss(deadline):
         while time.monotonic() < deadline:
-            rss.append((time.monotonic(), rss_mb()))
+            rss.append((time.monotonic(), rss_mb(cluster)))
             await asyncio.sleep(1.0)
 
     async def main():
@@ -85,11 +85,9 @@ def test_soak_mixed_load(cluster):
           f"blocks free {', '.join(f'{w} {s.free_blocks}/{s.total_blocks}' for w, s in stats.items())}")
     assert counts.get(200, 0) > 0 and set(counts) <= {200, 429, "cut", "cancelled"}, counts
     assert all(s.free_blocks == s.total_blocks for s in stats.values())
-    router = cluster.gateway.router
+    router = cluster.router
     assert not router.inflight and router.admission.num_admitted == 0 and router.admission.inflight_tokens == 0
-    assert not cluster.gateway.token_stream._queues
-    deadline = time.monotonic() + 10
-    while (after := gateway_tasks(cluster)) != tasks_before and time.monotonic() < deadline:
-        time.sleep(0.1)
+    after = wait_gateways_settle(cluster, tasks_before)
     assert after == tasks_before, (tasks_before, after)
+    assert all(streams == 0 for _, streams in after.values())
     assert growth < 25, f"gateway RSS grew {growth:.0f} MiB after warm-up"

@@ -69,7 +69,7 @@ async def _run_and_kill(sc, prompts, max_tokens, kill, when):
 
 
 def _busiest(sc, role):
-    router = sc.gateway.router
+    router = sc.router
     ids = router.decode_ids if role == "decode" else router.prefill_ids
     live = [w for w in ids if router.views[w].healthy]
     return max(live, key=lambda w: len(router.views[w].inflight))
@@ -80,7 +80,7 @@ def _kill(sc, wid):
 
     handle = {**sc.workers.decode, **sc.workers.prefill}[wid]
     ray.kill(handle, no_restart=True)
-    print(f"\nkilled {wid} holding {len(sc.gateway.router.views[wid].inflight)} requests")
+    print(f"\nkilled {wid} holding {len(sc.router.views[wid].inflight)} requests")
 
 
 def _serves(sc) -> None:
@@ -98,7 +98,7 @@ def test_decode_worker_death_migrates_streams_exactly(cluster, reference_engine)
 
     def kill():
         victim["id"] = _busiest(cluster, "decode")
-        victim["held"] = len(cluster.gateway.router.views[victim["id"]].inflight)
+        victim["held"] = len(cluster.router.views[victim["id"]].inflight)
         _kill(cluster, victim["id"])
 
     t0 = time.monotonic()
@@ -109,16 +109,16 @@ def test_decode_worker_death_migrates_streams_exactly(cluster, reference_engine)
     assert victim["held"] > 0
     assert texts == refs  # greedy output continues exactly: no gap, no duplicate
     assert all(evs[-1]["usage"]["completion_tokens"] == n for _, evs in out)
-    migrated = cluster.gateway.metrics.migrations._value.get()
+    migrated = cluster.router.metrics.migrations._value.get()
     print(f"decode death: {len(prompts)} streams in {time.monotonic() - t0:.1f}s, {migrated:.0f} migrated, all exact")
     assert migrated >= victim["held"]
-    assert not cluster.gateway.router.views[victim["id"]].healthy
+    assert not cluster.router.views[victim["id"]].healthy
     _serves(cluster)
     wait_clean(cluster)
 
 
 def test_decode_worker_death_without_migration_ends_with_error_event(cluster, reference_engine):
-    router = cluster.gateway.router
+    router = cluster.router
     router.cfg = dataclasses.replace(router.cfg, migrate_on_worker_death=False)
     try:
         prompts = _prompts(10, 4)
@@ -151,7 +151,7 @@ def test_prefill_worker_death_retries_elsewhere(cluster, reference_engine):
     n = 12
     refs = [r.text for r in reference_engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0,
                                                                                ignore_eos=True)] * len(prompts))]
-    router = cluster.gateway.router
+    router = cluster.router
     held = {}
 
     def kill():

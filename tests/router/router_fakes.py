@@ -1,8 +1,9 @@
 """Test doubles of the prefill and decode workers, with the real actors' APIs.
 
-`FakeDecodeWorker` runs `cluster.engine.LLMEngine` on its own thread and PUSHes one msgpack
-TokenBatch per engine step to the gateway over a real ZMQ socket, exactly like the real decode
-worker; its greedy outputs are the reference engine's by construction. Reservations hold KV blocks
+`FakeDecodeWorker` runs `cluster.engine.LLMEngine` on its own thread and hands one TokenBatch per
+engine step to the real `TokenPublisher` (detokenization, stop strings, each gateway's text over
+ZMQ), exactly like the real decode worker; its greedy outputs are the reference engine's by
+construction. Reservations hold KV blocks
 until the (fake) prefill worker reports the transfer, so admission, placement and abort-frees-blocks
 are exercised against real block accounting. `FakePrefillWorker` waits `prefill_delay_s`, then tells
 its decode worker that the KV landed (the decode engine recomputes the prompt itself).
@@ -18,23 +19,21 @@ import threading
 import time
 from dataclasses import replace
 
-import msgpack
-
 from cluster.engine import LLMEngine
 from cluster.messages import (GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenBatch,
                               TokenDelta, WorkerStats)
 from cluster.sequence import SequenceStatus
 from cluster.worker_config import WorkerConfig
+from decode_worker.token_publisher import TokenPublisher
 
 
 class FakeDecodeWorker:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, token_sink: str | None, step_delay_s: float = 0.0):
+    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None, step_delay_s: float = 0.0):
         self.worker_id = worker_id
         self.engine = LLMEngine(cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks or cfg.cpu_num_blocks,
                                 max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
         self.step_delay_s = step_delay_s
-        self.token_sink = token_sink
-        self.sent: list[TokenBatch] = []  # without a sink (unit tests)
+        self.publisher = TokenPublisher(worker_id, self.engine.tokenizer, stats_sink, on_stop=self.abort)
         self._lock = threading.Lock()
         self._reserved: dict[str, tuple[GenerateRequest, int]] = {}
         self._tracked: dict[str, tuple[object, int]] = {}  # request id -> (Sequence, tokens emitted)
@@ -62,6 +61,7 @@ class FakeDecodeWorker:
             need = self._blocks(rr.request)
             if self._free_locked() < need:
                 return None
+            self.publisher.register(rr.request)
             self._reserved[rr.request.request_id] = (rr.request, need)
             seq = next(self._transfer_seq.setdefault(rr.prefill_worker_id, itertools.count()))
             return Reservation(rr.request.request_id, self.worker_id, tuple(range(1, need + 1)), seq)
@@ -71,24 +71,29 @@ class FakeDecodeWorker:
             entry = self._reserved.pop(request_id, None)
             if entry is not None and ok:
                 self._add_locked(entry[0])
+            elif entry is not None:
+                self.publisher.forget(request_id)
 
     def submit_local(self, req: GenerateRequest) -> bool:
         with self._lock:
             if self._free_locked() < self._blocks(req):
                 return False
             self.local_submits += 1
+            self.publisher.register(req)
             self._add_locked(req)
             return True
 
     def _add_locked(self, req: GenerateRequest) -> None:
-        params = replace(req.params, seed=req.seed, stop=())
+        params = replace(req.params, seed=req.seed, stop=())  # stop strings are the publisher's
         seq = self.engine.add_request(list(req.prompt_token_ids), params, request_id=req.request_id)
         self._tracked[req.request_id] = (seq, 0)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._reserved.pop(request_id, None)
+            reserved = self._reserved.pop(request_id, None)
             entry = self._tracked.pop(request_id, None)
+            if reserved is not None or entry is not None:  # ends its publisher state, like the real worker
+                self.publisher.publish(TokenBatch(self.worker_id, -1, (TokenDelta(request_id, (), "abort"),)))
             if entry is None:
                 return
             seq = entry[0]
@@ -121,19 +126,16 @@ class FakeDecodeWorker:
     def counters(self) -> dict:
         return {"reserve_calls": self.reserve_calls, "local_submits": self.local_submits}
 
+    def poll_token_batches(self, timeout: float = 0.0) -> list:
+        return self.publisher.drain(timeout)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.publisher.close()
 
     # -- the decode loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        sock = None
-        if self.token_sink is not None:
-            import zmq
-
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.token_sink)
         while not self._stop.is_set():
             with self._lock:
                 if not self.engine.has_work():
@@ -147,14 +149,9 @@ class FakeDecodeWorker:
                 time.sleep(0.002)
                 continue
             if batch.deltas:
-                if sock is not None:
-                    sock.send(msgpack.packb(batch.to_wire(), use_bin_type=True))
-                else:
-                    self.sent.append(batch)
+                self.publisher.publish(batch)
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-        if sock is not None:
-            sock.close(linger=0)
 
     def _deltas_locked(self, finished: set[int]) -> tuple[TokenDelta, ...]:
         deltas = []

@@ -179,10 +179,10 @@ def test_disconnect_frees_blocks(fake_cluster):
     # Closed mid-stream: the request must be aborted on its decode worker and its blocks freed.
     wait_idle(fake_cluster)
     deadline = time.monotonic() + 5
-    while fake_cluster.gateway.router.inflight and time.monotonic() < deadline:
+    while fake_cluster.router.inflight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not fake_cluster.gateway.router.inflight
-    assert fake_cluster.gateway.router.admission.inflight_tokens == 0
+    assert not fake_cluster.router.inflight
+    assert fake_cluster.router.admission.inflight_tokens == 0
 
 
 def test_non_streaming_disconnect_aborts(fake_cluster):
@@ -195,7 +195,7 @@ def test_non_streaming_disconnect_aborts(fake_cluster):
             await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
     wait_idle(fake_cluster)
-    assert not fake_cluster.gateway.router.inflight
+    assert not fake_cluster.router.inflight
 
 
 @pytest.mark.parametrize("body,status,param", [

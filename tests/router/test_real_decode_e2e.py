@@ -70,4 +70,4 @@ def test_disconnect_frees_blocks(real_decode_cluster):
         for _ in range(6):
             next(lines)
     wait_idle(real_decode_cluster)
-    assert not real_decode_cluster.gateway.router.inflight
+    assert not real_decode_cluster.router.inflight

@@ -69,4 +69,4 @@ def test_disaggregated_disconnect_frees_blocks(real_pd_cluster):
         for _ in range(6):
             next(lines)
     wait_idle(real_pd_cluster)
-    assert not real_pd_cluster.gateway.router.inflight
+    assert not real_pd_cluster.router.inflight

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from cluster.messages import GenerateRequest, TokenDelta
+from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
+from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError
 from router.router import Router, RouterConfig, WorkerClient
 from router.token_stream import TokenStreamReceiver
 from router_fakes import FakeDecodeWorker, FakePrefillWorker
@@ -32,20 +32,18 @@ def req(rid, n=5, max_tokens=4):
 
 def make_router(workers, **kw):
     p, d0, d1 = workers
-    stream = TokenStreamReceiver()
     admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16))
-    router = Router([WorkerClient("prefill-0", "prefill", p)],
-                    [WorkerClient("decode-0", "decode", d0), WorkerClient("decode-1", "decode", d1)],
-                    stream, admission, RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1, **kw))
-    return router, stream
+    return Router([WorkerClient("prefill-0", "prefill", p)],
+                  [WorkerClient("decode-0", "decode", d0), WorkerClient("decode-1", "decode", d1)],
+                  admission, RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1, **kw))
 
 
 async def _drain(d, rid, timeout=10.0):
-    """The doubles without a sink keep their batches; wait for the request's final delta."""
+    """Requests without a reply_to stay with the double's publisher; wait for the request's final delta."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        for b in list(d.sent):
+        for b in d.poll_token_batches():
             for delta in b.deltas:
                 if delta.request_id == rid and delta.finish_reason:
                     return delta
@@ -55,7 +53,7 @@ async def _drain(d, rid, timeout=10.0):
 
 def test_place_run_and_release(workers):
     async def main():
-        router, stream = make_router(workers)
+        router = make_router(workers)
         await router.start()
         rs = await router.submit(req("a"))
         assert rs.prefill_worker_id == "prefill-0" and rs.decode_worker_id in ("decode-0", "decode-1")
@@ -68,26 +66,24 @@ def test_place_run_and_release(workers):
         await _drain(workers[1] if rs2.decode_worker_id == "decode-0" else workers[2], "b")
         router.finish("b")
         await router.stop()
-        stream.close()
     asyncio.run(main())
 
 
 def test_local_prefill_below_threshold(workers):
     async def main():
-        router, stream = make_router(workers, local_prefill_threshold=8)
+        router = make_router(workers, local_prefill_threshold=8)
         await router.start()
         before = workers[0].submitted
         rs = await router.submit(req("short", n=6))
         assert rs.local_prefill and rs.prefill_worker_id is None and workers[0].submitted == before
         router.finish("short", abort=True)
         await router.stop()
-        stream.close()
     asyncio.run(main())
 
 
 def test_full_decode_workers_give_429_and_abort_frees(workers):
     async def main():
-        router, stream = make_router(workers)
+        router = make_router(workers)
         await router.start()
         # 11 usable blocks per worker; a 150-token prompt needs 10: one per worker.
         a = await router.submit(req("big-a", n=150, max_tokens=2))
@@ -100,7 +96,6 @@ def test_full_decode_workers_give_429_and_abort_frees(workers):
         await router.poll_once()
         assert all(v.free_blocks == v.total_blocks for v in router.decode_views())
         await router.stop()
-        stream.close()
     asyncio.run(main())
 
 
@@ -113,48 +108,61 @@ def test_dead_worker_fails_its_requests_and_503_when_none_left(workers):
             raise ConnectionError("gone")
 
     async def main():
-        stream = TokenStreamReceiver()
-        router = Router([], [WorkerClient("decode-x", "decode", workers[1])], stream,
+        failed = asyncio.Queue()
+        router = Router([], [WorkerClient("decode-x", "decode", workers[1])],
                         AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
-                        RouterConfig(stats_interval_s=0.01, unhealthy_after_failures=2))
+                        RouterConfig(stats_interval_s=0.01, unhealthy_after_failures=2),
+                        notify=lambda rs, error: failed.put_nowait((rs.request_id, error)))
         await router.start()
         rs = await router.submit(req("doomed"))
         assert rs.local_prefill  # no prefill worker: prefill on the decode worker
         router.clients["decode-x"].handle = Dead()
-        delta = await rs.get(timeout=5)
-        while delta.finish_reason != "error":
-            delta = await rs.get(timeout=5)
-        assert "decode-x" in delta.error
+        rid, error = await asyncio.wait_for(failed.get(), 5)  # the gateway is told
+        assert rid == "doomed" and "decode-x" in error and rs.lost
+        # Nowhere left to migrate it: the gateway's Migrate ends it with an error.
+        end = await router.migrate("doomed", "doomed.m1", (), 0, error)
+        assert end[0] == "error" and "no healthy decode worker" in end[1]
         router.finish("doomed", abort=True)
         with pytest.raises(NoHealthyWorkerError):
             await router.submit(req("next"))
         assert not router.ready
         await router.stop()
-        stream.close()
         workers[1].abort("doomed")
     asyncio.run(main())
 
 
 def test_token_stream_dispatch_over_zmq():
-    import msgpack
     import zmq
 
-    from cluster.messages import TokenBatch
+    from cluster.stream_messages import StreamBatch, StreamDelta, encode
 
     async def main():
         stream = TokenStreamReceiver()
         stream.start()
-        q = stream.register("r1")
-        batches = []
-        stream.on_batch = batches.append
+        mailbox = stream.register("r1")
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(stream.address)
         sock.send(b"not msgpack")  # dropped, the stream survives
-        batch = TokenBatch("d0", 1, (TokenDelta("r1", (5, 6)), TokenDelta("gone", (1,))), 0.01, 2, 4)
-        sock.send(msgpack.packb(batch.to_wire()))
-        delta = await asyncio.wait_for(q.get(), 5)
-        assert delta == TokenDelta("r1", (5, 6)) and batches[0].bucket == 4
+        sock.send(encode(StreamBatch("d0", 1, (StreamDelta("r1", (5,), "a"), StreamDelta("gone", (1,), "x")))))
+        sock.send(encode(StreamBatch("d0", 2, (StreamDelta("r1", (6,), "b"),))))
+        sock.send(encode(StreamBatch("d0", 3, (StreamDelta("r1", (7,), "c", "length"), StreamDelta("r1", (8,))))))
+        await asyncio.sleep(0.5)
+        # Everything queued comes out merged, up to the delta that ends the request.
+        assert await asyncio.wait_for(mailbox.next(), 5) == StreamDelta("r1", (5, 6, 7), "abc", "length")
+        assert stream.open_streams == 1 and stream.batches_received == 3
         sock.close(linger=0)
+        await stream.stop()
+    asyncio.run(main())
+
+
+def test_token_stream_deadline_without_a_task_per_read():
+    """A reader that waits longer than token_timeout_s gets an error delta from the one watchdog."""
+    async def main():
+        stream = TokenStreamReceiver(token_timeout_s=0.2)
+        stream.start()
+        mailbox = stream.register("slow")
+        delta = await asyncio.wait_for(mailbox.next(), 5)
+        assert delta.finish_reason == "error" and "no token for 0.2s" in delta.error
         await stream.stop()
     asyncio.run(main())
 
@@ -166,9 +174,9 @@ def test_router_learns_graph_buckets_from_the_decode_worker(demo_model_dir):
 
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", num_blocks=16, max_num_seqs=128,
                        graph_buckets=(3, 5))
-    worker = DecodeWorker("decode-0", cfg, token_sink=None)
+    worker = DecodeWorker("decode-0", cfg)
     try:
-        router = Router([], [WorkerClient("decode-0", "decode", worker)], TokenStreamReceiver(),
+        router = Router([], [WorkerClient("decode-0", "decode", worker)],
                         AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)))
         asyncio.run(router.poll_once())
         stats = router.views["decode-0"].stats

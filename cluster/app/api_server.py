@@ -1,0 +1,179 @@
+"""The API-server processes: K gateways serving one port (the pattern of vLLM's `--api-server-count`).
+
+The launcher binds the listening socket once (a port in use is a one-line error there, and port 0 is
+resolved before any child starts) and hands that same socket to K processes started as
+`python -m cluster.app.api_server`; the kernel gives each new connection to one of them, and a
+connection stays with its process for its whole life, so a request's tokens only ever go to the
+process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
+with the httptools parser and the FastAPI app of router/gateway.py, with its own token sink and its
+own channel to the one router (router/router_client.py). Its settings come on stdin as JSON, so the
+API key never shows in `ps`.
+
+A child drains on SIGTERM or when the router says so (the launcher got SIGTERM), exits at once on
+SIGINT, and stops by itself if the launcher goes away (its parent pid changes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+
+from cluster.errors import PdserveError
+
+log = logging.getLogger("pdserve.api_server")
+
+
+class APIServerSpec(msgspec.Struct, frozen=True):
+    """What one API-server process needs (sent on its stdin)."""
+
+    index: int
+    router_address: str
+    model_dir: str
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None
+    max_body_bytes: int
+    token_timeout_s: float
+    drain_timeout_s: float
+    sink_host: str  # interface its token sink binds (the decode workers connect to it)
+    listen_fd: int
+    parent_pid: int
+    log_level: str = "WARNING"
+
+    @property
+    def gateway_id(self) -> str:
+        return f"api-{self.index}"
+
+
+def default_api_servers(cpus: int | None = None) -> int:
+    """A quarter of the cores, 1 to 4: one API-server process saturates about one core at its limit
+    (~10k+ streamed events/s), and the rest of the machine runs the decode and prefill workers' host
+    threads, the router and, in a load test, the clients. Four carry the token rate of one H200."""
+    if cpus is None:
+        cpus = os.cpu_count() or 1
+    return min(4, max(1, cpus // 4))
+
+
+class APIServerPool:
+    """Starts, watches and stops the K API-server processes of one launcher."""
+
+    def __init__(self, count: int, listen_sock: socket.socket, spec: dict, metrics_dir: str):
+        self.count = count
+        self.listen_sock = listen_sock
+        self.spec = spec
+        self.metrics_dir = metrics_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        fd = self.listen_sock.fileno()
+        os.set_inheritable(fd, True)
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "PYTHONUNBUFFERED": "1"}
+        for i in range(self.count):
+            spec = APIServerSpec(index=i, listen_fd=fd, parent_pid=os.getpid(), **self.spec)
+            proc = subprocess.Popen([sys.executable, "-m", "cluster.app.api_server"], stdin=subprocess.PIPE,
+                                    pass_fds=(fd,), env=env)
+            proc.stdin.write(msgspec.json.encode(spec))
+            proc.stdin.close()
+            self.procs.append(proc)
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(index, exit code) of the processes that have ended."""
+        return [(i, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def alive(self) -> int:
+        return sum(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGINT (stop now), then SIGKILL what is left."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        if not self.wait(timeout_s):
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+            self.wait(5.0)
+
+
+# -- the child process ------------------------------------------------------------------------------
+def _watch_parent(parent_pid: int, server) -> None:
+    """The launcher is gone (killed): nothing routes this process's requests any more."""
+    while not server.should_exit:
+        if os.getppid() != parent_pid:
+            log.error("the launcher (pid %d) went away; stopping", parent_pid)
+            server.should_exit = True
+            return
+        time.sleep(0.5)
+
+
+def serve(spec: APIServerSpec) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from cluster.tokenizer import load_tokenizer
+    from router.gateway import Gateway, GatewayConfig, build_app
+    from router.metrics import GatewayMetrics
+    from router.router_client import RouterClient
+    from router.router_messages import Drain
+    from router.token_stream import TokenStreamReceiver
+
+    tokens = TokenStreamReceiver(spec.sink_host, token_timeout_s=spec.token_timeout_s)
+    client = RouterClient(spec.router_address, spec.gateway_id, tokens.address)
+    gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,
+                               api_key=spec.api_key, max_body_bytes=spec.max_body_bytes,
+                               token_timeout_s=spec.token_timeout_s),
+                 load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that SIGTERM drains this process's requests before it stops."""
+
+        def handle_exit(self, sig, frame):
+            loop = gw.loop
+            if sig == signal.SIGTERM and loop is not None and not gw.draining and not self.should_exit:
+                loop.call_soon_threadsafe(gw.client.on_drain, Drain(spec.drain_timeout_s))
+                return
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(gw), loop="uvloop", http="httptools", lifespan="on", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = DrainingServer(config)
+
+    def drained(left: int) -> None:
+        if left:
+            log.warning("%s: drain timeout, %d requests ended with an error event", spec.gateway_id, left)
+        # Give the last error events a moment to leave before the connections close.
+        asyncio.get_running_loop().call_later(0.2, setattr, server, "should_exit", True)
+    gw.on_drained = drained
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid, server), daemon=True).start()
+    sock = socket.socket(fileno=spec.listen_fd)
+    server.run(sockets=[sock])
+
+
+def main() -> int:
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=APIServerSpec)
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s api-{spec.index} %(name)s: %(message)s")
+    try:
+        serve(spec)
+    except PdserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The token stream's wire messages: decode worker -> gateway (text deltas) and -> router (step records).
+
+msgspec Structs encoded as msgpack arrays (`array_like`): no field names on the wire, decoded straight
+into typed objects on the receiving side (one C call per frame, no dict per row), and never pickle.
+A decode worker's publisher sends each gateway only the deltas of the requests that gateway holds
+(`GenerateRequest.reply_to`), and every step's record to the router's stats sink once.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StreamDelta(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """New tokens of one request and their text, as the decode worker's detokenizer released it.
+
+    `text` may be empty while tokens arrive (an incomplete UTF-8 character, or a tail that could still
+    become a stop string); a stop string ends the request with finish_reason "stop", the text cut
+    before it and `token_ids` ending with the token that completed it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+class StreamBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Decode worker -> one gateway: that gateway's deltas of one or more consecutive steps."""
+
+    worker_id: str
+    step: int
+    deltas: tuple[StreamDelta, ...]
+
+
+class DecodeStepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One decode step as it ran: what load tests join client latencies with (`GET /stats`)."""
+
+    worker_id: str
+    step: int
+    t: float  # time.time() when the step's tokens were published
+    batch_size: int
+    bucket: int  # graph bucket the step replayed (0 = eager)
+    step_time_s: float
+
+
+class StepRecordBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Decode worker -> router's stats sink: the step records since the last send."""
+
+    records: tuple[DecodeStepRecord, ...]
+
+
+encode = msgspec.msgpack.Encoder().encode
+decode_stream_batch = msgspec.msgpack.Decoder(StreamBatch).decode
+decode_step_records = msgspec.msgpack.Decoder(StepRecordBatch).decode

@@ -1,0 +1,136 @@
+"""The channel between the gateway processes and the one router: typed msgspec messages over ZMQ.
+
+Each gateway (one per API-server process) holds a DEALER socket connected to the router's ROUTER
+socket; every frame is one of the tagged Structs below, msgpack-encoded (never pickle). Calls carry a
+`call_id` that their `Reply` repeats; the rest are one-way. The request itself travels as the core
+`GenerateRequest` (msgspec encodes and validates the dataclass).
+
+    gateway -> router   Hello, Heartbeat, Submit*, FirstToken, Finish, Migrate*, Query*, Goodbye
+    router -> gateway   Reply (to *), RequestFailed, ClusterState, Drain
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from cluster.messages import GenerateRequest
+from cluster.stream_messages import StreamDelta
+
+
+class _Msg(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+# -- gateway -> router ------------------------------------------------------------------------------
+class Hello(_Msg):
+    """First frame of a gateway, and again whenever the router's state has not arrived for a while."""
+
+    gateway_id: str
+    pid: int
+    sink: str  # its token sink: requests it submits carry it as reply_to
+
+
+class Heartbeat(_Msg):
+    gateway_id: str
+    open_streams: int  # requests whose tokens it is waiting for
+    tasks: int  # asyncio tasks on its loop (bounded when nothing leaks)
+    draining: bool
+
+
+class Submit(_Msg):
+    """Admit and place a request; `Reply` once a decode worker holds it, or with the refusal."""
+
+    call_id: int
+    request: GenerateRequest
+
+
+class FirstToken(_Msg):
+    """The request's first token reached its gateway (admission counts it as running from now)."""
+
+    request_id: str
+    t: float
+
+
+class Finish(_Msg):
+    """The gateway is done with the request; with `abort`, every worker holding it drops it."""
+
+    request_id: str
+    abort: bool
+    first_token_time: float | None
+    finished_time: float
+    completion_tokens: int
+
+
+class Migrate(_Msg):
+    """A worker failed the request after `generated` tokens (of whose text the client has
+    `emitted_chars` characters): the router places it again as `worker_request_id` if the failure
+    was a worker's death (Reply.end None), else Reply.end is the delta that ends it."""
+
+    call_id: int
+    request_id: str
+    worker_request_id: str
+    generated: tuple[int, ...]
+    emitted_chars: int
+    error: str
+
+
+class Query(_Msg):
+    """`what`: "stats" (Reply.body: JSON of step and request records from `cursor`, at most `limit`)
+    or "metrics" (Reply.body: the router's Prometheus text)."""
+
+    call_id: int
+    what: str
+    cursor: int = 0
+    limit: int = 0
+
+
+class Goodbye(_Msg):
+    gateway_id: str
+
+
+# -- router -> gateway ------------------------------------------------------------------------------
+class Reply(_Msg):
+    """Answer to a call. A refused Submit names the error kind the gateway maps to an HTTP status:
+    "invalid" 400, "overloaded"/"capacity" 429 (Retry-After), "no_worker"/"draining" 503, "internal" 500."""
+
+    call_id: int
+    error_kind: str | None = None
+    message: str = ""
+    param: str | None = None
+    retry_after_s: int = 1
+    body: bytes = b""
+    end: StreamDelta | None = None
+
+
+class RequestFailed(_Msg):
+    """A worker of the request died or failed it (the gateway reads it like an error delta)."""
+
+    request_id: str
+    worker_request_id: str
+    error: str
+
+
+class ClusterState(_Msg):
+    """What every gateway answers /health and /ready from, pushed on change and periodically."""
+
+    ready: bool  # the router polled every worker once and a decode worker is healthy
+    healthy_decode: int
+    healthy_prefill: int
+    kv_capacity_tokens: int  # largest healthy decode worker's KV cache, in tokens
+    gateways_up: int
+    gateways_expected: int
+    draining: bool
+
+
+class Drain(_Msg):
+    """SIGTERM reached the launcher: refuse new requests, finish what runs for up to `timeout_s`."""
+
+    timeout_s: float
+
+
+ToRouter = Hello | Heartbeat | Submit | FirstToken | Finish | Migrate | Query | Goodbye
+ToGateway = Reply | RequestFailed | ClusterState | Drain
+
+encode = msgspec.msgpack.Encoder().encode
+decode_to_router = msgspec.msgpack.Decoder(ToRouter).decode
+decode_to_gateway = msgspec.msgpack.Decoder(ToGateway).decode

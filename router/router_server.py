@@ -1,0 +1,323 @@
+"""RouterServer: the one Router, serving every gateway process over its typed channel.
+
+Runs on the launcher's asyncio loop (the Ray driver: the router calls the workers' actors). It owns:
+- a ZMQ ROUTER socket the gateways' DEALERs connect to (router/router_messages.py): submit, first
+  token, finish, migrate, stats and metrics queries; it pushes each gateway the failures of its own
+  requests, the cluster's state (what /health and /ready answer from) and the drain on SIGTERM;
+- a PULL socket the decode workers send their step records to (`stats_sink`): /stats and the
+  step-level metrics, recorded once per step however many gateways there are;
+- gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
+  every request it held aborted on the workers, so its clients' KV blocks come back.
+
+Admission and placement therefore stay exactly as consistent as with one gateway: one
+AdmissionController, one set of worker views, whatever the number of API-server processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from cluster.errors import CapacityError, InvalidRequestError
+from cluster.stream_messages import StreamDelta, decode_step_records
+from router.admission import NoHealthyWorkerError, OverloadedError
+from router.metrics import RouterMetrics
+from router.router import DrainingError, PlacedRequest, Router
+from router.router_messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
+                                    Query, Reply, RequestFailed, Submit, decode_to_router, encode)
+from router.step_stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+def refusal(call_id: int, e: BaseException) -> Reply:
+    """The Reply that carries an admission or placement error to the gateway (router_client raises
+    the same class again there)."""
+    if isinstance(e, InvalidRequestError):
+        return Reply(call_id, "invalid", str(e), e.param)
+    if isinstance(e, DrainingError):
+        return Reply(call_id, "draining", str(e))
+    if isinstance(e, OverloadedError):
+        return Reply(call_id, "overloaded", str(e), retry_after_s=e.retry_after_s)
+    if isinstance(e, CapacityError):
+        return Reply(call_id, "capacity", str(e))
+    if isinstance(e, NoHealthyWorkerError):
+        return Reply(call_id, "no_worker", str(e))
+    return Reply(call_id, "internal", f"{e.__class__.__name__}: {e}")
+
+
+@dataclass
+class GatewayInfo:
+    gateway_id: str
+    identity: bytes
+    pid: int
+    sink: str
+    last_seen: float
+    open_streams: int = 0
+    tasks: int = 0
+    draining: bool = False
+    up: bool = True
+
+
+class RouterServer:
+    def __init__(self, router_address: str, stats_host: str, metrics: RouterMetrics, *,
+                 gateways_expected: int = 1, block_size: int = 16, gateway_timeout_s: float = 5.0,
+                 state_interval_s: float = 0.25):
+        # Both sockets are bound at construction (before any loop runs): their addresses go to the
+        # gateway processes and the decode workers when those are started.
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(router_address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stats = self._ctx.socket(zmq.PULL)
+        self._stats.setsockopt(zmq.LINGER, 0)
+        self._stats.setsockopt(zmq.RCVHWM, 0)
+        port = self._stats.bind_to_random_port(f"tcp://{stats_host}")
+        self.stats_sink = f"tcp://{stats_host}:{port}"
+        self.metrics = metrics
+        self.step_stats = StepStats()
+        self.gateways_expected = gateways_expected
+        self.block_size = block_size
+        self.gateway_timeout_s = gateway_timeout_s
+        self.state_interval_s = state_interval_s
+        self.gateways: dict[str, GatewayInfo] = {}
+        self.router: Router | None = None
+        self.draining = False
+        self._submitting: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
+        self._last_state: ClusterState | None = None
+
+    def attach(self, router: Router) -> None:
+        self.router = router
+        router.notify = self._notify
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._serve(), name="router-server"),
+                       loop.create_task(self._collect_steps(), name="router-steps")]
+        await self.router.start()
+        self._loops.append(loop.create_task(self._housekeeping(), name="router-housekeeping"))
+
+    @property
+    def gateways_up(self) -> int:
+        return sum(g.up for g in self.gateways.values())
+
+    @property
+    def ready(self) -> bool:
+        return self.router is not None and self.router.ready and self.gateways_up >= self.gateways_expected
+
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM: new requests are refused from now; every gateway drains its own."""
+        self.draining = True
+        self.router.draining = True
+        self._broadcast(Drain(timeout_s))
+        self._push_state(force=True)
+
+    async def stop(self) -> None:
+        for t in self._loops:
+            t.cancel()
+        for t in list(self._submitting.values()):
+            t.cancel()
+        if self.router is not None:
+            await self.router.stop()
+        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        self.close()
+
+    def close(self) -> None:
+        for s in (self._sock, self._stats):
+            if not s.closed:
+                s.close(linger=0)
+        if not self._ctx.closed:
+            self._ctx.term()
+
+    # -- sending ----------------------------------------------------------------------------------
+    def _send(self, identity: bytes, msg) -> None:
+        # NOTE: a ROUTER socket never blocks on send (a gone peer's frames are dropped).
+        self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+
+    def _broadcast(self, msg) -> None:
+        for g in self.gateways.values():
+            if g.up:
+                self._send(g.identity, msg)
+
+    def _gateway_of(self, rs: PlacedRequest) -> GatewayInfo | None:
+        sink = rs.origin.reply_to
+        for g in self.gateways.values():
+            if g.sink == sink:
+                return g
+        return None
+
+    def _notify(self, rs: PlacedRequest, error: str) -> None:
+        g = self._gateway_of(rs)
+        if g is not None and g.up:
+            self._send(g.identity, RequestFailed(rs.request_id, rs.worker_request_id, error))
+
+    def cluster_state(self) -> ClusterState:
+        r = self.router
+        decode = [v for v in r.decode_views() if v.healthy]
+        return ClusterState(
+            ready=r.ready, healthy_decode=len(decode), healthy_prefill=sum(v.healthy for v in r.prefill_views()),
+            kv_capacity_tokens=max((v.total_blocks for v in decode), default=0) * self.block_size,
+            gateways_up=self.gateways_up, gateways_expected=self.gateways_expected, draining=self.draining)
+
+    def _push_state(self, force: bool = False) -> None:
+        state = self.cluster_state()
+        if force or state != self._last_state:
+            self._last_state = state
+            self._broadcast(state)
+
+    # -- receiving --------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        while True:
+            try:
+                identity, frame = await self._sock.recv_multipart()
+                msg = decode_to_router(frame)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM or self._sock.closed:
+                    return
+                log.exception("router channel receive failed")
+                continue
+            except Exception:  # noqa: BLE001 - a malformed frame must not stop the router
+                log.exception("dropping a malformed frame from a gateway")
+                continue
+            try:
+                self._handle(identity, msg)
+            except Exception:  # noqa: BLE001
+                log.exception("handling %s failed", type(msg).__name__)
+
+    def _handle(self, identity: bytes, msg) -> None:
+        now = time.monotonic()
+        r = self.router
+        if isinstance(msg, Submit):
+            self._submit(identity, msg)
+        elif isinstance(msg, FirstToken):
+            r.first_token(msg.request_id, msg.t)
+        elif isinstance(msg, Finish):
+            task = self._submitting.pop(msg.request_id, None)
+            if task is not None:
+                task.cancel()  # the client left while the request was being placed: undo the placement
+            rs = r.inflight.get(msg.request_id)
+            if rs is not None and not msg.abort:
+                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, rs.placed_time or
+                                               rs.origin.arrival_time, msg.first_token_time, msg.finished_time,
+                                               msg.completion_tokens, rs.prefill_result, rs.local_prefill)
+            r.finish(msg.request_id, abort=msg.abort)
+        elif isinstance(msg, Migrate):
+            self._spawn(self._migrate(identity, msg))
+        elif isinstance(msg, Query):
+            if msg.what == "stats":
+                body = self.step_stats.since(msg.cursor, msg.limit)
+            elif msg.what == "metrics":
+                self._observe_gauges()
+                body = self.metrics.render()
+            else:
+                self._send(identity, Reply(msg.call_id, "invalid", f"unknown query {msg.what!r}"))
+                return
+            self._send(identity, Reply(msg.call_id, body=body))
+        elif isinstance(msg, Hello):
+            g = self.gateways.get(msg.gateway_id)
+            if g is None or g.identity != identity or g.pid != msg.pid:
+                self.gateways[msg.gateway_id] = GatewayInfo(msg.gateway_id, identity, msg.pid, msg.sink, now)
+                log.info("gateway %s (pid %d) connected, tokens at %s", msg.gateway_id, msg.pid, msg.sink)
+            else:
+                g.last_seen, g.up = now, True
+            self._send(identity, self.cluster_state())
+        elif isinstance(msg, Heartbeat):
+            g = self.gateways.get(msg.gateway_id)
+            if g is not None:
+                g.last_seen, g.open_streams, g.tasks, g.draining = now, msg.open_streams, msg.tasks, msg.draining
+                if not g.up:
+                    g.up = True
+                    self._send(identity, self.cluster_state())
+        elif isinstance(msg, Goodbye):
+            g = self.gateways.get(msg.gateway_id)
+            if g is not None:
+                self._gateway_gone(g, "said goodbye")
+
+    def _submit(self, identity: bytes, msg: Submit) -> None:
+        rid = msg.request.request_id
+
+        async def run():
+            try:
+                await self.router.submit(msg.request)
+                reply = Reply(msg.call_id)
+            except asyncio.CancelledError:
+                reply = Reply(msg.call_id, "internal", "cancelled: the client went away")
+            except Exception as e:  # noqa: BLE001 - every refusal goes back as a typed reply
+                reply = refusal(msg.call_id, e)
+            finally:
+                self._submitting.pop(rid, None)
+            self._send(identity, reply)
+        self._submitting[rid] = self._spawn(run())
+
+    async def _migrate(self, identity: bytes, msg: Migrate) -> None:
+        try:
+            end = await self.router.migrate(msg.request_id, msg.worker_request_id, msg.generated,
+                                            msg.emitted_chars, msg.error)
+        except Exception as e:  # noqa: BLE001
+            end = ("error", f"{msg.error}; migration failed: {e}")
+        delta = None if end is None else StreamDelta(msg.worker_request_id, (), "", end[0], end[1])
+        self._send(identity, Reply(msg.call_id, end=delta))
+
+    async def _collect_steps(self) -> None:
+        while True:
+            try:
+                batch = decode_step_records(await self._stats.recv(copy=False))
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM or self._stats.closed:
+                    return
+                continue
+            except Exception:  # noqa: BLE001
+                log.exception("dropping a malformed step record batch")
+                continue
+            for rec in batch.records:
+                self.step_stats.record_step(rec)
+                self.metrics.observe_step(rec)
+
+    async def _housekeeping(self) -> None:
+        """Pushes the cluster state on change (and every second regardless: a gateway that missed
+        one catches up), and retires gateways whose heartbeats stopped."""
+        last_full = 0.0
+        while True:
+            await asyncio.sleep(self.state_interval_s)
+            now = time.monotonic()
+            for g in list(self.gateways.values()):
+                if g.up and now - g.last_seen > self.gateway_timeout_s:
+                    self._gateway_gone(g, f"sent nothing for {self.gateway_timeout_s:g}s")
+            self._push_state(force=now - last_full > 1.0)
+            if now - last_full > 1.0:
+                last_full = now
+
+    def _gateway_gone(self, g: GatewayInfo, why: str) -> None:
+        """Its clients are gone with it: abort every request it held (their KV blocks come back)."""
+        g.up = False
+        held = [rs.request_id for rs in self.router.inflight.values() if rs.origin.reply_to == g.sink]
+        for rid in held:
+            task = self._submitting.pop(rid, None)
+            if task is not None:
+                task.cancel()
+            self.router.finish(rid, abort=True)
+        log.warning("gateway %s (pid %d) %s; aborted its %d requests", g.gateway_id, g.pid, why, len(held))
+
+    def _observe_gauges(self) -> None:
+        self.metrics.waiting.set(self.router.admission.num_waiting)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
