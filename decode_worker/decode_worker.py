@@ -92,7 +92,7 @@ class DecodeWorker:
         self._expected: set[str] = set()  # request ids a transfer may still land for
         self._outbox: list[TokenDelta] = []  # deltas from outside the loop (aborts), published next step
         self._step = 0
-        self._last_step_info = (0.0, 0, 0)
+        self._last_step_info = (0.0, 0, 0, -1)  # (step time, batch size, bucket, step) of the last finished step
         self._rng = random.Random(cfg.seed)
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{worker_id}", daemon=True)
@@ -230,8 +230,10 @@ class DecodeWorker:
                     deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
                 inflight = launched
                 if deltas:
-                    step_s, bs, bucket = self._last_step_info
-                    self.publisher.publish(TokenBatch(self.worker_id, self._step, tuple(deltas), step_s, bs, bucket))
+                    step_s, bs, bucket, step = self._last_step_info
+                    self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
+                    self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
+                                                      step_s, bs, bucket))
                 if inflight is None and not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -247,7 +249,8 @@ class DecodeWorker:
         with self._lock:
             deltas = self.scheduler.on_step_output(launched.batch, tokens)
         info = launched.handle.info
-        self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0)
+        self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0,
+                                launched.batch.step)
         self.metrics.record(StepRecord(
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
             padded_rows=info.bucket - info.batch_size, graph=info.graph, variant=info.variant,

@@ -1,13 +1,15 @@
 """Server-side truth: the decode workers' own step records, polled from the gateway while Locust runs.
 
-Primary source, `GET /stats`:
+Primary source, `GET /stats?cursor=C`:
 
     {"decode_steps": [{"worker_id": str, "t": unix_time_float, "batch_size": int, "bucket": int,
                        "padded_rows": int, "step_ms": float, "graph": bool}, ...],
-     "now": unix_time_float}
+     "requests": [...], "cursor": int, "missed": int, "now": unix_time_float}
 
-holding recent step records; polled every `interval_s` and de-duplicated on (worker_id, t), so the
-poll interval only has to be shorter than the window the gateway keeps. If `/stats` is missing, the
+the step records since cursor C (at most a bounded number per answer; the next poll asks from the
+returned `cursor`, so every record arrives exactly once). The router builds the answer in its own
+process, so a poll costs the gateway that forwards it a frame in and a frame out, not a pass over
+its records. `missed` counts records the server dropped before this poller got them. If `/stats` is missing, the
 fallback scrapes the Prometheus histograms `pdserve:decode_batch_size`, `pdserve:decode_step_seconds`
 and `pdserve:graph_padding_ratio` from `/metrics` and differences their `_sum`/`_count` over each
 step's steady window (means only: no bucket, no percentiles). With neither, the server columns of
@@ -75,11 +77,10 @@ class ServerStatsPoller:
     source: str | None = None  # "stats" | "metrics" | None (undecided or neither)
     records: list[StepRecord] = field(default_factory=list)
     snapshots: list[tuple[float, dict[str, tuple[float, float]]]] = field(default_factory=list)
-    gaps: int = 0  # polls whose oldest record was newer than the last one seen: records were lost
+    gaps: int = 0  # polls that found records dropped before this poller read them
 
     def __post_init__(self):
-        self._seen: set[tuple[str, float]] = set()
-        self._last_t: dict[str, float] = {}
+        self._cursor = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -103,8 +104,10 @@ class ServerStatsPoller:
 
     def _detect(self) -> str | None:
         try:
-            r = self._client.get("/stats")
-            if r.status_code == 200 and isinstance(r.json().get("decode_steps"), list):
+            r = self._client.get("/stats", params={"limit": 1})
+            body = r.json() if r.status_code == 200 else {}
+            if isinstance(body.get("decode_steps"), list) and isinstance(body.get("cursor"), int):
+                self._cursor = body["cursor"] - len(body["decode_steps"]) - len(body.get("requests", []))
                 return "stats"
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
@@ -125,28 +128,19 @@ class ServerStatsPoller:
 
     def poll_once(self) -> None:
         if self.source == "stats":
-            body = self._client.get("/stats").json()
-            new = [StepRecord.from_json(d) for d in body.get("decode_steps", [])]
-            self._add(new)
+            while True:  # a full answer means more are waiting
+                body = self._client.get("/stats", params={"cursor": self._cursor}).json()
+                self._cursor = body["cursor"]
+                self.gaps += body.get("missed", 0) > 0
+                self._add([StepRecord.from_json(d) for d in body.get("decode_steps", [])])
+                if not body.get("more"):
+                    break
         elif self.source == "metrics":
             text = self._client.get("/metrics").text
             with self._lock:
                 self.snapshots.append((time.time(), parse_histogram_totals(text)))
 
-    def _add(self, recs: list[StepRecord]) -> None:
-        fresh = []
-        oldest: dict[str, float] = {}
-        for r in recs:
-            oldest[r.worker_id] = min(oldest.get(r.worker_id, r.t), r.t)
-            key = (r.worker_id, r.t)
-            if key not in self._seen:
-                self._seen.add(key)
-                fresh.append(r)
-        for w, t in oldest.items():
-            if w in self._last_t and t > self._last_t[w]:
-                self.gaps += 1
-        for r in fresh:
-            self._last_t[r.worker_id] = max(self._last_t.get(r.worker_id, 0.0), r.t)
+    def _add(self, fresh: list[StepRecord]) -> None:
         with self._lock:
             self.records.extend(fresh)
         if fresh and self.raw_path is not None:

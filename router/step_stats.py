@@ -64,8 +64,9 @@ class StepStats:
         self._add("request", rec)
 
     def since(self, cursor: int = 0, limit: int = DEFAULT_LIMIT) -> bytes:
-        """JSON {"now", "cursor" (ask from here next), "missed" (records dropped before the reader got
-        them), "decode_steps": [...], "requests": [...]} with at most `limit` records from `cursor`."""
+        """JSON {"now", "cursor" (ask from here next), "more" (records after those already wait),
+        "missed" (records dropped before the reader got them), "decode_steps": [...], "requests": [...]}
+        with at most `limit` records from `cursor`."""
         limit = max(1, min(limit or DEFAULT_LIMIT, MAX_LIMIT))
         oldest = self._log[0][0] if self._log else self._next
         cursor = max(0, min(cursor, self._next))
@@ -81,5 +82,5 @@ class StepStats:
         steps, requests = [], []
         for kind, rec in reversed(picked):
             (steps if kind == "step" else requests).append(rec)
-        return self._encode({"now": time.time(), "cursor": end, "missed": missed,
+        return self._encode({"now": time.time(), "cursor": end, "more": end < self._next, "missed": missed,
                              "decode_steps": steps, "requests": requests})

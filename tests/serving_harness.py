@@ -14,7 +14,7 @@ MODEL = "pdserve-demo"
 
 # Small, fast CPU settings; a test overrides what it exercises.
 CPU_DEFAULTS = dict(served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num_seqs=32, use_cuda_graph=False,
-                    stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120)
+                    stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120, api_servers=1)
 
 
 def init_ray(num_cpus: int = 8) -> bool:

@@ -172,6 +172,8 @@ def main() -> int:
     except PdserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # SIGINT: uvicorn stopped, then re-raised it
+        pass
     return 0
 
 

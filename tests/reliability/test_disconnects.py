@@ -17,12 +17,12 @@ REQUESTS = 48
 CONCURRENCY = 12
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+@pytest.fixture(scope="module", params=[1, 2], ids=["api1", "api2"])
+def cluster(ray_module, demo_model_dir, request):
     # One prefill worker (KV over the real gloo transport) and two decode workers; short prompts are
-    # prefilled on the decode worker, so both paths see disconnects.
+    # prefilled on the decode worker, so both paths see disconnects; one API server, then two.
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
-                       cpu_num_blocks=128)
+                       cpu_num_blocks=128, api_servers=request.param)
     sc.listeners_before_traffic = _worker_listeners()  # Ray's own; gloo pairs form at the first transfer
     yield sc
     sc.shutdown()

@@ -1,6 +1,7 @@
-"""Graceful drain of `pdserve serve` (a subprocess with its own Ray, as a user runs it): SIGTERM turns
-/ready false and answers new requests with 503 at once, lets in-flight requests finish, ends those
-that outlive `--drain-timeout-s` with a clear error event, and then exits 0."""
+"""Graceful drain of `pdserve serve` (a subprocess with its own Ray, as a user runs it), with one and
+with two API-server processes: SIGTERM to the launcher turns /ready false and answers new requests
+with 503 at once (on every API server), lets in-flight requests finish, ends those that outlive
+`--drain-timeout-s` with a clear error event, and then exits 0 with every process gone."""
 
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ def _stream(url: str, body: dict, out: dict) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_drains_then_exits(demo_model_dir):
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
     pytest.importorskip("decode_worker.actor")
     env = dict(os.environ, RAY_ADDRESS="")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
          "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
-         "--served-model-name", "demo", "--drain-timeout-s", str(DRAIN_S)],
+         "--served-model-name", "demo", "--drain-timeout-s", str(DRAIN_S), "--api-servers", str(api_servers)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out_lines: list[str] = []
     try:
@@ -71,6 +73,10 @@ def test_sigterm_drains_then_exits(demo_model_dir):
             time.sleep(0.01)
         time.sleep(0.1)  # both are streaming
 
+        import psutil
+
+        api = [c for c in psutil.Process(proc.pid).children() if "cluster.app.api_server" in " ".join(c.cmdline())]
+        assert len(api) == api_servers
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -93,6 +99,7 @@ def test_sigterm_drains_then_exits(demo_model_dir):
               f"{len(long_['events'])} events before the drain timeout")
         assert proc.returncode == 0, "".join(out_lines)
         assert "pdserve: stopped" in "".join(out_lines)
+        assert not [c for c in api if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,8 +1,9 @@
 """Fixtures of the router/gateway tests: one Ray session, clusters built by the real launcher.
 
-End-to-end clusters run real Ray actors, the real router and gateway under uvicorn on 127.0.0.1, and
-are reached over real HTTP. `fake_cluster` uses the worker doubles of router_fakes.py (1 prefill +
-2 decode, disaggregated path); `real_decode_cluster` uses the real DecodeWorkerActor with every
+End-to-end clusters run real Ray actors, the real router and the API-server processes under uvicorn
+on 127.0.0.1, and are reached over real HTTP. `fake_cluster` uses the worker doubles of
+router_fakes.py (1 prefill + 2 decode, disaggregated path), once with one API server and once with
+two sharing the port (each with its own token stream); `real_decode_cluster` uses the real DecodeWorkerActor with every
 prompt prefilled on it (prefill_workers=0), which needs no KV transport.
 """
 
@@ -37,9 +38,9 @@ def start_cluster(demo_model_dir, fakes: bool, real_prefill: bool = False, **ove
     return serving_harness.start_cluster(demo_model_dir, **overrides)
 
 
-@pytest.fixture(scope="session")
-def fake_cluster(ray_session, demo_model_dir):
-    sc = start_cluster(demo_model_dir, fakes=True, prefill_workers=1, decode_workers=2)
+@pytest.fixture(scope="session", params=[1, 2], ids=["api1", "api2"])
+def fake_cluster(ray_session, demo_model_dir, request):
+    sc = start_cluster(demo_model_dir, fakes=True, prefill_workers=1, decode_workers=2, api_servers=request.param)
     yield sc
     sc.shutdown()
 

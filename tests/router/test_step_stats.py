@@ -1,0 +1,51 @@
+"""StepStats, what `GET /stats` answers from: incremental by cursor, bounded per answer and in all."""
+
+from __future__ import annotations
+
+import json
+
+from cluster.stream_messages import DecodeStepRecord
+from router.step_stats import MAX_LIMIT, StepStats
+
+
+def _step(i: int, bs: int = 4) -> DecodeStepRecord:
+    return DecodeStepRecord("decode-0", i, 1000.0 + i, bs, 8, 0.002)
+
+
+def test_cursor_returns_each_record_once_in_order():
+    st = StepStats()
+    for i in range(10):
+        st.record_step(_step(i))
+    st.record_step(_step(99, bs=0))  # an idle step is no decode work: not recorded
+    st.record_request("r", 1.0, 1.1, 1.2, 2.0, 5, None, True)
+    seen, cursor = [], 0
+    while True:
+        body = json.loads(st.since(cursor, 3))
+        seen += [s["step"] for s in body["decode_steps"]] + [r["request_id"] for r in body["requests"]]
+        assert len(body["decode_steps"]) + len(body["requests"]) <= 3 and body["missed"] == 0
+        cursor = body["cursor"]
+        if not body["more"]:
+            break
+    assert seen == list(range(10)) + ["r"] and cursor == st.cursor == 11
+    s = json.loads(st.since(0, 1))["decode_steps"][0]
+    assert s == {"worker_id": "decode-0", "t": 1000.0, "step": 0, "batch_size": 4, "bucket": 8, "padded_rows": 4,
+                 "step_ms": 2.0, "graph": True}
+
+
+def test_bounded_log_reports_what_a_slow_reader_missed():
+    st = StepStats(max_records=100)
+    for i in range(250):
+        st.record_step(_step(i))
+    body = json.loads(st.since(0, 10))
+    assert body["missed"] == 150 and [s["step"] for s in body["decode_steps"]] == list(range(150, 160))
+    body = json.loads(st.since(240, 0))  # 0: the default limit
+    assert body["missed"] == 0 and len(body["decode_steps"]) == 10 and not body["more"]
+    assert json.loads(st.since(10**9))["cursor"] == 250  # a cursor from the future is clamped
+
+
+def test_answers_are_bounded_in_size():
+    st = StepStats(max_records=50_000)
+    for i in range(30_000):
+        st.record_step(_step(i))
+    body = json.loads(st.since(0, 10**9))
+    assert len(body["decode_steps"]) == MAX_LIMIT and body["more"] and body["cursor"] == MAX_LIMIT
