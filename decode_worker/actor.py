@@ -7,6 +7,8 @@ tokens go to the gateway each request names (`GenerateRequest.reply_to`), step r
 
 from __future__ import annotations
 
+import sys
+
 from cluster.messages import GenerateRequest, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
@@ -14,6 +16,11 @@ from decode_worker.decode_worker import DecodeWorker
 
 class DecodeWorkerActor:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None):
+        # NOTE: the token publisher's thread detokenizes (Python around Rust) while the decode loop's
+        # thread prepares the next step; with the default 5 ms GIL switch interval the loop could
+        # wait that long for the GIL behind a busy publisher, past a whole decode step. This process
+        # is the actor's own, so the setting touches nothing else.
+        sys.setswitchinterval(0.0005)
         self.worker = DecodeWorker(worker_id, cfg, stats_sink)
 
     def ready(self) -> bool:

@@ -120,7 +120,8 @@ class ClusterConfig(BaseModel):
     max_body_bytes: int = Field(4 << 20, ge=1024)
     """Largest accepted HTTP request body."""
     token_stream_host: str | None = None
-    """Address the decode workers push tokens to (default: 127.0.0.1 locally, this node's IP in a cluster)."""
+    """Address the decode workers push to: every API server's token sink and the router's step-record
+    sink bind it (default: 127.0.0.1 locally, this node's IP in a cluster)."""
     kv_store_port: int = Field(0, ge=0, le=65535)
     """Port of the KV transfer group's rendezvous store, on the driver's internal address (0: any free
     port). Fix it to open it between nodes in a firewall."""

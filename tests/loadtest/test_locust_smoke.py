@@ -3,7 +3,7 @@ their numbers checked.
 
 `FakeDecodeServer` is a small OpenAI-compatible streaming server with a decode loop of its own: every
 step takes `base_ms + per_row_ms * batch` and emits one token to every active stream, and `/stats`
-serves its step records in the gateway's format. Against it the expected ITL is known, so the test
+serves its step records through the router's own `StepStats` (the same cursor format). Against it the expected ITL is known, so the test
 checks the tooling's numbers, not a model's. A second test runs against the real `pdserve serve`.
 """
 
@@ -17,13 +17,15 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster.stream_messages import DecodeStepRecord
+from router.step_stats import StepStats
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +42,8 @@ class FakeDecodeServer:
         self.base_ms, self.per_row_ms, self.prefill_ms, self.stall_after = base_ms, per_row_ms, prefill_ms, stall_after
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.records: deque[dict] = deque(maxlen=4096)
+        self.records = StepStats(max_records=4096)
+        self._steps = 0
         self.active: dict[str, asyncio.Queue] = {}
         app = FastAPI()
 
@@ -57,8 +60,8 @@ class FakeDecodeServer:
             return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
         @app.get("/stats")
-        async def stats():
-            return JSONResponse({"decode_steps": list(self.records), "now": time.time()})
+        async def stats(cursor: int = 0, limit: int = 0):
+            return Response(self.records.since(cursor, limit), media_type="application/json")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -76,8 +79,8 @@ class FakeDecodeServer:
             if not n:
                 continue
             bucket = 1 << (n - 1).bit_length()
-            self.records.append({"worker_id": "decode-0", "t": time.time(), "batch_size": n, "bucket": bucket,
-                                 "padded_rows": bucket - n, "step_ms": step_ms, "graph": True})
+            self._steps += 1
+            self.records.record_step(DecodeStepRecord("decode-0", self._steps, time.time(), n, bucket, step_ms / 1000))
             for q in list(self.active.values()):
                 q.put_nowait(None)
 
