@@ -2,7 +2,8 @@
 
     python -m loadtest.compare_aiperf OUT_DIR
 
-reads OUT_DIR/locust-c<N>/summary.json (loadtest.run) and OUT_DIR/aiperf-c<N>/**/profile_export_aiperf.json
+reads OUT_DIR/locust-c<N>/summary.json (loadtest.run) and aiperf's profile_export_aiperf.json under
+OUT_DIR/aiperf-c<N>/ (its profiling phase's, without warm-up, where it writes one)
 for every concurrency N that has both, writes OUT_DIR/aiperf_vs_locust.json and prints a table.
 
 The two tools name different things ITL (loadtest/README.md, "Locust and aiperf"):
@@ -54,14 +55,17 @@ def _ms(m: dict | None, stat: str = "p50") -> float | None:
 
 def compare(out: Path) -> list[dict]:
     rows = []
-    for locust_dir in sorted(out.glob("locust-c*"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
-        c = int(locust_dir.name.split("-c")[1])
+    dirs = [p for p in out.glob("locust-c*") if p.is_dir() and re.fullmatch(r"locust-c\d+", p.name)]
+    for locust_dir in sorted(dirs, key=lambda p: int(p.name[len("locust-c"):])):
+        c = int(locust_dir.name[len("locust-c"):])
         summary = locust_dir / "summary.json"
-        exports = sorted((out / f"aiperf-c{c}").rglob("profile_export_aiperf.json"))
+        # aiperf >= 0.13 also writes each phase apart: the profiling phase excludes its warm-up requests.
+        exports = sorted((out / f"aiperf-c{c}").rglob("profile_export_aiperf.json"),
+                         key=lambda f: ("profiling" not in f.parts, len(f.parts)))
         if not summary.is_file() or not exports:
             continue
         lrow = json.loads(summary.read_text())["rows"][0]
-        metrics = _aiperf_metrics(json.loads(exports[-1].read_text()))
+        metrics = _aiperf_metrics(json.loads(exports[0].read_text()))
         row = {"concurrency": c, "server_step_ms": lrow.get("server_step_ms"),
                "server_batch_size": lrow.get("server_batch_size")}
         for name, lkey, tag in PAIRS:

@@ -46,7 +46,8 @@ if [ ! -x "$AIPERF_VENV/bin/aiperf" ]; then
   python3 -m venv "$AIPERF_VENV"
   "$AIPERF_VENV/bin/pip" install -q --no-index --find-links "$AIPERF_WHEELS" aiperf
 fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# NOTE: not HF_HUB_OFFLINE=1: aiperf 0.13 then resolves even a local --tokenizer directory as a hub
+# repo id and fails; a local directory loads without the network anyway.
 
 # -- the server ------------------------------------------------------------------------------------
 if [ ! -f "$MODEL_DIR/config.json" ]; then
@@ -74,11 +75,9 @@ for C in ${CONCURRENCY//,/ }; do
     --prompt-tokens "$PROMPT_TOKENS" --output-tokens "$OUTPUT_TOKENS" --processes "$PROCESSES" \
     --stats-interval 0.25 --out "$OUT/locust-c$C" > "$OUT/locust-c$C.log" 2>&1 || true
   tail -3 "$OUT/locust-c$C.log"
-  # About DURATION seconds of requests at this concurrency (a request lasts ~OUTPUT_TOKENS steps).
-  REQUESTS=$(python -c "import math; print(max(2 * $C, math.ceil($C * $DURATION / ($OUTPUT_TOKENS * ${STEP_MS_GUESS:-0.003}))))")
   "$AIPERF_VENV/bin/aiperf" profile --model "$MODEL" --tokenizer "$MODEL_DIR" --url "$URL" \
-    --endpoint-type completions --streaming --concurrency "$C" --request-count "$REQUESTS" \
-    --warmup-request-count "$C" \
+    --endpoint-type completions --streaming --concurrency "$C" --benchmark-duration "$DURATION" \
+    --warmup-request-count "$C" --use-server-token-count --ui-type none \
     --synthetic-input-tokens-mean "$PROMPT_TOKENS" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "$OUTPUT_TOKENS" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
     --artifact-dir "$OUT/aiperf-c$C" > "$OUT/aiperf-c$C.log" 2>&1 || tail -20 "$OUT/aiperf-c$C.log"

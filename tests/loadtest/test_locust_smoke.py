@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from cluster.stream_messages import DecodeStepRecord
 from router.step_stats import StepStats
