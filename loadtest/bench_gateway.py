@@ -36,6 +36,8 @@ import time
 from array import array
 from pathlib import Path
 
+from loadtest.report import percentile
+
 MODEL = "bench"
 SENTENCE = ("The sea was calm that morning, and the old ship moved slowly past the lighthouse; "
             "its crew watched the gulls, counted the waves (128, 256, 512) and sang about é, ü and 漢字. ")
@@ -194,14 +196,6 @@ def client_main(host: str, port: int, users: int, body: bytes, t_start: float, t
 
 
 # -- one measurement --------------------------------------------------------------------------------
-def _percentile(xs, q: float) -> float:
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     from cluster.app.api_server import APIServerPool
     from router.admission import AdmissionController, AdmissionLimits
@@ -245,7 +239,7 @@ def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     t = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     t.start()
     try:
-        if not ready.wait(120):
+        if not ready.wait(300):  # K processes import FastAPI and transformers at once
             raise RuntimeError("the API servers did not come up")
         body = json.dumps({"model": MODEL, "prompt": [10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": args.max_tokens,
                            "stream": True, "ignore_eos": True, "temperature": 0}).encode()
@@ -278,8 +272,8 @@ def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
             with open(out + ".gaps", "rb") as f:
                 gaps.frombytes(f.read())
         row = {"api_servers": k, "events_per_s": round(events / args.duration, 1),
-               "itl_p50_ms": round(_percentile(gaps, 50) * 1e3, 3) if gaps else None,
-               "itl_p99_ms": round(_percentile(gaps, 99) * 1e3, 3) if gaps else None,
+               "itl_p50_ms": round(percentile(gaps, 50) * 1e3, 3) if gaps else None,
+               "itl_p99_ms": round(percentile(gaps, 99) * 1e3, 3) if gaps else None,
                "itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 3) if gaps else None,
                "tokens_per_s": round(requests * args.max_tokens / args.duration, 1),
                "offered_tokens_per_s": round(args.streams * 1e3 / args.step_ms, 1),
@@ -287,7 +281,7 @@ def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
                "stats_polling": poll_stats}
         if poll_stats:
             row["stats_polls"] = len(polls)
-            row["stats_poll_ms_p50"] = round(_percentile(polls, 50) * 1e3, 2) if polls else None
+            row["stats_poll_ms_p50"] = round(percentile(polls, 50) * 1e3, 2) if polls else None
         return row
     finally:
         loop.call_soon_threadsafe(stop.set)
@@ -336,6 +330,7 @@ def main(argv=None) -> int:
         from cluster.model.demo import ensure_demo_model
 
         args.model = str(ensure_demo_model())
+    load_before = os.getloadavg()[0]
     rows = []
     for k in ks:
         a = argparse.Namespace(**vars(args))
@@ -361,6 +356,8 @@ def main(argv=None) -> int:
         scaling = round(rows[-1]["events_per_s"] / rows[0]["events_per_s"], 3)
     result = {"config": {"streams": args.streams, "step_ms": args.step_ms, "max_tokens": args.max_tokens,
                          "duration_s": args.duration, "warmup_s": args.warmup, "cpus": cpus,
+                         # Other processes on the machine take cores from the ones measured here.
+                         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                          "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
               "rows": rows, "events_per_s_scaling_first_to_last_k": scaling, "stats_polling": polled}
     out = Path(args.out)
