@@ -1,0 +1,140 @@
+"""Sampling from logits in one Triton kernel: greedy, temperature, top-k and top-p, seeded per row.
+
+Must equal `cluster.kernels.reference.sample` (same hash, same kept set, same Gumbel-max draw); the
+two agree token for token except where float rounding decides a near tie.
+
+One program per row, reading the row's logits in tiles (any float dtype, converted in registers):
+- greedy rows: one pass, argmax (first index among equal maxima);
+- sampled rows: one pass computing argmax(logits / T + Gumbel noise), the noise hashed from (seed,
+  position, token id) on the fly (no [B, V] noise tensor), plus the row's max and softmax denominator;
+- rows with top-k/top-p, without a sort: the kept set is a prefix of the tokens ranked by (logit
+  descending, id ascending), and the answer is the Gumbel winner within it. While the current winner
+  w is outside the kept set (top_k or more tokens, or top_p of the mass, rank before it), nothing
+  ranked at or after w is kept either, so the search narrows to the tokens ranked before w: one pass
+  counts them and sums their mass (the test for w) and finds their own Gumbel winner (the next
+  candidate). The first candidate is accepted with probability >= top_p, so a row typically needs
+  two or three passes; the loop ends at the latest when the candidate is the top token.
+
+Everything is per row, with a fixed tiling: a row samples the same token in any batch. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cluster.kernels.reference import GOLDEN32, MIX_MUL1, MIX_MUL2, POSITION_MUL
+
+BLOCK = 2048
+_GOLDEN: tl.constexpr = GOLDEN32
+_POS_MUL: tl.constexpr = POSITION_MUL
+_MUL1: tl.constexpr = MIX_MUL1
+_MUL2: tl.constexpr = MIX_MUL2
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * _MUL1
+    x = x ^ (x >> 15)
+    x = x * _MUL2
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel(key, offs):
+    h = _mix32(key + offs.to(tl.uint32) * _GOLDEN)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _sample_kernel(
+    Logits, stride_row, Temp, TopK, TopP, Seeds, Pos, Out, V,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    base = Logits + row.to(tl.int64) * stride_row
+    lanes = tl.arange(0, BLOCK)
+    temp = tl.load(Temp + row)
+    if temp == 0.0:
+        best = float("-inf")
+        w = 0
+        for start in range(0, V, BLOCK):
+            offs = start + lanes
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            bm, bi = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = bm > best
+            w = tl.where(take, start + bi, w)
+            best = tl.where(take, bm, best)
+        tl.store(Out + row, w.to(tl.int64))
+    else:
+        seed = tl.load(Seeds + row).to(tl.int64)
+        pos = tl.load(Pos + row).to(tl.int64)
+        key = _mix32((seed >> 32).to(tl.uint32) ^ _GOLDEN)
+        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _mix32(key + (pos & 0xFFFFFFFF).to(tl.uint32) * _POS_MUL)
+        top_k = tl.load(TopK + row).to(tl.int32)
+        top_p = tl.load(TopP + row)
+        # Pass 1: the Gumbel winner over the whole vocabulary, and the row's max and denominator.
+        best = float("-inf")
+        w = 0
+        m = float("-inf")
+        z = 0.0
+        for start in range(0, V, BLOCK):
+            offs = start + lanes
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+            s = x + _gumbel(key, offs)
+            bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = bm > best
+            w = tl.where(take, start + bi, w)
+            best = tl.where(take, bm, best)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            z = z * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+        limit = tl.where(top_k > 0, top_k, V + 1)
+        mass_limit = top_p * z
+        searching = (limit < V) | (top_p < 1.0)
+        # Narrow to the tokens ranked before the candidate until the candidate is kept.
+        while searching:
+            xw = tl.load(base + w).to(tl.float32) / temp  # the same op as in the tiles: bit-identical
+            count = 0
+            mass = 0.0
+            best = float("-inf")
+            nxt = w
+            for start in range(0, V, BLOCK):
+                offs = start + lanes
+                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+                before = (x > xw) | ((x == xw) & (offs < w))
+                count += tl.sum(before.to(tl.int32), 0)
+                mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
+                s = tl.where(before, x + _gumbel(key, offs), float("-inf"))
+                bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
+                take = bm > best
+                nxt = tl.where(take, start + bi, nxt)
+                best = tl.where(take, bm, best)
+            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
+            w = tl.where(kept, w, nxt)
+            searching = kept == 0
+        tl.store(Out + row, w.to(tl.int64))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same arguments and result as the reference (less its `filtered` hint: the kernel decides per row)."""
+    b, vocab = logits.shape
+    assert logits.stride(1) == 1
+    assert temperature.dtype == top_p.dtype == torch.float32 and seeds.dtype == torch.int64
+    out = torch.empty(b, dtype=torch.int64, device=logits.device) if out is None else out
+    if b:
+        _sample_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, positions, out, vocab,
+                             BLOCK=BLOCK, num_warps=8)
+    return out
