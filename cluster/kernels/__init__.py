@@ -1,7 +1,7 @@
 """The forward pass's fused kernels and the sampler: Triton on CUDA, their torch references elsewhere.
 
 One file per kernel (`rmsnorm`, `rotary_kv`, `silu_mul`, `prefill_attention`, `sampling`,
-`decode_inputs`): the Triton kernel, its launcher, and a docstring naming its reference in
+`decode_step_inputs`): the Triton kernel, its launcher, and a docstring naming its reference in
 `reference.py`. The functions below pick one per call: the kernel for CUDA tensors, the reference
 otherwise (CPU, and machines without triton). Tests force either with `use_kernels(True/False)`; on
 CPU the kernels then run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
@@ -51,11 +51,11 @@ def use_kernels(on: bool):
 
 @functools.cache
 def _k() -> SimpleNamespace:
-    from cluster.kernels import decode_inputs, rmsnorm, rotary_kv, sampling, silu_mul
+    from cluster.kernels import decode_step_inputs, rmsnorm, rotary_kv, sampling, silu_mul
 
     return SimpleNamespace(rms_norm=rmsnorm.rms_norm, fused_add_rms_norm=rmsnorm.fused_add_rms_norm,
                            rotary_store_kv=rotary_kv.rotary_store_kv, silu_and_mul=silu_mul.silu_and_mul,
-                           sample=sampling.sample, decode_inputs=decode_inputs.decode_inputs)
+                           sample=sampling.sample, decode_inputs=decode_step_inputs.decode_inputs)
 
 
 def rms_norm(x, weight, eps):
@@ -77,12 +77,13 @@ def silu_and_mul(gate_up):
     return (_k().silu_and_mul if enabled(gate_up) else reference.silu_and_mul)(gate_up)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool | None = None):
-    """See reference.sample. `filtered` is a hint for the reference (skip the sort); the kernel decides
-    per row and never syncs."""
+def sample(logits, temperature, top_k, top_p, seeds, positions, filtered: bool | None = None, out=None):
+    """See reference.sample; the tokens go to `out` if given. `filtered` is a hint for the reference
+    (skip the sort); the kernel decides per row and never syncs."""
     if enabled(logits):
-        return _k().sample(logits, temperature, top_k, top_p, seeds, positions)
-    return reference.sample(logits, temperature, top_k, top_p, seeds, positions, filtered)
+        return _k().sample(logits, temperature, top_k, top_p, seeds, positions, out=out)
+    tokens = reference.sample(logits, temperature, top_k, top_p, seeds, positions, filtered)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def decode_inputs(packed, rows, out_tokens, ids, positions, slots, context_lens, next_positions, tables, block_size):

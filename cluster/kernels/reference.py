@@ -160,7 +160,7 @@ def sample(
 def decode_inputs(packed, rows, out_tokens, ids, positions, slots, context_lens, next_positions, tables,
                   block_size) -> None:
     """Fills the step's input buffers from `packed` (laid out by DecodeStepLayout(rows)); see
-    cluster/kernels/decode_inputs.py. Reads the width on the host: CPU only."""
+    cluster/kernels/decode_step_inputs.py. Reads the width on the host: CPU only."""
     lay = DecodeStepLayout(rows)
     width = int(packed[lay.width])
     prev = packed[lay.prev_row : lay.prev_row + rows].long()

@@ -19,58 +19,41 @@ import triton.language as tl
 
 
 @triton.jit
-def _rnd(x, DTYPE: tl.constexpr):
-    """Round a float32 value to the activation dtype and back (identity for float32)."""
-    return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _rotate(x1, x2, c, s, DTYPE: tl.constexpr):
-    o1 = _rnd(_rnd(x1 * c, DTYPE) - _rnd(x2 * s, DTYPE), DTYPE)
-    o2 = _rnd(_rnd(x2 * c, DTYPE) + _rnd(x1 * s, DTYPE), DTYPE)
-    return o1, o2
-
-
-@triton.jit
 def _rotary_kv_kernel(
     QKV, Pos, CosSin, KC, VC, Slots,
     stride_t, stride_cs, stride_slot,
-    H: tl.constexpr, KH: tl.constexpr, HP: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, KH: tl.constexpr, QKP: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
-    DTYPE: tl.constexpr = QKV.dtype.element_ty
+    DT: tl.constexpr = QKV.dtype.element_ty  # round to it where torch rounds (a no-op in float32)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
-    d = tl.arange(0, HALF)
-    c = tl.load(CosSin + pos * stride_cs + d).to(tl.float32)[None, :]
-    s = tl.load(CosSin + pos * stride_cs + HALF + d).to(tl.float32)[None, :]
+    d = tl.arange(0, HALF)[None, :]
+    c = tl.load(CosSin + pos * stride_cs + d).to(tl.float32)
+    s = tl.load(CosSin + pos * stride_cs + HALF + d).to(tl.float32)
     row = QKV + t * stride_t
 
-    hq = tl.arange(0, HP)[:, None]
-    mq = hq < H
-    q_ptr = row + hq * D + d[None, :]
-    q1 = tl.load(q_ptr, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + HALF, mask=mq, other=0.0).to(tl.float32)
-    q1, q2 = _rotate(q1, q2, c, s, DTYPE)
-    tl.store(q_ptr, q1.to(DTYPE), mask=mq)
-    tl.store(q_ptr + HALF, q2.to(DTYPE), mask=mq)
+    # q heads then k heads are adjacent in the row: rotate them as one [H + KH, D] tile.
+    h = tl.arange(0, QKP)[:, None]
+    ok = h < H + KH
+    ptr = row + h * D + d
+    x1 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them.
+    o1 = ((x1 * c).to(DT).to(tl.float32) - (x2 * s).to(DT).to(tl.float32)).to(DT)
+    o2 = ((x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)).to(DT)
+    tl.store(ptr, o1, mask=ok)
+    tl.store(ptr + HALF, o2, mask=ok)
+    is_k = ok & (h >= H)
+    kc = KC + slot * stride_slot + (h - H) * D + d
+    tl.store(kc, o1.to(KC.dtype.element_ty), mask=is_k)
+    tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=is_k)
 
-    hk = tl.arange(0, KP)[:, None]
-    mk = hk < KH
-    k_ptr = row + H * D + hk * D + d[None, :]
-    k1 = tl.load(k_ptr, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + HALF, mask=mk, other=0.0).to(tl.float32)
-    k1, k2 = _rotate(k1, k2, c, s, DTYPE)
-    tl.store(k_ptr, k1.to(DTYPE), mask=mk)
-    tl.store(k_ptr + HALF, k2.to(DTYPE), mask=mk)
-    kc_ptr = KC + slot * stride_slot + hk * D + d[None, :]
-    tl.store(kc_ptr, k1.to(KC.dtype.element_ty), mask=mk)
-    tl.store(kc_ptr + HALF, k2.to(KC.dtype.element_ty), mask=mk)
-
+    hv = tl.arange(0, KP)[:, None]
     dv = tl.arange(0, D)[None, :]
-    v = tl.load(row + (H + KH) * D + hk * D + dv, mask=mk, other=0.0)
-    tl.store(VC + slot * stride_slot + hk * D + dv, v.to(VC.dtype.element_ty), mask=mk)
+    v = tl.load(row + (H + KH) * D + hv * D + dv, mask=hv < KH, other=0.0)
+    tl.store(VC + slot * stride_slot + hv * D + dv, v.to(VC.dtype.element_ty), mask=hv < KH)
 
 
 def rotary_store_kv(
@@ -98,7 +81,7 @@ def rotary_store_kv(
         _rotary_kv_kernel[(t,)](
             qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(1),
-            H=num_heads, KH=num_kv_heads, HP=triton.next_power_of_2(num_heads),
+            H=num_heads, KH=num_kv_heads, QKP=triton.next_power_of_2(num_heads + num_kv_heads),
             KP=triton.next_power_of_2(num_kv_heads), D=head_dim, num_warps=4,
         )
     q = qkv[:, :q_size].view(t, num_heads, head_dim)

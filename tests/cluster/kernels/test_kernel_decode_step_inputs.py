@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton")
 
 from cluster.kernels import reference  # noqa: E402
-from cluster.kernels.decode_inputs import decode_inputs  # noqa: E402
+from cluster.kernels.decode_step_inputs import decode_inputs  # noqa: E402
 from cluster.kernels.step_layout import DecodeStepLayout  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
