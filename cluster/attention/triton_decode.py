@@ -183,7 +183,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         if not meta.is_prefill or not kernels.enabled(meta.block_tables):
             return meta
-        return dataclasses.replace(meta, prefill_plan=plan_tiles(meta.query_lens, meta.block_tables.device))
+        return dataclasses.replace(meta, prefill_plan=plan_tiles(meta.query_lens, meta.context_lens_host,
+                                                                   meta.block_tables.device))
 
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
         if not meta.is_prefill:

@@ -9,9 +9,9 @@ length: earlier chunks of a long prompt, a cached prefix, and the new tokens the
 written to the cache by the rotary/KV kernel before attention runs). So one kernel serves fresh
 prompts, later chunks and prefix-cache hits alike.
 
-Work is split into (query tile of BLOCK_M tokens of one sequence, query head) programs. The tile list
+Work is split into (query head, query tile of BLOCK_M tokens of one sequence) programs. The tile list
 comes from `plan_tiles`, built once per forward on the host from lengths it already knows (numpy, no
-per-sequence Python loop, no device sync) and shared by every layer. Within a tile the key range is
+per-sequence Python loop, no device sync) and shared by every layer; longest tiles first. Within a tile the key range is
 walked in three parts: tiles partly cut by the sliding window (masked), tiles every query sees whole
 (no mask), and the causal diagonal (masked).
 """
@@ -27,18 +27,23 @@ BLOCK_M = 128  # query tokens per program; plan_tiles splits sequences at this g
 _LOG2E = 1.4426950408889634
 
 
-def plan_tiles(query_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_tiles(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_query_lens [S + 1] and the tile list [2, num_tiles] (sequence, first query index), int32, in
-    one host-to-device copy."""
+    one host-to-device copy. Tiles are ordered by the keys they attend to, most first, so that the
+    longest programs start first and short ones fill the tail of the launch."""
     q = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
     cu = np.zeros(len(q) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
     tiles = -(-q // BLOCK_M)
     seq = np.repeat(np.arange(len(q)), tiles)
     first_tile = np.cumsum(tiles) - tiles
     start = (np.arange(len(seq)) - np.repeat(first_tile, tiles)) * BLOCK_M
-    packed = torch.from_numpy(np.concatenate([cu, seq, start]).astype(np.int32)).to(device, non_blocking=True)
-    return packed[: len(cu)], packed[len(cu) :].view(2, len(seq))
+    keys = (ctx - q)[seq] + np.minimum(start + BLOCK_M, q[seq])  # the causal span each tile reads
+    order = np.argsort(-keys, kind="stable")
+    packed = np.concatenate([cu, seq[order], start[order]]).astype(np.int32)
+    dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    return dev[: len(cu)], dev[len(cu) :].view(2, len(seq))
 
 
 @triton.jit
@@ -95,8 +100,8 @@ def _prefill_attention_kernel(
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)  # heads of one tile run side by side: GQA groups share K/V tiles in L2
+    tile = tl.program_id(1)
     kv_head = head // G
     seq = tl.load(Tiles + tile)
     q_first = tl.load(Tiles + num_tiles + tile)
@@ -170,7 +175,7 @@ def prefill_attention(
     if num_tiles == 0:
         return out
     block_n = 64 if head_dim <= 128 else 32
-    _prefill_attention_kernel[(num_tiles, num_heads)](
+    _prefill_attention_kernel[(num_heads, num_tiles)](
         q, k_cache, v_cache, out, block_tables, cu_query_lens, context_lens, tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_tiles,

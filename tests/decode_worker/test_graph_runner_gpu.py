@@ -97,3 +97,61 @@ def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch
     ref = engine.generate(ps, params)
     for i, r in enumerate(ref):
         assert tokens[f"r{i}"] == list(r.token_ids)
+
+
+def test_a_decode_layer_is_at_most_12_kernels(demo_model_dir):
+    """Counted in the captured graph itself: every node of one step, less the per-step ones (input
+    unpacking, embedding, final norm, LM head, sampler), over the layers."""
+    model = load_model(demo_model_dir, dtype="bfloat16", device="cuda", attention_backend="triton")
+    spec = KVCacheSpec.for_model(model.cfg, 16, 256, torch.bfloat16)
+    runner = ModelRunner(model, spec, "cuda")
+    graphs = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=64, max_blocks_per_seq=16,
+                                 buckets=(1, 64), keep_graphs=True)
+    graphs.capture(progress=False)
+    for b in (1, 64):
+        nodes = graphs.kernels_per_step(b)
+        per_layer = (nodes["kernel"] - 6) / model.cfg.num_layers
+        print(f"bucket {b}: {nodes}, {per_layer:.1f} kernels per layer")
+        assert per_layer <= 12, nodes
+        assert nodes.get("memcpy", 0) + nodes.get("memset", 0) <= 2, nodes
+
+
+def test_a_seeded_request_samples_the_same_tokens_in_any_batch(demo_model_dir):
+    # float32: the sampler is bit-for-bit batch invariant, the matmuls (cuBLAS picks kernels by batch
+    # size) and split-K attention only up to rounding, which in bfloat16 could flip a near tie.
+    model = load_model(demo_model_dir, dtype="float32", device="cuda", attention_backend="triton")
+    spec = KVCacheSpec.for_model(model.cfg, 16, 512, torch.float32)
+    runner = ModelRunner(model, spec, "cuda")
+    graphs = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=16, max_blocks_per_seq=16, buckets="vllm")
+    graphs.capture(progress=False)
+    rng = random.Random(3)
+    seqs, next_block = [], 1
+    for i in range(9):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randrange(5, 100))]
+        table = list(range(next_block, next_block + spec.blocks_for_tokens(len(prompt) + 8)))
+        next_block += len(table)
+        runner.prefill([PrefillChunk(prompt, 0, table)])
+        params = SamplingParams(temperature=1.0, top_p=0.95 if i % 2 else 1.0, top_k=40 if i % 3 == 0 else 0)
+        s = Sequence(f"s{i}", prompt, params, seed=1000 + i)
+        s.block_table = table
+        seqs.append(s)
+    kv0 = runner.kv_cache.clone()
+
+    def decode(batch, steps=4):
+        runner.kv_cache.copy_(kv0)
+        out = {s.request_id: [] for s in batch}
+        rows = [DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in batch]
+        for step in range(steps):
+            toks = graphs.launch(rows).tokens()
+            for s, t in zip(batch, toks):
+                out[s.request_id].append(t)
+            rows = [DecodeRow(s, 0, i, s.num_tokens + step) for i, s in enumerate(batch)]
+        return out
+
+    together = decode(seqs)  # bucket 16
+    for i in (0, 3, 8):
+        alone = decode([seqs[i]])  # bucket 1
+        assert alone[seqs[i].request_id] == together[seqs[i].request_id]
+    reordered = decode(seqs[::-1][:5])  # bucket 8, other rows
+    for s in seqs[::-1][:5]:
+        assert reordered[s.request_id] == together[s.request_id]

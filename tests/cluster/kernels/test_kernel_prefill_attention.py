@@ -48,7 +48,7 @@ def _check(heads, kv_heads, head_dim, query_lens, cached, window, dtype, device,
                                  True, meta.query_lens, meta.context_lens_host)
     want = TorchAttentionBackend(heads, kv_heads, head_dim, window)._prefill(
         q.float(), k.float(), v.float(), kv.float(), ref_meta)
-    cu, tiles = plan_tiles(meta.query_lens, device)
+    cu, tiles = plan_tiles(meta.query_lens, meta.context_lens_host, device)
     out = torch.full_like(q, float("nan"))
     got = prefill_attention(q, kv[0], kv[1], ref_meta.block_tables, ref_meta.context_lens, cu, tiles,
                             head_dim**-0.5, window, out=out)
@@ -78,10 +78,11 @@ def test_matches_reference_half_precision():
     _check(8, 2, 32, [77, 140], [0, 20], None, dtype, DEVICE, seed=3, tol=1e-2)
 
 
-def test_plan_tiles_cover_every_query_once():
-    cu, tiles = plan_tiles([1, 128, 129, 300], "cpu")
+def test_plan_tiles_cover_every_query_once_longest_first():
+    cu, tiles = plan_tiles([1, 128, 129, 300], [1, 1128, 129, 300], "cpu")
     assert cu.tolist() == [0, 1, 129, 258, 558]
-    assert tiles.tolist() == [[0, 1, 2, 2, 3, 3, 3], [0, 0, 0, 128, 0, 128, 256]]
+    # Keys read: seq 1's tile 1128, seq 3's 300 and 256, seq 2's 129, then 128 (seq 2, seq 3), seq 0's 1.
+    assert tiles.tolist() == [[1, 3, 3, 2, 2, 3, 0], [0, 256, 128, 128, 0, 0, 0]]
 
 
 GPU_CASES = [
