@@ -12,26 +12,10 @@ def pytest_configure(config):
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     if not torch.cuda.is_available():
-        # Triton kernels run on CPU under the interpreter. Set before anything imports triton: its
-        # language module decides at import whether @triton.jit functions are interpreted.
+        # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
+        # language module decides at import whether @triton.jit functions are interpreted
+        # (tests/triton_interpreter.py then patches the interpreter for NumPy 2.4).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        _let_triton_interpreter_run_on_numpy_2_4()
-
-
-def _let_triton_interpreter_run_on_numpy_2_4():
-    """Triton 3.6's interpreter turns its 1-element scalar arrays into ints with int(), which NumPy
-    >= 2.4 refuses for arrays of one dimension: every `range(runtime_value)` in a kernel would fail."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def pytest_collection_modifyitems(config, items):

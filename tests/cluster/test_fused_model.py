@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-pytest.importorskip("triton")
+use_interpreter_without_cuda()  # before triton is imported
 
 from cluster import kernels  # noqa: E402
 from cluster.kernels.prefill_attention import BLOCK_M  # noqa: E402

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-pytest.importorskip("triton")
+use_interpreter_without_cuda()  # before triton is imported
 
 from cluster.kernels import reference  # noqa: E402
 from cluster.kernels.decode_step_inputs import decode_inputs  # noqa: E402

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-pytest.importorskip("triton")
+use_interpreter_without_cuda()  # before triton is imported
 
 from cluster.attention import AttentionMetadata  # noqa: E402
 from cluster.attention.torch_ref import TorchAttentionBackend  # noqa: E402
