@@ -19,7 +19,7 @@ import triton.language as tl
 from cluster.kernels.step_layout import DecodeStepLayout
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["off_ids", "off_prev", "off_pos", "off_width", "off_tables"])  # vary per bucket
 def _decode_inputs_kernel(
     Packed, OutTokens, Ids, Pos, Slots, Ctx, NextPos, Tables,
     off_ids, off_prev, off_pos, off_width, off_tables, stride_tables, block_size,

@@ -92,7 +92,7 @@ def _attend(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # varies per batch: one compiled kernel for all
 def _prefill_attention_kernel(
     Q, KC, VC, Out, BT, CuQ, Ctx, Tiles,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh, num_tiles,
@@ -125,15 +125,14 @@ def _prefill_attention_kernel(
     if SLIDING:
         k_lo = tl.maximum(q_lo - window + 1, 0) // BLOCK_N * BLOCK_N
         # Keys from safe_lo on are inside every query's window.
-        safe_lo = tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N
+        mid_lo = tl.maximum(k_lo, tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N)
     else:
         k_lo = 0
-        safe_lo = 0
-    mid_lo = tl.maximum(k_lo, safe_lo)
-    mid_hi = safe_hi
-    if mid_lo >= mid_hi:  # no tile is whole for every query: mask them all
-        mid_lo = k_lo
-        mid_hi = k_lo
+        mid_lo = 0
+    # No tile whole for every query: mask them all. (Never past k_hi: unread slots may hold garbage.)
+    none_whole = mid_lo >= safe_hi
+    mid_hi = tl.where(none_whole, k_lo, safe_hi)
+    mid_lo = tl.where(none_whole, k_lo, mid_lo)
 
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

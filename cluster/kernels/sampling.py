@@ -50,9 +50,38 @@ def _gumbel(key, offs):
 
 
 @triton.jit
+def _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes, BLOCK: tl.constexpr, NT: tl.constexpr,
+                PIVOTS: tl.constexpr, CANDIDATE: tl.constexpr):
+    """One pass over a row: how many tokens rank before w and their mass; with PIVOTS, how many lie
+    above each of NT pivots spread over [lo, hi); with CANDIDATE, the Gumbel winner among the tokens
+    ranked before w and above lo (the next candidate)."""
+    count = 0
+    mass = 0.0
+    above = tl.zeros([NT], tl.int32)
+    pivots = lo + (hi - lo) * (tl.arange(0, NT).to(tl.float32) / NT)
+    best = float("-inf")
+    nxt = w
+    for start in range(0, V, BLOCK):
+        offs = start + lanes
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+        before = (x > xw) | ((x == xw) & (offs < w))
+        count += tl.sum(before.to(tl.int32), 0)
+        mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
+        if PIVOTS:
+            above += tl.sum((x[:, None] > pivots[None, :]).to(tl.int32), 0)
+        if CANDIDATE:
+            s = tl.where(before & (x > lo), x + _gumbel(key, offs), float("-inf"))
+            bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = bm > best
+            nxt = tl.where(take, start + bi, nxt)
+            best = tl.where(take, bm, best)
+    return count, mass, above, pivots, nxt
+
+
+@triton.jit
 def _sample_kernel(
     Logits, stride_row, Temp, TopK, TopP, Seeds, Pos, Out, V,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, NT: tl.constexpr, CUT: tl.constexpr, FEW: tl.constexpr, MAX_SEARCH: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = Logits + row.to(tl.int64) * stride_row
@@ -95,28 +124,50 @@ def _sample_kernel(
             m = m_new
         limit = tl.where(top_k > 0, top_k, V + 1)
         mass_limit = top_p * z
-        searching = (limit < V) | (top_p < 1.0)
-        # Narrow to the tokens ranked before the candidate until the candidate is kept.
-        while searching:
+        use_k = limit < V
+        if use_k | (top_p < 1.0):
+            # Check the winner; with top-k, also bracket the k-th largest value between lo and hi
+            # (count(x > lo) >= k > count(x > hi)) by NT pivots a pass, until at most FEW tokens lie
+            # between: tokens at or below lo rank k-th or later, so candidates come from above lo.
+            # lo starts at m - CUT: tokens that low never win (Gumbel noise of a 24-bit uniform lies
+            # in [-2.85, 17.33], so the top token's score beats theirs) whether kept or not.
             xw = tl.load(base + w).to(tl.float32) / temp  # the same op as in the tiles: bit-identical
-            count = 0
-            mass = 0.0
-            best = float("-inf")
-            nxt = w
-            for start in range(0, V, BLOCK):
-                offs = start + lanes
-                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
-                before = (x > xw) | ((x == xw) & (offs < w))
-                count += tl.sum(before.to(tl.int32), 0)
-                mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
-                s = tl.where(before, x + _gumbel(key, offs), float("-inf"))
-                bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
-                take = bm > best
-                nxt = tl.where(take, start + bi, nxt)
-                best = tl.where(take, bm, best)
-            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
-            w = tl.where(kept, w, nxt)
+            lo = m - CUT
+            hi = m
+            n_lo = V + 1  # count(x > lo), not measured yet
+            n_hi = 0  # count(x > m)
+            passes = 0
+            kept = w < 0
+            go = w >= 0
+            while go:
+                if use_k:
+                    count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
+                                                                  BLOCK, NT, True, False)
+                else:
+                    count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
+                                                                  BLOCK, NT, False, False)
+                kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
+                ge = above >= limit  # pivots[0] == lo
+                some = tl.max(ge.to(tl.int32), 0) > 0
+                new_lo = tl.max(tl.where(ge, pivots, lo), 0)
+                new_n_lo = tl.where(some, tl.min(tl.where(ge, above, V + 1), 0), tl.max(above, 0))
+                new_hi = tl.min(tl.where(ge, hi, pivots), 0)
+                new_n_hi = tl.max(tl.where(ge, n_hi, above), 0)
+                lo = tl.where(use_k, new_lo, lo)
+                hi = tl.where(use_k & some, new_hi, hi)
+                n_lo = tl.where(use_k, new_n_lo, n_lo)
+                n_hi = tl.where(use_k & some, new_n_hi, n_hi)
+                passes += 1
+                go = (kept == 0) & use_k & (n_lo >= limit) & (n_lo - n_hi > FEW) & (passes < MAX_SEARCH)
+            # Narrow to the tokens ranked before the candidate (and above lo) until it is kept.
             searching = kept == 0
+            while searching:
+                count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
+                                                              BLOCK, NT, False, True)
+                kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
+                w = tl.where(kept, w, nxt)
+                xw = tl.load(base + w).to(tl.float32) / temp
+                searching = kept == 0
         tl.store(Out + row, w.to(tl.int64))
 
 
@@ -136,5 +187,5 @@ def sample(
     out = torch.empty(b, dtype=torch.int64, device=logits.device) if out is None else out
     if b:
         _sample_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, positions, out, vocab,
-                             BLOCK=BLOCK, num_warps=8)
+                             BLOCK=BLOCK, NT=16, CUT=24.0, FEW=64, MAX_SEARCH=4, num_warps=8)
     return out

@@ -54,6 +54,18 @@ def test_ties_are_ranked_by_token_id_like_the_reference():
             assert got[i] == logits[i].argmax()  # the first of the tied maxima
 
 
+def test_top_k_on_flat_logits_matches_reference():
+    # Nearly flat rows: the first Gumbel winner is almost never in the top k, so the kernel brackets
+    # the k-th value with pivots and then narrows the candidates (the slow path, exercised here).
+    g = torch.Generator().manual_seed(3)
+    rows = [(1.0, 5, 1.0), (0.8, 50, 0.9), (1.0, 2, 1.0), (1.0, 300, 0.5)] * 2
+    logits = (0.5 * torch.randn(len(rows), 20000, generator=g)).to(DEVICE)
+    got, want = _both(logits, rows, seed0=11)
+    assert got.tolist() == want.tolist()
+    for i, (_, k, _) in enumerate(rows):
+        assert got[i] in logits[i].topk(k).indices
+
+
 def test_a_row_samples_the_same_token_in_any_batch():
     g = torch.Generator().manual_seed(2)
     logits = (2 * torch.randn(len(ROWS), 2000, generator=g)).to(DEVICE)
