@@ -166,7 +166,8 @@ def paged_decode_attention(
         scale, sliding_window or 0,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        # 8 warps at head_dim 128: with 4 the [BLOCK, 128] K/V tiles spill (sm_90 resource report).
+        num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(bsz, num_heads)](

@@ -11,9 +11,10 @@ prompts, later chunks and prefix-cache hits alike.
 
 Work is split into (query head, query tile of BLOCK_M tokens of one sequence) programs. The tile list
 comes from `plan_tiles`, built once per forward on the host from lengths it already knows (numpy, no
-per-sequence Python loop, no device sync) and shared by every layer; longest tiles first. Within a tile the key range is
-walked in three parts: tiles partly cut by the sliding window (masked), tiles every query sees whole
-(no mask), and the causal diagonal (masked).
+per-sequence Python loop, no device sync) and shared by every layer; longest tiles first. A tile
+walks the keys from its window's start (0 without a sliding window) to its last query, masking every
+key tile: separate unmasked and masked loops would save a few ALU ops per score but push the
+128 x 128 tile past the register file (checked with the sm_90 resource report: spills).
 """
 
 from __future__ import annotations
@@ -50,52 +51,44 @@ def plan_tiles(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Te
 def _attend(
     acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, lo, hi,
     stride_kb, stride_kt, stride_kh, scale_log2, window,
-    MASKED: tl.constexpr, SLIDING: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     for start in range(lo, hi, BLOCK_N):
         offs = start + n
-        if MASKED:
-            valid = offs < hi
-            blk = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        else:  # whole tiles below the diagonal
-            blk = tl.load(bt_row + offs // PAGE).to(tl.int64)
+        valid = offs < hi
+        blk = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
         kv = blk[:, None] * stride_kb + (offs % PAGE)[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        if MASKED:
-            k = tl.load(KC + kv, mask=valid[:, None], other=0.0)
-            v = tl.load(VC + kv, mask=valid[:, None], other=0.0)
-        else:
-            k = tl.load(KC + kv)
-            v = tl.load(VC + kv)
+        k = tl.load(KC + kv, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + kv, mask=valid[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         else:
             s = tl.dot(q, tl.trans(k)) * scale_log2
-        if MASKED:
-            ok = (offs[None, :] <= q_pos[:, None]) & valid[None, :]
-            if SLIDING:
-                ok = ok & (offs[None, :] > q_pos[:, None] - window)
-            s = tl.where(ok, s, float("-inf"))
+        ok = (offs[None, :] <= q_pos[:, None]) & valid[None, :]
+        if SLIDING:
+            ok = ok & (offs[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen only masked keys keeps m = -inf; subtract 0 instead (p = 0, no NaN).
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_tiles"])  # varies per batch: one compiled kernel for all
+@triton.jit(do_not_specialize=["num_tiles", "scratch_row"])  # vary per batch: one compiled kernel for all
 def _prefill_attention_kernel(
     Q, KC, VC, Out, BT, CuQ, Ctx, Tiles,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh, num_tiles,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh, num_tiles, scratch_row,
     scale_log2, window,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, IEEE: tl.constexpr,
@@ -118,38 +111,22 @@ def _prefill_attention_kernel(
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
 
     q_lo = cached + q_first
-    q_last = tl.minimum(q_lo + BLOCK_M, ctx) - 1
-    k_hi = q_last + 1
-    # Keys below safe_hi are at or before every query of the tile: no causal mask there.
-    safe_hi = (q_lo + 1) // BLOCK_N * BLOCK_N
+    k_hi = tl.minimum(q_lo + BLOCK_M, ctx)  # past the tile's last query
     if SLIDING:
         k_lo = tl.maximum(q_lo - window + 1, 0) // BLOCK_N * BLOCK_N
-        # Keys from safe_lo on are inside every query's window.
-        mid_lo = tl.maximum(k_lo, tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N)
     else:
         k_lo = 0
-        mid_lo = 0
-    # No tile whole for every query: mask them all. (Never past k_hi: unread slots may hold garbage.)
-    none_whole = mid_lo >= safe_hi
-    mid_hi = tl.where(none_whole, k_lo, safe_hi)
-    mid_lo = tl.where(none_whole, k_lo, mid_lo)
-
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     bt_row = BT + seq.to(tl.int64) * stride_bt
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, k_lo, mid_lo,
-                            stride_kb, stride_kt, stride_kh, scale_log2, window,
-                            True, SLIDING, D, PAGE, BLOCK_N, IEEE)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, mid_lo, mid_hi,
-                            stride_kb, stride_kt, stride_kh, scale_log2, window,
-                            False, SLIDING, D, PAGE, BLOCK_N, IEEE)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, mid_hi, k_hi,
-                            stride_kb, stride_kt, stride_kh, scale_log2, window,
-                            True, SLIDING, D, PAGE, BLOCK_N, IEEE)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, k_lo, k_hi,
+                            stride_kb, stride_kt, stride_kh, scale_log2, window, SLIDING, D, PAGE, BLOCK_N, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=q_ok[:, None])
+    # Rows past the sequence's end go to scratch rows after the last token instead of being masked: a
+    # masked store from the dot's register layout costs registers the tile cannot spare (spills).
+    dst = tl.where(q_ok, q_begin + m_idx, scratch_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(Out + dst[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty))
 
 
 def prefill_attention(
@@ -162,25 +139,28 @@ def prefill_attention(
     tiles: torch.Tensor,  # [2, num_tiles] int32, from plan_tiles
     scale: float,
     sliding_window: int | None = None,
-    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; allocated if None
-) -> torch.Tensor:
+    out: torch.Tensor | None = None,  # [T + BLOCK_M, num_heads, head_dim] (scratch rows last); allocated if None
+) -> torch.Tensor:  # [T, num_heads, head_dim]: a view of out
     t, num_heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert head_dim & (head_dim - 1) == 0 and num_heads % kv_heads == 0
     if out is None:
-        out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(t + BLOCK_M, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == (t + BLOCK_M, num_heads, head_dim) and out.is_contiguous()
     num_tiles = tiles.shape[1]
     if num_tiles == 0:
-        return out
-    block_n = 64 if head_dim <= 128 else 32
+        return out[:t]
+    # Tiles and warps that keep the loop in registers on sm_90 (ptxas resource report): 255 registers
+    # and 32 bytes of stack at head_dim 128, none spilled at 64.
+    block_n = 64 if head_dim >= 128 else 128
     _prefill_attention_kernel[(num_heads, num_tiles)](
         q, k_cache, v_cache, out, block_tables, cu_query_lens, context_lens, tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_tiles,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_tiles, t,
         scale * _LOG2E, sliding_window or 0,
         G=num_heads // kv_heads, D=head_dim, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
-        num_warps=8 if head_dim >= 128 else 4, num_stages=3,
+        num_warps=8, num_stages=3,
     )
-    return out
+    return out[:t]

@@ -31,10 +31,11 @@ from cluster.kernels.reference import GOLDEN32, MIX_MUL1, MIX_MUL2, POSITION_MUL
 
 BLOCK = 2048  # tokens a program reads per iteration
 CHUNK = 8192  # tokens of a row per first-pass program (16 chunks for a 128k vocabulary)
-_GOLDEN: tl.constexpr = GOLDEN32
-_POS_MUL: tl.constexpr = POSITION_MUL
-_MUL1: tl.constexpr = MIX_MUL1
-_MUL2: tl.constexpr = MIX_MUL2
+FINISH_BLOCK = 1024  # the finish kernel's tiles: [tokens, 16 pivots] compares must stay in registers
+_GOLDEN = tl.constexpr(GOLDEN32)
+_POS_MUL = tl.constexpr(POSITION_MUL)
+_MUL1 = tl.constexpr(MIX_MUL1)
+_MUL2 = tl.constexpr(MIX_MUL2)
 
 
 @triton.jit
@@ -230,6 +231,6 @@ def sample(
     _first_pass_kernel[(b, chunks)](logits, logits.stride(0), temperature, seeds, positions, part_f, part_i, vocab,
                                     CHUNK=CHUNK, BLOCK=BLOCK, num_warps=8)
     _finish_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, positions, part_f, part_i, out,
-                         vocab, chunks, CP=max(2, triton.next_power_of_2(chunks)), BLOCK=BLOCK, NT=16, CUT=24.0,
+                         vocab, chunks, CP=max(2, triton.next_power_of_2(chunks)), BLOCK=FINISH_BLOCK, NT=16, CUT=24.0,
                          FEW=64, MAX_SEARCH=4, num_warps=8)
     return out
