@@ -37,7 +37,8 @@ class SamplingTensors:
     def from_params(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            # Clamped to int32 (the kernel's type): any k at or above the vocabulary means no limit.
+            top_k=torch.tensor([min(p.top_k, 2**31 - 1) for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
         )

@@ -34,6 +34,8 @@ from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
 
+_INT32_MAX = 2**31 - 1
+
 
 def bucket_sizes(policy: str | Seq[int], max_num_seqs: int) -> list[int]:
     """Batch sizes to capture, ascending, none above max_num_seqs."""
@@ -259,7 +261,7 @@ class BucketedGraphRunner:
                 self._m_seed[i] = seq.seed
                 self._m_temperature[i] = p.temperature
                 self._m_top_p[i] = p.top_p
-                self._m_top_k[i] = p.top_k
+                self._m_top_k[i] = min(p.top_k, _INT32_MAX)  # any k >= vocabulary means no limit
                 m_tables[i, nb:] = NULL_BLOCK
                 m_tables[i, :nb] = table
                 row_seq[i], row_table[i], row_blocks[i] = seq, table, nb

@@ -17,11 +17,11 @@ only has its interpreter, the torch reference's prefill.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
-
-import dataclasses
 
 from cluster import kernels
 from cluster.attention.backend import register_backend
@@ -130,9 +130,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // work)))
 
 
-# NOTE: kept out of torch.compile: its split count is computed from the batch size on the host, which
-# under a dynamic-shape compile would guard on (and recompile for) every bucket. The compiled decode
-# forward breaks around it and the CUDA graph captures both sides alike.
+# NOTE: kept out of torch.compile (serving doesn't compile; loadtest/bench_decode.py times a compiled
+# step for comparison): its split count is computed from the batch size on the host, which under a
+# dynamic-shape compile would guard on (and recompile for) every bucket.
 @torch.compiler.disable
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]

@@ -43,7 +43,7 @@ def plan_tiles(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Te
     keys = (ctx - q)[seq] + np.minimum(start + BLOCK_M, q[seq])  # the causal span each tile reads
     order = np.argsort(-keys, kind="stable")
     packed = np.concatenate([cu, seq[order], start[order]]).astype(np.int32)
-    dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    dev = torch.from_numpy(packed).to(device)
     return dev[: len(cu)], dev[len(cu) :].view(2, len(seq))
 
 
