@@ -202,7 +202,9 @@ def _finish_kernel(
         while searching:
             count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
                                                           BLOCK, NT, False, True)
-            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
+            # No candidate left (only with NaN or infinite logits; with finite ones the top token is
+            # always kept): stop on w rather than loop forever inside the graph.
+            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit)) | (nxt == w)
             w = tl.where(kept, w, nxt)
             xw = tl.load(base + w).to(tl.float32) / temp
             searching = kept == 0

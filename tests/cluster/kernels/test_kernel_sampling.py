@@ -66,6 +66,18 @@ def test_top_k_on_flat_logits_matches_reference():
         assert got[i] in logits[i].topk(k).indices
 
 
+def test_rows_of_nan_or_inf_logits_end():
+    # Degenerate rows must not hang the kernel (inside a CUDA graph that would hang the worker).
+    logits = torch.randn(4, 3000).to(DEVICE)
+    logits[0] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2, :5] = float("inf")
+    rows = [(1.0, 5, 0.9)] * 4
+    t, k, p, seeds, pos = _params(rows, DEVICE)
+    out = sample(logits, t, k, p, seeds, pos)
+    assert out[1] == 7 and 0 <= out[2] < 5 and 0 <= out[0] < 3000
+
+
 def test_a_row_samples_the_same_token_in_any_batch():
     g = torch.Generator().manual_seed(2)
     logits = (2 * torch.randn(len(ROWS), 2000, generator=g)).to(DEVICE)
