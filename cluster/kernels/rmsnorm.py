@@ -2,7 +2,8 @@
 
 Must equal `cluster.kernels.reference.rms_norm` / `fused_add_rms_norm`. It rounds where they round
 (the sum x + residual and the normalised value to the activation dtype, then the product with the
-weight), so in bfloat16 it matches them bit for bit up to the order of the sum of squares.
+weight), so in bfloat16 it matches them to within one rounding step (the sum of squares is added in
+another order, and 1/sqrt may differ from torch's rsqrt in the last bit).
 
 The fused form works in place, as nano-vllm's and mini-sglang's do: `residual` receives x + residual
 (the stream carried from layer to layer) and `x` the normalised output, so a decoder layer's two
