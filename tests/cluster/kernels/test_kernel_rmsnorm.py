@@ -38,7 +38,7 @@ def _check(rows, n, dtype, device, seed, ulps):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 64), (7, 96), (3, 200)])
 def test_matches_reference(rows, n, dtype):
-    _check(rows, n, dtype, DEVICE, seed=rows * n, ulps=1 if DEVICE == "cuda" else 3)
+    _check(rows, n, dtype, DEVICE, seed=rows * n, ulps=2 if DEVICE == "cuda" else 3)
 
 
 def test_leaves_other_rows_alone_and_handles_no_rows():
@@ -56,4 +56,4 @@ def test_leaves_other_rows_alone_and_handles_no_rows():
 @pytest.mark.parametrize("rows", [1, 64, 4099])
 @pytest.mark.parametrize("n", [2048, 4096, 3584])
 def test_matches_reference_on_gpu(rows, n):
-    _check(rows, n, torch.bfloat16, "cuda", seed=rows + n, ulps=1)
+    _check(rows, n, torch.bfloat16, "cuda", seed=rows + n, ulps=2)  # rsqrt vs 1/sqrt: one step, doubled by the product

@@ -26,11 +26,11 @@ def _check(tokens, inter, dtype, device, ulps):
 @pytest.mark.parametrize("tokens,inter", [(1, 64), (5, 1500), (3, 224)])
 def test_matches_reference(tokens, inter, dtype):
     # The interpreter truncates to bf16 where the GPU rounds: up to two steps off.
-    _check(tokens, inter, dtype, DEVICE, ulps=1 if DEVICE == "cuda" else 3)
+    _check(tokens, inter, dtype, DEVICE, ulps=2 if DEVICE == "cuda" else 3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 @pytest.mark.parametrize("inter", [8192, 14336, 18944])
 def test_matches_reference_on_gpu(tokens, inter):
-    _check(tokens, inter, torch.bfloat16, "cuda", ulps=1)
+    _check(tokens, inter, torch.bfloat16, "cuda", ulps=2)  # exp vs expf: one step, doubled by the product
