@@ -80,9 +80,10 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
         return cfg.cpu_num_blocks
     mem = memory or device_memory(device)
     elem = torch.empty((), dtype=dtype).element_size()
-    # Decode: logits plus the sampler's [B, V] temporaries dominate; prefill: the packed batch's
-    # gate/up and QKV activations (and their temporaries). Hidden states are small beside them.
-    decode_act = cfg.max_num_seqs * (arch.vocab_size * 40 + 4 * arch.intermediate_size * elem)
+    # Decode: the [B, V] logits dominate (the sampling kernel reads them in place, no [B, V]
+    # temporaries; kept generous); prefill: the packed batch's gate/up and QKV activations (and their
+    # temporaries). Hidden states are small beside them.
+    decode_act = cfg.max_num_seqs * (arch.vocab_size * 4 * elem + 4 * arch.intermediate_size * elem)
     prefill_act = cfg.max_prefill_tokens * (6 * arch.intermediate_size + 8 * arch.hidden_size) * elem
     headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
     mine = int(mem.total * min(1.0, cfg.gpu_share)) - mem.reserved_here

@@ -6,9 +6,11 @@ decode worker (whose graph runner reuses `build_decode_metadata` for its eager f
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from cluster.attention import AttentionMetadata
@@ -23,8 +25,23 @@ class PrefillChunk:
     block_table: Seq[int]  # blocks covering at least start + len(token_ids) tokens
 
 
-def pad_block_tables(tables: Seq[Seq[int]], width: int) -> list[list[int]]:
-    return [list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables]
+def _upload(arrays: Seq[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """One host-to-device copy of several int64 arrays; returns their device views (same shapes)."""
+    flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64, copy=False)
+    dev = torch.from_numpy(flat).to(device)
+    out, at = [], 0
+    for a in arrays:
+        out.append(dev[at : at + a.size].view(a.shape))
+        at += a.size
+    return out
+
+
+def _tables(tables: Seq[Seq[int]], width: int) -> np.ndarray:
+    out = np.full((len(tables), width), NULL_BLOCK, dtype=np.int64)
+    for i, t in enumerate(tables):
+        n = min(len(t), width)
+        out[i, :n] = t[:n]
+    return out
 
 
 class ModelRunner:
@@ -36,54 +53,55 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_cache)
 
     def build_prefill_inputs(self, chunks: Seq[PrefillChunk]):
+        """(input_ids, positions, metadata, index of each chunk's last token), uploaded in one copy."""
         bs = self.spec.block_size
-        ids, pos, slots = [], [], []
-        for c in chunks:
-            n = len(c.token_ids)
-            ids.extend(c.token_ids)
-            rng = range(c.start, c.start + n)
-            pos.extend(rng)
-            slots.extend(c.block_table[p // bs] * bs + p % bs for p in rng)
-        width = max(self.spec.blocks_for_tokens(c.start + len(c.token_ids)) for c in chunks)
-        tables = pad_block_tables([c.block_table[:width] for c in chunks], width)
-        dev = self.device
+        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        ctx = starts + q_lens
+        total = int(q_lens.sum())
+        width = int(-(-ctx.max() // bs))
+        tables = _tables([c.block_table for c in chunks], width)
+        ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=total)
+        seq = np.repeat(np.arange(len(chunks)), q_lens)
+        first = np.cumsum(q_lens) - q_lens
+        pos = np.arange(total, dtype=np.int64) - np.repeat(first, q_lens) + np.repeat(starts, q_lens)
+        slots = tables[seq, pos // bs] * bs + pos % bs
+        last = first + q_lens - 1
+        ids_d, pos_d, slots_d, tables_d, ctx_d, last_d = _upload([ids, pos, slots, tables, ctx, last], self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([c.start + len(c.token_ids) for c in chunks], dtype=torch.int32, device=dev),
+            slot_mapping=slots_d,
+            block_tables=tables_d,
+            context_lens=ctx_d,
             is_prefill=True,
-            query_lens=tuple(len(c.token_ids) for c in chunks),
-            context_lens_host=tuple(c.start + len(c.token_ids) for c in chunks),
+            query_lens=tuple(q_lens.tolist()),
+            context_lens_host=tuple(ctx.tolist()),
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
+        return ids_d, pos_d, meta, last_d
 
     @torch.inference_mode()
     def prefill(self, chunks: Seq[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
         """One packed forward over every chunk (no padding); logits of each chunk's last token
         ([num_chunks, vocab]), or of every token with all_logits=True ([num_tokens, vocab])."""
-        ids, pos, meta = self.build_prefill_inputs(chunks)
+        ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
-        if not all_logits:
-            last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden if all_logits else hidden[last])
 
-    def build_decode_metadata(self, positions: Seq[int], block_tables: Seq[Seq[int]], width: int | None = None):
-        """positions[i]: position of row i's input token (its KV goes to that slot)."""
+    def build_decode_metadata(self, positions: Seq[int], block_tables: Seq[Seq[int]], width: int | None = None,
+                              token_ids: Seq[int] | None = None):
+        """positions[i]: position of row i's input token (its KV goes to that slot). With token_ids,
+        returns (input_ids, positions, metadata), all from one host-to-device copy."""
         bs = self.spec.block_size
         width = width or max(len(t) for t in block_tables)
-        slots = [t[p // bs] * bs + p % bs for p, t in zip(positions, block_tables)]
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(pad_block_tables(block_tables, width), dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
-        )
+        tables = _tables(block_tables, width)
+        pos = np.asarray(positions, dtype=np.int64)
+        slots = tables[np.arange(len(pos)), pos // bs] * bs + pos % bs
+        ids = np.asarray(token_ids if token_ids is not None else [], dtype=np.int64)
+        ids_d, pos_d, slots_d, tables_d, ctx_d = _upload([ids, pos, slots, tables, pos + 1], self.device)
+        meta = AttentionMetadata(slot_mapping=slots_d, block_tables=tables_d, context_lens=ctx_d)
+        return meta if token_ids is None else (ids_d, pos_d, meta)
 
     @torch.inference_mode()
     def decode(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> torch.Tensor:
         """One eager decode step: one token per sequence; returns logits [B, vocab]."""
-        meta = self.build_decode_metadata(positions, block_tables)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        ids, pos, meta = self.build_decode_metadata(positions, block_tables, token_ids=token_ids)
         return self.model.compute_logits(self.model(ids, pos, meta))

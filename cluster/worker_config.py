@@ -22,5 +22,4 @@ class WorkerConfig:
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
-    compile_decode: bool = False
     seed: int = 0

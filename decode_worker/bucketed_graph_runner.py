@@ -1,19 +1,18 @@
-"""BucketedGraphRunner: one decode step = copy the live batch into static buffers, replay a CUDA graph.
+"""BucketedGraphRunner: one decode step = one host-to-device copy of the live batch, replay a CUDA graph.
 
 - Buckets come from a policy ("vllm", "pow2" or explicit sizes). A batch of n rows runs in the
   smallest bucket >= n; rows n..bucket are padding that point at NULL_BLOCK (position 0, context
   length 1, slot 0 of block 0), so their K/V writes land in the reserved block and nowhere else.
-- Static device buffers are allocated once. Per-row integers (input ids, previous-row index, position,
-  top_k, seed) travel packed in one int64 buffer and the floats (temperature, top_p) in another, laid
-  out [field, bucket] so a bucket's graph reads views of the first `fields * bucket` elements:
-  two small host-to-device copies plus one for block tables per step, whatever the batch.
+- One packed int32 buffer per step (cluster.kernels.step_layout.DecodeStepLayout): sampling
+  parameters, input ids, previous-row indices, positions and the block tables at the step's width,
+  back to back. The host fills a pinned staging copy and sends it with one non-blocking copy; inside
+  the graph `decode_inputs` (one kernel) unpacks it into the static model inputs.
+- Persistent rows (vLLM v1's persistent batch): host mirrors keep each row's sampling parameters and
+  block table; a row is rewritten only when another sequence takes it or its table grows.
 - Input ids come from the device: a row continuing from the previous step reads that step's sampled
   token (`out_tokens[prev_row]`) inside the graph, so the host never needs the token to launch.
-- Slot mapping and context lengths are derived on the device from positions and block tables.
-- Sampling runs inside the graph (cluster.sampler is sync-free). Its `use_top_k_top_p` flag is
-  host-static, so each bucket is captured once per sampler variant: "greedy" (argmax only),
-  "sample" (temperature + seeded noise) and "filtered" (plus the top-k/top-p sort). All share one
-  memory pool; the host picks the cheapest variant that covers the batch.
+- Sampling runs inside the graph: one kernel covers greedy, temperature and top-k/top-p rows alike
+  (cluster.sampler), so each bucket is captured once.
 - Graphs are captured largest bucket first into one shared pool at start-up, never while serving.
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
 - Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
@@ -29,14 +28,13 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
+from cluster import kernels
 from cluster.attention import AttentionMetadata
+from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
-from cluster.sampler import SamplingTensors, sample
 
-VARIANTS = ("greedy", "sample", "filtered")  # each covers the ones before it
-_INT_FIELDS = 5  # host_ids, prev_row, positions, top_k, seeds
-_FLOAT_FIELDS = 2  # temperature, top_p
+_INT32_MAX = 2**31 - 1
 
 
 def bucket_sizes(policy: str | Seq[int], max_num_seqs: int) -> list[int]:
@@ -73,28 +71,12 @@ def padding_waste(sizes: Seq[int], batch_sizes: Seq[int]) -> float:
     return (padded - sum(batch_sizes)) / padded if padded else 0.0
 
 
-def choose_variant(rows_params, captured: Seq[str] = VARIANTS) -> str:
-    """The cheapest sampler variant that samples every row exactly (greedy < sample < filtered)."""
-    need = 0
-    for p in rows_params:
-        if p.needs_top_k_top_p:
-            need = 2
-            break
-        if not p.greedy:
-            need = 1
-    for v in VARIANTS[need:]:
-        if v in captured:
-            return v
-    raise ValueError(f"no captured sampler variant covers {VARIANTS[need]!r} (captured: {list(captured)})")
-
-
 @dataclass
 class StepInfo:
     batch_size: int
     bucket: int  # rows computed (padded); equals batch_size for an unpadded eager batch
     graph: bool
-    host_prepare_s: float  # filling the staging buffers and queueing the copies
-    variant: str
+    host_prepare_s: float  # filling the staging buffer and queueing its copy
     launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
 
 
@@ -129,8 +111,7 @@ class BucketedGraphRunner:
         max_blocks_per_seq: int,
         buckets: str | Seq[int] = "vllm",
         use_cuda_graph: bool = True,
-        compile_decode: bool = False,
-        variants: Seq[str] = VARIANTS,
+        keep_graphs: bool = False,  # keep each cudaGraph_t for inspection (kernels_per_step)
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -140,113 +121,98 @@ class BucketedGraphRunner:
         self.max_blocks = max_blocks_per_seq
         self.buckets = bucket_sizes(buckets, max_num_seqs)
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
-        self.variants = tuple(v for v in VARIANTS if v in variants)
-        if not self.variants:
-            raise ValueError(f"no known sampler variant in {list(variants)}; choose from {VARIANTS}")
-        self._logits_fn = self._compiled_logits() if compile_decode else self._logits
-        self.compile_decode = compile_decode
+        self.keep_graphs = keep_graphs
 
         dev, mb = self.device, self.max_bs
+        words = DecodeStepLayout(mb).words(self.max_blocks)
         # Static device buffers: the graphs read and write exactly these, forever.
-        self.ints = torch.zeros(_INT_FIELDS * mb, dtype=torch.int64, device=dev)
-        self.floats = torch.zeros(_FLOAT_FIELDS * mb, dtype=torch.float32, device=dev)
+        self.packed = torch.zeros(words, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(mb, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(mb, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(mb, dtype=torch.int64, device=dev)
+        self.context_lens = torch.ones(mb, dtype=torch.int32, device=dev)
+        self.sample_positions = torch.ones(mb, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((mb, self.max_blocks), NULL_BLOCK, dtype=torch.int32, device=dev)
         self.out_tokens = torch.zeros(mb, dtype=torch.int64, device=dev)
-        # Host staging, two slots (step t+1 is prepared while step t's copies may still be queued).
+        # Host staging, two slots (step t+1 is prepared while step t's copy may still be queued).
         pin = self.device.type == "cuda"
-        self._host_ints = [torch.zeros(_INT_FIELDS * mb, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._host_floats = [torch.zeros(_FLOAT_FIELDS * mb, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
-        self._host_tables = [torch.zeros(mb * self.max_blocks, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_packed = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._np_packed = [t.numpy() for t in self._host_packed]
         self._host_out = torch.zeros(2, mb, dtype=torch.int64, pin_memory=pin)
-        self._np_ints = [t.numpy() for t in self._host_ints]
-        self._np_floats = [t.numpy() for t in self._host_floats]
-        self._np_tables = [t.numpy() for t in self._host_tables]
         self._slot = 0
-        # Host mirrors of the slowly changing per-row inputs (see _prepare).
-        self._row_owner: list[tuple | None] = [None] * mb
-        self._m_ints = np.zeros((_INT_FIELDS - 3, mb), dtype=np.int64)  # top_k, seed
-        self._m_floats = np.zeros((_FLOAT_FIELDS, mb), dtype=np.float32)  # temperature, top_p
-        self._m_floats[1] = 1.0
+        # Persistent rows: host mirrors of each row's slowly changing inputs (see _prepare).
+        self._row_seq: list = [None] * mb
+        self._row_table: list = [None] * mb
+        self._row_blocks = [0] * mb
+        self._live_rows = 0  # rows 0.._live_rows hold a sequence's state; the rest are padding
+        self._m_seed = np.zeros(mb, dtype=np.int64)
+        self._m_temperature = np.zeros(mb, dtype=np.float32)
+        self._m_top_p = np.ones(mb, dtype=np.float32)
+        self._m_top_k = np.zeros(mb, dtype=np.int32)
         self._m_tables = np.full((mb, self.max_blocks), NULL_BLOCK, dtype=np.int32)
         # Timing events per staging slot, reused (a slot is reused only after its step was read).
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         for _ in range(2)] if pin else []
 
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_captures = 0  # graphs captured so far; must not move once serving starts
         self.capture_stats: dict[int, dict[str, float]] = {}  # bucket -> seconds, bytes
 
     # -- the captured region ----------------------------------------------------------------------
-    def _logits(self, host_ids, prev_row, pos, tables) -> torch.Tensor:
-        """Input ids, slot mapping and context lengths on the device, then the model: [b, vocab] float."""
-        # Rows continuing from the previous step take its sampled token straight from the device.
-        # (out_tokens is read here and only written at the end of this same step.)
-        ids = torch.where(prev_row >= 0, self.out_tokens[prev_row.clamp(min=0)], host_ids)
-        blk = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long()
-        meta = AttentionMetadata(
-            slot_mapping=blk * self.block_size + pos % self.block_size,
-            block_tables=tables,
-            context_lens=(pos + 1).to(torch.int32),
+    def _forward(self, b: int, width: int) -> None:
+        """Decode `b` rows from the packed buffer into out_tokens[:b]. No host sync anywhere.
+
+        NOTE: out_tokens is read (previous step's tokens, by decode_inputs) before it is written (this
+        step's, by the sampler): the two kernels are ordered on the stream."""
+        lay = DecodeStepLayout(b)
+        kernels.decode_inputs(self.packed, b, self.out_tokens, self.input_ids, self.positions, self.slot_mapping,
+                              self.context_lens, self.sample_positions, self.block_tables, self.block_size)
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b, :width],
+                                 context_lens=self.context_lens[:b])
+        logits = self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
+        p = self.packed
+        kernels.sample(
+            logits,
+            temperature=p[lay.temperature : lay.temperature + b].view(torch.float32),
+            top_k=p[lay.top_k : lay.top_k + b],
+            top_p=p[lay.top_p : lay.top_p + b].view(torch.float32),
+            seeds=p[lay.seeds : lay.seeds + 2 * b].view(torch.int64),
+            positions=self.sample_positions[:b],
+            out=self.out_tokens[:b],
         )
-        return self.model.compute_logits(self.model(ids, pos, meta))
-
-    def _compiled_logits(self):
-        # Inductor fuses the norms, residual adds, rotary, SiLU*mul and the input preparation; dynamic
-        # batch so one compile serves every bucket (each bucket's graph then captures the compiled
-        # kernels). The attention backend's KV write + kernel stay outside (a graph break per layer).
-        import torch._dynamo.config as dynamo_cfg
-
-        # Each graph break resumes in a layer's frame, guarded per layer instance and per batch-size
-        # specialisation: the default recompile limit (8) would silently leave deep models eager.
-        limit = 4 * self.model.cfg.num_layers + 16
-        for knob, value in (("recompile_limit", limit), ("cache_size_limit", limit),
-                            ("accumulated_recompile_limit", 8 * limit), ("accumulated_cache_size_limit", 8 * limit)):
-            if hasattr(dynamo_cfg, knob):
-                setattr(dynamo_cfg, knob, max(getattr(dynamo_cfg, knob), value))
-        return torch.compile(self._logits, dynamic=True, fullgraph=False)
-
-    def _forward(self, b: int, width: int, variant: str) -> None:
-        """Decode `b` rows from the static buffers into out_tokens[:b]. No host sync anywhere."""
-        host_ids, prev_row, pos, top_k, seeds = self.ints[: _INT_FIELDS * b].view(_INT_FIELDS, b)
-        temperature, top_p = self.floats[: _FLOAT_FIELDS * b].view(_FLOAT_FIELDS, b)
-        logits = self._logits_fn(host_ids, prev_row, pos, self.block_tables[:b, :width])
-        if variant == "greedy":
-            tokens = logits.argmax(dim=-1)
-        else:
-            st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
-            tokens = sample(logits, st, pos + 1, use_top_k_top_p=variant == "filtered")
-        self.out_tokens[:b].copy_(tokens)
 
     # -- start-up ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        """Captures every (bucket, variant), largest bucket first, into one shared memory pool."""
+        """Captures every bucket, largest first, into one shared memory pool."""
         if not self.use_cuda_graph:
             return
         from tqdm import tqdm
 
-        # All-zero inputs are all padding: prev_row 0 is harmless, every write goes to NULL_BLOCK.
-        self.ints.zero_()
-        self.floats.zero_()
         self.block_tables.fill_(NULL_BLOCK)
         bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress)
         for b in bar:
+            # All-zero inputs are padding (greedy rows at position 0 of NULL_BLOCK, prev_row 0 harmless)
+            # at the full table width: the warm-up's and capture's writes all go to NULL_BLOCK.
+            self.packed.zero_()
+            self.packed[DecodeStepLayout(b).width] = self.max_blocks
             torch.cuda.synchronize()
             # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
-            # difference in reserved memory is what this bucket's graphs added to the shared pool.
+            # difference in reserved memory is what this bucket's graph added to the shared pool.
             torch.cuda.empty_cache()
             t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            for v in self.variants:
-                self._forward(b, self.max_blocks, v)  # warm-up: lazy init, autotuning, allocator
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._forward(b, self.max_blocks, v)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[(b, v)] = g
-                self.num_captures += 1
+            self._forward(b, self.max_blocks)  # warm-up: lazy init, Triton compilation, allocator
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
+            with torch.cuda.graph(g, pool=self.pool):
+                self._forward(b, self.max_blocks)
+            if self.keep_graphs:
+                g.instantiate()
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[b] = g
+            self.num_captures += 1
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             self.capture_stats[b] = {
@@ -263,21 +229,25 @@ class BucketedGraphRunner:
     def capture_bytes(self) -> int:
         return int(sum(s["bytes"] for s in self.capture_stats.values()))
 
+    def kernels_per_step(self, bucket: int) -> dict[str, int]:
+        """Nodes of a bucket's captured graph by type (needs keep_graphs=True)."""
+        from decode_worker.graph_nodes import graph_node_counts
+
+        return graph_node_counts(self.graphs[bucket].raw_cuda_graph())
+
     # -- one step ---------------------------------------------------------------------------------
     def padded_size(self, n: int) -> int:
         return bucket_for(self.buckets, n) or n
 
     def _prepare(self, rows, b: int, slot: int) -> int:
-        """Fills host staging slot for a batch padded to b rows; returns the block-table width.
+        """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width).
 
-        Per-row state that rarely changes (sampling parameters, block tables) lives in host mirrors
-        keyed by which sequence holds the row and how many blocks it had: a row is rewritten only when
-        that changes (a sequence joined/left or took a new block), then the mirror is copied into the
-        staging slot with one slice per field. Positions and input tokens change every step."""
+        Persistent rows: a row's sampling parameters and block table live in host mirrors, rewritten
+        only when another sequence takes the row or its table grew; staging then copies the mirrors
+        with one slice per field. Input ids, previous rows and positions change every step."""
         n = len(rows)
-        ints = self._np_ints[slot][: _INT_FIELDS * b].reshape(_INT_FIELDS, b)
-        floats = self._np_floats[slot][: _FLOAT_FIELDS * b].reshape(_FLOAT_FIELDS, b)
-        owner, m_ints, m_floats, m_tables = self._row_owner, self._m_ints, self._m_floats, self._m_tables
+        row_seq, row_table, row_blocks = self._row_seq, self._row_table, self._row_blocks
+        m_tables = self._m_tables
         width = 1
         for i, r in enumerate(rows):
             seq = r.seq
@@ -285,66 +255,77 @@ class BucketedGraphRunner:
             nb = len(table)
             if nb > width:
                 width = nb
-            old = owner[i]
             # Identity, not equality: a preempted and readmitted sequence gets a new table list.
-            if old is None or old[0] is not seq or old[1] is not table or old[2] != nb:
-                if old is None or old[0] is not seq:
-                    p = seq.params
-                    m_ints[0, i] = p.top_k
-                    m_ints[1, i] = seq.seed
-                    m_floats[0, i] = p.temperature
-                    m_floats[1, i] = p.top_p
-                    m_tables[i, nb:] = NULL_BLOCK
+            if seq is not row_seq[i]:
+                p = seq.params
+                self._m_seed[i] = seq.seed
+                self._m_temperature[i] = p.temperature
+                self._m_top_p[i] = p.top_p
+                self._m_top_k[i] = min(p.top_k, _INT32_MAX)  # any k >= vocabulary means no limit
+                m_tables[i, nb:] = NULL_BLOCK
                 m_tables[i, :nb] = table
-                owner[i] = (seq, table, nb)
-        for i in range(n, b):  # padding rows: greedy, position 0 of NULL_BLOCK
-            if owner[i] is not None:
-                m_ints[:, i] = 0
-                m_floats[0, i] = 0.0
-                m_floats[1, i] = 1.0
-                m_tables[i, :] = NULL_BLOCK
-                owner[i] = None
+                row_seq[i], row_table[i], row_blocks[i] = seq, table, nb
+            elif table is not row_table[i] or nb != row_blocks[i]:
+                m_tables[i, nb:] = NULL_BLOCK
+                m_tables[i, :nb] = table
+                row_table[i], row_blocks[i] = table, nb
+        if self._live_rows > n:  # rows that held sequences become padding: greedy, NULL_BLOCK
+            lo, hi = n, self._live_rows
+            self._m_seed[lo:hi] = 0
+            self._m_temperature[lo:hi] = 0.0
+            self._m_top_p[lo:hi] = 1.0
+            self._m_top_k[lo:hi] = 0
+            m_tables[lo:hi] = NULL_BLOCK
+            row_seq[lo:hi] = [None] * (hi - lo)
+            row_table[lo:hi] = [None] * (hi - lo)
+            row_blocks[lo:hi] = [0] * (hi - lo)
+        self._live_rows = n
         if width > self.max_blocks:
             raise ValueError(f"a sequence holds {width} blocks, more than max_blocks_per_seq={self.max_blocks}")
-        ints[0, :n] = [r.token_id for r in rows]
-        ints[1, :n] = [r.prev_row for r in rows]
-        ints[2, :n] = [r.position for r in rows]
-        ints[0, n:] = 0
-        ints[1, n:] = -1
-        ints[2, n:] = 0
-        ints[3:, :] = m_ints[:, :b]
-        floats[:, :] = m_floats[:, :b]
-        self._np_tables[slot][: b * width].reshape(b, width)[:] = m_tables[:b, :width]
-        return width
+        lay = DecodeStepLayout(b)
+        buf = self._np_packed[slot]
+        buf[lay.seeds : lay.seeds + 2 * b].view(np.int64)[:] = self._m_seed[:b]
+        buf[lay.temperature : lay.temperature + b].view(np.float32)[:] = self._m_temperature[:b]
+        buf[lay.top_p : lay.top_p + b].view(np.float32)[:] = self._m_top_p[:b]
+        buf[lay.top_k : lay.top_k + b] = self._m_top_k[:b]
+        ids = buf[lay.host_ids : lay.host_ids + b]
+        prev = buf[lay.prev_row : lay.prev_row + b]
+        pos = buf[lay.positions : lay.positions + b]
+        ids[:n] = [r.token_id for r in rows]
+        prev[:n] = [r.prev_row for r in rows]
+        pos[:n] = [r.position for r in rows]
+        ids[n:] = 0
+        prev[n:] = -1
+        pos[n:] = 0
+        buf[lay.width] = width
+        buf[lay.tables : lay.tables + b * width].reshape(b, width)[:] = m_tables[:b, :width]
+        return lay.words(width), width
 
     @torch.inference_mode()
-    def launch(self, rows, variant: str | None = None) -> StepHandle:
+    def launch(self, rows) -> StepHandle:
         """Enqueues one decode step for `rows` (scheduler.DecodeRow) and returns at once on CUDA."""
         t0 = time.perf_counter()
         n = len(rows)
         assert 0 < n <= self.max_bs, f"batch of {n} rows, max_num_seqs={self.max_bs}"
-        variant = variant or choose_variant([r.seq.params for r in rows], self.variants)
         b = self.padded_size(n)
         slot = self._slot
         self._slot ^= 1
-        width = self._prepare(rows, b, slot)
-        graph = self.graphs.get((b, variant)) if self.use_cuda_graph else None
+        words, width = self._prepare(rows, b, slot)
+        graph = self.graphs.get(b) if self.use_cuda_graph else None
         cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if cuda:
             start_ev, end_ev = self._events[slot]
             start_ev.record()
-        self.ints[: _INT_FIELDS * b].copy_(self._host_ints[slot][: _INT_FIELDS * b], non_blocking=True)
-        self.floats[: _FLOAT_FIELDS * b].copy_(self._host_floats[slot][: _FLOAT_FIELDS * b], non_blocking=True)
-        self.block_tables[:b, :width].copy_(self._host_tables[slot][: b * width].view(b, width), non_blocking=True)
-        info = StepInfo(n, b, graph is not None, time.perf_counter() - t0, variant)
+        self.packed[:words].copy_(self._host_packed[slot][:words], non_blocking=True)
+        info = StepInfo(n, b, graph is not None, time.perf_counter() - t0)
         t_launch = time.perf_counter()
         if graph is not None:
             # NOTE: columns >= width of the static block tables may hold stale ids from earlier steps.
             # They are valid block ids, and every kernel masks positions >= context length.
             graph.replay()
         else:
-            self._forward(b, width, variant)
+            self._forward(b, width)
         info.launch_s = time.perf_counter() - t_launch
         self._host_out[slot, :n].copy_(self.out_tokens[:n], non_blocking=True)
         if cuda:

@@ -35,7 +35,7 @@ from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVTransport
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
-from decode_worker.bucketed_graph_runner import VARIANTS, BucketedGraphRunner, StepHandle
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
 from decode_worker.metrics import StepMetrics, StepRecord
 from decode_worker.scheduler import DecodeBatch, DecodeScheduler
 from decode_worker.token_publisher import TokenPublisher
@@ -74,8 +74,7 @@ class DecodeWorker:
         self.graph_runner = BucketedGraphRunner(
             model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
             max_blocks_per_seq=self.spec.blocks_for_tokens(self.max_model_len),
-            buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph, compile_decode=cfg.compile_decode,
-            variants=VARIANTS,
+            buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
         )
         self.graph_runner.capture(progress=capture_progress)
 
@@ -253,7 +252,7 @@ class DecodeWorker:
                                 launched.batch.step)
         self.metrics.record(StepRecord(
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
-            padded_rows=info.bucket - info.batch_size, graph=info.graph, variant=info.variant,
+            padded_rows=info.bucket - info.batch_size, graph=info.graph,
             step_time_s=launched.handle.gpu_time_s, host_time_s=launched.host_s + time.perf_counter() - t0))
         return deltas
 

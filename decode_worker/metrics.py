@@ -38,7 +38,6 @@ class StepRecord:
     bucket: int  # rows computed, padding included
     padded_rows: int
     graph: bool
-    variant: str
     step_time_s: float  # device time of the step (events around copies + replay), CPU: wall time
     host_time_s: float  # schedule + prepare + process outputs + publish, on the loop thread
 

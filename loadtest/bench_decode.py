@@ -1,17 +1,22 @@
-"""Decode-step benchmark on one GPU: eager vs CUDA graphs vs Hugging Face generate.
+"""Decode-step benchmark on one GPU: the default path (CUDA graphs over the fused kernels) vs eager
+vs Hugging Face generate.
 
 Random bf16 weights with the shapes of Llama-3.2-1B and Llama-3.1-8B (built on the GPU from a config,
 nothing downloaded), prompts of 512 tokens, batch sizes 1..256. Per (model, batch, mode) it records
 the median step time, tokens/s and the memory floor: (weights + KV bytes read per step) over the
-device-to-device copy bandwidth measured in the same run. Also: padding waste per bucket policy,
-capture time and memory per bucket, kernel launches per step (torch.profiler), the sampler variants'
-cost, host time per step (schedule + prepare + process + publish) and how much the overlap hides.
+device-to-device copy bandwidth measured in the same run. Graph rows (`mode: "graph"`, the default
+serving path) carry `kernels_per_step`: the kernel nodes of that bucket's captured graph. Also:
+padding waste per bucket policy, capture time and memory per bucket, kernel launches per step
+(torch.profiler), the cost of sampled and top-k/top-p batches against greedy ones, host time per step
+(schedule + prepare + launch + process + publish) and how much the overlap hides, and optionally the
+same step through torch.compile.
 
 The step loop is the decode worker's own (DecodeScheduler + BucketedGraphRunner, step t+1 launched
 before step t's tokens are read), driven here without the worker's thread so that overlap can be
 switched off for comparison.
 
     python -m loadtest.bench_decode [--quick] [--out loadtest/results/decode_h200.json]
+    python -m loadtest.bench_decode --dry-run --out /tmp/decode.json   # CPU, tiny model, seconds
 """
 
 from __future__ import annotations
@@ -62,11 +67,19 @@ SHAPES = {
     "llama-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                            num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                            rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+    # --dry-run: the same code on CPU in seconds.
+    "tiny-shape": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                       rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
 }
+# Sampling parameters of the three kinds of batch the sampler handles (one graph serves all).
+SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.8),
+            "filtered": dict(temperature=0.8, top_k=50, top_p=0.9)}
 
 
 def hf_config_dict(name: str) -> dict:
-    return dict(SHAPES[name], model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+    return dict(SHAPES[name], model_type="llama", architectures=["LlamaForCausalLM"],
+                vocab_size=1024 if name == "tiny-shape" else 128256,
                 hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                 bos_token_id=128000, eos_token_id=128001, dtype="bfloat16")
 
@@ -87,41 +100,48 @@ def median(xs):
 
 
 # -- memory bandwidth ---------------------------------------------------------------------------
-def copy_bandwidth_gbps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+def copy_bandwidth_gbps(device: str, nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Device-to-device copy, counting bytes read plus written (what a decode step's reads compare to)."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    if device != "cuda":
+        nbytes, reps = 64 << 20, 3
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
     times = []
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+        sync(device)
+        t0 = time.perf_counter()
         b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+        sync(device)
+        times.append(time.perf_counter() - t0)
     del a, b
     return 2 * nbytes / median(times) / 1e9
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 # -- the decode loop under test ------------------------------------------------------------------
 class Bench:
-    def __init__(self, name: str, kv_blocks: int, buckets, variants, compile_decode=False):
+    def __init__(self, name: str, kv_blocks: int, buckets, device: str = "cuda"):
         self.name = name
+        self.device = device
         self.arch = arch_of(name)
         torch.manual_seed(0)
-        self.model = random_model(self.arch, torch.bfloat16, "cuda", attention_backend="triton")
+        # Triton attention on the GPU; on CPU (--dry-run) the torch reference, Triton having no CPU backend.
+        backend = "triton" if device == "cuda" else "torch"
+        self.model = random_model(self.arch, torch.bfloat16, device, attention_backend=backend)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.spec = KVCacheSpec.for_model(self.arch, BLOCK_SIZE, kv_blocks, torch.bfloat16)
         # Random KV (never time on zeros); every row attends over its own 512 prompt tokens.
-        self.kv_cache = torch.empty(self.spec.shape, dtype=torch.bfloat16, device="cuda").normal_()
+        self.kv_cache = torch.empty(self.spec.shape, dtype=torch.bfloat16, device=device).normal_()
         self.model.bind_kv_cache(self.kv_cache)
-        kw = dict(block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, max_blocks_per_seq=MAX_MODEL_LEN // BLOCK_SIZE)
-        self.graph = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, variants=variants,
-                                         compile_decode=compile_decode, **kw)
-        self.eager = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, variants=variants,
-                                         use_cuda_graph=False, **kw)
+        self.kw = dict(block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, max_blocks_per_seq=MAX_MODEL_LEN // BLOCK_SIZE)
+        self.graph = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, keep_graphs=True, **self.kw)
+        self.eager = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, use_cuda_graph=False, **self.kw)
 
     def kv_bytes_per_step(self, bs: int) -> int:
         return bs * PROMPT_LEN * self.arch.kv_bytes_per_token(2)
@@ -134,9 +154,9 @@ class Bench:
             sched.on_arrival(s.request_id, 7, ok=True)
         return sched
 
-    def run_loop(self, runner: BucketedGraphRunner, bs: int, steps: int, overlap: bool, variant=None):
+    def run_loop(self, runner: BucketedGraphRunner, bs: int, steps: int, overlap: bool, sampling: str = "greedy"):
         """The worker's loop body. Returns per-step wall, device and host times (seconds)."""
-        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True, **SAMPLING[sampling])
         sched = self.new_scheduler(bs, params)
         inflight = None
         walls, gpus, hosts = [], [], []
@@ -148,7 +168,7 @@ class Bench:
             launched = None
             if step < steps:
                 batch = sched.schedule_decode(step, pipeline_busy=inflight is not None)
-                handle = runner.launch(batch.rows, variant)
+                handle = runner.launch(batch.rows)
                 sched.on_step_launched(batch)
                 launched = (batch, handle, time.perf_counter() - t0)
                 step += 1
@@ -204,6 +224,14 @@ def profile_launches(bench: Bench, runner: BucketedGraphRunner, bs: int) -> dict
             graph_launches += 1
     return {"kernels_per_step": kernels, "host_kernel_launch_calls": api, "graph_launches": graph_launches,
             "memcpy_per_step": memcpy, "kernel_time_us": kernel_us}
+
+
+def compiled_runner(bench: Bench, buckets) -> BucketedGraphRunner:
+    """The same runner with its step function through torch.compile (Inductor fuses whatever is left
+    between the Triton kernels), captured the same way. For comparison only: serving has no compile."""
+    runner = BucketedGraphRunner(bench.model, bench.kv_cache, buckets=buckets, **bench.kw)
+    runner._forward = torch.compile(runner._forward, dynamic=True, fullgraph=False)
+    return runner
 
 
 # -- Hugging Face baseline -----------------------------------------------------------------------
@@ -267,27 +295,40 @@ def hf_step_ms(hf, bs: int, new_tokens: int) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="1B shape only, batch 1 and 64, fewer steps")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, batch 1 and 4: checks the script")
     ap.add_argument("--out", default="loadtest/results/decode_h200.json")
     ap.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--batch-sizes", default=None, help="comma-separated, default " + ",".join(map(str, BATCH_SIZES)))
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd capture (batch 1 and 64)")
+    ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd step (batch 1 and 64)")
+    ap.add_argument("--compile-models", default=None, help="only for these models (comma-separated)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-batch-sizes", default=None, help="HF generate only at these batch sizes")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "the decode benchmark needs a GPU"
+    device = "cpu" if args.dry_run else "cuda"
+    assert args.dry_run or torch.cuda.is_available(), "the decode benchmark needs a GPU (or --dry-run)"
     # 8B first: the optional compile measurement (1B) then runs last, after everything else is saved.
-    models = args.models.split(",") if args.models else (["llama-1b-shape"] if args.quick else
-                                                         ["llama-8b-shape", "llama-1b-shape"])
-    batch_sizes = [1, 64] if args.quick else BATCH_SIZES
-    steps = args.steps or (30 if args.quick else 40)
+    if args.models:
+        models = args.models.split(",")
+    elif args.dry_run:
+        models = ["tiny-shape"]
+    else:
+        models = ["llama-1b-shape"] if args.quick else ["llama-8b-shape", "llama-1b-shape"]
+    if args.batch_sizes:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    else:
+        batch_sizes = [1, 4] if args.dry_run else [1, 64] if args.quick else BATCH_SIZES
+    steps = args.steps or (6 if args.dry_run else 30 if args.quick else 40)
+    hf_sizes = batch_sizes if args.hf_batch_sizes is None else [int(b) for b in args.hf_batch_sizes.split(",")]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
-    copy_gbps = copy_bandwidth_gbps()
+    copy_gbps = copy_bandwidth_gbps(device)
     log(f"device-to-device copy: {copy_gbps:.0f} GB/s")
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-        "prompt_len": PROMPT_LEN, "copy_GBps": copy_gbps, "rows": [], "capture": {}, "launches": {},
-        "host": [], "sampler_variants": [], "compile": [], "errors": [],
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+        "command": " ".join(sys.argv), "prompt_len": PROMPT_LEN, "copy_GBps": copy_gbps, "rows": [], "capture": {},
+        "launches": {}, "host": [], "sampler_variants": [], "compile": [], "errors": [],
         "padding_waste": {p: padding_waste(bucket_sizes(p, MAX_NUM_SEQS), range(1, MAX_NUM_SEQS + 1))
                           for p in ("vllm", "pow2")},
     }
@@ -299,13 +340,13 @@ def main():
     for name in models:
         t_model = time.perf_counter()
         kv_blocks = max(batch_sizes) * ((PROMPT_LEN + steps + 16) // BLOCK_SIZE + 1) + 2
-        bench = Bench(name, kv_blocks, buckets="vllm", variants=("greedy", "sample", "filtered"))
+        bench = Bench(name, kv_blocks, buckets="vllm", device=device)
         log(f"{name}: {bench.weight_bytes / 1e9:.2f} GB of weights, KV pool {kv_blocks} blocks")
         bench.graph.capture(progress=False)
         result["capture"][name] = {
-            "policy": "vllm", "max_num_seqs": MAX_NUM_SEQS, "variants": list(bench.graph.variants),
-            "buckets": len(bench.graph.buckets), "graphs": bench.graph.num_captures,
-            "seconds": bench.graph.capture_seconds, "bytes": bench.graph.capture_bytes,
+            "policy": "vllm", "max_num_seqs": MAX_NUM_SEQS, "buckets": len(bench.graph.buckets),
+            "graphs": bench.graph.num_captures, "seconds": bench.graph.capture_seconds,
+            "bytes": bench.graph.capture_bytes,
             "per_bucket": {str(b): s for b, s in sorted(bench.graph.capture_stats.items())},
         }
         log(f"  captured {bench.graph.num_captures} graphs in {bench.graph.capture_seconds:.1f}s, "
@@ -315,18 +356,26 @@ def main():
             floor_ms = (bench.weight_bytes + bench.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
             for mode, runner in (("graph", bench.graph), ("eager", bench.eager)):
                 try:
-                    walls, gpus, hosts = bench.run_loop(runner, bs, steps if mode == "graph" else max(15, steps // 3),
+                    walls, gpus, hosts = bench.run_loop(runner, bs, steps if mode == "graph" else max(4, steps // 3),
                                                         overlap=True)
                     step_ms = median(walls) * 1e3
                     row = {"model": name, "batch_size": bs, "mode": mode, "step_ms": step_ms,
                            "gpu_step_ms": median(gpus) * 1e3, "floor_ms": floor_ms,
                            "floor_fraction": floor_ms / step_ms, "tokens_per_s": bs / (step_ms / 1e3),
                            "host_us": median(hosts) * 1e6}
+                    if mode == "graph":
+                        b = runner.padded_size(bs)
+                        nodes = runner.kernels_per_step(b) if b in runner.graphs else {}
+                        row["kernels_per_step"] = nodes.get("kernel")
+                        row["kernels_per_layer"] = ((nodes["kernel"] - 6) / bench.arch.num_layers
+                                                    if "kernel" in nodes else None)
+                        row["graph_nodes"] = nodes
                     result["rows"].append(row)
                     log(f"  bs={bs:3d} {mode:5s} step {step_ms:7.3f} ms (gpu {row['gpu_step_ms']:.3f}, floor "
-                        f"{floor_ms:.3f}, {row['floor_fraction']:.0%}) host {row['host_us']:.0f} us")
+                        f"{floor_ms:.3f}, {row['floor_fraction']:.0%}) host {row['host_us']:.0f} us"
+                        + (f", {row['kernels_per_step']} kernels" if mode == "graph" else ""))
                     if mode == "graph":
-                        walls_s, gpus_s, hosts_s = bench.run_loop(runner, bs, steps // 2, overlap=False)
+                        walls_s, gpus_s, hosts_s = bench.run_loop(runner, bs, max(4, steps // 2), overlap=False)
                         result["host"].append({
                             "model": name, "batch_size": bs, "host_us": median(hosts) * 1e6,
                             "step_ms_overlap": step_ms, "step_ms_no_overlap": median(walls_s) * 1e3,
@@ -335,32 +384,33 @@ def main():
                             "exposed_host_us_overlap": max(0.0, median(walls) - median(gpus)) * 1e6,
                             **{f"{k}_us": median(v) * 1e6 for k, v in bench.parts.items()},
                         })
-                        log(f"      host parts (no-overlap run): " + ", ".join(
+                        log("      host parts (no-overlap run): " + ", ".join(
                             f"{k} {median(v) * 1e6:.0f} us" for k, v in bench.parts.items()))
                 except Exception as e:  # noqa: BLE001 - keep the other measurements
                     traceback.print_exc()
                     result["errors"].append(f"{name} bs={bs} {mode}: {e!r}")
             save()
         result["capture"][name]["captures_while_serving"] = bench.graph.num_captures - captures_before
-        for bs in (1, 64):
-            for mode, runner in (("graph", bench.graph), ("eager", bench.eager)):
-                try:
-                    result["launches"][f"{name}/bs{bs}/{mode}"] = profile_launches(bench, runner, bs)
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    result["errors"].append(f"profile {name} {bs} {mode}: {e!r}")
-        for bs in [b for b in (1, 64, 256) if b in batch_sizes]:
-            for v in ("greedy", "sample", "filtered"):
-                walls, gpus, _ = bench.run_loop(bench.graph, bs, max(10, steps // 3), overlap=True, variant=v)
-                result["sampler_variants"].append({"model": name, "batch_size": bs, "variant": v,
+        if device == "cuda":
+            for bs in (1, 64):
+                for mode, runner in (("graph", bench.graph), ("eager", bench.eager)):
+                    try:
+                        result["launches"][f"{name}/bs{bs}/{mode}"] = profile_launches(bench, runner, bs)
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        result["errors"].append(f"profile {name} {bs} {mode}: {e!r}")
+        for bs in [b for b in (1, 4, 64, 256) if b in batch_sizes]:
+            for kind in SAMPLING:
+                walls, gpus, _ = bench.run_loop(bench.graph, bs, max(6, steps // 2), overlap=True, sampling=kind)
+                result["sampler_variants"].append({"model": name, "batch_size": bs, "variant": kind,
                                                    "gpu_step_ms": median(gpus) * 1e3})
-        log(f"  launches: {json.dumps({k: v for k, v in result['launches'].items() if k.startswith(name)})}")
+                log(f"  bs={bs:3d} {kind:8s} batch: gpu {median(gpus) * 1e3:.3f} ms")
         save()
-        if not args.no_hf:
+        if not args.no_hf and device == "cuda":
             try:
                 hf = hf_model_from(bench)
                 del bench.eager
-                for bs in batch_sizes:
+                for bs in [b for b in batch_sizes if b in hf_sizes]:
                     floor_ms = (bench.weight_bytes + bench.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
                     ms = hf_step_ms(hf, bs, 6 if args.quick else 8)
                     result["rows"].append({"model": name, "batch_size": bs, "mode": "hf", "step_ms": ms,
@@ -372,11 +422,10 @@ def main():
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 result["errors"].append(f"hf {name}: {e!r}")
-        if args.compile:
+        if args.compile and device == "cuda" and (args.compile_models is None or name in args.compile_models.split(",")):
             try:
                 t0 = time.perf_counter()
-                cb = BucketedGraphRunner(bench.model, bench.kv_cache, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN // BLOCK_SIZE,
-                                         buckets=(1, 64), variants=("greedy",), compile_decode=True)
+                cb = compiled_runner(bench, buckets=(1, 64))
                 cb.capture(progress=False)
                 compile_s = time.perf_counter() - t0
                 for bs in (1, 64):
@@ -389,6 +438,7 @@ def main():
                                               "gpu_step_ms_plain": plain["gpu_step_ms"], "floor_ms": plain["floor_ms"],
                                               "floor_fraction_compiled": plain["floor_ms"] / (median(walls) * 1e3)})
                     log(f"  compiled bs={bs}: gpu {median(gpus) * 1e3:.3f} ms vs plain {plain['gpu_step_ms']:.3f}")
+                del cb
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 result["errors"].append(f"compile: {e!r}")
@@ -396,7 +446,8 @@ def main():
         log(f"  {name} done in {time.perf_counter() - t_model:.0f}s")
         del bench
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
     save()
     try:

@@ -11,6 +11,11 @@ def pytest_configure(config):
     root = Path(os.environ.setdefault("PDSERVE_HOME", str(Path(config.rootpath) / ".pytest_pdserve_home")))
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if not torch.cuda.is_available():
+        # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
+        # language module decides at import whether @triton.jit functions are interpreted
+        # (tests/triton_interpreter.py then patches the interpreter for NumPy 2.4).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -83,8 +83,6 @@ class ClusterConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
     use_cuda_graph: bool = True
     """Replay decode steps as CUDA graphs (GPU only)."""
-    compile_decode: bool = False
-    """torch.compile the decode step."""
     seed: int = Field(0, ge=0)
     """Seed of the workers' engines."""
 
@@ -233,7 +231,7 @@ class ClusterConfig(BaseModel):
             cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens, max_model_len=self.max_model_len,
             graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,
-            compile_decode=self.compile_decode, seed=self.seed,
+            seed=self.seed,
         )
 
 

@@ -1,7 +1,8 @@
 """The attention backend interface and its registry.
 
-A backend stores the new tokens' K/V into the paged cache and attends over it. The model never sees
-which backend runs: it calls `backend.forward(q, k, v, kv_layer, meta)` for every layer.
+A backend attends over the paged cache. The model never sees which backend runs: it calls
+`backend.plan(meta)` once per forward pass, then `backend.forward(q, k, v, kv_layer, meta)` for every
+layer, after the layer's rotary kernel has written the new tokens' K/V into their cache slots.
 """
 
 from __future__ import annotations
@@ -24,23 +25,21 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Per-pass preparation shared by all layers (e.g. a prefill kernel's work list); the default
+        has none. Must not sync with the device when `meta` is a decode step (it runs under capture)."""
+        return meta
+
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        q: torch.Tensor,  # [T, num_heads, head_dim], possibly a strided view of the fused QKV
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], the new tokens' (already in kv_layer)
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, num_heads, head_dim], contiguous
         ...
-
-    @staticmethod
-    def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write new K/V into their slots. index_copy_ is capturable: no host sync, fixed shapes."""
-        kvh, hd = k.shape[-2], k.shape[-1]
-        kv_layer[0].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-        kv_layer[1].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -16,14 +16,16 @@ import torch
 class AttentionMetadata:
     # [num_tokens] int64: flat cache slot (block * block_size + offset) each new token's K/V goes to.
     slot_mapping: torch.Tensor
-    # [num_seqs, max_blocks] int32: the KV blocks of each sequence, padded with the null block.
+    # [num_seqs, max_blocks] int32 or int64: the KV blocks of each sequence, padded with the null block.
     block_tables: torch.Tensor
-    # [num_seqs] int32: KV length of each sequence after this pass (cached + new tokens).
+    # [num_seqs] int32 or int64: KV length of each sequence after this pass (cached + new tokens).
     context_lens: torch.Tensor
     is_prefill: bool = False
     # Prefill only (host side): new tokens per sequence and KV length per sequence.
     query_lens: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
+    # Set by the backend's plan() once per pass (prefill only): e.g. the Triton kernel's work list.
+    prefill_plan: tuple[torch.Tensor, ...] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -17,13 +17,12 @@ from cluster.attention.metadata import AttentionMetadata
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
-        self.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k, v, kv_layer, meta)
         return self._decode(q, kv_layer, meta)
 
     def _prefill(self, q, k, v, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         block_size = kv_layer.shape[2]
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_host)):

@@ -10,19 +10,24 @@ partial output and its log-sum-exp; a second kernel merges them. The split count
 batch shape (host-static, so a captured graph keeps it); the part length is computed in the kernel
 from the row's context length, so it adapts to the context without recapture.
 
-Sliding window: only the last `window` positions are read. The prefill path delegates to the torch
-reference (prefill is eager and compute-bound; the decode worker only prefills locally).
+Sliding window: only the last `window` positions are read. Prefill runs the packed paged kernel of
+cluster/kernels/prefill_attention.py (one launch per layer for the whole batch); on CPU, where Triton
+only has its interpreter, the torch reference's prefill.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
+from cluster import kernels
 from cluster.attention.backend import register_backend
 from cluster.attention.metadata import AttentionMetadata
 from cluster.attention.torch_ref import TorchAttentionBackend
+from cluster.kernels.prefill_attention import plan_tiles, prefill_attention
 
 BLOCK_N = 64
 MAX_SPLITS = 32
@@ -88,7 +93,7 @@ def _decode_split_kernel(
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=g_ok[:, None])
     else:  # an empty split stores lse = -inf and weighs nothing in the merge
-        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
+        lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         tl.store(MidO + base[:, None] * D + d[None, :], out, mask=g_ok[:, None])
@@ -125,9 +130,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // work)))
 
 
-# NOTE: kept out of torch.compile: its split count is computed from the batch size on the host, which
-# under a dynamic-shape compile would guard on (and recompile for) every bucket. The compiled decode
-# forward breaks around it and the CUDA graph captures both sides alike.
+# NOTE: kept out of torch.compile (serving doesn't compile; loadtest/bench_decode.py times a compiled
+# step for comparison): its split count is computed from the batch size on the host, which under a
+# dynamic-shape compile would guard on (and recompile for) every bucket.
 @torch.compiler.disable
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
@@ -144,7 +149,7 @@ def paged_decode_attention(
     assert k_cache.stride(3) == 1 and q.stride(2) == 1 and head_dim & (head_dim - 1) == 0
     group = num_heads // kv_heads
     splits = num_splits or choose_num_splits(bsz, kv_heads, q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
     if splits > 1:
         mid_o = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -161,7 +166,8 @@ def paged_decode_attention(
         scale, sliding_window or 0,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        # 8 warps at head_dim 128: with 4 the [BLOCK, 128] K/V tiles spill (sm_90 resource report).
+        num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(bsz, num_heads)](
@@ -173,18 +179,20 @@ def paged_decode_attention(
 
 @register_backend("triton")
 class TritonAttentionBackend(TorchAttentionBackend):
-    """Decode through the Triton kernel; store_kv and prefill as the torch reference does them."""
+    """Decode through the split-K kernel, prefill through the packed paged kernel (torch's on CPU)."""
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if not meta.is_prefill or not kernels.enabled(meta.block_tables):
+            return meta
+        return dataclasses.replace(meta, prefill_plan=plan_tiles(meta.query_lens, meta.context_lens_host,
+                                                                   meta.block_tables.device))
 
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
-        if meta.is_prefill:
-            self.store_kv(k, v, kv_layer, meta.slot_mapping)
+        if not meta.is_prefill:
+            return paged_decode_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens,
+                                          self.scale, self.sliding_window)
+        if meta.prefill_plan is None:
             return self._prefill(q, k, v, kv_layer, meta)
-        return self._decode_step(q, k, v, kv_layer, meta)
-
-    # NOTE: outside torch.compile as a whole: the KV write mutates a slice of the cache in place, which
-    # Inductor would otherwise functionalise (a copy of the cache layer per step).
-    @torch.compiler.disable
-    def _decode_step(self, q, k, v, kv_layer, meta: AttentionMetadata):
-        self.store_kv(k, v, kv_layer, meta.slot_mapping)
-        return paged_decode_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens,
-                                      self.scale, self.sliding_window)
+        cu_query_lens, tiles = meta.prefill_plan
+        return prefill_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, cu_query_lens,
+                                 tiles, self.scale, self.sliding_window)

@@ -1,17 +1,24 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each (the loader concatenates the
-checkpoint's weights), which halves the launches of a decode step's linear layers.
-The forward pass takes flat token ids and positions ([num_tokens]) plus an AttentionMetadata, and
-is free of host synchronisation so the decode worker can capture it in a CUDA graph.
+checkpoint's weights). A decoder layer is a handful of kernels, as in nano-vllm and mini-sglang:
+    add+RMSNorm -> QKV matmul -> rotary + KV write -> attention -> O matmul
+    -> add+RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul
+with the residual stream carried between layers beside the hidden state (each norm adds it in). On
+CUDA the non-matmul steps are the Triton kernels of `cluster.kernels`; elsewhere their torch
+references, which are the model's original float32 arithmetic (greedy output equals transformers').
+
+The forward pass takes flat token ids and positions ([num_tokens]) plus an AttentionMetadata, and is
+free of host synchronisation so the decode worker can capture it in a CUDA graph. Each layer writes
+its K/V into the paged cache inside its own forward (per-layer hooks see that layer's KV complete).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from cluster import kernels
 from cluster.attention import AttentionBackend, AttentionMetadata, get_backend
 from cluster.model.config import ModelArchConfig
 from cluster.model.rope import RotaryEmbedding
@@ -23,11 +30,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); or, given the residual stream, (rms_norm(x + residual), x + residual)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -40,14 +47,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.rope = rope
 
-    def forward(self, x, positions, meta: AttentionMetadata, kv_layer: torch.Tensor):
+    def forward(self, positions, x, meta: AttentionMetadata, kv_layer: torch.Tensor):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k.contiguous(), v.contiguous(), kv_layer, meta)
+        q, k, v = kernels.rotary_store_kv(self.qkv_proj(x), positions, self.rope.cos_sin, kv_layer, meta.slot_mapping,
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        out = self.backend.forward(q, k, v, kv_layer, meta)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
@@ -58,8 +62,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -70,9 +73,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, meta, kv_layer):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, hidden, residual, meta, kv_layer):
+        """(hidden, residual) -> (hidden, residual); the layer's input is their sum (residual None:
+        hidden alone, for the first layer). Writes this layer's K/V for the new tokens."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv_layer)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,10 +110,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden]; logits are computed only where needed."""
         assert self.kv_cache is not None, "bind_kv_cache() first"
-        x = self.embed_tokens(input_ids)
+        meta = self.attention_backend.plan(meta)  # once per pass, shared by every layer
+        hidden, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, self.kv_cache[i])
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual, meta, self.kv_cache[i])
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype (the sampler reads any float dtype; no float32 copy of [B, V])."""
+        return self.lm_head(hidden)

@@ -44,7 +44,7 @@ def empty_model(cfg: ModelArchConfig, dtype: torch.dtype, device: str | torch.de
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.build_tables(device)
+    model.rotary.build_tables(device, dtype)
     return model.eval().requires_grad_(False)
 
 

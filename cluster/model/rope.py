@@ -1,7 +1,7 @@
 """Rotary position embedding, including Llama-3's frequency rescaling.
 
-The cos/sin tables are computed once in float32 for every position the model supports, so a decode
-step only gathers rows by position: no per-step trigonometry and no host work.
+The cos/sin table is computed once in float32 for every position the model supports, so a forward
+pass only indexes rows by position: no per-step trigonometry and no host work.
 """
 
 from __future__ import annotations
@@ -36,30 +36,22 @@ def inverse_frequencies(cfg: ModelArchConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table [max_positions, head_dim]: cos of the head_dim/2 frequencies, then their sin.
+
+    Computed once in float32 and stored in the activation dtype (the dtype torch would cast it to per
+    call), so a forward pass only indexes rows by position: no trigonometry, no cast, no host work.
+    Rotating q/k with it is `cluster.kernels.rotary_store_kv`'s job (fused with the KV write)."""
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.max_positions = max_positions or cfg.max_position_embeddings
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.build_tables(None)  # on the default device (meta inside the loader)
 
-    def build_tables(self, device: torch.device | str | None) -> None:
-        """(Re)computes the float32 tables; the loader calls it after materialising a meta-device model."""
+    def build_tables(self, device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> None:
+        """(Re)computes the table; the loader calls it after materialising a meta-device model."""
         inv_freq = inverse_frequencies(self.cfg)
         inv_freq = inv_freq if device is None else inv_freq.to(device)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
-        # [max_pos, head_dim]: both halves repeated, as HF's rotate_half convention expects.
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)

@@ -42,6 +42,20 @@ def test_greedy_tokens_equal_hf_generate(model_dir, hf_model):
     assert engine.allocator.num_used == 0
 
 
+@pytest.mark.gpu
+def test_greedy_tokens_equal_hf_generate_with_the_fused_kernels_on_gpu(model_dir, hf_model):
+    """The GPU path (rotary/KV, norm, SiLU kernels; packed prefill and split-K decode attention) in
+    float32 against transformers on CPU."""
+    prompts = _prompts(0)
+    engine = LLMEngine(model_dir, dtype="float32", device="cuda", attention_backend="triton", max_prefill_tokens=512)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                    do_sample=False, pad_token_id=2)
+        assert list(out.token_ids) == ref[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+
+
 def test_prefill_logits_match_hf(model_dir, hf_model):
     engine = LLMEngine(model_dir, dtype="float32")
     prompts = _prompts(1)[-3:]

@@ -10,7 +10,7 @@ from cluster.model.loader import load_model
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence
-from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_for, bucket_sizes, choose_variant, padding_waste
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_for, bucket_sizes, padding_waste
 from decode_worker.scheduler import DecodeRow
 
 
@@ -32,14 +32,6 @@ def test_padding_waste_of_the_default_policy_is_under_4_percent():
     assert padding_waste(bucket_sizes("vllm", 256), mix) <= 0.04
     assert padding_waste(bucket_sizes("pow2", 256), mix) > 0.2
     assert padding_waste([1, 2, 3], [5, 6]) == 0.0  # above the largest bucket: eager, unpadded
-
-
-def test_variant_choice():
-    g, s, f = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)
-    assert choose_variant([g, g]) == "greedy"
-    assert choose_variant([g, s]) == "sample"
-    assert choose_variant([s, f, g]) == "filtered"
-    assert choose_variant([g], captured=("sample", "filtered")) == "sample"
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def test_padded_rows_write_only_the_null_block_and_match_unpadded_decode(setup):
     kv_before = runner.kv_cache.clone()
     rows = [DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in seqs]
     h = gr.launch(rows)
-    assert (h.info.batch_size, h.info.bucket, h.info.graph, h.info.variant) == (3, 4, False, "greedy")
+    assert (h.info.batch_size, h.info.bucket, h.info.graph) == (3, 4, False)
     tokens = h.tokens()
     # Only the three rows' own slots and the NULL block changed.
     changed = (runner.kv_cache != kv_before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
@@ -88,3 +80,38 @@ def test_padded_rows_write_only_the_null_block_and_match_unpadded_decode(setup):
     tok2 = gr.launch(rows2).tokens()
     ref2 = runner.decode(tokens, [s.num_tokens - 1 for s in seqs], [s.block_table for s in seqs])
     assert tok2 == ref2.argmax(-1).tolist()
+
+
+def test_kernel_path_samples_like_the_reference_path(setup):
+    """The step as the GPU runs it (decode-input, rotary/KV, norm, attention and sampling kernels; on
+    CPU under Triton's interpreter) against the torch references, for greedy, sampled and top-k/top-p
+    rows in one batch, including a row continuing from the previous step's device-side token."""
+    from triton_interpreter import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    from cluster import kernels
+
+    model, spec, runner = setup
+    rng = random.Random(1)
+    seqs, blocks = [], 40
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3),
+              SamplingParams(temperature=1.2, top_k=7, top_p=0.8, seed=4)]
+    for i, p in enumerate(params):
+        n = 10 + 7 * i
+        table = list(range(blocks, blocks + spec.blocks_for_tokens(n + 2)))
+        blocks += len(table)
+        prompt = [rng.randrange(5, 500) for _ in range(n)]
+        runner.prefill([PrefillChunk(prompt, 0, table)])
+        s = Sequence(f"k{i}", prompt, p, seed=100 + i)
+        s.block_table = table
+        seqs.append(s)
+    kv0 = runner.kv_cache.clone()
+    tokens = {}
+    for fused in (False, True):
+        runner.kv_cache.copy_(kv0)
+        gr = BucketedGraphRunner(model, runner.kv_cache, spec.block_size, max_num_seqs=4, max_blocks_per_seq=16)
+        with kernels.use_kernels(fused):
+            first = gr.launch([DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in seqs]).tokens()
+            second = gr.launch([DecodeRow(s, 0, i, s.num_tokens) for i, s in enumerate(seqs)]).tokens()
+        tokens[fused] = (first, second)
+    assert tokens[True] == tokens[False]

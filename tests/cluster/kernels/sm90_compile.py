@@ -1,0 +1,81 @@
+"""Compiles every Triton kernel of the forward pass for sm_90 (H100/H200) without a GPU, with the
+argument types and meta-parameters its launcher uses, and prints one JSON line per kernel with its
+register count and stack bytes (spills) from the resource report of Triton's own cuobjdump.
+
+Run by test_kernels_compile_for_sm90.py in a subprocess: TRITON_INTERPRET must be unset here.
+"""
+
+import json
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cluster.attention import triton_decode
+from cluster.kernels import decode_step_inputs, prefill_attention, rmsnorm, rotary_kv, sampling, silu_mul
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def report(name, fn, types: dict, meta: dict, num_warps: int, num_stages: int = 3):
+    signature = {**types, **{k: "constexpr" for k in meta}}
+    kernel = triton.compile(ASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    fields = dict(item.split(":", 1) for item in next(line for line in usage.splitlines() if "REG:" in line).split()
+                  if ":" in item)
+    print(json.dumps({"kernel": name, "registers": int(fields["REG"]), "stack": int(fields["STACK"]),
+                      "wgmma": "wgmma" in kernel.asm["ptx"]}), flush=True)
+
+
+def main():
+    i32, bf16 = "i32", "*bf16"
+    for hidden, res in ((4096, True), (2048, False)):
+        report(f"rmsnorm/{hidden}/{res}", rmsnorm._rms_norm_kernel,
+               dict(X=bf16, R=bf16, W=bf16, Out=bf16, stride_x=i32, stride_r=i32, stride_o=i32, n=i32, eps="fp32"),
+               dict(HAS_RESIDUAL=res, BLOCK=hidden), num_warps=hidden // 512)
+    for heads, kv_heads, d in ((32, 8, 128), (28, 4, 128)):
+        report(f"rotary_kv/{heads}/{kv_heads}/{d}", rotary_kv._rotary_kv_kernel,
+               dict(QKV=bf16, Pos="*i64", CosSin=bf16, KC=bf16, VC=bf16, Slots="*i64", stride_t=i32, stride_cs=i32,
+                    stride_slot=i32),
+               dict(H=heads, KH=kv_heads, QKP=triton.next_power_of_2(heads + kv_heads),
+                    KP=triton.next_power_of_2(kv_heads), D=d), num_warps=4)
+    report("silu_mul", silu_mul._silu_mul_kernel, dict(GateUp=bf16, Out=bf16, stride_g=i32, stride_o=i32, n=i32),
+           dict(BLOCK=silu_mul.BLOCK), num_warps=4)
+    for d, group, sliding in ((128, 4, False), (128, 8, True), (64, 4, False)):
+        report(f"prefill_attention/{d}/{group}/{sliding}", prefill_attention._prefill_attention_kernel,
+               dict(Q=bf16, KC=bf16, VC=bf16, Out=bf16, BT="*i64", CuQ="*i32", Ctx="*i64", Tiles="*i32",
+                    stride_qt=i32, stride_qh=i32, stride_kb=i32, stride_kt=i32, stride_kh=i32, stride_bt=i32,
+                    stride_ot=i32, stride_oh=i32, num_tiles=i32, scratch_row=i32, scale_log2="fp32", window=i32),
+               dict(G=group, D=d, PAGE=16, BLOCK_M=prefill_attention.BLOCK_M, BLOCK_N=64 if d >= 128 else 128,
+                    SLIDING=sliding, IEEE=False), num_warps=8)
+    report("sampling/first_pass", sampling._first_pass_kernel,
+           dict(Logits=bf16, stride_row=i32, Temp="*fp32", Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32",
+                V=i32), dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK), num_warps=8)
+    report("sampling/finish", sampling._finish_kernel,
+           dict(Logits=bf16, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", Seeds="*i64", Pos="*i64",
+                PartF="*fp32", PartI="*i32", Out="*i64", V=i32, num_chunks=i32),
+           dict(CP=16, BLOCK=sampling.FINISH_BLOCK, NT=16, CUT=24.0, FEW=64, MAX_SEARCH=4), num_warps=8)
+    report("decode_step_inputs", decode_step_inputs._decode_inputs_kernel,
+           dict(Packed="*i32", OutTokens="*i64", Ids="*i64", Pos="*i64", Slots="*i64", Ctx="*i32", NextPos="*i64",
+                Tables="*i32", off_ids=i32, off_prev=i32, off_pos=i32, off_width=i32, off_tables=i32,
+                stride_tables=i32, block_size=i32), dict(BLOCK=256), num_warps=1)
+    for d, splits in ((128, 32), (128, 1), (64, 32)):
+        report(f"decode_attention/{d}/{splits}", triton_decode._decode_split_kernel,
+               dict(Q=bf16, KC=bf16, VC=bf16, BT="*i32", CTX="*i32", MidO="*fp32", MidLse="*fp32", Out=bf16,
+                    stride_qt=i32, stride_qh=i32, stride_kb=i32, stride_kt=i32, stride_kh=i32, stride_bt=i32,
+                    stride_mb=i32, stride_mh=i32, stride_ms=i32, stride_ot=i32, stride_oh=i32, scale="fp32",
+                    window=i32),
+               dict(G=4, GP=16, D=d, PAGE=16, BLOCK=triton_decode.BLOCK_N, NUM_SPLITS=splits, SLIDING=False,
+                    IEEE=False), num_warps=8 if d >= 128 else 4, num_stages=2)
+
+
+if __name__ == "__main__":
+    main()

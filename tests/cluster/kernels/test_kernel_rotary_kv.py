@@ -1,0 +1,65 @@
+"""Rotary + paged KV write kernel against its torch reference (the model's CPU path)."""
+
+import pytest
+import torch
+from triton_interpreter import use_interpreter_without_cuda
+
+use_interpreter_without_cuda()  # before triton is imported
+
+from cluster.kernels import reference  # noqa: E402
+from cluster.kernels.rotary_kv import rotary_store_kv  # noqa: E402
+from cluster.model.config import ModelArchConfig  # noqa: E402
+from cluster.model.rope import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _table(head_dim, dtype, device):
+    cfg = ModelArchConfig(model_type="llama", vocab_size=10, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                          num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5,
+                          max_position_embeddings=8192, rope_theta=500000.0,
+                          rope_scaling=(("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+                                        ("high_freq_factor", 4.0), ("original_max_position_embeddings", 1024)))
+    rope = RotaryEmbedding(cfg)
+    rope.build_tables(device, dtype)
+    return rope.cos_sin
+
+
+def _check(tokens, heads, kv_heads, head_dim, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, page = 2 + -(-tokens // 16) * 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 8192, (tokens,), generator=g).to(device)
+    slots = (torch.randperm(num_blocks * page, generator=g)[:tokens]).to(device)
+    table = _table(head_dim, dtype, device)
+    want_kv = torch.full((2, num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    got_kv = want_kv.clone()
+    wq, wk, wv = reference.rotary_store_kv(qkv.clone(), positions, table, want_kv, slots, heads, kv_heads, head_dim)
+    buf = qkv.clone()
+    q, k, v = rotary_store_kv(buf, positions, table, got_kv, slots, heads, kv_heads, head_dim)
+    assert q.data_ptr() == buf.data_ptr()  # views of the fused row, rotated in place
+    # Bit-exact on the GPU (same roundings); the interpreter truncates to bf16 instead of rounding.
+    tol = dict(rtol=0, atol=0) if device == "cuda" or dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q, wq, **tol)
+    torch.testing.assert_close(k, wk, **tol)
+    torch.testing.assert_close(v, wv, rtol=0, atol=0)
+    written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
+    written[slots] = True
+    for c in (got_kv, want_kv):  # the other slots are still poisoned
+        assert torch.isnan(c.flatten(1, 2)[:, ~written]).all()
+    torch.testing.assert_close(got_kv.flatten(1, 2)[:, written], want_kv.flatten(1, 2)[:, written], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 4, 16), (7, 6, 2, 32), (13, 12, 3, 16), (5, 8, 1, 32)])
+def test_matches_reference(tokens, heads, kv_heads, head_dim, dtype):
+    _check(tokens, heads, kv_heads, head_dim, dtype, DEVICE, seed=tokens * heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (28, 4, 128), (16, 16, 64), (32, 4, 128)])
+@pytest.mark.parametrize("tokens", [1, 64, 2049])
+def test_matches_reference_on_gpu(tokens, heads, kv_heads, head_dim):
+    _check(tokens, heads, kv_heads, head_dim, torch.bfloat16, "cuda", seed=tokens + heads)
