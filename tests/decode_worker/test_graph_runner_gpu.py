@@ -57,7 +57,9 @@ def test_graph_replay_equals_eager_for_every_bucket(demo_model_dir, backend):
             runner.kv_cache.copy_(kv0)
             want = eager.launch(rows).tokens()
             assert got == want, f"batch {len(rows)} ({kind})"
-            torch.testing.assert_close(kv_graph, runner.kv_cache)
+            # float32: the torch backend's eager step gathers only `width` blocks, the graph all of them,
+            # so its sums run in another order (H200: 3 of 16M values off by 1.4e-5).
+            torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=1e-4, atol=1e-4)
     assert graphs.num_captures == len(graphs.buckets)  # one graph per bucket covers every sampling mode
 
 

@@ -38,10 +38,9 @@ def _check(tokens, heads, kv_heads, head_dim, dtype, device, seed):
     buf = qkv.clone()
     q, k, v = rotary_store_kv(buf, positions, table, got_kv, slots, heads, kv_heads, head_dim)
     assert q.data_ptr() == buf.data_ptr()  # views of the fused row, rotated in place
-    # Bit-exact on the GPU (same roundings); the interpreter truncates to bf16 instead of rounding.
-    tol = dict(rtol=0, atol=0) if device == "cuda" or dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
-    if dtype == torch.float32:
-        tol = dict(rtol=1e-6, atol=1e-6)
+    # bf16: within one rounding step. The kernel rotates in float32 and rounds once; the reference rounds
+    # after each bf16 op (and the interpreter truncates), so 1-ulp differences are expected (seen on H200).
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
     torch.testing.assert_close(q, wq, **tol)
     torch.testing.assert_close(k, wk, **tol)
     torch.testing.assert_close(v, wv, rtol=0, atol=0)
