@@ -94,40 +94,56 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
                        max_prefill_tokens=opts.get("budget", 64))
     w = PrefillWorker(worker_id, cfg)
     t = create_transport(spec, w.kv_cache, worker_id, "prefill")
-    send, die_after, slow = t.send, opts.get("die_after_sends"), opts.get("slow", {})
+    begin, die_after, slow = t.begin, opts.get("die_after_sends"), opts.get("slow", {})
     sends = itertools.count(1)
 
-    def snooping_send(res, header, src, timeout_s):
-        # What the prefill computed, captured right before it ships (test only).
-        kv = kv_cache_blocks(w.kv_cache, src).contiguous().view(torch.uint8).numpy().tobytes() if opts.get("ship_kv") else None
-        out_q.put(("kv", header.request_id, block_checksum(w.kv_cache, src), kv))
-        if header.request_id in slow:
-            time.sleep(slow[header.request_id])
-        if die_after is not None and next(sends) > die_after:
-            os._exit(17)  # killed mid-stream: the claim never comes
-        return send(res, header, src, timeout_s)
+    def snooping_begin(todo, layerwise=None):
+        for s in todo:
+            if die_after is not None and next(sends) > die_after:
+                os._exit(17)  # killed mid-stream: the claim never comes
+        sh = begin(todo, layerwise)
+        commit = sh.commit
 
-    t.send = snooping_send
+        def snooping_commit(first_tokens):
+            # What the prefill computed, captured once the forward wrote it (test only).
+            for s in todo:
+                src = list(s.src_block_ids)
+                kv = kv_cache_blocks(w.kv_cache, src).contiguous().view(torch.uint8).numpy().tobytes() if opts.get("ship_kv") else None
+                out_q.put(("kv", s.reservation.request_id, block_checksum(w.kv_cache, src), kv))
+            commit(first_tokens)
+        sh.commit = snooping_commit
+        return sh
+
+    t.begin = snooping_begin
     w.set_transport(t, send_timeout_s=opts.get("send_timeout_s", 10.0))
     w.start()
     out_q.put(("ready", worker_id))
-    futs = []
+    futs, later = [], []  # later: (when, task) held back by `slow` (claimed after the decode's deadline?)
     while True:
         try:
-            item = in_q.get(timeout=0.05)
+            item = in_q.get(timeout=0.01)
         except queue.Empty:
             item = ()
         if item is None:
             break
         if item:
             task, abort_after = item
+            if task.request.request_id in slow:
+                later.append((time.monotonic() + slow[task.request.request_id], task))
+            else:
+                futs.append(w.submit(task))
+                if abort_after is not None:
+                    time.sleep(abort_after)
+                    w.abort(task.request.request_id)
+        for when, task in [x for x in later if x[0] <= time.monotonic()]:
+            later.remove((when, task))
             futs.append(w.submit(task))
-            if abort_after is not None:
-                time.sleep(abort_after)
-                w.abort(task.request.request_id)
         for f in [f for f in futs if f.done()]:
             futs.remove(f)
             out_q.put(("result", f.result()))
+    for when, task in later:
+        time.sleep(max(0.0, when - time.monotonic()))
+        futs.append(w.submit(task))
     for f in futs:
         out_q.put(("result", f.result(timeout=60)))
     out_q.put(("metrics", {k: v for k, v in t.metrics().items() if k != "recent"}))

@@ -1,0 +1,108 @@
+"""The KV transfers' push channel: control messages from prefill workers to a decode worker over ZMQ.
+
+Each decode worker binds one PULL socket (`Inbox`) on the cluster's internal address (or in-process,
+`inproc://`, when the transports rendezvous through an in-process store) and publishes its endpoint in
+the store. A prefill worker connects one PUSH socket (`Outbox`) per decode peer. ZMQ keeps the order of
+one socket's messages, so the decode side sees a pair's messages in the order the prefill sent them:
+that order, not a sequence number, is what matches the payload's sends and receives.
+
+Messages are msgpack maps (no pickle), `{"t": kind, ...}`:
+  "h" hello   prefill -> decode once per pair: forms the payload channel (and warms it up)
+  "b" begin   a bundle of transfers is claimed and its payload follows (receives go up now)
+  "c" commit  the bundle's first tokens (or per-transfer failure); the decode side reports arrivals
+              once the payload has landed too
+  "a" abort   one claimed transfer carries no KV (prefill failed or was aborted before its forward)
+The Inbox also wakes on `wake()` (an os pipe), so the decode side's other threads can hand it work
+without a socket per thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import msgpack
+import zmq
+
+_MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
+
+
+def _context() -> zmq.Context:
+    # One context per process: `inproc://` endpoints only connect sockets of the same context.
+    return zmq.Context.instance()
+
+
+class Inbox:
+    """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`)."""
+
+    def __init__(self, host: str | None, name: str):
+        self._sock = _context().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
+        if host is None:
+            self.endpoint = f"inproc://pdserve-kv/{name}/{id(self)}"
+            self._sock.bind(self.endpoint)
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self.endpoint = f"tcp://{host}:{port}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def recv(self, timeout_s: float) -> list[dict]:
+        """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        out = []
+        while True:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            out.append(msgpack.unpackb(raw))
+
+    def wake(self) -> None:
+        """Any thread: makes a pending or the next recv() return at once."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake is pending anyway) or closed
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Outbox:
+    """Prefill side: the PUSH socket to one decode worker. Thread-safe (one lock per socket)."""
+
+    def __init__(self, endpoint: str):
+        self._sock = _context().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
+        self._sock.connect(endpoint)
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict) -> None:
+        """Queues one message; never blocks. Raises ConnectionError if the peer stopped reading."""
+        raw = msgpack.packb(msg)
+        with self._lock:
+            try:
+                self._sock.send(raw, zmq.NOBLOCK)
+            except zmq.Again:
+                raise ConnectionError(f"{_MAX_QUEUED} control messages queued for a peer that does not read them") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
