@@ -488,7 +488,8 @@ class ControlledTransport(KVTransport):
         if pair is not None:
             pair.dead = why
             for b in bundles:  # decided before the abort: a bundle already complete landed intact
-                if b.completion is None or not b.completion.done():
+                intact = b.completion is not None and b.completion.done() and b.completion.error() is None
+                if not intact or (isinstance(b, _InBundle) and not b.committed):  # it needs its first token too
                     b.failed = f"PeerDeadError: {why}"
             with pair.io:
                 try:
@@ -710,6 +711,8 @@ class ControlledTransport(KVTransport):
         """Waiter thread: this side's payload is done (or the pair died): resolve the futures."""
         seconds = time.monotonic() - b.t_kv
         err = b.failed or b.completion.error()
+        if err is not None:
+            self._mark_dead(b.pair.peer, f"a KV payload failed: {err}")
         with self._lock:
             if b in b.pair.bundles:
                 b.pair.bundles.remove(b)
@@ -898,7 +901,14 @@ class ControlledTransport(KVTransport):
         if err is not None:
             b.failed = f"posting receives failed: {err}"
             self._mark_dead(peer, b.failed)
-        pair.waiter.put(b.completion, self._wake)
+        pair.waiter.put(b.completion, lambda: self._landed(b))
+
+    def _landed(self, b: _InBundle) -> None:
+        """Waiter thread: the bundle's payload is done; a failed one means the pair is broken."""
+        err = b.completion.error()
+        if err is not None:
+            self._mark_dead(b.pair.peer, f"a KV payload failed: {err}")
+        self._wake()
 
     def _on_commit(self, pair: Pair, m: dict) -> None:
         with self._lock:

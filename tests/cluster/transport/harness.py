@@ -95,6 +95,7 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
     w = PrefillWorker(worker_id, cfg)
     t = create_transport(spec, w.kv_cache, worker_id, "prefill")
     begin, die_after, slow = t.begin, opts.get("die_after_sends"), opts.get("slow", {})
+    die_at = opts.get("die_at")  # "layer": killed mid-payload; "commit": payload sent, first token never
     sends = itertools.count(1)
 
     def snooping_begin(todo, layerwise=None):
@@ -102,7 +103,13 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
             if die_after is not None and next(sends) > die_after:
                 os._exit(17)  # killed mid-stream: the claim never comes
         sh = begin(todo, layerwise)
-        commit = sh.commit
+        commit, layer_done = sh.commit, sh.layer_done
+
+        def dying_layer_done(i):
+            if die_at == "layer" and i == 1:
+                os._exit(17)
+            layer_done(i)
+        sh.layer_done = dying_layer_done
 
         def snooping_commit(first_tokens):
             # What the prefill computed, captured once the forward wrote it (test only).
@@ -110,6 +117,9 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
                 src = list(s.src_block_ids)
                 kv = kv_cache_blocks(w.kv_cache, src).contiguous().view(torch.uint8).numpy().tobytes() if opts.get("ship_kv") else None
                 out_q.put(("kv", s.reservation.request_id, block_checksum(w.kv_cache, src), kv))
+            if die_at == "commit":
+                time.sleep(0.5)  # the payload is out (gloo sends from its own threads)
+                os._exit(17)
             commit(first_tokens)
         sh.commit = snooping_commit
         return sh
