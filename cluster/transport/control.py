@@ -29,6 +29,7 @@ with it fails, each only once its completion event says nothing can still write 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import logging
@@ -36,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +58,19 @@ from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_la
 log = logging.getLogger(__name__)
 
 CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
+
+_LIVE: "weakref.WeakSet[ControlledTransport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_transports() -> None:
+    """At exit, before the interpreter stops its daemon threads: one stopped inside a torch call (a
+    store access, an event wait) would be unwound through C++ and abort the process."""
+    for t in list(_LIVE):
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -287,8 +302,9 @@ class _Shipment(Shipment):
         self._kv_done = self._committed = False
 
     def layer_done(self, layer: int) -> None:
-        if self._kv_done or not self.bundles:
-            return
+        if self._kv_done or not any(b.issued < len(b.launches) and launch_last_layer(b.launches[b.issued]) <= layer
+                                    for b in self.bundles):
+            return  # no launch waits for this layer (not layer-wise, or already issued)
         ready = self.t._payload_mark()
         for b in self.bundles:
             self.t._issue_through(b, layer, ready)
@@ -357,6 +373,7 @@ class ControlledTransport(KVTransport):
             self._control.start()
         self._heartbeat = threading.Thread(target=self._beat, name=f"kv-heartbeat-{worker_id}", daemon=True)
         self._heartbeat.start()
+        _LIVE.add(self)
 
     # -- payload hooks ----------------------------------------------------------------------------
     def _setup_payload(self) -> None:
@@ -603,9 +620,13 @@ class ControlledTransport(KVTransport):
             pair.order.acquire()
             try:
                 b = self._open_bundle(store, pair, todo, sh.futures, layerwise)
-            except BaseException:
+            except Exception as e:  # noqa: BLE001 - claims may stand that the decode side never hears of
                 pair.order.release()
-                raise
+                for s in todo:
+                    if not sh.futures[s.reservation.request_id].done():
+                        self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
+                self._mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}")
+                continue
             if b is None:
                 pair.order.release()
             else:

@@ -81,11 +81,11 @@ class TorchDistTransport(ControlledTransport):
     def _form(self, peer: str) -> _Link:
         prefill, decode = (self.worker_id, peer) if self.role == "prefill" else (peer, self.worker_id)
         store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
-        # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
-        # transfer_timeout_s, then we abort the pair ourselves.
-        timeout = datetime.timedelta(seconds=4 * self.spec.transfer_timeout_s)
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
+            # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
+            # transfer_timeout_s, then we abort the pair ourselves.
+            timeout = datetime.timedelta(seconds=4 * self.spec.transfer_timeout_s)
             # 2 = abort the communicator on an error the watchdog finds, but never kill the process
             # (the default, 3, would take a worker down with one dead peer).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -95,6 +95,9 @@ class TorchDistTransport(ControlledTransport):
             pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
             stream = torch.cuda.Stream(self.kv_cache.device)
         else:
+            # gloo fails an op as soon as the peer's socket closes (a dead process), else at this
+            # timeout (a hung one): that is what ends a transfer with a dead gloo peer (see _payload_abort).
+            timeout = datetime.timedelta(seconds=2 * self.spec.transfer_timeout_s)
             host = self.spec.bind_host or local_address_towards(self.spec.store_host or "127.0.0.1", self.spec.store_port)
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -159,8 +162,12 @@ class TorchDistTransport(ControlledTransport):
         self._warm(pair.payload, send=False)
 
     def _payload_abort(self, pair: Pair) -> None:
+        """NCCL: ncclCommAbort ends the kernels in flight, so the pair stream (and the bundles'
+        completion events) move on. gloo: nothing; its abort() neither wakes an op in flight nor lets
+        it see the peer's socket close any more, while left alone the op fails at that close or at the
+        group's timeout."""
         link = pair.payload
-        if link is not None and hasattr(link.pg, "abort"):
+        if link is not None and self.backend == "nccl":
             link.pg.abort()
 
     # -- messages -------------------------------------------------------------------------------------
