@@ -431,6 +431,9 @@ def main(argv=None) -> int:
            "rows": [], "errors": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage: a later one that hangs loses nothing before it
+        (out / "nccl_h200x2.json").write_text(json.dumps(doc, indent=1))
     if "transfer" in stages:
         base = baseline(sizes, shape, backend, devices)
         for path in args.paths.split(","):
@@ -450,12 +453,14 @@ def main(argv=None) -> int:
         print(f"{'path':11} {'tokens':>6} {'ms':>8} {'of baseline':>11} exact")
         for r in doc["rows"]:
             print(f"{r['path']:11} {r['prompt_tokens']:6d} {r['seconds'] * 1e3:8.3f} {100 * r['of_baseline']:10.1f}% {r['exact']}")
+        save()
     if "stall" in stages:
         doc["decode_stall"] = decode_stall(backend, devices, args.stall_model, args.stall_batch, args.stall_seconds,
                                            args.stall_interval_ms / 1e3, args.stall_tokens, args.stall_forward_ms)
+        save()
     if "ttft" in stages:
         doc["ttft_overlap"] = ttft_overlap(backend, devices, args.ttft_model, args.ttft_tokens, args.ttft_reps)
-    (out / "nccl_h200x2.json").write_text(json.dumps(doc, indent=1))
+        save()
     if doc["rows"]:
         plot(doc["rows"], out / "nccl_h200x2.png")
     log(f"wrote {out / 'nccl_h200x2.json'}")

@@ -12,9 +12,9 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu_tests_x2.log" 2>&1
-timeout 180 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider tests/cluster/transport/test_gpu_transfer.py \
+timeout 240 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider tests/cluster/transport/test_gpu_transfer.py \
   tests/cluster/transport/test_block_copy.py >> "$OUT/gpu_tests_x2.log" 2>&1
 echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu_tests_x2.log"))"
-timeout 420 "$PY" loadtest/bench_nccl.py --out "$OUT" > "$OUT/bench_nccl.log" 2>&1
+timeout 360 "$PY" loadtest/bench_nccl.py --out "$OUT" > "$OUT/bench_nccl.log" 2>&1
 echo "bench_nccl: exit $?"
 grep -v "^\s*$" "$OUT/bench_nccl.log" | tail -40

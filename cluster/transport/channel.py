@@ -18,11 +18,14 @@ without a socket per thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import msgpack
 import zmq
+
+log = logging.getLogger(__name__)
 
 _MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
 
@@ -50,6 +53,7 @@ class Inbox:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self.dropped = 0  # frames that were not a control message
 
     def recv(self, timeout_s: float) -> list[dict]:
         """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
@@ -66,7 +70,15 @@ class Inbox:
                 raw = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            out.append(msgpack.unpackb(raw))
+            try:
+                msg = msgpack.unpackb(raw)  # data only: nothing on this socket is ever unpickled
+            except Exception:  # noqa: BLE001 - not msgpack at all
+                msg = None
+            if isinstance(msg, dict) and isinstance(msg.get("t"), str) and isinstance(msg.get("p"), str):
+                out.append(msg)
+            else:
+                self.dropped += 1
+                log.warning("dropped a malformed KV control frame (%d bytes)", len(raw))
 
     def wake(self) -> None:
         """Any thread: makes a pending or the next recv() return at once."""

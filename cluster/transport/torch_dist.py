@@ -44,6 +44,15 @@ from cluster.transport.plan import Launch, plan_item, plan_launches
 _PAIR_RANK = {"prefill": 0, "decode": 1}
 
 
+def _coalescing(pg, method: str, device):
+    """pg._start_coalescing() / pg._end_coalescing() on the backend object (ProcessGroupNCCL binds
+    them without arguments); the ProcessGroup wrapper's binding takes the device instead."""
+    try:
+        return getattr(pg, method)()
+    except TypeError:  # raised by the binding's signature check, before anything ran
+        return getattr(pg, method)(device)
+
+
 @dataclass
 class _Link:
     """One pair's process group and this side's stream and staging ring."""
@@ -119,12 +128,12 @@ class TorchDistTransport(ControlledTransport):
         pg = link.pg
         if self.backend == "nccl":
             dev = self.kv_cache.device
-            pg._start_coalescing(dev)
+            _coalescing(pg, "_start_coalescing", dev)
             try:
                 for m in msgs:
                     (pg.send if send else pg.recv)([m], link.peer_rank, 0)
             finally:
-                work = pg._end_coalescing(dev)
+                work = _coalescing(pg, "_end_coalescing", dev)
             return [work]
         return [(pg.send if send else pg.recv)([m], link.peer_rank, tag) for tag, m in enumerate(msgs)]
 
