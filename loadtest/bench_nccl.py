@@ -76,9 +76,20 @@ def _dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def _request(rid: str, tokens: int, vocab: int, max_tokens: int) -> GenerateRequest:
-    ids = tuple((7 * i + 3) % (vocab - 10) + 5 for i in range(tokens))
+_TOKENIZER_VOCAB = 512  # the demo model's tokenizer, which the decode worker's publisher detokenizes with
+
+
+def _request(rid: str, tokens: int, max_tokens: int) -> GenerateRequest:
+    ids = tuple((7 * i + 3) % (_TOKENIZER_VOCAB - 10) + 5 for i in range(tokens))
     return GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), 0, time.time())
+
+
+def _decodable(model, vocab: int) -> None:
+    """Rows past the tokenizer's vocabulary give logit 0 (as loadtest/make_model.py writes them), so
+    greedy decoding of random weights stays on ids the publisher can detokenize."""
+    with torch.no_grad():
+        model.embed_tokens.weight[vocab:] = 0
+        model.lm_head.weight[vocab:] = 0
 
 
 # -- 1. the baseline: one contiguous buffer, plain send/recv ---------------------------------------
@@ -124,7 +135,7 @@ def baseline(sizes, shape: KVShape, backend: str, devices) -> dict[int, tuple[in
 
 
 # -- 2. decode stall ---------------------------------------------------------------------------------
-def _stall_decode_proc(spec_d, device, shape_name, batch, phase_s, interval_s, tokens, ctl, q, go, done):
+def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done):
     from cluster.model.loader import random_model
     from cluster.worker_config import WorkerConfig
     from decode_worker.decode_worker import DecodeWorker
@@ -135,9 +146,10 @@ def _stall_decode_proc(spec_d, device, shape_name, batch, phase_s, interval_s, t
     arch, dtype = _arch(shape_name), _dtype(device)
     torch.manual_seed(0)
     model = random_model(arch, dtype, device, attention_backend="triton" if cuda else "torch")
+    _decodable(model, _TOKENIZER_VOCAB)
     prompt_len, max_len = 512, 4096
     blocks = batch * (max_len // 16) + 8 * (tokens // 16 + 2) + 2
-    cfg = WorkerConfig(model_dir="", device=device, num_blocks=blocks, max_num_seqs=batch + 16, graph_buckets=(batch,),
+    cfg = WorkerConfig(model_dir=tokenizer_dir, device=device, num_blocks=blocks, max_num_seqs=batch + 16, graph_buckets=(batch,),
                        use_cuda_graph=cuda, max_model_len=max_len, max_prefill_tokens=4096)
     worker = DecodeWorker("d0", cfg, None, model=model, capture_progress=False)
     worker.metrics = StepMetrics(recent=1 << 18)  # every step of the run, not the last 256
@@ -145,7 +157,7 @@ def _stall_decode_proc(spec_d, device, shape_name, batch, phase_s, interval_s, t
     worker.attach_transport(transport)
     q.put(("decode_ready",))
     for i in range(batch):  # the running batch: long generations that never end during the run
-        assert worker.submit_local(_request(f"run{i}", prompt_len, arch.vocab_size, max_len - prompt_len - 1))
+        assert worker.submit_local(_request(f"run{i}", prompt_len, max_len - prompt_len - 1))
     while worker.stats().running < batch:
         worker.poll_token_batches(0.01)
     go.wait(600)  # the prefill process is connected (its start-up does not share the phases)
@@ -157,7 +169,7 @@ def _stall_decode_proc(spec_d, device, shape_name, batch, phase_s, interval_s, t
             worker.poll_token_batches(0.0)
             if mode != "none" and time.monotonic() >= next_at:
                 # max_tokens=1: the arrival finishes the request at once, the batch stays as it is
-                res = worker.reserve(ReserveRequest(_request(f"x{n}", tokens, arch.vocab_size, 1), "p0"))
+                res = worker.reserve(ReserveRequest(_request(f"x{n}", tokens, 1), "p0"))
                 if res is not None:
                     ctl.put((res, tokens, mode == "transfers_layerwise"))
                     sent, n = sent + 1, n + 1
@@ -227,12 +239,15 @@ def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done
 
 
 def decode_stall(backend, devices, shape_name, batch, phase_s, interval_s, tokens, forward_ms) -> dict:
+    from cluster.model.demo import ensure_demo_model
+
+    tokenizer_dir = str(ensure_demo_model())
     store = start_store("127.0.0.1", 0)
     spec = _spec(store, "stall", backend)
     ctx = mp.get_context("spawn")
     q, ctl, go, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     dec = ctx.Process(target=_stall_decode_proc,
-                      args=(spec, devices[1], shape_name, batch, phase_s, interval_s, tokens, ctl, q, go, done))
+                      args=(spec, devices[1], shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done))
     dec.start()
     msg = q.get(timeout=600)
     assert msg[0] == "decode_ready", msg
@@ -284,7 +299,7 @@ def _ttft_prefill_proc(spec_d, device, shape_name, tokens, ctl, q):
     t = create_transport(TransportSpec(**spec_d), w.kv_cache, "p0", "prefill")
     w.set_transport(t)
     t.connect(["d0"])
-    req = _request("probe", tokens, arch.vocab_size, 1)
+    req = _request("probe", tokens, 1)
     blocks = list(range(1, tokens // 16 + 1))
 
     def alone() -> float:  # the same forward and first-token sampling, nothing shipped; wall seconds
@@ -323,7 +338,7 @@ def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q):
     seq, rows = 0, []
     for layerwise in (False, True, False, True):  # alternated: drift over time hits both alike
         for rep in range(reps + 1):  # +1 warm-up
-            req = _request(f"t{seq}", tokens, arch.vocab_size, 1)
+            req = _request(f"t{seq}", tokens, 1)
             res = Reservation(req.request_id, "d0", tuple(range(1, tokens // 16 + 2)), seq)
             t.expect(res, "p0")
             ctl.put((PrefillTask(req, res), layerwise))

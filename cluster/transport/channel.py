@@ -1,4 +1,4 @@
-"""The KV transfers' push channel: control messages from prefill workers to a decode worker over ZMQ.
+"""The KV transfers' push channel: typed control messages from prefill workers to a decode worker, ZMQ.
 
 Each decode worker binds one PULL socket (`Inbox`) on the cluster's internal address (or in-process,
 `inproc://`, when the transports rendezvous through an in-process store) and publishes its endpoint in
@@ -6,14 +6,14 @@ the store. A prefill worker connects one PUSH socket (`Outbox`) per decode peer.
 one socket's messages, so the decode side sees a pair's messages in the order the prefill sent them:
 that order, not a sequence number, is what matches the payload's sends and receives.
 
-Messages are msgpack maps (no pickle), `{"t": kind, ...}`:
-  "h" hello   prefill -> decode once per pair: forms the payload channel (and warms it up)
-  "b" begin   a bundle of transfers is claimed and its payload follows (receives go up now)
-  "c" commit  the bundle's first tokens (or per-transfer failure); the decode side reports arrivals
-              once the payload has landed too
-  "a" abort   one claimed transfer carries no KV (prefill failed or was aborted before its forward)
-The Inbox also wakes on `wake()` (an os pipe), so the decode side's other threads can hand it work
-without a socket per thread.
+Messages are msgspec Structs on msgpack (no pickle), tagged by kind:
+  Hello   once per pair: forms the payload channel (and warms it up)
+  Begin   a bundle of transfers is claimed and its payload follows (receives go up now)
+  Commit  the bundle's first tokens (or per-transfer failure); the decode side reports arrivals
+          once the payload has landed too
+  Abort   one claimed transfer carries no KV (the prefill failed or was aborted before its forward)
+A frame that does not decode as one of them is dropped and counted. The Inbox also wakes on
+`wake()` (an os pipe), so the decode side's other threads hand it work without a socket each.
 """
 
 from __future__ import annotations
@@ -21,13 +21,47 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Union
 
-import msgpack
+import msgspec
 import zmq
 
 log = logging.getLogger(__name__)
 
 _MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
+
+
+class Hello(msgspec.Struct, tag="h"):
+    p: str  # the prefill worker
+    layout: list  # [layers, block_size, kv_heads, head_dim, dtype]: must equal the decode pool's
+    events: list[bytes] = []  # same-GPU: IPC handles of the pair's doorbell events
+
+
+class Begin(msgspec.Struct, tag="b"):
+    p: str
+    b: int  # bundle id, unique per prefill worker
+    layerwise: bool
+    fingerprint: int  # of the plan both sides compute (plan.py)
+    items: list[tuple[int, str, int, bytes]]  # (transfer_seq, request_id, num_tokens, src blocks as <i4)
+
+
+class Commit(msgspec.Struct, tag="c"):
+    p: str
+    b: int
+    tokens: list[int]  # first token per item (-1 where it failed)
+    ok: list[bool]
+    event: int = -1  # same-GPU: the doorbell event recorded after the payload
+
+
+class Abort(msgspec.Struct, tag="a"):
+    p: str
+    seq: int
+    request_id: str
+
+
+Message = Union[Hello, Begin, Commit, Abort]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
 
 
 def _context() -> zmq.Context:
@@ -55,7 +89,7 @@ class Inbox:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.dropped = 0  # frames that were not a control message
 
-    def recv(self, timeout_s: float) -> list[dict]:
+    def recv(self, timeout_s: float) -> list[Message]:
         """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         if self._wake_r in events:
@@ -71,14 +105,10 @@ class Inbox:
             except zmq.Again:
                 return out
             try:
-                msg = msgpack.unpackb(raw)  # data only: nothing on this socket is ever unpickled
-            except Exception:  # noqa: BLE001 - not msgpack at all
-                msg = None
-            if isinstance(msg, dict) and isinstance(msg.get("t"), str) and isinstance(msg.get("p"), str):
-                out.append(msg)
-            else:
+                out.append(_DECODER.decode(raw))  # data only: nothing on this socket is ever unpickled
+            except msgspec.DecodeError:
                 self.dropped += 1
-                log.warning("dropped a malformed KV control frame (%d bytes)", len(raw))
+                log.warning("dropped a KV control frame that is not a control message (%d bytes)", len(raw))
 
     def wake(self) -> None:
         """Any thread: makes a pending or the next recv() return at once."""
@@ -106,9 +136,9 @@ class Outbox:
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         """Queues one message; never blocks. Raises ConnectionError if the peer stopped reading."""
-        raw = msgpack.packb(msg)
+        raw = _ENCODER.encode(msg)
         with self._lock:
             try:
                 self._sock.send(raw, zmq.NOBLOCK)

@@ -45,14 +45,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
-from cluster.transport.channel import Inbox, Outbox
+from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message, Outbox
 from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class _OutBundle:
     issued: int = 0
     payload: Any = None  # the subclass's per-bundle state
     completion: Completion | None = None
-    commit_extra: dict = field(default_factory=dict)
+    commit_event: int = -1
     failed: str | None = None
     t_kv: float = 0.0  # monotonic: the forward finished (the transfer's exposed part starts)
     unlocked: bool = False
@@ -368,7 +368,7 @@ class ControlledTransport(KVTransport):
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
             self._inbox = Inbox(host, f"{self.ns}/{worker_id}")
             info = {"endpoint": self._inbox.endpoint, "layout": self._layout(), "pid": os.getpid(), **self._payload_info()}
-            self._store().set(f"{self.ns}/ctl/{worker_id}", msgpack.packb(info))
+            self._store().set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
         self._heartbeat = threading.Thread(target=self._beat, name=f"kv-heartbeat-{worker_id}", daemon=True)
@@ -388,15 +388,16 @@ class ControlledTransport(KVTransport):
         """The bundle's items and launches; both sides must compute the same."""
 
     @abstractmethod
-    def _payload_prepare(self, pair: Pair, info: dict) -> dict:
-        """Prefill, connecting: per-pair state from the decode side's info; returns hello extras."""
+    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        """Prefill, connecting: per-pair state from the decode side's info; returns the doorbell
+        events' IPC handles the hello carries (same-GPU), or none."""
 
     @abstractmethod
     def _payload_warm(self, pair: Pair) -> None:
         """Prefill, after the hello: form the channel and move one tiny transfer through it."""
 
     @abstractmethod
-    def _payload_accept(self, pair: Pair, hello: dict) -> None:
+    def _payload_accept(self, pair: Pair, hello: Hello) -> None:
         """Decode, on a hello: form the channel and take the tiny transfer."""
 
     @abstractmethod
@@ -404,15 +405,16 @@ class ControlledTransport(KVTransport):
         """Prefill: enqueue one launch once `ready` (an event on the compute stream, or None)."""
 
     @abstractmethod
-    def _payload_seal(self, pair: Pair, b: _OutBundle) -> tuple[Completion, dict]:
-        """Prefill, after the last launch: the bundle's completion, and extras for the commit."""
+    def _payload_seal(self, pair: Pair, b: _OutBundle) -> tuple[Completion, int]:
+        """Prefill, after the last launch: the bundle's completion, and the doorbell event the commit
+        names (same-GPU; else -1)."""
 
     @abstractmethod
     def _payload_post(self, pair: Pair, b: _InBundle) -> tuple[Completion, str | None]:
         """Decode: post the whole bundle's receives; the completion covers whatever was posted, with
         an error if posting failed part way."""
 
-    def _payload_commit(self, pair: Pair, b: _InBundle, msg: dict) -> None:
+    def _payload_commit(self, pair: Pair, b: _InBundle, msg: Commit) -> None:
         """Decode: the commit arrived (same-GPU binds the completion event it names)."""
 
     @abstractmethod
@@ -581,13 +583,13 @@ class ControlledTransport(KVTransport):
             if raw is None:
                 raise TimeoutError(f"decode worker {peer} never published its KV control endpoint "
                                    f"(within transfer_timeout_s={self.spec.transfer_timeout_s})")
-            info = msgpack.unpackb(raw)
+            info = msgspec.msgpack.decode(raw)
             if list(info["layout"]) != self._layout():
                 raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
                                    f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {self._layout()}")
             pair.outbox = Outbox(info["endpoint"])
-            extras = self._payload_prepare(pair, info)
-            pair.outbox.send({"t": "h", "p": self.worker_id, "layout": self._layout(), **extras})
+            events = self._payload_prepare(pair, info)
+            pair.outbox.send(Hello(self.worker_id, self._layout(), events))
             with pair.io:
                 self._payload_warm(pair)
         except Exception as e:
@@ -676,9 +678,9 @@ class ControlledTransport(KVTransport):
         items, launches = self._plan(srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)], lw)
         b = _OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
                        items, launches)
-        msg = {"t": "b", "p": self.worker_id, "b": b.id, "lw": lw, "fp": fingerprint(items, launches),
-               "i": [[s.reservation.transfer_seq, s.reservation.request_id, s.num_tokens,
-                      np.asarray(x, dtype="<i4").tobytes()] for s, x in zip(claimed, srcs)]}
+        msg = Begin(self.worker_id, b.id, lw, fingerprint(items, launches),
+                    [(s.reservation.transfer_seq, s.reservation.request_id, s.num_tokens,
+                      np.asarray(x, dtype="<i4").tobytes()) for s, x in zip(claimed, srcs)])
         with self._lock:
             pair.bundles.append(b)
         try:
@@ -711,7 +713,7 @@ class ControlledTransport(KVTransport):
         b.t_kv = time.monotonic()
         try:
             with b.pair.io:
-                b.completion, b.commit_extra = self._payload_seal(b.pair, b)
+                b.completion, b.commit_event = self._payload_seal(b.pair, b)
         except Exception as e:  # noqa: BLE001
             b.failed = b.failed or f"{type(e).__name__}: {e}"
             b.completion = ReadyCompletion()
@@ -719,8 +721,8 @@ class ControlledTransport(KVTransport):
 
     def _commit(self, b: _OutBundle, first_tokens: Mapping[str, int | None]) -> None:
         toks = [first_tokens.get(s.reservation.request_id) for s in b.sends]
-        msg = {"t": "c", "p": self.worker_id, "b": b.id, "k": [-1 if t is None else int(t) for t in toks],
-               "ok": [t is not None for t in toks], **b.commit_extra}
+        msg = Commit(self.worker_id, b.id, [-1 if t is None else int(t) for t in toks], [t is not None for t in toks],
+                     b.commit_event)
         if b.pair.dead is None:
             try:
                 b.pair.outbox.send(msg)
@@ -770,7 +772,7 @@ class ControlledTransport(KVTransport):
             raise ValueError(f"abort of {request_id} for the reservation of {reservation.request_id}")
         pair = self._pair(reservation.decode_worker_id)
         self._claim(self._store(), reservation, ABORT)
-        pair.outbox.send({"t": "a", "p": self.worker_id, "s": reservation.transfer_seq, "r": request_id})
+        pair.outbox.send(Abort(self.worker_id, reservation.transfer_seq, request_id))
         self._record("send", request_id, 0, 0.0, True, pair.peer)
 
     # -- decode side --------------------------------------------------------------------------------
@@ -849,9 +851,8 @@ class ControlledTransport(KVTransport):
                 try:
                     self._handle(m)
                 except Exception as e:  # noqa: BLE001 - the pair's state is unknown now
-                    log.exception("KV control message %s from %s failed", m.get("t"), m.get("p"))
-                    if m.get("p"):
-                        self._mark_dead(m["p"], f"protocol error on {m.get('t')!r}: {type(e).__name__}: {e}")
+                    log.exception("KV control message %s from %s failed", type(m).__name__, m.p)
+                    self._mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}")
             try:
                 self._run_deadlines(store)
                 if time.monotonic() >= next_live:
@@ -871,11 +872,11 @@ class ControlledTransport(KVTransport):
             soonest = min((e.deadline for e in self._pending.values()), default=now + self.spec.heartbeat_s)
         return max(0.0, min(self.spec.heartbeat_s, soonest - now))
 
-    def _handle(self, m: dict) -> None:
-        kind, peer = m["t"], m["p"]
-        if kind == "h":
-            if list(m["layout"]) != self._layout():
-                raise RuntimeError(f"KV layout mismatch: {peer} has {m['layout']}, this pool {self._layout()}")
+    def _handle(self, m: Message) -> None:
+        peer = m.p
+        if isinstance(m, Hello):
+            if list(m.layout) != self._layout():
+                raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {self._layout()}")
             pair = Pair(peer, self.worker_id)
             with pair.io:
                 self._payload_accept(pair, m)
@@ -886,20 +887,18 @@ class ControlledTransport(KVTransport):
         with self._lock:
             pair = self._pairs.get(peer)
         if pair is None:
-            raise RuntimeError(f"{kind!r} from {peer} before its hello")
+            raise RuntimeError(f"{type(m).__name__} from {peer} before its hello")
         if pair.dead is not None:
             return  # everything of a dead peer has failed already; its late messages change nothing
-        if kind == "b":
+        if isinstance(m, Begin):
             self._on_begin(pair, m)
-        elif kind == "c":
+        elif isinstance(m, Commit):
             self._on_commit(pair, m)
-        elif kind == "a":
-            self._on_abort(pair, m)
         else:
-            raise RuntimeError(f"unknown control message {kind!r}")
+            self._on_abort(pair, m)
 
-    def _on_begin(self, pair: Pair, m: dict) -> None:
-        peer, entries = pair.peer, m["i"]
+    def _on_begin(self, pair: Pair, m: Begin) -> None:
+        peer, entries = pair.peer, m.items
         srcs = [tuple(np.frombuffer(src, dtype="<i4").tolist()) for _, _, _, src in entries]
         with self._lock:
             expects = [self._pending.get((peer, seq)) for seq, *_ in entries]
@@ -908,10 +907,11 @@ class ControlledTransport(KVTransport):
                 raise RuntimeError(f"begin of transfer {seq} ({rid}) that is not expected from {peer}")
             if not 0 < len(src) <= len(e.reservation.block_ids) or -(-ntok // self.block_size) != len(src):
                 raise RuntimeError(f"transfer {seq}: {len(src)} blocks for {ntok} tokens into {len(e.reservation.block_ids)}")
-        items, launches = self._plan(srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)], m["lw"])
-        if fingerprint(items, launches) != m["fp"]:
+        items, launches = self._plan(srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
+                                     m.layerwise)
+        if fingerprint(items, launches) != m.fingerprint:
             raise RuntimeError("the bundle's plan differs between prefill and decode (mismatched code?)")
-        b = _InBundle(m["b"], pair, expects, [x[2] for x in entries], items, launches, time.monotonic())
+        b = _InBundle(m.b, pair, expects, [x[2] for x in entries], items, launches, time.monotonic())
         with self._lock:
             for e in expects:
                 del self._pending[(peer, e.reservation.transfer_seq)]
@@ -931,21 +931,21 @@ class ControlledTransport(KVTransport):
             self._mark_dead(b.pair.peer, f"a KV payload failed: {err}")
         self._wake()
 
-    def _on_commit(self, pair: Pair, m: dict) -> None:
+    def _on_commit(self, pair: Pair, m: Commit) -> None:
         with self._lock:
-            b = next((x for x in pair.bundles if x.id == m["b"]), None)
-        if b is None:
-            raise RuntimeError(f"commit of bundle {m['b']} that is not in flight")
+            b = next((x for x in pair.bundles if x.id == m.b), None)
+        if b is None or len(m.tokens) != len(b.expects) or len(m.ok) != len(b.expects):
+            raise RuntimeError(f"commit of bundle {m.b} that is not in flight (or not of its size)")
         self._payload_commit(pair, b, m)
         with self._lock:
-            b.tokens, b.oks, b.committed = list(m["k"]), list(m["ok"]), True
+            b.tokens, b.oks, b.committed = list(m.tokens), list(m.ok), True
         self._wake()
 
-    def _on_abort(self, pair: Pair, m: dict) -> None:
+    def _on_abort(self, pair: Pair, m: Abort) -> None:
         with self._lock:
-            e = self._pending.pop((pair.peer, m["s"]), None)
-        if e is None or e.reservation.request_id != m["r"]:
-            raise RuntimeError(f"abort of transfer {m['s']} ({m['r']}) that is not expected")
+            e = self._pending.pop((pair.peer, m.seq), None)
+        if e is None or e.reservation.request_id != m.request_id:
+            raise RuntimeError(f"abort of transfer {m.seq} ({m.request_id}) that is not expected")
         res = e.reservation
         self._done_keys.append(self._key(pair.peer, self.worker_id, res.transfer_seq))
         self._record("recv", res.request_id, 0, 0.0, True, pair.peer)

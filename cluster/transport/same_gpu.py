@@ -1,7 +1,7 @@
 """KV payload when prefill and decode share one device: the prefill writes the decode worker's blocks.
 
 The decode worker exports its KV pool once: on CUDA as an IPC handle (`reduce_tensor`), published with
-its control endpoint as msgpack (no pickle); on CPU ("local", tests) by registering the tensor in this
+its control endpoint (msgpack via msgspec, no pickle); on CPU ("local", tests) by registering the tensor in this
 process. The prefill worker maps the pool when the pair connects, creates a ring of interprocess CUDA
 events and sends their handles in the hello; warming the pair runs the copy kernel once (into the NULL
 block, which holds garbage by design), so nothing is compiled during a transfer.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-import msgpack
+import msgspec
 import torch
 
 from cluster.transport.block_copy import copy_blocks
@@ -35,13 +35,13 @@ _EVENTS = 64  # doorbell events per pair
 def export_handle(kv_cache: torch.Tensor, namespace: str, worker_id: str) -> bytes:
     if kv_cache.device.type != "cuda":
         _LOCAL_POOLS[(namespace, worker_id)] = kv_cache
-        return msgpack.packb({"kind": "local", "pid": os.getpid()})
+        return msgspec.msgpack.encode({"kind": "local", "pid": os.getpid()})
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, a = reduce_tensor(kv_cache)
     (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, requires_grad,
      ref_handle, ref_offset, event_handle, event_sync) = a
-    return msgpack.packb({"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
+    return msgspec.msgpack.encode({"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
                           "dtype": str(dtype).removeprefix("torch."), "device": device, "handle": handle,
                           "storage_bytes": storage_bytes, "storage_offset": storage_offset,
                           "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
@@ -49,7 +49,7 @@ def export_handle(kv_cache: torch.Tensor, namespace: str, worker_id: str) -> byt
 
 
 def import_handle(raw: bytes, namespace: str, worker_id: str, local_device: torch.device) -> torch.Tensor:
-    d = msgpack.unpackb(raw)
+    d = msgspec.msgpack.decode(raw)
     if d["kind"] == "local":
         if d["pid"] != os.getpid():
             raise RuntimeError(f"decode worker {worker_id}'s CPU pool lives in another process; the local "
@@ -94,7 +94,7 @@ class SameGPUTransport(ControlledTransport):
         return t
 
     # -- prefill side -----------------------------------------------------------------------------------
-    def _payload_prepare(self, pair: Pair, info: dict) -> dict:
+    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
         pool = import_handle(info["ipc"], self.ns, pair.peer, self.kv_cache.device)
         if tuple(pool.shape[:2]) + tuple(pool.shape[3:]) != tuple(self.kv_cache.shape[:2]) + tuple(self.kv_cache.shape[3:]) \
                 or pool.dtype != self.kv_cache.dtype:
@@ -102,11 +102,11 @@ class SameGPUTransport(ControlledTransport):
                                f"prefill cache {tuple(self.kv_cache.shape)} {self.kv_cache.dtype}")
         if not self.kv_cache.is_cuda:
             pair.payload = _Pool(pool, None, [])
-            return {}
+            return []
         with torch.cuda.device(self.kv_cache.device):
             events = [torch.cuda.Event(blocking=True, interprocess=True) for _ in range(_EVENTS)]
             pair.payload = _Pool(pool, torch.cuda.Stream(self.kv_cache.device), events)
-            return {"ev": [bytes(e.ipc_handle()) for e in events]}
+            return [bytes(e.ipc_handle()) for e in events]
 
     def _payload_warm(self, pair: Pair) -> None:
         p = pair.payload
@@ -130,23 +130,23 @@ class SameGPUTransport(ControlledTransport):
     def _payload_seal(self, pair: Pair, b):
         p = pair.payload
         if p.stream is None:
-            return ReadyCompletion(), {}  # the copies ran on this thread
+            return ReadyCompletion(), -1  # the copies ran on this thread
         k = p.next_event
         p.next_event = (k + 1) % len(p.events)
         ev = p.events[k]
         ev.record(p.stream)
-        return EventCompletion(ev, keep=b.payload), {"e": k}
+        return EventCompletion(ev, keep=b.payload), k
 
     def _payload_abort(self, pair: Pair) -> None:
         """Nothing to tear down: the copies in flight finish on their own (or died with the prefill)."""
 
     # -- decode side ------------------------------------------------------------------------------------
-    def _payload_accept(self, pair: Pair, hello: dict) -> None:
+    def _payload_accept(self, pair: Pair, hello) -> None:
         dev = self.kv_cache.device
-        pair.payload = [torch.cuda.Event.from_ipc_handle(dev, h) for h in hello.get("ev", [])]
+        pair.payload = [torch.cuda.Event.from_ipc_handle(dev, h) for h in hello.events]
 
     def _payload_post(self, pair: Pair, b):
         return DeferredCompletion(), None  # nothing to post: the commit names the event to query
 
-    def _payload_commit(self, pair: Pair, b, msg: dict) -> None:
-        b.completion.bind(EventCompletion(pair.payload[msg["e"]]) if "e" in msg else ReadyCompletion())
+    def _payload_commit(self, pair: Pair, b, msg) -> None:
+        b.completion.bind(EventCompletion(pair.payload[msg.event]) if msg.event >= 0 else ReadyCompletion())

@@ -159,14 +159,14 @@ class TorchDistTransport(ControlledTransport):
         if err is not None:
             raise RuntimeError(f"warm-up transfer failed: {err}")
 
-    def _payload_prepare(self, pair: Pair, info: dict) -> dict:
-        return {}
+    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        return []
 
     def _payload_warm(self, pair: Pair) -> None:
         pair.payload = self._form(pair.peer)
         self._warm(pair.payload, send=True)
 
-    def _payload_accept(self, pair: Pair, hello: dict) -> None:
+    def _payload_accept(self, pair: Pair, hello) -> None:
         pair.payload = self._form(pair.peer)
         self._warm(pair.payload, send=False)
 
@@ -253,13 +253,13 @@ class TorchDistTransport(ControlledTransport):
     def _payload_seal(self, pair: Pair, b):
         link, io = pair.payload, b.payload or _BundleIO({})
         if link.stream is None:
-            return HostCompletion([(io.works, [])], io.keep), {}
+            return HostCompletion([(io.works, [])], io.keep), -1
         with self._on(link):
             for w in io.works:
                 w.wait()
             ev = torch.cuda.Event(blocking=True)
             ev.record(link.stream)
-        return EventCompletion(ev, io.works, io.keep), {}
+        return EventCompletion(ev, io.works, io.keep), -1
 
     # -- decode side ------------------------------------------------------------------------------------
     def _payload_post(self, pair: Pair, b):

@@ -11,7 +11,7 @@ import torch
 
 from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVSend
-from cluster.transport.channel import Inbox, Outbox
+from cluster.transport.channel import Abort, Begin, Inbox, Outbox
 from cluster.transport.factory import TransportSpec, create_transport, store_factory
 
 BS = 4  # tokens per block in these caches
@@ -41,12 +41,13 @@ def test_inbox_keeps_each_senders_order_and_wakes_up():
     inbox = Inbox(None, "order-test")
     a, b = Outbox(inbox.endpoint), Outbox(inbox.endpoint)
     for i in range(200):
-        (a if i % 3 else b).send({"t": "x", "p": "a" if i % 3 else "b", "i": i})
+        (a if i % 3 else b).send(Abort("a" if i % 3 else "b", i, f"r{i}"))
     got, deadline = [], time.monotonic() + 5
     while len(got) < 200 and time.monotonic() < deadline:
         got += inbox.recv(0.1)
+    assert all(isinstance(m, Abort) for m in got) and inbox.dropped == 0
     for peer in "ab":
-        seq = [m["i"] for m in got if m["p"] == peer]
+        seq = [m.seq for m in got if m.p == peer]
         assert seq == sorted(seq) and len(seq) == sum(1 for i in range(200) if (i % 3 != 0) == (peer == "a"))
     threading.Timer(0.05, inbox.wake).start()
     t0 = time.monotonic()
@@ -196,8 +197,7 @@ def test_a_begin_nobody_expects_breaks_only_that_pair():
     tp.connect(["d"])
     res = Reservation("r", "d", (3,), 0)
     td.expect(res, "p")
-    tp._pairs["d"].outbox.send({"t": "b", "p": "p", "b": 999, "lw": False, "fp": 0,
-                                "i": [[7, "ghost", BS, b"\x01\x00\x00\x00"]]})
+    tp._pairs["d"].outbox.send(Begin("p", 999, False, 0, [(7, "ghost", BS, b"\x01\x00\x00\x00")]))
     (a,) = _wait(td, 1)
     assert a.reservation == res and "protocol error" in a.error and not dst[:, :, 1:].any()
     with pytest.raises(TimeoutError, match="gave up"):
