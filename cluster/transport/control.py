@@ -14,17 +14,22 @@ only, never anything a transfer waits for:
 Everything else travels on the push channel (channel.py), prefill -> decode, in order per pair.
 
 One shipment (what one prefill forward sends): `begin` before the forward claims each transfer and
-pushes "b" (one bundle per decode peer); the decode side posts its receives for the whole bundle on the
-pair's own CUDA stream at once. Each launch of the plan is issued on the prefill's pair stream once the
-layers it carries are computed (a CUDA event recorded by a forward hook on the compute stream: neither
-stream ever waits for the other's work beyond that). After sampling, `commit` pushes "c" with the first
-tokens. The decode loop reports a transfer from poll_arrivals() once "c" arrived and a query() of the
-bundle's completion event says the payload landed: it never waits on a transfer. A waiter thread per
-pair blocks on that event only to wake the loop (or, prefill side, to free the source blocks).
+pushes a Begin (one bundle per decode peer); the decode side posts its receives for the whole bundle
+on the pair's own CUDA stream at once. Each launch of the plan is issued on the prefill's pair stream
+once the layers it carries are computed (a CUDA event recorded by a forward hook on the compute stream:
+neither stream ever waits for the other's work beyond that). After sampling, `commit` pushes a Commit
+with the first tokens. The decode loop reports a transfer from poll_arrivals() once the Commit arrived
+and a query() of the bundle's completion (completion.py) says the payload landed: it never waits on a
+transfer. A waiter thread per pair blocks on that completion only to wake the loop (or, prefill side,
+to free the source blocks).
 
 Failure: a peer whose heartbeat stalls peer_timeout_s, a claimed transfer silent for transfer_timeout_s,
 or a payload error marks the peer dead: its channel is aborted (NCCL: ncclCommAbort) and every transfer
-with it fails, each only once its completion event says nothing can still write the blocks.
+with it fails, each only once its completion says nothing can still write the blocks.
+
+Threads: (both) a heartbeat thread, which on the prefill side also watches the peers of transfers in
+flight; one waiter per pair; (decode) the control thread, which owns the inbox, posts receives and runs
+deadlines, cancels and liveness checks.
 """
 
 from __future__ import annotations
