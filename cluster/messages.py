@@ -44,8 +44,8 @@ class ReserveRequest:
 class Reservation:
     """Decode worker -> router: blocks reserved for the prompt (+1 slot for the first decode step).
 
-    `transfer_seq` numbers transfers per (prefill, decode) pair; both transfer threads work
-    through them in order, which is what keeps point-to-point sends and receives matched.
+    `transfer_seq` numbers transfers per (prefill, decode) pair: it names the transfer in the
+    claim/cancel compare-and-set that decides who owns the blocks (cluster/transport/control.py).
     """
 
     request_id: str
@@ -64,7 +64,8 @@ class PrefillTask:
 
 @dataclass(frozen=True)
 class KVHeader:
-    """Prefill -> decode, ahead of (or instead of) the KV payload of one transfer."""
+    """What the decode side learns of one transfer (the begin and commit control messages): which
+    request, how many tokens, the first token, or that no KV comes (ok=False)."""
 
     request_id: str
     transfer_seq: int

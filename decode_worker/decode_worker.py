@@ -32,7 +32,7 @@ from cluster.model_runner import ModelRunner
 from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
 from cluster.tokenizer import load_tokenizer
-from cluster.transport.base import KVTransport
+from cluster.transport.base import KVReceiver
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
@@ -82,13 +82,14 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
         self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
-        self.transport: KVTransport | None = None
+        self.transport: KVReceiver | None = None
 
         self._lock = threading.RLock()  # reentrant: the loop drains under it
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._transfer_seq: dict[str, int] = defaultdict(int)  # per prefill peer
-        self._expected: set[str] = set()  # request ids a transfer may still land for
+        self._expected: dict[str, tuple[Reservation, str]] = {}  # request id -> (reservation, prefill peer) of
+        # the transfers that may still land
         self._outbox: list[TokenDelta] = []  # deltas from outside the loop (aborts), published next step
         self._step = 0
         self._last_step_info = (0.0, 0, 0, -1)  # (step time, batch size, bucket, step) of the last finished step
@@ -99,10 +100,12 @@ class DecodeWorker:
             self._thread.start()
 
     # -- transport --------------------------------------------------------------------------------
-    def attach_transport(self, transport: KVTransport) -> None:
-        """Binds the KV transport (built over `self.kv_cache`); reserve() then calls its expect()."""
+    def attach_transport(self, transport: KVReceiver) -> None:
+        """Binds the KV transport (built over `self.kv_cache`); reserve() then calls its expect(). The
+        transport wakes the loop when an arrival may be ready, so an idle loop notices it at once."""
         with self._lock:
             self.transport = transport
+        transport.set_wakeup(self._wake.set)
 
     # -- API for the router and gateway (any thread) ----------------------------------------------
     def _make_sequence(self, req: GenerateRequest) -> Sequence:
@@ -143,7 +146,7 @@ class DecodeWorker:
             if self.transport is not None:
                 # Under the lock so that expect() calls reach the transport in transfer_seq order.
                 self.transport.expect(res, peer)
-                self._expected.add(seq.request_id)
+                self._expected[seq.request_id] = (res, peer)
         return res
 
     def submit_local(self, req: GenerateRequest) -> bool:
@@ -163,9 +166,13 @@ class DecodeWorker:
     def abort(self, request_id: str) -> None:
         """Drops the request (the router gave up on it, or its publisher matched a stop string)."""
         with self._lock:
-            pending = request_id in self._expected
-            if self.scheduler.abort(request_id, transfer_pending=pending):
+            pending = self._expected.get(request_id)
+            if self.scheduler.abort(request_id, transfer_pending=pending is not None):
                 self._outbox.append(TokenDelta(request_id, (), "abort"))  # ends its publisher state
+            if pending is not None:
+                # Unclaimed, it is cancelled now and its blocks come back with the (failed) arrival;
+                # claimed, it lands first.
+                self.transport.cancel(*pending)
         self._wake.set()
 
     def stats(self) -> WorkerStats:
@@ -262,7 +269,7 @@ class DecodeWorker:
         deltas = []
         for a in self.transport.poll_arrivals():
             rid = a.reservation.request_id
-            self._expected.discard(rid)
+            self._expected.pop(rid, None)
             ok = a.error is None and a.header is not None and a.header.ok
             first = a.header.first_token if ok else None
             d = self.scheduler.on_arrival(rid, first, ok, a.error)

@@ -1,9 +1,10 @@
-"""LoopbackTransport: a KVTransport within one process, between two caches on the same device.
+"""LoopbackTransport: a KVReceiver within one process, fed by a test through `send`.
 
 The real transports (torch.distributed p2p, same-GPU IPC) live in cluster/transport/. This one keeps
-their protocol (expect before send, arrivals through poll_arrivals, failed transfers as arrivals
-with ok=False) with a plain tensor copy, so the decode worker can be tested end to end on CPU: a test
-prefills with a cluster.model_runner.ModelRunner over its own cache, then `send`s the blocks.
+their decode-side protocol (expect before send, arrivals through poll_arrivals, failed and cancelled
+transfers as arrivals with an error, a wake-up per arrival) with a plain tensor copy, so the decode
+worker can be tested end to end on CPU: a test prefills with a cluster.model_runner.ModelRunner over
+its own cache, then `send`s the blocks.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import time
 import torch
 
 from cluster.messages import KVHeader, Reservation
-from cluster.transport.base import KVArrival, KVTransport, TransferStats
+from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 
 
-class LoopbackTransport(KVTransport):
+class LoopbackTransport(KVReceiver):
     def __init__(self, src_kv_cache: torch.Tensor | None, dst_kv_cache: torch.Tensor):
         self.src = src_kv_cache
         self.dst = dst_kv_cache
@@ -25,6 +26,12 @@ class LoopbackTransport(KVTransport):
         self._expected: dict[str, Reservation] = {}
         self._arrivals: list[KVArrival] = []
         self.expect_order: list[tuple[str, int]] = []  # (prefill peer, transfer_seq), for tests
+        self.cancelled: list[str] = []  # request ids, for tests
+        self._claimed: set[str] = set()
+        self._wake = lambda: None
+
+    def set_wakeup(self, wake) -> None:
+        self._wake = wake
 
     def expect(self, reservation: Reservation, prefill_worker_id: str) -> None:
         with self._lock:
@@ -54,6 +61,7 @@ class LoopbackTransport(KVTransport):
         with self._lock:
             self._expected.pop(reservation.request_id, None)
             self._arrivals.append(KVArrival(reservation, header, stats, None if header.ok else "prefill aborted"))
+        self._wake()
         return stats
 
     def fail(self, reservation: Reservation, error: str) -> None:
@@ -61,6 +69,21 @@ class LoopbackTransport(KVTransport):
         with self._lock:
             self._expected.pop(reservation.request_id, None)
             self._arrivals.append(KVArrival(reservation, None, TransferStats(0, 0.0), error))
+        self._wake()
+
+    def claim(self, reservation: Reservation) -> None:
+        """The test's prefill side claims the transfer: a cancel can no longer stop it from landing."""
+        with self._lock:
+            self._claimed.add(reservation.request_id)
+
+    def cancel(self, reservation: Reservation, prefill_worker_id: str) -> None:
+        """An unclaimed transfer arrives cancelled at once; a claimed one still lands (or fails)."""
+        with self._lock:
+            if reservation.request_id in self._claimed or self._expected.pop(reservation.request_id, None) is None:
+                return
+            self.cancelled.append(reservation.request_id)
+            self._arrivals.append(KVArrival(reservation, None, TransferStats(0, 0.0), "cancelled by the decode worker"))
+        self._wake()
 
     def poll_arrivals(self) -> list[KVArrival]:
         with self._lock:

@@ -1,13 +1,23 @@
-"""KV transfer benchmark for the Llama-3.1-8B KV shape (bf16, 32 layers, 8 KV heads, head_dim 128).
+"""KV transfer benchmark, Llama-3.1-8B KV shape by default (bf16, 32 layers, 8 KV heads, head_dim 128).
 
-Per path (same_gpu: CUDA IPC write into the decode pool; gloo: host-staged torch.distributed; nccl: GPU
-to GPU, needs 2 GPUs) and prompt length: bytes, seconds (prefill-side `send`, claim to landed), GB/s,
-the plain device-to-device copy bandwidth of the same bytes measured in the same run (copy_GBps), and
-the share of TTFT spent in transfer (8B-shape prefill timed with random weights, unless --no-prefill).
-Prefill and decode run in two processes (torch.multiprocessing spawn) sharing one TCPStore; no Ray.
+Prefill and decode run in two processes (torch.multiprocessing spawn) sharing one TCPStore, each with
+its real transport; no Ray. Per path and prompt length, one row:
+  bytes, seconds       KV ready on the prefill side (its `kv_done`) -> the decode process saw the
+                       arrival (poll_arrivals after its wake-up); both processes read CLOCK_MONOTONIC.
+  GBps                 bytes / seconds (bytes moved once)
+  send_s               the prefill side alone: KV ready -> its payload done (source blocks reusable)
+  claim_s              the store compare-and-set that claims the transfer; the prefill worker makes it
+                       before the prompt's forward, so it is not part of `seconds`
+  copy_GBps            a plain contiguous device-to-device copy of the same bytes, same process and run
+  copy_kernel_GBps     same_gpu: the fused block-copy kernel alone, prefill cache -> another cache
+  exact                the decode side's per-block checksums equal the prefill's
+  prefill_s, ttft_transfer_share   8B prefill of that length (random weights) and seconds / (prefill + seconds)
+Paths: same_gpu (CUDA IPC + fused copy, one GPU), gloo (CPU caches), nccl (two GPUs, default plan),
+nccl_direct / nccl_staged (the plan forced to in-place messages / to staging, for comparison).
 
-    python loadtest/bench_transfer.py --out loadtest/results            # one GPU: same_gpu + gloo
-    python loadtest/bench_transfer.py --paths nccl --decode-device cuda:1  # two GPUs (bench_nccl.py)
+    python loadtest/bench_transfer.py --out loadtest/results                 # one GPU: same_gpu
+    python loadtest/bench_transfer.py --dry-run --out /tmp/x                 # CPU: gloo, tiny shape
+    python loadtest/bench_nccl.py --out loadtest/results                     # two GPUs (uses run_path)
 """
 
 from __future__ import annotations
@@ -16,7 +26,9 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,27 +36,65 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.messages import KVHeader, Reservation  # noqa: E402
+from cluster.messages import Reservation  # noqa: E402
+from cluster.transport.base import KVSend  # noqa: E402
+from cluster.transport.block_copy import copy_blocks  # noqa: E402
 from cluster.transport.control import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
-from cluster.transport.same_gpu import copy_blocks  # noqa: E402
+from loadtest.report import percentile  # noqa: E402
 
-L, KVH, HD, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+@dataclass(frozen=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def bytes_for(self, tokens: int) -> int:
+        return tokens // self.block_size * self.layers * 2 * self.block_size * self.kv_heads * self.head_dim \
+            * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def describe(self) -> str:
+        return f"L{self.layers} kvh{self.kv_heads} hd{self.head_dim} bs{self.block_size} {self.dtype}"
+
+
+KV_SHAPES = {
+    "llama-8b": KVShape(32, 8, 128, 16, "bfloat16"),
+    "llama-1b": KVShape(16, 8, 64, 16, "bfloat16"),
+    "tiny": KVShape(4, 2, 16, 16, "float32"),  # CPU dry runs
+}
+PATH_SPECS = {  # path -> (transport kind, backend, spec overrides)
+    "same_gpu": ("same_gpu", "gloo", {}),
+    "gloo": ("torch_dist", "gloo", {}),
+    "nccl": ("torch_dist", "nccl", {}),
+    "nccl_direct": ("torch_dist", "nccl", {"direct_min_bytes": 0}),
+    "nccl_staged": ("torch_dist", "nccl", {"direct_min_bytes": 1 << 62}),
+}
+
+
 def block_sums(cache: torch.Tensor, blocks: list[int]) -> list[int]:
-    b = cache[:, :, blocks].contiguous().view(torch.int16).to(torch.int64)
+    b = cache[:, :, blocks].contiguous().view(torch.uint8).to(torch.int64)
     return b.transpose(0, 2).reshape(len(blocks), -1).sum(-1).tolist()
 
 
-def _cache(num_blocks: int, device: str, seed: int) -> torch.Tensor:
+def _cache(shape: KVShape, num_blocks: int, device: str, seed: int) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn((L, 2, num_blocks, BS, KVH, HD), generator=g, device=device, dtype=torch.float32).to(DTYPE)
+    t = torch.randn((shape.layers, 2, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim), generator=g,
+                    device=device, dtype=torch.float32).to(shape.torch_dtype)
+    t[:, :, 0] = 0  # the NULL block, as in a real cache
+    return t
 
 
 def _plan(sizes, reps):
-    """(seq, tokens, rep) for every transfer, identical on both sides; dst blocks are 1..n (contiguous)."""
+    """(seq, tokens, rep) for every transfer, identical on both sides; dst blocks are 1..n+1."""
     out, seq = [], 0
     for n in sizes:
         for r in range(reps(n) + 1):  # +1 warm-up
@@ -53,76 +103,98 @@ def _plan(sizes, reps):
     return out
 
 
-def _reps(path):
+def _reps(path, quick=False):
+    if quick:
+        return lambda n: 2
     return (lambda n: 3 if n >= 4096 else 5) if path == "gloo" else (lambda n: 20 if n <= 2048 else 10)
 
 
-def decode_proc(spec_d: dict, device: str, sizes, path, q):
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+def _device(d: str) -> str:
+    """First thing in a child process: "cuda:N" -> that GPU alone, seen as cuda:0 (as a Ray actor sees
+    its GPU), so threads that use the current device (a DecodeWorker's loop) use the right one."""
+    if d.startswith("cuda"):
+        index = torch.device(d).index or 0
+        assert not torch.cuda.is_initialized(), "pick the GPU before CUDA starts in this process"
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+        torch.cuda.set_device(0)
+        return "cuda:0"
+    torch.set_num_threads(1)  # CPU dry runs: two processes' OpenMP pools spin-waiting swamp every latency
+    return d
+
+
+def decode_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q):
+    device = _device(device)
     spec = TransportSpec(**spec_d)
-    nb = max(sizes) // BS + 2
-    pool = torch.zeros((L, 2, nb, BS, KVH, HD), dtype=DTYPE, device=device)
+    nb = max(sizes) // shape.block_size + 2
+    pool = torch.zeros((shape.layers, 2, nb, shape.block_size, shape.kv_heads, shape.head_dim),
+                       dtype=shape.torch_dtype, device=device)
     t = create_transport(spec, pool, "d0", "decode")
-    plan = _plan(sizes, _reps(path))
+    wake = threading.Event()
+    t.set_wakeup(wake.set)
+    plan = _plan(sizes, _reps(path, quick))
     for seq, n, _ in plan:
-        blocks = list(range(1, n // BS + 2))
-        t.expect(Reservation(f"r{seq}", "d0", tuple(blocks), seq), "p0")
-    got, sums, deadline = 0, {}, time.monotonic() + 300
-    while got < len(plan) and time.monotonic() < deadline:
+        t.expect(Reservation(f"r{seq}", "d0", tuple(range(1, n // shape.block_size + 2)), seq), "p0")
+    q.put(("decode_ready",))
+    landed, sums, deadline = {}, {}, time.monotonic() + 600
+    while len(landed) < len(plan) and time.monotonic() < deadline:
+        wake.wait(0.1)
+        wake.clear()
         for a in t.poll_arrivals():
-            got += 1
+            seq = a.reservation.transfer_seq
+            landed[seq] = time.monotonic()
             if a.error:
                 q.put(("error", f"decode: {a.reservation.request_id}: {a.error}"))
-            seq = a.reservation.transfer_seq
             n = plan[seq][1]
             if plan[seq][2] == 1:  # first measured rep of each size: check exactness
-                sums[n] = block_sums(pool, list(a.reservation.block_ids[: n // BS]))
-        time.sleep(0.0005)
-    q.put(("decode_sums", sums))
-    q.put(("decode_metrics", {k: v for k, v in t.metrics().items() if k != "recent"}))
+                sums[n] = block_sums(pool, list(a.reservation.block_ids[: n // shape.block_size]))
+    q.put(("decode", landed, sums, {k: v for k, v in t.metrics().items() if k != "recent"}))
     time.sleep(1.0)
     t.close()
 
 
-def prefill_proc(spec_d: dict, device: str, sizes, path, q):
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q, go):
+    device = _device(device)
     spec = TransportSpec(**spec_d)
-    nb = max(sizes) // BS + 2
-    src = _cache(nb, device, seed=1)
+    nb = max(sizes) // shape.block_size + 2
+    src = _cache(shape, nb, device, seed=1)
     t = create_transport(spec, src, "p0", "prefill")
+    go.wait()  # the decode side expects every transfer
+    connect_s = t.connect(["d0"])["d0"]
     rows, sums = [], {}
-    for seq, n, rep in _plan(sizes, _reps(path)):
-        blocks = list(range(1, n // BS + 1))
-        dst = tuple(range(1, n // BS + 2))
+    for seq, n, rep in _plan(sizes, _reps(path, quick)):
+        blocks = tuple(range(1, n // shape.block_size + 1))
+        res = Reservation(f"r{seq}", "d0", tuple(range(1, n // shape.block_size + 2)), seq)
         if rep == 1:
-            sums[n] = block_sums(src, blocks)
+            sums[n] = block_sums(src, list(blocks))
         if src.is_cuda:
             torch.cuda.synchronize()
-        st = t.send(Reservation(f"r{seq}", "d0", dst, seq), KVHeader(f"r{seq}", seq, n, 7), blocks, 60.0)
-        if rep > 0:
-            rows.append((n, st.bytes, st.seconds))
-    # The copy ceiling for the same bytes, in this process, same run: a plain contiguous D2D copy.
-    copy = {}
-    for n in sizes:
-        nbytes = n // BS * L * 2 * BS * KVH * HD * 2
-        a = torch.empty(nbytes // 2, dtype=DTYPE, device=device).normal_()
+        c0 = time.monotonic()
+        sh = t.begin([KVSend(res, n, blocks)], layerwise=False)  # the worker claims before the forward
+        t0 = time.monotonic()
+        sh.kv_done()
+        sh.commit({res.request_id: 7})
+        st = sh.futures[res.request_id].result(timeout=120)
+        t1 = time.monotonic()
+        rows.append((seq, n, rep, st.bytes, t0 - c0, t0, t1 - t0))
+    copy, kernel = {}, {}
+    for n in sizes:  # the copy ceiling for the same bytes, this process, same run
+        nbytes = shape.bytes_for(n)
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device)
         b = torch.empty_like(a)
-        copy[n] = nbytes / _time_cuda(lambda: b.copy_(a))
-    kernel = {}
-    if path == "same_gpu":  # the transport's copy kernel alone (no control plane), into our own cache
-        dst_cache = torch.empty_like(src)
-        for n in sizes:
-            ids = list(range(1, n // BS + 1))
-            kernel[n] = n // BS * t.bytes_per_block / _time_cuda(lambda: copy_blocks(dst_cache, ids, src, ids))
-    q.put(("prefill", rows, sums, copy, kernel))
+        copy[n] = nbytes / _time(lambda: b.copy_(a))
+        if path == "same_gpu":  # the transport's copy kernel alone, into another cache
+            dst_cache = torch.empty_like(src)
+            ids = torch.arange(1, n // shape.block_size + 1, dtype=torch.int32, device=device)
+            kernel[n] = nbytes / _time(lambda: copy_blocks(dst_cache, ids, src, ids))
+            del dst_cache
+        del a, b
+    q.put(("prefill", rows, sums, copy, kernel, connect_s))
     time.sleep(0.5)
     t.close()
 
 
-def _time_cuda(fn, reps=20) -> float:
-    """Median seconds of fn(), timed with CUDA events (perf_counter on CPU, for smoke runs)."""
+def _time(fn, reps=20) -> float:
+    """Median seconds of fn(), timed with CUDA events (perf_counter on CPU, for dry runs)."""
     fn()
     if not torch.cuda.is_available():
         ts = []
@@ -144,67 +216,75 @@ def _time_cuda(fn, reps=20) -> float:
     return ts[len(ts) // 2]
 
 
-def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0") -> dict:
+def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", shape: KVShape = KV_SHAPES["llama-8b"],
+             quick: bool = False) -> dict:
+    """One path, prefill and decode in two fresh processes (devices as seen from this process)."""
+    kind, backend, extra = PATH_SPECS[path]
     store = start_store("127.0.0.1", 0)
-    kind = "same_gpu" if path == "same_gpu" else "torch_dist"
-    spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend="nccl" if path == "nccl" else "gloo",
-                namespace=f"bench-{path}-{os.getpid()}", transfer_timeout_s=60.0)
+    spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend,
+                namespace=f"bench-{path}-{os.getpid()}-{time.monotonic_ns()}", transfer_timeout_s=60.0, **extra)
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=decode_proc, args=(spec, decode_device, sizes, path, q)),
-             ctx.Process(target=prefill_proc, args=(spec, prefill_device, sizes, path, q))]
+    q, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=decode_proc, args=(spec, decode_device, shape, sizes, path, quick, q)),
+             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, q, go))]
     for p in procs:
         p.start()
     out, errors = {}, []
-    deadline = time.monotonic() + 400
-    while len(out) < 3 and time.monotonic() < deadline and any(p.is_alive() for p in procs) or not q.empty():
+    deadline = time.monotonic() + 600
+    while ("prefill" not in out or "decode" not in out) and time.monotonic() < deadline \
+            and (any(p.is_alive() for p in procs) or not q.empty()):
         try:
             msg = q.get(timeout=1.0)
         except Exception:
             continue
         if msg[0] == "error":
             errors.append(msg[1])
+        elif msg[0] == "decode_ready":
+            go.set()
         else:
             out[msg[0]] = msg[1:]
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=15)
         if p.is_alive():
             p.kill()
-    if "prefill" not in out:
+    if "prefill" not in out or "decode" not in out:
         return {"path": path, "error": "; ".join(errors) or f"exit codes {[p.exitcode for p in procs]}", "rows": []}
-    rows_raw, psums, copy, kernel = out["prefill"]
-    dsums = out.get("decode_sums", ({},))[0]
-    exact = {n: psums.get(n) == dsums.get(n) for n in sizes}
+    raw, psums, copy, kernel, connect_s = out["prefill"]
+    landed, dsums, dmetrics = out["decode"]
     rows = []
     for n in sizes:
-        ss = sorted(s for m, _, s in rows_raw if m == n)
-        nbytes = next(b for m, b, _ in rows_raw if m == n)
-        sec = ss[len(ss) // 2]
+        meas = [(b, c, t0, s, seq) for seq, m, rep, b, c, t0, s in raw if m == n and rep > 0]
+        secs = sorted(landed[seq] - t0 for _, _, t0, _, seq in meas if seq in landed)
+        if not secs:
+            continue
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        nbytes, sec = meas[0][0], med(secs)
         row = {"path": path, "prompt_tokens": n, "bytes": nbytes, "seconds": sec, "GBps": nbytes / sec / 1e9,
-               "copy_GBps": copy[n] / 1e9, "exact": exact[n], "reps": len(ss)}
+               "send_s": med([s for _, _, _, s, _ in meas]), "claim_s": med([c for _, c, _, _, _ in meas]),
+               "p90_s": percentile(secs, 90), "copy_GBps": copy[n] / 1e9,
+               "exact": psums.get(n) is not None and psums.get(n) == dsums.get(n), "reps": len(secs)}
         if n in kernel:
             row["copy_kernel_GBps"] = kernel[n] / 1e9
         rows.append(row)
-    return {"path": path, "rows": rows, "errors": errors}
+    return {"path": path, "rows": rows, "errors": errors, "connect_s": connect_s,
+            "decode_failures": dmetrics.get("failures", 0), "spec": {k: v for k, v in spec.items() if k != "store_port"}}
 
 
 def measure_prefill(sizes, device="cuda:0") -> dict[int, float]:
     """8B-shape prefill seconds per prompt length (random weights, eager, one prompt per forward)."""
     from cluster.kv_cache import KVCacheSpec
-    from cluster.model.config import ModelArchConfig
     from cluster.model.loader import random_model
     from cluster.model_runner import ModelRunner, PrefillChunk
+    from loadtest.bench_decode import arch_of
 
-    cfg = ModelArchConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                          max_position_embeddings=131072, rope_theta=500000.0, dtype="bfloat16")
-    model = random_model(cfg, DTYPE, device)
-    spec = KVCacheSpec.for_model(cfg, BS, max(sizes) // BS + 2, DTYPE)
+    arch = arch_of("llama-8b-shape")
+    model = random_model(arch, torch.bfloat16, device)
+    spec = KVCacheSpec.for_model(arch, 16, max(sizes) // 16 + 2, torch.bfloat16)
     runner = ModelRunner(model, spec, device)
     out = {}
     for n in sizes:
-        chunk = [PrefillChunk(list(range(1, n + 1)), 0, list(range(1, n // BS + 1)))]
-        out[n] = _time_cuda(lambda: runner.prefill(chunk), reps=3)
+        chunk = [PrefillChunk(list(range(1, n + 1)), 0, list(range(1, n // 16 + 1)))]
+        out[n] = _time(lambda: runner.prefill(chunk), reps=3)
     del runner, model
     torch.cuda.empty_cache()
     return out
@@ -219,14 +299,16 @@ def plot(rows, path: Path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in sorted({r["path"] for r in rows}):
         rs = [r for r in rows if r["path"] == p]
-        ax.plot([r["prompt_tokens"] for r in rs], [r["GBps"] for r in rs], marker="o", label=f"{p} (send, end to end)")
+        ax.plot([r["prompt_tokens"] for r in rs], [r["GBps"] for r in rs], marker="o", label=f"{p} (ready -> decode has it)")
         if "copy_kernel_GBps" in rs[0]:
             ax.plot([r["prompt_tokens"] for r in rs], [r["copy_kernel_GBps"] for r in rs], ls=":", marker=".", label=f"{p} copy kernel")
+        if "baseline_GBps" in rs[0]:
+            ax.plot([r["prompt_tokens"] for r in rs], [r["baseline_GBps"] for r in rs], ls="--", marker=".", label="send/recv of one buffer")
     rs = [r for r in rows if r["path"] == rows[0]["path"]]
     ax.plot([r["prompt_tokens"] for r in rs], [r["copy_GBps"] for r in rs], ls="--", color="k", label="D2D copy (same bytes)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens (Llama-3.1-8B KV shape, bf16)")
+    ax.set_xlabel("prompt tokens")
     ax.set_ylabel("GB/s (bytes moved once)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -234,18 +316,35 @@ def plot(rows, path: Path):
     fig.savefig(path, dpi=120)
 
 
+def print_rows(rows) -> None:
+    print(f"{'path':11} {'tokens':>6} {'MB':>8} {'ms':>8} {'send ms':>8} {'GB/s':>8} {'copy':>8} {'kernel':>8} {'%copy':>6} "
+          f"{'ttft%':>6} exact")
+    for r in rows:
+        print(f"{r['path']:11} {r['prompt_tokens']:6d} {r['bytes'] / 1e6:8.1f} {r['seconds'] * 1e3:8.3f} "
+              f"{r['send_s'] * 1e3:8.3f} {r['GBps']:8.1f} {r['copy_GBps']:8.1f} {r.get('copy_kernel_GBps', 0):8.1f} "
+              f"{100 * r['GBps'] / r['copy_GBps']:6.1f} {100 * r.get('ttft_transfer_share', 0):6.2f} {r['exact']}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--paths", default="same_gpu,gloo")
+    ap.add_argument("--paths", default="same_gpu")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--device", default="cuda:0", help="prefill device (and decode's, except for nccl paths)")
     ap.add_argument("--decode-device", default="cuda:0")
-    ap.add_argument("--device", default="cuda:0", help="prefill device (and decode's, except for nccl)")
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(KV_SHAPES))
     ap.add_argument("--no-prefill", action="store_true", help="skip timing the 8B prefill (no TTFT share)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: gloo, tiny KV shape, short sizes, no prefill")
     ap.add_argument("--out", default="loadtest/results")
     ap.add_argument("--name", default="transfer_h200")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        args.paths, args.device, args.decode_device, args.shape, args.no_prefill = "gloo", "cpu", "cpu", "tiny", True
+        if args.sizes == ",".join(map(str, SIZES)):
+            args.sizes = "32,256"
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = [run_path(p, sizes, args.device, args.decode_device if p == "nccl" else args.device) for p in args.paths.split(",")]
+    shape = KV_SHAPES[args.shape]
+    results = [run_path(p, sizes, args.device, args.decode_device if p.startswith("nccl") else args.device, shape,
+                        quick=args.dry_run) for p in args.paths.split(",")]
     rows = [r for res in results for r in res["rows"]]
     prefill = {} if args.no_prefill else measure_prefill(sizes, args.device)
     for r in rows:
@@ -255,17 +354,16 @@ def main(argv=None):
             r["ttft_transfer_share"] = r["seconds"] / (pf + r["seconds"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "kv_shape": "Llama-3.1-8B bf16 L32 kvh8 hd128 bs16",
-           "rows": rows, "errors": {res["path"]: res.get("error") or res.get("errors", [])[:5] for res in results},
+    doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+           "kv_shape": args.shape + " " + shape.describe(), "shape": asdict(shape), "rows": rows,
+           "errors": {res["path"]: res.get("error") or res.get("errors", [])[:5] for res in results},
+           "connect_s": {res["path"]: res.get("connect_s") for res in results},
+           "specs": {res["path"]: res.get("spec") for res in results},
            "command": "python " + " ".join(sys.argv)}
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     if rows:
         plot(rows, out / f"{args.name}.png")
-    print(f"{'path':9} {'tokens':>6} {'MB':>8} {'ms':>8} {'GB/s':>8} {'copy':>8} {'kernel':>8} {'%copy':>6} {'ttft%':>6} exact")
-    for r in rows:
-        print(f"{r['path']:9} {r['prompt_tokens']:6d} {r['bytes'] / 1e6:8.1f} {r['seconds'] * 1e3:8.3f} {r['GBps']:8.1f} "
-              f"{r['copy_GBps']:8.1f} {r.get('copy_kernel_GBps', 0):8.1f} {100 * r['GBps'] / r['copy_GBps']:6.1f} "
-              f"{100 * r.get('ttft_transfer_share', 0):6.2f} {r['exact']}")
+    print_rows(rows)
     for res in results:
         if res.get("error") or res.get("errors"):
             errs = res.get("error") or res.get("errors")

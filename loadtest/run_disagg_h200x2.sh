@@ -18,7 +18,7 @@ PROMPT_LENS=${PROMPT_LENS:-128,512,2048}
 COMMON=${COMMON:-"--device cuda --dtype bfloat16 --gpus-per-worker 1 --kv-memory-fraction 0.8 --max-model-len 8192 --max-num-seqs 128 --attention-backend triton"}
 
 if [[ $STAGES == *nccl* ]]; then
-  python3 loadtest/bench_nccl.py --out "$OUT" || echo "bench_nccl failed"
+  python3 loadtest/bench_nccl.py --stages transfer --paths nccl --out "$OUT" || echo "bench_nccl failed"
 fi
 
 ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)" 2>/dev/null; }

@@ -3,6 +3,7 @@
     Actor = ray.remote(num_gpus=1)(PrefillWorkerActor)      # an async actor: many submits in flight
     w = Actor.remote("prefill-0", cfg)
     ray.get([w.init_transport.remote(spec) for w in all_workers])
+    ray.get([w.connect_transport.remote(decode_ids) for w in prefill_workers])  # before /ready
     result = await w.submit.remote(task)                      # -> PrefillResult
 
 Only small typed messages cross Ray; the KV goes through the transport.
@@ -23,12 +24,17 @@ class PrefillWorkerActor:
         self.worker = PrefillWorker(worker_id, cfg).start()
 
     def init_transport(self, spec: TransportSpec) -> None:
-        """Connects to the cluster's store; returns at once (pairs form at their first transfer)."""
+        """Connects to the cluster's store; returns at once (connect_transport forms the pairs)."""
         old = self.worker.transport
         self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
                                   send_timeout_s=spec.transfer_timeout_s)
         if old is not None:
             old.close()
+
+    def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
+        """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.
+        Every decode worker's init_transport must have been called (it publishes its endpoint)."""
+        return self.worker.transport.connect(decode_worker_ids)
 
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))

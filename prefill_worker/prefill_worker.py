@@ -1,13 +1,16 @@
 """PrefillWorker: batches waiting prompts into packed variable-length prefills, samples each prompt's
 first token and ships its KV to the decode worker that reserved blocks for it. No Ray here (actor.py).
 
-One loop thread computes; each finished prompt's transfer runs on its own short-lived thread, so the
-next batch's forward overlaps the previous batch's transfers. A prompt's blocks go back to this
-worker's pool only when `send` returned: the decode side has the KV (or the transfer failed).
+One loop thread computes and ships. Before a forward that completes prompts, their transfers are
+claimed (`KVSender.begin`); during it a forward hook on every decoder layer reports the layer done, so
+a long prompt's layer i is on the wire while layer i+1 computes; after sampling, `commit` sends the
+first tokens. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
+back to this worker's pool when its transfer future resolves (the payload left them, or failed).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -19,13 +22,15 @@ import torch
 from cluster.block_allocator import BlockAllocator
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
-from cluster.messages import KVHeader, PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampler import sample_tokens
-from cluster.transport.base import KVTransport
+from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +53,7 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, transport: KVTransport | None = None,
+    def __init__(self, worker_id: str, cfg: WorkerConfig, transport: KVSender | None = None,
                  send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None):
         self.worker_id = worker_id
         self.cfg = cfg
@@ -70,10 +75,34 @@ class PrefillWorker:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._shipment: Shipment | None = None  # the forward in progress ships these transfers
+        self._hook_layers()
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    def _hook_layers(self) -> None:
+        """A forward hook per decoder layer: layer i returned, so its K/V write is enqueued on the
+        current stream. Only the layer order matters, not what a layer computes inside; if the model
+        has no `layers` matching the cache, the whole KV ships after the forward instead."""
+        layers = getattr(self.model, "layers", None)
+        if layers is None or len(layers) != self.spec.num_layers:
+            return
+        cuda = self.device.type == "cuda"
+
+        def hook(i):
+            def on_layer(module, args, output):
+                sh = self._shipment
+                if sh is None or (cuda and torch.cuda.is_current_stream_capturing()):
+                    return
+                try:
+                    sh.layer_done(i)
+                except Exception:  # noqa: BLE001 - the transfer fails through its future; the forward goes on
+                    log.exception("shipping layer %d failed", i)
+            return on_layer
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(hook(i))
 
     # -- API ------------------------------------------------------------------------------------
     def start(self) -> "PrefillWorker":
@@ -110,7 +139,7 @@ class PrefillWorker:
                 self._finish_aborted(job)
             return True
 
-    def set_transport(self, transport: KVTransport, send_timeout_s: float | None = None) -> None:
+    def set_transport(self, transport: KVSender, send_timeout_s: float | None = None) -> None:
         self.transport = transport
         if send_timeout_s is not None:
             self.send_timeout_s = send_timeout_s
@@ -164,33 +193,68 @@ class PrefillWorker:
         chunks = self._schedule()
         if not chunks:
             return False
+        finishing = [job for job, c in chunks if job.done_tokens + len(c.token_ids) == len(job.prompt)]
+        shipment = self._begin(finishing)
+        self._shipment = shipment
         try:
             logits = self.runner.prefill([c for _, c in chunks])
+            self._shipment = None
+            if shipment is not None:
+                shipment.kv_done()  # every layer not shipped yet goes now, while we sample
             done = []
             for i, (job, c) in enumerate(chunks):
                 job.done_tokens += len(c.token_ids)
                 if job.done_tokens == len(job.prompt):
                     done.append((i, job))
-            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []  # syncs: KV is complete
+            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []
         except Exception as e:  # fail this batch, keep serving
+            self._shipment = None
+            if shipment is not None:
+                shipment.commit({})  # their decode workers free the blocks once the payload drained
             with self._cv:
                 for job, _ in chunks:
                     if job in self._waiting:
                         self._waiting.remove(job)
-                    self._release(job)
+                    if shipment is None or job.request_id not in shipment.futures:
+                        self._release(job)
             for job, _ in chunks:
-                job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
-                self._spawn_abort(job.task)
+                if shipment is not None and job.request_id in shipment.futures:
+                    self._await_send(job, shipment, -1, f"prefill failed: {e}")
+                else:
+                    job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
+                    self._spawn_abort(job.task)
             return True
+        first = {}
         with self._cv:
             for (_, job), tok in zip(done, tokens):
                 self._waiting.remove(job)
-                if job.aborted:
-                    self._finish_aborted(job)
-                    continue
-                self._sending += 1
-                threading.Thread(target=self._send, args=(job, tok, time.perf_counter()), daemon=True).start()
+                first[job.request_id] = None if job.aborted else tok
+        if shipment is not None:
+            shipment.commit(first)
+        for _, job in done:
+            tok = first[job.request_id]
+            if shipment is None:
+                with self._cv:
+                    self._release(job)
+                job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted,
+                                                   "no KV transport (init_transport first)"))
+            else:
+                self._await_send(job, shipment, -1 if tok is None else tok, "aborted" if tok is None else None)
         return True
+
+    def _begin(self, jobs: list[_Job]) -> Shipment | None:
+        """Claims the transfers of the prompts this forward completes (before it runs)."""
+        if self.transport is None or not jobs:
+            return None
+        sends = [KVSend(j.task.reservation, len(j.prompt), tuple(j.blocks)) for j in jobs]
+        return self.transport.begin(sends)
+
+    def _await_send(self, job: _Job, shipment: Shipment, first_token: int, error: str | None) -> None:
+        """The job's result and its blocks' release wait for its transfer future."""
+        done_at = time.perf_counter()
+        with self._cv:
+            self._sending += 1
+        shipment.futures[job.request_id].add_done_callback(lambda f: self._sent(job, f, first_token, done_at, error))
 
     def _sample(self, logits: torch.Tensor, jobs: list[_Job]) -> list[int]:
         """The first token sits at position len(prompt): the same draw the engine would make."""
@@ -199,20 +263,20 @@ class PrefillWorker:
                              [len(r.prompt_token_ids) for r in reqs])
 
     # -- transfer and completion ----------------------------------------------------------------
-    def _send(self, job: _Job, first_token: int, prefill_done: float) -> None:
-        res = job.task.reservation
-        header = KVHeader(job.request_id, res.transfer_seq, len(job.prompt), first_token)
+    def _sent(self, job: _Job, fut, first_token: int, prefill_done: float, error: str | None) -> None:
+        """A transport thread: the job's transfer is over (its payload left our blocks, or failed)."""
         queue_s, prefill_s = job.started - job.submitted, prefill_done - job.started
-        try:
-            if self.transport is None:
-                raise RuntimeError("no KV transport (init_transport first)")
-            st = self.transport.send(res, header, job.blocks, self.send_timeout_s)
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, st.seconds, st.bytes)
-        except Exception as e:
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False,
-                                   error=f"{type(e).__name__}: {e}")
+        exc = fut.exception()
+        if error is None and exc is not None:
+            error = f"{type(exc).__name__}: {exc}"
+        if error is None:
+            st = fut.result()
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, time.perf_counter() - prefill_done,
+                                   st.bytes)
+        else:
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error)
         with self._cv:
-            self._release(job)  # only now: the decode side confirmed (or the transfer is over)
+            self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1
             self._cv.notify_all()
         job.future.set_result(result)

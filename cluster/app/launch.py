@@ -66,10 +66,12 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     store, which the caller must keep alive while the cluster serves.
 
     The launcher hosts the TCPStore (master) the transports rendezvous through; every actor gets the
-    same frozen `TransportSpec` via `init_transport(spec)`, which returns at once (pairs connect at
-    their first transfer). Kind: `cfg.kv_transport`, or by default `same_gpu` when the actors share
-    one GPU (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL between GPUs,
-    gloo on CPU).
+    same frozen `TransportSpec` via `init_transport(spec)` (a decode worker publishes its control
+    endpoint there), then every prefill worker forms and warms its channel to every decode worker
+    (`connect_transport`: NCCL communicators, IPC mappings, copy kernels), so the first request pays
+    none of it and /ready only comes after. Kind: `cfg.kv_transport`, or by default `same_gpu` when
+    the actors share one GPU (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL
+    between GPUs, gloo on CPU).
     """
     if not prefill:
         return None  # every prompt is prefilled on its decode worker: no transfers at all
@@ -92,8 +94,16 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
                            "to prefill on the decode workers")
     try:
         ray.get([h.init_transport.remote(spec) for h in handles.values()], timeout=cfg.ready_timeout_s)
-    except ray.exceptions.RayActorError as e:
+        # All prefill workers at once: each forms its pairs one at a time, in the same order, and a
+        # decode worker answers hellos in arrival order, so no pair waits on another forever.
+        warm = ray.get([h.connect_transport.remote(sorted(decode)) for h in prefill.values()],
+                       timeout=cfg.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PdserveError(f"the KV transport group did not form within {cfg.ready_timeout_s:g}s") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
         raise PdserveError(f"forming the KV transport group failed: {str(e).strip().splitlines()[-1]}") from None
+    for pid, secs in zip(prefill, warm):
+        log.info("KV channels of %s formed and warmed: %s", pid, {d: round(t, 3) for d, t in secs.items()})
     return store
 
 

@@ -2,6 +2,7 @@
 
     spec = TransportSpec("torch_dist", store_host=internal_ip, store_port=store.port)  # launcher
     transport = create_transport(spec, runner.kv_cache, worker_id, role="prefill")    # each worker
+    transport.connect(decode_worker_ids)                   # prefill workers, before the cluster is ready
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ class TransportSpec:
     kind: str  # "torch_dist" | "same_gpu" (CUDA IPC; on CPU the in-process "local" pool) | "local" (= same_gpu)
     store_host: str = ""  # the TCPStore on the cluster's internal address; "" = in-process HashStore (tests)
     store_port: int = 0
-    backend: str = "gloo"  # torch_dist payload: "gloo" (CPU caches, or host-staged from GPU) | "nccl"
-    bind_host: str = ""  # address gloo binds to; "" = this host's address on the route to store_host
+    backend: str = "gloo"  # torch_dist payload: "gloo" (CPU caches) | "nccl" (GPU caches)
+    bind_host: str = ""  # address gloo and the control inbox bind to; "" = this host's address on the route to store_host
     namespace: str = "pdserve"  # store key prefix; distinct per launch so stale keys never match
     expect_timeout_s: float = 120.0  # decode: longest wait for a reserved transfer's header (queue + prefill)
     transfer_timeout_s: float = 30.0  # either side: longest payload phase once the transfer is claimed
     peer_timeout_s: float = 10.0  # a peer whose heartbeat stalls this long is dead
     heartbeat_s: float = 0.5
+    layerwise_min_tokens: int = 1024  # a forward shipping at least this many prompt tokens to one decode
+    # worker sends layer i while layer i+1 computes (0: always; shorter ones go in one piece after it)
+    staging_bytes: int = 64 << 20  # torch_dist: staging per launch and side (two slots per pair, allocated once)
+    direct_min_bytes: int = 4 << 20  # torch_dist: smallest per-(layer, K/V) message worth sending in place
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -39,6 +44,8 @@ class TransportSpec:
             raise ValueError("store_host must be the cluster's internal address, not a wildcard")
         if min(self.expect_timeout_s, self.transfer_timeout_s, self.peer_timeout_s, self.heartbeat_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.layerwise_min_tokens < 0 or self.staging_bytes <= 0 or self.direct_min_bytes < 0:
+            raise ValueError("layerwise_min_tokens and direct_min_bytes must be >= 0, staging_bytes > 0")
 
 
 _HASH_STORES: dict[str, dist.HashStore] = {}
@@ -55,7 +62,7 @@ def store_factory(spec: TransportSpec):
 
 
 def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str) -> KVTransport:
-    """role: "prefill" | "decode". Returns at once: pairs connect lazily at their first transfer."""
+    """role: "prefill" | "decode". Returns at once; a prefill worker then `connect`s its decode peers."""
     factory = store_factory(spec)
     if spec.kind == "torch_dist":
         from cluster.transport.torch_dist import TorchDistTransport

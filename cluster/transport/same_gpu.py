@@ -1,68 +1,48 @@
-"""KV transfer when prefill and decode share one device: the prefill writes the decode worker's blocks.
+"""KV payload when prefill and decode share one device: the prefill writes the decode worker's blocks.
 
-The decode worker exports its KV pool once: on CUDA as an IPC handle (`reduce_tensor`), published in
-the store as msgpack (no pickle); on CPU ("local", tests) by registering the tensor in this process.
-The prefill worker maps the pool once per decode peer, then per transfer:
-  claim header (control.py) -> copy its blocks into the reserved ones on its own copy stream -> sync
-  that stream -> set "a". The decode side saw the claim, waits for "a" and reports the arrival.
+The decode worker exports its KV pool once: on CUDA as an IPC handle (`reduce_tensor`), published with
+its control endpoint (msgpack via msgspec, no pickle); on CPU ("local", tests) by registering the tensor in this
+process. The prefill worker maps the pool when the pair connects, creates a ring of interprocess CUDA
+events and sends their handles in the hello; warming the pair runs the copy kernel once (into the NULL
+block, which holds garbage by design), so nothing is compiled during a transfer.
+
+Per launch the prefill enqueues one fused gather/scatter kernel per item (block_copy.py) on the pair's
+stream, after the compute-stream event of the layers it carries; there is no receive to post. The
+doorbell: after the last launch it records the next ring event on the pair stream and the commit names
+it; the decode side queries that event (never the store). A ring slot is recorded again only for a later
+bundle on the same stream, so a stale query can only report "not yet", never a false "done".
 Ownership: the claim is atomic against the decode side's cancel, so a write only ever goes into blocks
-still reserved for this transfer; once claimed, the decode side keeps them until "a" or until
-transfer_timeout_s (then the peer is marked dead: see the report's hazard note on zombie writers).
+still reserved for this transfer. Hazard: a prefill presumed dead (silent past peer_timeout_s) while its
+process lives on could still write a claimed transfer's blocks after the decode side gave them back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-import msgpack
+import msgspec
 import torch
 
-from cluster.messages import Reservation
-from cluster.transport.control import StoreCoordinatedTransport
+from cluster.transport.block_copy import copy_blocks
+from cluster.transport.completion import DeferredCompletion, EventCompletion, ReadyCompletion
+from cluster.transport.control import ControlledTransport, Pair
+from cluster.transport.plan import ItemPlan, Launch, plan_copies
 
 _LOCAL_POOLS: dict[tuple[str, str], torch.Tensor] = {}  # (namespace, decode worker id) -> its KV cache
-_MAX_RUNS = 8  # above this many contiguous runs, gather + one index_copy_ beats many strided copies
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src0, dst0, length) runs where both block lists advance by one."""
-    runs: list[list[int]] = []
-    for s, d in zip(src, dst):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [tuple(r) for r in runs]
-
-
-def copy_blocks(dst_cache: torch.Tensor, dst_ids: list[int], src_cache: torch.Tensor, src_ids: list[int]) -> None:
-    """dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids], in one pass over the bytes where possible:
-    a contiguous run is one strided copy_ (2*L chunks of run*block bytes); gather+scatter would read
-    and write everything twice."""
-    runs = block_runs(src_ids, dst_ids)
-    # NOTE: a strided copy is not vectorised; moving 8-byte words instead of bf16 elements cuts its
-    # index arithmetic 4x (head_dim * itemsize is a multiple of 8 for every model we serve).
-    if (dst_cache.shape[-1] * dst_cache.element_size()) % 8 == 0 and dst_cache.dtype == src_cache.dtype:
-        dst_cache, src_cache = dst_cache.view(torch.int64), src_cache.view(torch.int64)
-    if len(runs) <= _MAX_RUNS:
-        for s0, d0, n in runs:
-            dst_cache[:, :, d0:d0 + n].copy_(src_cache[:, :, s0:s0 + n], non_blocking=True)
-    else:
-        dev = dst_cache.device
-        dst_cache.index_copy_(2, torch.tensor(dst_ids, device=dev),
-                              src_cache.index_select(2, torch.tensor(src_ids, device=src_cache.device)))
+_EVENTS = 64  # doorbell events per pair
 
 
 def export_handle(kv_cache: torch.Tensor, namespace: str, worker_id: str) -> bytes:
     if kv_cache.device.type != "cuda":
         _LOCAL_POOLS[(namespace, worker_id)] = kv_cache
-        return msgpack.packb({"kind": "local", "pid": os.getpid()})
+        return msgspec.msgpack.encode({"kind": "local", "pid": os.getpid()})
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, a = reduce_tensor(kv_cache)
     (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, requires_grad,
      ref_handle, ref_offset, event_handle, event_sync) = a
-    return msgpack.packb({"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
+    return msgspec.msgpack.encode({"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
                           "dtype": str(dtype).removeprefix("torch."), "device": device, "handle": handle,
                           "storage_bytes": storage_bytes, "storage_offset": storage_offset,
                           "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
@@ -70,7 +50,7 @@ def export_handle(kv_cache: torch.Tensor, namespace: str, worker_id: str) -> byt
 
 
 def import_handle(raw: bytes, namespace: str, worker_id: str, local_device: torch.device) -> torch.Tensor:
-    d = msgpack.unpackb(raw)
+    d = msgspec.msgpack.decode(raw)
     if d["kind"] == "local":
         if d["pid"] != os.getpid():
             raise RuntimeError(f"decode worker {worker_id}'s CPU pool lives in another process; the local "
@@ -78,7 +58,7 @@ def import_handle(raw: bytes, namespace: str, worker_id: str, local_device: torc
         return _LOCAL_POOLS[(namespace, worker_id)]
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    if local_device.type == "cuda" and local_device.index not in (None, d["device"]):
+    if local_device.type != "cuda" or local_device.index not in (None, d["device"]):
         raise RuntimeError(f"decode pool is on cuda:{d['device']}, this worker on {local_device}: not the same GPU")
     return rebuild_cuda_tensor(torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), d["offset"],
                                torch.UntypedStorage, getattr(torch, d["dtype"]), d["device"], d["handle"],
@@ -86,54 +66,88 @@ def import_handle(raw: bytes, namespace: str, worker_id: str, local_device: torc
                                d["event_handle"], d["event_sync"])
 
 
-class SameGPUTransport(StoreCoordinatedTransport):
-    def __init__(self, spec, kv_cache, worker_id, role, store_factory):
-        super().__init__(spec, kv_cache, worker_id, role, store_factory)
-        self._pools: dict[str, torch.Tensor] = {}
-        cuda = kv_cache.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
-        if role == "decode":
-            self._store().set(f"{self.ns}/ipc/{worker_id}", export_handle(kv_cache, self.ns, worker_id))
+class _Pool:
+    """Prefill side of one pair: the decode pool mapped here, our stream, the doorbell ring."""
 
-    def _pool(self, store, peer: str, deadline: float) -> torch.Tensor:
-        pool = self._pools.get(peer)
-        if pool is None:
-            raw = self._wait_key(store, f"{self.ns}/ipc/{peer}", peer, deadline, "the KV pool's IPC handle")
-            if raw is None:
-                raise TimeoutError(f"decode worker {peer} never published its KV pool")
-            pool = import_handle(raw, self.ns, peer, self.kv_cache.device)
-            if pool.shape[:2] != self.kv_cache.shape[:2] or pool.shape[3:] != self.kv_cache.shape[3:] or pool.dtype != self.kv_cache.dtype:
-                raise RuntimeError(f"KV layout mismatch: decode pool {tuple(pool.shape)} {pool.dtype}, "
-                                   f"prefill cache {tuple(self.kv_cache.shape)} {self.kv_cache.dtype}")
-            self._pools[peer] = pool
-        return pool
+    def __init__(self, pool: torch.Tensor, stream, events):
+        self.pool, self.stream, self.events, self.next_event = pool, stream, events, 0
 
-    def map_pool(self, decode_worker_id: str, timeout_s: float = 30.0) -> None:
-        """Optional warm-up: map a decode worker's pool before the first transfer."""
-        import time
 
-        self._pool(self._store(), decode_worker_id, time.monotonic() + timeout_s)
+class SameGPUTransport(ControlledTransport):
+    def _payload_info(self) -> dict:
+        return {"ipc": export_handle(self.kv_cache, self.ns, self.worker_id)}
 
-    def _push(self, store, reservation: Reservation, src_block_ids: list[int], deadline: float) -> int:
-        peer = reservation.decode_worker_id
-        pool = self._pool(store, peer, deadline)
-        dst = list(reservation.block_ids[:len(src_block_ids)])
-        if self._copy_stream is not None:
-            # NOTE: the prefill loop synchronised (it read the sampled token) before handing off, so the
-            # KV is complete; a side stream keeps this copy off the next batch's compute.
-            with torch.cuda.stream(self._copy_stream):
-                copy_blocks(pool, dst, self.kv_cache, src_block_ids)
-            self._copy_stream.synchronize()  # landed in the decode pool before "a"
-        else:
-            copy_blocks(pool, dst, self.kv_cache, src_block_ids)
-        store.set(self._key(self.worker_id, peer, reservation.transfer_seq, "a"), b"1")
-        return len(src_block_ids) * self.bytes_per_block
+    def _plan(self, srcs, dsts, layerwise):
+        return [ItemPlan(s, d, None) for s, d in zip(srcs, dsts)], plan_copies(len(srcs), self.num_layers, layerwise)
 
-    def _pull(self, store, peer: str, res: Reservation, nblocks: int, deadline: float) -> int:
-        akey = self._key(peer, self.worker_id, res.transfer_seq, "a")
-        landed = self._wait_key(store, akey, peer, deadline, f"landing of transfer {res.transfer_seq}")
-        if landed is None:
-            raise TimeoutError(f"prefill worker {peer} claimed transfer {res.transfer_seq} but did not finish "
-                               f"writing within transfer_timeout_s={self.spec.transfer_timeout_s}")
-        store.delete_key(akey)
-        return nblocks * self.bytes_per_block
+    def _on(self, p: _Pool):
+        if p.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.kv_cache.device))
+        stack.enter_context(torch.cuda.stream(p.stream))
+        return stack
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        t = torch.tensor(ids, dtype=torch.int32)
+        if self.kv_cache.is_cuda:  # NOTE: pinned + non_blocking on the pair stream: no host sync
+            t = t.pin_memory().to(self.kv_cache.device, non_blocking=True)
+        return t
+
+    # -- prefill side -----------------------------------------------------------------------------------
+    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        pool = import_handle(info["ipc"], self.ns, pair.peer, self.kv_cache.device)
+        if tuple(pool.shape[:2]) + tuple(pool.shape[3:]) != tuple(self.kv_cache.shape[:2]) + tuple(self.kv_cache.shape[3:]) \
+                or pool.dtype != self.kv_cache.dtype:
+            raise RuntimeError(f"KV layout mismatch: decode pool {tuple(pool.shape)} {pool.dtype}, "
+                               f"prefill cache {tuple(self.kv_cache.shape)} {self.kv_cache.dtype}")
+        if not self.kv_cache.is_cuda:
+            pair.payload = _Pool(pool, None, [])
+            return []
+        with torch.cuda.device(self.kv_cache.device):
+            events = [torch.cuda.Event(blocking=True, interprocess=True) for _ in range(_EVENTS)]
+            pair.payload = _Pool(pool, torch.cuda.Stream(self.kv_cache.device), events)
+            return [bytes(e.ipc_handle()) for e in events]
+
+    def _payload_warm(self, pair: Pair) -> None:
+        p = pair.payload
+        with self._on(p):
+            zero = self._ids([0])
+            copy_blocks(p.pool, zero, self.kv_cache, zero)  # NULL block -> NULL block: compiles the kernel
+        if p.stream is not None:
+            p.stream.synchronize()
+
+    def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
+        p = pair.payload
+        with self._on(p):
+            if ready is not None:
+                p.stream.wait_event(ready)  # the layers this launch carries are computed
+            if b.payload is None:
+                b.payload = [(self._ids(list(it.src)), self._ids(list(it.dst))) for it in b.items]
+            for seg in launch:
+                src_ids, dst_ids = b.payload[seg.item]
+                copy_blocks(p.pool[seg.l0:seg.l1], dst_ids, self.kv_cache[seg.l0:seg.l1], src_ids)
+
+    def _payload_seal(self, pair: Pair, b):
+        p = pair.payload
+        if p.stream is None:
+            return ReadyCompletion(), -1  # the copies ran on this thread
+        k = p.next_event
+        p.next_event = (k + 1) % len(p.events)
+        ev = p.events[k]
+        ev.record(p.stream)
+        return EventCompletion(ev, keep=b.payload), k
+
+    def _payload_abort(self, pair: Pair) -> None:
+        """Nothing to tear down: the copies in flight finish on their own (or died with the prefill)."""
+
+    # -- decode side ------------------------------------------------------------------------------------
+    def _payload_accept(self, pair: Pair, hello) -> None:
+        dev = self.kv_cache.device
+        pair.payload = [torch.cuda.Event.from_ipc_handle(dev, h) for h in hello.events]
+
+    def _payload_post(self, pair: Pair, b):
+        return DeferredCompletion(), None  # nothing to post: the commit names the event to query
+
+    def _payload_commit(self, pair: Pair, b, msg) -> None:
+        b.completion.bind(EventCompletion(pair.payload[msg.event]) if msg.event >= 0 else ReadyCompletion())

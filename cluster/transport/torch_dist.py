@@ -1,172 +1,298 @@
-"""KV transfer over torch.distributed point-to-point: gloo (CPU caches, or host-staged from GPU) or NCCL.
+"""KV payload over torch.distributed point-to-point: NCCL between GPUs, gloo between CPU caches.
 
-Every (prefill, decode) pair gets its own two-rank process group (prefill = rank 0, decode = rank 1),
-formed lazily at the pair's first transfer through a PrefixStore of the cluster's one TCPStore. Why not
-one world group: a gloo receive that times out signals the error to the whole gloo context and NCCL
-communicators cannot be recovered after a timeout, so one silent peer would take every transfer of the
-process down with it. With a group per pair, a failure marks that peer dead, fails its pending
-transfers, and leaves every other pair working. No global ranks to hand out either.
+Every (prefill, decode) pair has its own two-rank process group (prefill = rank 0, decode = rank 1),
+formed and warmed when the pair connects (the prefill's hello; the launcher connects every pair before
+/ready) through a PrefixStore of the cluster's store. Why not one world group: NCCL communicators can't
+be recovered after a timeout and a gloo error poisons its whole context, so one dead peer would take
+every transfer of the process down. Per pair, a dead peer is aborted alone.
 
-One transfer (the control plane is in control.py):
-  prefill: claim header -> wait "r" (decode posted its receives) -> send 2*L messages (layer i's K, V)
-           -> wait "a" (landed) -> free its own blocks.
-  decode:  read header -> post 2*L receives, straight into the reserved blocks if they are contiguous,
-           else into a staging buffer scattered with one index_copy_ -> "r" -> wait -> "a" -> KVArrival.
-The decode side's receiver thread hands out "r" in transfer_seq order, so payloads of a pair never
-interleave and prefills that finish out of order simply wait for their turn.
+Streams (CUDA). Each pair has its own stream on each side. ProcessGroupNCCL runs every op on its
+internal stream after making it wait for the stream current at the call (our pair stream: gathers and
+earlier receives done), and `work.wait()` makes the *current* stream wait for NCCL: we only call it
+with the pair stream current. So the prefill's compute stream never waits for a send, the decode's graph
+stream never waits for a receive, and completion is one event recorded on the pair stream (control.py).
+ProcessGroupNCCL calls recordStream on every p2p tensor, and the bundle holds them until that event.
+
+Launches (plan.py). One coalesced group per launch (`_start_coalescing` .. `_end_coalescing`: one NCCL
+kernel per side, on the PG's own two-rank communicator; the warm-up uses the same path so that
+communicator exists before the first transfer). Direct messages are views of the caches; staged ones
+go through a two-slot staging ring per pair and side, allocated once: the sender makes its pair stream
+wait for the send that last read a slot before gathering into it; the receiver posts launch k+1 before
+scattering launch k, so the scatter that last read k+1's slot (launch k-1) is queued before that
+receive, which waits for it. A long transfer thus pipelines gather, wire and scatter.
+
+gloo (CPU caches, tests): the same messages as async gloo ops; a pair's waiter thread waits for the
+receives and runs the scatters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import threading
-import time
+import os
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from cluster.messages import Reservation
-from cluster.transport.control import PeerDeadError, StoreCoordinatedTransport, TransferRejected, local_address_towards
+from cluster.transport.block_copy import copy_blocks
+from cluster.transport.completion import EventCompletion, HostCompletion
+from cluster.transport.control import ControlledTransport, Pair, local_address_towards
+from cluster.transport.plan import Launch, plan_item, plan_launches
+
+_PAIR_RANK = {"prefill": 0, "decode": 1}
 
 
-class TorchDistTransport(StoreCoordinatedTransport):
-    def __init__(self, spec, kv_cache, worker_id, role, store_factory):
-        super().__init__(spec, kv_cache, worker_id, role, store_factory)
-        self.backend = spec.backend
-        if self.backend == "nccl" and kv_cache.device.type != "cuda":
+def _coalescing(pg, method: str, device):
+    """pg._start_coalescing() / pg._end_coalescing() on the backend object (ProcessGroupNCCL binds
+    them without arguments); the ProcessGroup wrapper's binding takes the device instead."""
+    try:
+        return getattr(pg, method)()
+    except TypeError:  # raised by the binding's signature check, before anything ran
+        return getattr(pg, method)(device)
+
+
+@dataclass
+class _Link:
+    """One pair's process group and this side's stream and staging ring."""
+
+    pg: object
+    peer_rank: int
+    stream: torch.cuda.Stream | None
+    slots: list = field(default_factory=lambda: [None, None])  # uint8 staging buffers (CUDA)
+    slot_work: list = field(default_factory=lambda: [None, None])  # sender: the send that last read a slot
+    next_slot: int = 0
+    last_slot: int = 0
+
+
+@dataclass
+class _BundleIO:
+    ids: dict  # item -> this side's block ids on the device (staged items only)
+    works: list = field(default_factory=list)
+    keep: list = field(default_factory=list)
+
+
+class TorchDistTransport(ControlledTransport):
+    def _setup_payload(self) -> None:
+        self.backend = self.spec.backend
+        cuda = self.kv_cache.is_cuda
+        if self.backend == "nccl" and not cuda:
             raise ValueError("the nccl backend needs a KV cache on a CUDA device")
-        # The payload travels on the host when gloo carries a GPU cache (host-staged).
-        self.payload_device = kv_cache.device if self.backend == "nccl" else torch.device("cpu")
-        self.staged = self.payload_device != kv_cache.device
-        self._groups: dict[str, object] = {}
-        self._group_locks: dict[str, threading.Lock] = {}
-        self._staging: dict[str, torch.Tensor] = {}
-        self._copy_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.device.type == "cuda" else None
+        if self.backend == "gloo" and cuda:
+            raise ValueError("KV caches on a GPU move over nccl (gloo carries CPU caches only)")
 
-    # -- the pair's process group ---------------------------------------------------------------
-    def _group(self, peer: str):
-        with self._lock:
-            lock = self._group_locks.setdefault(peer, threading.Lock())
-        with lock:
-            if peer in self._dead:
-                raise PeerDeadError(f"peer {peer} is marked dead: {self._dead[peer]}")
-            pg = self._groups.get(peer)
-            if pg is None:
-                prefill, decode = (self.worker_id, peer) if self.role == "prefill" else (peer, self.worker_id)
-                rank = 0 if self.role == "prefill" else 1
-                store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
-                timeout = datetime.timedelta(seconds=self.spec.transfer_timeout_s)
-                if self.backend == "nccl":
-                    opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = timeout
-                    torch.cuda.set_device(self.kv_cache.device)
-                    pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-                else:
-                    host = self.spec.bind_host or local_address_towards(self.spec.store_host or "127.0.0.1", self.spec.store_port)
-                    opts = dist.ProcessGroupGloo._Options()
-                    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-                    opts._timeout = timeout
-                    pg = dist.ProcessGroupGloo(store, rank, 2, opts)
-                self._groups[peer] = pg
-            return pg
+    def _plan(self, srcs, dsts, layerwise):
+        items = [plan_item(s, d, self.plane_block_bytes, self.spec.direct_min_bytes) for s, d in zip(srcs, dsts)]
+        return items, plan_launches(items, self.num_layers, self.plane_block_bytes, layerwise, self.spec.staging_bytes)
 
-    def _on_peer_dead(self, peer: str) -> None:
-        pg = self._groups.pop(peer, None)
-        if pg is not None and self.backend == "nccl" and hasattr(pg, "abort"):
-            # NOTE: a timed-out NCCL receive is still queued on the device and would land whenever the
-            # data came; aborting the communicator is what makes freeing its target blocks safe.
+    # -- the pair's channel ---------------------------------------------------------------------------
+    def _form(self, peer: str) -> _Link:
+        prefill, decode = (self.worker_id, peer) if self.role == "prefill" else (peer, self.worker_id)
+        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
+        rank = _PAIR_RANK[self.role]
+        if self.backend == "nccl":
+            # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
+            # transfer_timeout_s, then we abort the pair ourselves.
+            timeout = datetime.timedelta(seconds=4 * self.spec.transfer_timeout_s)
+            # 2 = abort the communicator on an error the watchdog finds, but never kill the process
+            # (the default, 3, would take a worker down with one dead peer).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            torch.cuda.set_device(self.kv_cache.device)
+            pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+            stream = torch.cuda.Stream(self.kv_cache.device)
+        else:
+            # gloo fails an op as soon as the peer's socket closes (a dead process), else at this
+            # timeout (a hung one): that is what ends a transfer with a dead gloo peer (see _payload_abort).
+            timeout = datetime.timedelta(seconds=2 * self.spec.transfer_timeout_s)
+            host = self.spec.bind_host or local_address_towards(self.spec.store_host or "127.0.0.1", self.spec.store_port)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._timeout = timeout
+            pg = dist.ProcessGroupGloo(store, rank, 2, opts)  # blocks until both ranks joined
+            stream = None
+        return _Link(pg, 1 - rank, stream)
+
+    def _on(self, link: _Link):
+        """Makes the pair's stream current (CUDA); nothing on CPU."""
+        if link.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.kv_cache.device))
+        stack.enter_context(torch.cuda.stream(link.stream))
+        return stack
+
+    def _p2p(self, link: _Link, msgs: list[torch.Tensor], send: bool) -> list:
+        pg = link.pg
+        if self.backend == "nccl":
+            dev = self.kv_cache.device
+            _coalescing(pg, "_start_coalescing", dev)
             try:
-                pg.abort()
-            except Exception:
-                pass
+                for m in msgs:
+                    (pg.send if send else pg.recv)([m], link.peer_rank, 0)
+            finally:
+                work = _coalescing(pg, "_end_coalescing", dev)
+            return [work]
+        return [(pg.send if send else pg.recv)([m], link.peer_rank, tag) for tag, m in enumerate(msgs)]
 
-    def _layer_messages(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """buf [L, 2, n, ...] -> the 2*L contiguous messages of one transfer, in tag order."""
-        return [buf[i, j] for i in range(buf.shape[0]) for j in range(2)]
-
-    # -- prefill side ---------------------------------------------------------------------------
-    def _push(self, store, reservation: Reservation, src_block_ids: list[int], deadline: float) -> int:
-        peer, seq = reservation.decode_worker_id, reservation.transfer_seq
-        # The decode side answers in transfer_seq order, so this may wait behind our own earlier
-        # transfers (still prefilling): bounded like the decode side's own wait, while heartbeats
-        # catch a dead peer within peer_timeout_s.
-        turn = time.monotonic() + self.spec.expect_timeout_s
-        if peer not in self._groups:
-            # Form the pair's group only once the decode side is forming it too (it says so with "join"
-            # right before its constructor blocks), so a dead decode worker can't hold us in there.
-            jkey = f"{self.ns}/pg/{self.worker_id}/{peer}/join"
-            if self._wait_key(store, jkey, peer, max(deadline, turn), "the pair's group formation") is None:
-                raise TimeoutError(f"decode worker {peer} never started forming the transfer group")
-        pg = self._group(peer)
-        rkey = self._key(self.worker_id, peer, seq, "r")
-        ready = self._wait_key(store, rkey, peer, max(deadline, turn), f"receives of transfer {seq}")
-        if ready is None:
-            raise TimeoutError(f"decode worker {peer} did not post receives for transfer {seq} in time")
-        store.delete_key(rkey)
-        if ready != b"1":
-            raise TransferRejected(f"decode worker {peer} rejected transfer {seq}: {ready.decode(errors='replace')}")
-        idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        works, keep = [], []
-        if self.backend == "nccl":
-            # Layer by layer: layer i's gather and send are queued before layer i+1's, so NCCL starts
-            # moving layer 0 while the later gathers still run.
-            for i in range(self.kv_cache.shape[0]):
-                g = self.kv_cache[i].index_select(1, idx)  # [2, n, bs, kvh, hd]
-                keep.append(g)
-                works += [pg.send([g[0]], 1, 2 * i), pg.send([g[1]], 1, 2 * i + 1)]
-        else:
-            buf = self.kv_cache.index_select(2, idx)
-            if self.staged:
-                with torch.cuda.stream(self._copy_stream):
-                    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-                    host.copy_(buf, non_blocking=True)
-                self._copy_stream.synchronize()
-                buf = host
-            keep.append(buf)
-            works = [pg.send([m], 1, tag) for tag, m in enumerate(self._layer_messages(buf))]
-        for w in works:
-            w.wait()
-        deadline = time.monotonic() + self.spec.transfer_timeout_s
-        akey = self._key(self.worker_id, peer, seq, "a")
-        landed = self._wait_key(store, akey, peer, deadline, f"acknowledgement of transfer {seq}")
-        if landed is None:
-            raise TimeoutError(f"decode worker {peer} did not acknowledge transfer {seq} in time")
-        store.delete_key(akey)
-        if landed != b"1":
-            raise RuntimeError(f"decode worker {peer} failed to land transfer {seq}: {landed.decode(errors='replace')}")
-        return len(src_block_ids) * self.bytes_per_block
-
-    # -- decode side ----------------------------------------------------------------------------
-    def _pull(self, store, peer: str, res: Reservation, nblocks: int, deadline: float) -> int:
-        seq = res.transfer_seq
-        dst = list(res.block_ids[:nblocks])
-        if peer not in self._groups:
-            store.set(f"{self.ns}/pg/{peer}/{self.worker_id}/join", b"1")
-        pg = self._group(peer)
+    def _warm(self, link: _Link, send: bool) -> None:
+        """One tiny message through the real path (forms the NCCL communicator), and the copy kernel
+        compiled for this cache, both before the first transfer."""
         cache = self.kv_cache
-        direct = not self.staged and dst == list(range(dst[0], dst[0] + nblocks))
-        if direct:  # receive straight into the reserved blocks: [i, j, d0:d0+n] is contiguous
-            d0 = dst[0]
-            msgs = [cache[i, j, d0:d0 + nblocks] for i in range(cache.shape[0]) for j in range(2)]
-        else:
-            shape = (cache.shape[0], 2, nblocks) + tuple(cache.shape[3:])
-            staging = torch.empty(shape, dtype=cache.dtype, device=self.payload_device,
-                                  pin_memory=self.staged)
-            msgs = self._layer_messages(staging)
-        rkey = self._key(peer, self.worker_id, seq, "r")
-        if self.backend == "nccl":
-            # NCCL creates the pair's communicator lazily, inside the first send/recv, and a receive
-            # blocks there until the sender joins: say "ready" first, or both sides wait forever.
-            store.set(rkey, b"1")
-        works = [pg.recv([m], 0, tag) for tag, m in enumerate(msgs)]
-        if self.backend != "nccl":
-            store.set(rkey, b"1")
+        with self._on(link):
+            one = torch.zeros((1,) + tuple(cache.shape[3:]), dtype=cache.dtype, device=cache.device)
+            works = self._p2p(link, [one], send)
+            if link.stream is None:
+                for w in works:
+                    w.wait()
+                return
+            for w in works:
+                w.wait()
+            ids = torch.zeros(1, dtype=torch.int32, device=cache.device)
+            staging = torch.empty((1, 2, 1) + tuple(cache.shape[3:]), dtype=cache.dtype, device=cache.device)
+            copy_blocks(staging, None, cache[0:1], ids)  # gather and scatter the NULL block onto itself
+            copy_blocks(cache[0:1], ids, staging, None)
+            link.stream.synchronize()
+        err = EventCompletion(torch.cuda.Event(), works).error()
+        if err is not None:
+            raise RuntimeError(f"warm-up transfer failed: {err}")
+
+    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        return []
+
+    def _payload_warm(self, pair: Pair) -> None:
+        pair.payload = self._form(pair.peer)
+        self._warm(pair.payload, send=True)
+
+    def _payload_accept(self, pair: Pair, hello) -> None:
+        pair.payload = self._form(pair.peer)
+        self._warm(pair.payload, send=False)
+
+    def _payload_abort(self, pair: Pair) -> None:
+        """NCCL: ncclCommAbort ends the kernels in flight, so the pair stream (and the bundles'
+        completion events) move on. gloo: nothing; its abort() neither wakes an op in flight nor lets
+        it see the peer's socket close any more, while left alone the op fails at that close or at the
+        group's timeout."""
+        link = pair.payload
+        if link is not None and self.backend == "nccl":
+            link.pg.abort()
+
+    # -- messages -------------------------------------------------------------------------------------
+    def _ids(self, b, side: str) -> dict[int, torch.Tensor]:
+        """This side's block ids of the staged items, on the device: one pinned upload per bundle."""
+        staged = [k for k, it in enumerate(b.items) if it.runs is None]
+        if not staged:
+            return {}
+        lists = [b.items[k].src if side == "src" else b.items[k].dst for k in staged]
+        flat = torch.tensor([x for ids in lists for x in ids], dtype=torch.int32)
+        if self.kv_cache.is_cuda:  # NOTE: pinned + non_blocking: no host sync (the issue's pageable copy)
+            flat = flat.pin_memory().to(self.kv_cache.device, non_blocking=True)
+        out, o = {}, 0
+        for k, ids in zip(staged, lists):
+            out[k] = flat[o:o + len(ids)]
+            o += len(ids)
+        return out
+
+    def _slot(self, link: _Link, nbytes: int, sender: bool) -> torch.Tensor:
+        if link.stream is None:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        k = link.next_slot
+        link.next_slot ^= 1
+        if sender and link.slot_work[k] is not None:
+            link.slot_work[k].wait()  # the pair stream waits until the send that read this slot is done
+        if link.slots[k] is None or link.slots[k].numel() < nbytes:
+            # Allocated on the pair stream (current): only work ordered after it reuses the memory.
+            link.slots[k] = torch.empty(max(nbytes, self.spec.staging_bytes), dtype=torch.uint8, device=self.kv_cache.device)
+        link.last_slot = k
+        return link.slots[k]
+
+    def _messages(self, link: _Link, b, launch: Launch, side: str, ids: dict):
+        """(messages in plan order, scatters to run once they arrived). The sender gathers staged
+        segments into its slot here, on the current (pair) stream."""
+        cache, sender = self.kv_cache, side == "src"
+        msgs, scatters = [], []
+        nbytes = sum(b.items[s.item].staged_bytes(s.l1 - s.l0, self.plane_block_bytes) for s in launch)
+        slot = self._slot(link, nbytes, sender) if nbytes else None
+        off = 0
+        for seg in launch:
+            it = b.items[seg.item]
+            if it.runs is not None:
+                for layer in range(seg.l0, seg.l1):
+                    for j in (0, 1):
+                        for s0, d0, n in it.runs:
+                            x0 = s0 if sender else d0
+                            msgs.append(cache[layer, j, x0:x0 + n])
+                continue
+            size = it.staged_bytes(seg.l1 - seg.l0, self.plane_block_bytes)
+            buf = slot[off:off + size].view(cache.dtype).view((seg.l1 - seg.l0, 2, it.n) + tuple(cache.shape[3:]))
+            off += size
+            if sender:
+                copy_blocks(buf, None, cache[seg.l0:seg.l1], ids[seg.item])
+            else:
+                scatters.append(partial(copy_blocks, cache[seg.l0:seg.l1], ids[seg.item], buf, None))
+            msgs.append(buf)
+        return msgs, scatters
+
+    # -- prefill side -----------------------------------------------------------------------------------
+    def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
+        link = pair.payload
+        with self._on(link):
+            if ready is not None:
+                link.stream.wait_event(ready)  # the layers this launch carries are computed
+            if b.payload is None:
+                b.payload = _BundleIO(self._ids(b, "src"))
+            msgs, _ = self._messages(link, b, launch, "src", b.payload.ids)
+            works = self._p2p(link, msgs, send=True)
+            if link.stream is not None and any(b.items[s.item].runs is None for s in launch):
+                link.slot_work[link.last_slot] = works[0]
+            b.payload.works += works
+            b.payload.keep.append(msgs)
+
+    def _payload_seal(self, pair: Pair, b):
+        link, io = pair.payload, b.payload or _BundleIO({})
+        if link.stream is None:
+            return HostCompletion([(io.works, [])], io.keep), -1
+        with self._on(link):
+            for w in io.works:
+                w.wait()
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(link.stream)
+        return EventCompletion(ev, io.works, io.keep), -1
+
+    # -- decode side ------------------------------------------------------------------------------------
+    def _payload_post(self, pair: Pair, b):
+        link = pair.payload
+        works_all, keep, steps, err = [], [], [], None
+        with self._on(link):
+            try:
+                ids = self._ids(b, "dst")
+                pending = None
+                for launch in b.launches:
+                    msgs, scatters = self._messages(link, b, launch, "dst", ids)
+                    works = self._p2p(link, msgs, send=False)
+                    works_all += works
+                    keep.append((msgs, ids))
+                    if link.stream is None:
+                        steps.append((works, scatters))
+                        continue
+                    if pending is not None:
+                        self._land(*pending)
+                    pending = (works, scatters)
+                if pending is not None:
+                    self._land(*pending)
+            except Exception as e:  # noqa: BLE001 - the completion still covers what was posted
+                err = f"{type(e).__name__}: {e}"
+            if link.stream is None:
+                return HostCompletion(steps, keep), err
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(link.stream)
+        return EventCompletion(ev, works_all, keep), err
+
+    @staticmethod
+    def _land(works, scatters) -> None:
         for w in works:
-            w.wait()  # bounded by the group's timeout (transfer_timeout_s); raises if the peer broke
-        if not direct:
-            idx = torch.tensor(dst, dtype=torch.long, device=cache.device)
-            cache.index_copy_(2, idx, staging.to(cache.device, non_blocking=True))
-        if cache.device.type == "cuda":
-            torch.cuda.current_stream(cache.device).synchronize()  # landed before anyone reads it
-        store.set(self._key(peer, self.worker_id, seq, "a"), b"1")
-        return nblocks * self.bytes_per_block
+            w.wait()  # the pair stream (current) waits for the receive
+        for fn in scatters:
+            fn()

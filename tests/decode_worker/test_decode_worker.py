@@ -143,7 +143,8 @@ def test_abort_frees_blocks_and_defers_while_a_transfer_may_land(demo_model_dir)
         res_a = pre.reserve(worker, "a", ps[0], long)
         pre.prefill_and_send(res_a, ps[0])
         col.wait(lambda: len(col.tokens.get("a", [])) >= 3)
-        res_b = pre.reserve(worker, "b", ps[1], long)  # reserved, transfer not sent yet
+        res_b = pre.reserve(worker, "b", ps[1], long)  # reserved and claimed, payload not sent yet
+        pre.transport.claim(res_b)
         worker.abort("a")
         worker.abort("b")
         col.wait(lambda: col.finish.get("a") == "abort" and col.finish.get("b") == "abort")
@@ -153,6 +154,12 @@ def test_abort_frees_blocks_and_defers_while_a_transfer_may_land(demo_model_dir)
         pre.prefill_and_send(res_b, ps[1])  # lands late: the blocks were never reused
         col.wait(lambda: worker.stats().free_blocks == total)
         assert "b" not in col.tokens or col.tokens["b"] == []
+        # Not claimed yet: the abort cancels the transfer and its blocks come back with that arrival.
+        res_c = pre.reserve(worker, "c", ps[1], long)
+        worker.abort("c")
+        col.wait(lambda: col.finish.get("c") == "abort")
+        col.wait(lambda: worker.stats().free_blocks == total)
+        assert pre.transport.cancelled == ["c"] and not pre.transport.is_expected("c")
         worker.abort("nobody")  # unknown ids are ignored
     finally:
         worker.shutdown()

@@ -23,6 +23,8 @@ def setup(demo_model_dir, request):
     w.set_transport(create_transport(spec, w.kv_cache, "p0", "prefill"), send_timeout_s=5.0)
     yield dec, w
     w.shutdown()
+    w.transport.close()
+    dec.transport.close()
 
 
 def test_packed_and_chunked_prefill_matches_engine(setup, demo_model_dir):

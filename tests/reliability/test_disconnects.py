@@ -21,9 +21,16 @@ CONCURRENCY = 12
 def cluster(ray_module, demo_model_dir, request):
     # One prefill worker (KV over the real gloo transport) and two decode workers; short prompts are
     # prefilled on the decode worker, so both paths see disconnects; one API server, then two.
-    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
-                       cpu_num_blocks=128, api_servers=request.param)
-    sc.listeners_before_traffic = _worker_listeners()  # Ray's own; gloo pairs form at the first transfer
+    from cluster.app.launch import form_kv_transport_group
+
+    before = {}
+
+    def form(prefill, decode, cfg, **where):
+        before["listeners"] = _worker_listeners()  # Ray's own: no KV channel exists yet
+        return form_kv_transport_group(prefill, decode, cfg, **where)
+    sc = start_cluster(demo_model_dir, form_transport_group=form, prefill_workers=1, decode_workers=2,
+                       local_prefill_threshold=10, cpu_num_blocks=128, api_servers=request.param)
+    sc.listeners_before_traffic = before["listeners"]
     yield sc
     sc.shutdown()
 
@@ -89,9 +96,9 @@ def _worker_listeners() -> set[tuple[int, str, int]]:
 
 def test_internal_sockets_listen_on_loopback_only(cluster):
     """In the local cluster the KV rendezvous store and the router's step-record sink (launcher), the
-    token streams and the HTTP port (API servers) and the gloo pairs of the workers (formed by the
-    traffic above) listen on 127.0.0.1, never a wildcard. (Each worker process also has Ray's own
-    core-worker server, there before any traffic: Ray's.)"""
+    token streams and the HTTP port (API servers), the decode workers' KV control inboxes and the gloo
+    pairs (both formed before /ready) listen on 127.0.0.1, never a wildcard. (Each worker process also
+    has Ray's own core-worker server, there before the KV transport group formed: Ray's.)"""
     import psutil
 
     mine = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
@@ -105,6 +112,6 @@ def test_internal_sockets_listen_on_loopback_only(cluster):
     assert {ip for ip, _ in gateways} == {"127.0.0.1"}
     actors = {pid for pid, _, _ in cluster.listeners_before_traffic}
     ours = {x for x in _worker_listeners() - cluster.listeners_before_traffic if x[0] in actors}
-    print(f"\nworker listeners opened by KV transfers: {sorted(ours)}")
-    assert len(ours) >= 2  # a gloo pair (prefill-0 with each decode worker that got a transfer)
+    print(f"\nworker listeners opened by the KV transport: {sorted(ours)}")
+    assert len(ours) >= 4  # each decode worker's inbox, and both ends of each gloo pair
     assert {ip for _, ip, _ in ours} == {"127.0.0.1"}

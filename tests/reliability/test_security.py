@@ -8,6 +8,7 @@ import asyncio
 import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import msgpack
@@ -93,14 +94,43 @@ def test_token_stream_never_unpickles(tmp_path):
     assert not marker.exists()
 
 
-def test_kv_header_is_an_int_vector_not_a_pickle():
-    from cluster.transport.control import decode_header, encode_header
+def test_kv_control_channel_never_unpickles(tmp_path):
+    """The decode side's KV control inbox takes msgpack maps only: a pickle frame and malformed ones
+    are dropped (nothing executed, the control thread goes on) and a real transfer still lands."""
+    import uuid
 
-    raw = encode_header(KVHeader("req-1", 3, 17, 42), num_blocks=2, bytes_per_block=4096)
-    assert len(raw) == 8 * 8 + len(b"req-1") and b"req-1" in raw
-    assert decode_header(raw)[0] == KVHeader("req-1", 3, 17, 42)
-    with pytest.raises(ValueError):
-        decode_header(pickle.dumps(KVHeader("req-1", 3, 17, 42)))
+    import torch
+    import zmq
+
+    from cluster.messages import Reservation
+    from cluster.transport.factory import TransportSpec, create_transport
+
+    marker = tmp_path / "pwned"
+    spec = TransportSpec("local", namespace=f"sec-{uuid.uuid4().hex[:8]}", heartbeat_s=0.05)
+    dst, src = torch.zeros(2, 2, 8, 4, 1, 4), torch.randn(2, 2, 8, 4, 1, 4)
+    src[:, :, 0] = 0
+    td = create_transport(spec, dst, "d", "decode")
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(td._inbox.endpoint)
+    push.send(pickle.dumps(_Boom(str(marker))))  # a malicious frame ...
+    push.send(msgpack.packb([1, 2, 3]))  # ... malformed ones ...
+    push.send(msgpack.packb({"t": "b", "p": 7}))
+    deadline = time.monotonic() + 10
+    while td._inbox.dropped < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert td._inbox.dropped == 3 and not marker.exists() and td._control.is_alive()
+    tp = create_transport(spec, src, "p", "prefill")
+    res = Reservation("r", "d", (3, 4), 0)
+    td.expect(res, "p")
+    tp.send(res, KVHeader("r", 0, 4, 9), [5], 10.0)  # ... and a real transfer still lands
+    arrivals = []
+    while not arrivals and time.monotonic() < deadline:
+        arrivals = td.poll_arrivals()
+        time.sleep(0.01)
+    assert arrivals and arrivals[0].error is None and torch.equal(dst[:, :, 3], src[:, :, 5])
+    push.close()
+    tp.close(), td.close()
 
 
 def test_no_pickle_on_our_sockets():

@@ -77,16 +77,26 @@ class PrefillProc:
         self.proc.join(timeout=30)
 
 
-def test_kv_bit_identical_and_greedy_matches_engine(demo_model_dir, store):
-    spec = _spec(store, "exact")
+@pytest.mark.parametrize("how", ["staged", "layerwise_direct"])
+def test_kv_bit_identical_and_greedy_matches_engine(demo_model_dir, store, how):
+    # staged: the demo model's blocks are small, so every prompt is gathered into one message and
+    # scattered on arrival; layerwise_direct: layer by layer during the forward, block runs in place.
+    kw = {} if how == "staged" else dict(layerwise_min_tokens=0, direct_min_bytes=0)
+    spec = _spec(store, f"exact-{how}", **kw)
     p = PrefillProc(spec, "p0", demo_model_dir, ship_kv=True, budget=48)
     dec = harness.DecodeSide("d0", demo_model_dir, spec)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (7, 16, 61, 33, 100)]
     reqs = [harness.request(pr, max_tokens=8) for pr in prompts]
-    # Non-contiguous reservation for one request exercises the staging + scatter path.
-    dec.allocator.allocate(1)
-    tasks = [dec.reserve(r, "p0") for r in reqs]
+    # Every other reservation is scattered over the pool (staged and scattered on arrival whatever
+    # the config); the others are one run (in place when the config allows).
+    pool = dec.allocator.allocate(200)
+    rng.shuffle(pool)
+    tasks = []
+    for k, r in enumerate(reqs):
+        n = -(-len(r.prompt_token_ids) // 16) + 1
+        blocks = [pool.pop() for _ in range(n)] if k % 2 else None
+        tasks.append(dec.reserve(r, "p0", blocks))
     for t in tasks:
         p.submit(t)
     arrivals = dec.wait_arrivals(len(reqs))
@@ -157,6 +167,29 @@ def test_killed_prefill_times_out_instead_of_hanging(demo_model_dir, store):
     late = dec.reserve(harness.request(list(range(5, 9))), "p0")
     (a,) = dec.wait_arrivals(1, timeout=5)
     assert a.reservation == late.reservation and "dead" in a.error
+    dec.transport.close()
+
+
+@pytest.mark.parametrize("die_at", ["layer", "commit"])
+def test_prefill_killed_mid_transfer_fails_it_cleanly(demo_model_dir, store, die_at):
+    """Killed with the transfer claimed and its receives posted: mid-payload (layer-wise), or with the
+    payload landed but the first token never sent. Either way the transfer fails (no decoding from a
+    half-shipped prompt), within peer_timeout_s, and only then do its blocks come back."""
+    spec = _spec(store, f"mid{die_at}", peer_timeout_s=1.0, layerwise_min_tokens=0)
+    p = PrefillProc(spec, "p0", demo_model_dir, die_at=die_at)
+    dec = harness.DecodeSide("d0", demo_model_dir, spec, with_model=False)
+    tasks = [dec.reserve(harness.request(list(range(5, 45))), "p0") for _ in range(2)]
+    p.wait_ready()
+    t0 = time.monotonic()
+    for t in tasks:
+        p.submit(t)
+    arrivals = dec.wait_arrivals(2, timeout=20)
+    p.proc.join(timeout=5)
+    assert p.proc.exitcode == 17
+    assert len(arrivals) == 2 and time.monotonic() - t0 < 10, arrivals
+    for a in arrivals:
+        assert a.error and "dead" in a.error.lower() and a.header is None, a.error
+    assert dec.transport.metrics()["transfers"] == 0
     dec.transport.close()
 
 

@@ -1,0 +1,150 @@
+"""The KV transfers' push channel: typed control messages from prefill workers to a decode worker, ZMQ.
+
+Each decode worker binds one PULL socket (`Inbox`) on the cluster's internal address (or in-process,
+`inproc://`, when the transports rendezvous through an in-process store) and publishes its endpoint in
+the store. A prefill worker connects one PUSH socket (`Outbox`) per decode peer. ZMQ keeps the order of
+one socket's messages, so the decode side sees a pair's messages in the order the prefill sent them:
+that order, not a sequence number, is what matches the payload's sends and receives.
+
+Messages are msgspec Structs on msgpack (no pickle), tagged by kind:
+  Hello   once per pair: forms the payload channel (and warms it up)
+  Begin   a bundle of transfers is claimed and its payload follows (receives go up now)
+  Commit  the bundle's first tokens (or per-transfer failure); the decode side reports arrivals
+          once the payload has landed too
+  Abort   one claimed transfer carries no KV (the prefill failed or was aborted before its forward)
+A frame that does not decode as one of them is dropped and counted. The Inbox also wakes on
+`wake()` (an os pipe), so the decode side's other threads hand it work without a socket each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Union
+
+import msgspec
+import zmq
+
+log = logging.getLogger(__name__)
+
+_MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
+
+
+class Hello(msgspec.Struct, tag="h"):
+    p: str  # the prefill worker
+    layout: list  # [layers, block_size, kv_heads, head_dim, dtype]: must equal the decode pool's
+    events: list[bytes] = []  # same-GPU: IPC handles of the pair's doorbell events
+
+
+class Begin(msgspec.Struct, tag="b"):
+    p: str
+    b: int  # bundle id, unique per prefill worker
+    layerwise: bool
+    fingerprint: int  # of the plan both sides compute (plan.py)
+    items: list[tuple[int, str, int, bytes]]  # (transfer_seq, request_id, num_tokens, src blocks as <i4)
+
+
+class Commit(msgspec.Struct, tag="c"):
+    p: str
+    b: int
+    tokens: list[int]  # first token per item (-1 where it failed)
+    ok: list[bool]
+    event: int = -1  # same-GPU: the doorbell event recorded after the payload
+
+
+class Abort(msgspec.Struct, tag="a"):
+    p: str
+    seq: int
+    request_id: str
+
+
+Message = Union[Hello, Begin, Commit, Abort]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def _context() -> zmq.Context:
+    # One context per process: `inproc://` endpoints only connect sockets of the same context.
+    return zmq.Context.instance()
+
+
+class Inbox:
+    """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`)."""
+
+    def __init__(self, host: str | None, name: str):
+        self._sock = _context().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
+        if host is None:
+            self.endpoint = f"inproc://pdserve-kv/{name}/{id(self)}"
+            self._sock.bind(self.endpoint)
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self.endpoint = f"tcp://{host}:{port}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.dropped = 0  # frames that were not a control message
+
+    def recv(self, timeout_s: float) -> list[Message]:
+        """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        out = []
+        while True:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                out.append(_DECODER.decode(raw))  # data only: nothing on this socket is ever unpickled
+            except msgspec.DecodeError:
+                self.dropped += 1
+                log.warning("dropped a KV control frame that is not a control message (%d bytes)", len(raw))
+
+    def wake(self) -> None:
+        """Any thread: makes a pending or the next recv() return at once."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake is pending anyway) or closed
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Outbox:
+    """Prefill side: the PUSH socket to one decode worker. Thread-safe (one lock per socket)."""
+
+    def __init__(self, endpoint: str):
+        self._sock = _context().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
+        self._sock.connect(endpoint)
+        self._lock = threading.Lock()
+
+    def send(self, msg: Message) -> None:
+        """Queues one message; never blocks. Raises ConnectionError if the peer stopped reading."""
+        raw = _ENCODER.encode(msg)
+        with self._lock:
+            try:
+                self._sock.send(raw, zmq.NOBLOCK)
+            except zmq.Again:
+                raise ConnectionError(f"{_MAX_QUEUED} control messages queued for a peer that does not read them") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)

@@ -1,0 +1,161 @@
+"""Completions: "has this side of a bundle's KV payload finished?", asked without blocking by the
+decode loop (`done()`) and waited for by one waiter thread per pair (`wait()`), in order.
+
+    EventCompletion     CUDA: an event recorded on the pair's stream after the payload
+    HostCompletion      gloo: works to wait for, then the scatters to run, done by the waiter
+    DeferredCompletion  same-GPU decode side: the commit names the event to query
+    ReadyCompletion     nothing was left to wait for
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Completion:
+    def done(self) -> bool:
+        """Never blocks (the decode loop calls it)."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Blocks until done (waiter threads only)."""
+        raise NotImplementedError
+
+    def error(self) -> str | None:
+        return None
+
+    def abandon(self) -> None:
+        """The peer is dead: stop waiting for anything only it could still provide."""
+
+
+class ReadyCompletion(Completion):
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class EventCompletion(Completion):
+    """CUDA: an event recorded on the pair's stream after the payload. `works` (ProcessGroupNCCL work
+    objects) carry any error NCCL's watchdog found; `keep` holds tensors the payload uses until then."""
+
+    def __init__(self, event: torch.cuda.Event, works=(), keep=()):
+        self.event, self.works, self.keep = event, list(works), keep
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def error(self) -> str | None:
+        for w in self.works:
+            try:
+                w.is_completed()  # refreshes the work's error from its communicator (the watchdog only sees a copy)
+                e = w.exception()
+            except Exception as x:  # noqa: BLE001 - a broken work object is an error too
+                return f"{type(x).__name__}: {x}"
+            if e is not None:
+                return f"{type(e).__name__}: {e}"
+        return None
+
+
+class HostCompletion(Completion):
+    """CPU (gloo): steps of (works to wait for, functions to run then), run by the pair's waiter."""
+
+    def __init__(self, steps, keep=()):
+        self.steps, self.keep = steps, keep
+        self._done = threading.Event()
+        self._error: str | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        if self._done.is_set():
+            return
+        try:
+            for works, after in self.steps:
+                for w in works:
+                    w.wait()
+                for fn in after:
+                    fn()
+        except Exception as e:  # noqa: BLE001 - reported through error()
+            self._error = f"{type(e).__name__}: {e}"
+        finally:
+            self.keep = ()
+            self._done.set()
+
+    def error(self) -> str | None:
+        return self._error
+
+
+class DeferredCompletion(Completion):
+    """Known only later: the same-GPU decode side learns from the commit which event to query."""
+
+    def __init__(self):
+        self._c: Completion | None = None
+        self._bound = threading.Event()
+
+    def bind(self, c: Completion) -> None:
+        self._c = c
+        self._bound.set()
+
+    def done(self) -> bool:
+        return self._c is not None and self._c.done()
+
+    def wait(self) -> None:
+        self._bound.wait()
+        self._c.wait()
+
+    def error(self) -> str | None:
+        return self._c.error() if self._c is not None else None
+
+    def abandon(self) -> None:
+        if self._c is None:
+            self.bind(ReadyCompletion())
+
+
+class Waiter(threading.Thread):
+    """Waits for one pair's completions in order (they complete in order: one stream per pair)."""
+
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self._cv = threading.Condition()
+        self._q: deque[tuple[Completion, Callable[[], None]]] = deque()
+        self._stop = False
+
+    def put(self, completion: Completion, then: Callable[[], None]) -> None:
+        with self._cv:
+            self._q.append((completion, then))
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._stop:
+                    self._cv.wait()
+                if not self._q:
+                    return
+                c, then = self._q.popleft()
+            try:
+                c.wait()
+            except Exception:  # noqa: BLE001 - a failed wait shows in the completion's error
+                log.exception("waiting for a KV payload failed")
+            try:
+                then()
+            except Exception:  # noqa: BLE001
+                log.exception("KV completion callback failed")
