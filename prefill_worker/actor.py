@@ -30,6 +30,11 @@ class PrefillWorkerActor:
         if old is not None:
             old.close()
 
+    async def warmup(self) -> dict:
+        """Before serving (the launcher calls it before /ready): every prefill shape class, twice.
+        Off the actor's event loop, so stats() still answers meanwhile."""
+        return await asyncio.to_thread(self.worker.warmup)
+
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))
 
