@@ -210,3 +210,38 @@ def test_a_gone_client_stops_counting_as_waiting(refusing_cluster):
     print(f"\nwaiting count back to 0 {released_in:.2f}s after the clients left (placement wait: 60s)")
     r = httpx.post(f"{sc.url}/v1/completions", json={**body, "stream": False}, timeout=60)
     assert r.status_code == 200
+
+
+def test_a_reservation_made_as_the_client_leaves_still_reaches_the_prefill_worker(demo_model_dir):
+    """Cancelled while D reserved: the reservation lands anyway, so P must be told (it sends D a "no
+    KV" for that transfer_seq), or D's in-order receiver would wait on it and stall every later
+    transfer from P. Here: P gets the task and its abort, and D's blocks come back."""
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=64, max_num_seqs=8)
+    d = FakeDecodeWorker("decode-0", cfg, None)
+    p = FakePrefillWorker("prefill-0", cfg, prefill_delay_s=0.2)
+    p.init_transport({"decode": {"decode-0": d}})
+
+    async def main():
+        stream = TokenStreamReceiver()
+        router = Router([WorkerClient("prefill-0", "prefill", p)], [WorkerClient("decode-0", "decode", Slow(d, 0.5))],
+                        stream, AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                        RouterConfig(prefill_placement="static", **STALE))
+        await router.start()
+        task = asyncio.ensure_future(router.submit(req("left", n=40)))
+        await asyncio.sleep(0.2)  # the reserve call is out (D answers after 0.5 s)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not router.inflight and router.admission.num_admitted == 0
+        deadline = time.monotonic() + 10
+        while (d.reserve_calls == 0 or d._reserved or p._outstanding) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert d.reserve_calls == 1 and p.submitted == 1  # the orphan reservation was handed to P...
+        assert not d._reserved and d.stats().free_blocks == d.stats().total_blocks  # ...and D let it go
+        await router.stop()
+        stream.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        d.shutdown()
