@@ -1,4 +1,4 @@
-"""PlannerLoop: runs the P:D planner (router.pd_planner) beside the gateway and carries out its
+"""PlannerLoop: runs the P:D planner (router.pd_planner) beside the router and carries out its
 decisions with the RoleSwitcher, one worker at a time.
 
 Every `interval_s`: observe (the router's views of its workers: measured rates; its ArrivalStats:

@@ -10,7 +10,7 @@ holds (GPUs are fixed; the worker's placement-group bundle is reused).
              group, warms up (before it is placed on, as at start-up)
     add      the router polls it and places on it
 
-Every step runs on the gateway's event loop; the blocking Ray calls (retire, spawn) run in a thread.
+Every step runs on the router's event loop; the blocking Ray calls (retire, spawn) run in a thread.
 The cluster object provides `retire_worker(id) -> bundle` and `spawn_worker(role, bundle) -> (id,
 handle)` (cluster/app/launch.py's ServingCluster).
 """

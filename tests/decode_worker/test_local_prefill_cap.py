@@ -42,7 +42,7 @@ def test_running_requests_get_a_step_between_chunks_and_outputs_equal_the_engine
     ref = reference_engine.generate([short, long_], [p_short, p_long])
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=8, num_blocks=64,
                        local_prefill_chunk_tokens=cap)
-    worker = DecodeWorker("d0", cfg, token_sink=None)
+    worker = DecodeWorker("d0", cfg)
     tokens: dict[str, list[int]] = {}
     try:
         def collect():
@@ -78,7 +78,7 @@ def test_running_requests_get_a_step_between_chunks_and_outputs_equal_the_engine
 def test_nothing_decoding_uses_the_whole_budget(demo_model_dir):
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4, num_blocks=32,
                        local_prefill_chunk_tokens=16)
-    worker = DecodeWorker("d0", cfg, token_sink=None)
+    worker = DecodeWorker("d0", cfg)
     try:
         p = _prompt(3, 100)
         assert worker.submit_local(GenerateRequest("only", tuple(p), SamplingParams(max_tokens=2, **GREEDY), 0, 0.0))

@@ -37,7 +37,7 @@ def test_device_timer_reads_events_without_a_sync():
 def test_warmup_then_capped_local_prefill_equals_the_engine(demo_model_dir):
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", device="cuda", num_blocks=512,
                        max_num_seqs=16, max_prefill_tokens=1024, local_prefill_chunk_tokens=64)
-    worker = DecodeWorker("d0", cfg, token_sink=None, capture_progress=False)
+    worker = DecodeWorker("d0", cfg, capture_progress=False)
     try:
         info = worker.warmup()
         assert info["prefill_passes"] > 0 and info["requests"] == 4

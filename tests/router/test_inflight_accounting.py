@@ -18,9 +18,8 @@ from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits
-from router.metrics import ServingMetrics
+from router.metrics import RouterMetrics
 from router.router import Router, RouterConfig, WorkerClient
-from router.token_stream import TokenStreamReceiver
 from router_fakes import FakeDecodeWorker, FakePrefillWorker
 
 STALE = dict(stats_interval_s=30.0, reserve_wait_s=0.5)
@@ -66,9 +65,8 @@ def test_a_burst_spreads_over_both_decode_workers(decode_pair, disaggregated):
         prefill = [WorkerClient("prefill-0", "prefill", Slow(p))]
 
     async def main():
-        stream = TokenStreamReceiver()
         router = Router(prefill, [WorkerClient("decode-0", "decode", Slow(d0)), WorkerClient("decode-1", "decode", Slow(d1))],
-                        stream, AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                        AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
                         RouterConfig(prefill_placement="static", **STALE))
         await router.start()
         placed = await asyncio.gather(*(router.submit(req(f"b{i}")) for i in range(16)))
@@ -76,7 +74,6 @@ def test_a_burst_spreads_over_both_decode_workers(decode_pair, disaggregated):
         for rs in placed:
             router.finish(rs.request_id, abort=True)
         await router.stop()
-        stream.close()
         return where
 
     where = asyncio.run(main())
@@ -84,9 +81,10 @@ def test_a_burst_spreads_over_both_decode_workers(decode_pair, disaggregated):
 
 
 async def _finished(d, rid, timeout=30.0):
+    """Requests without a reply_to stay with the double's publisher: wait for the final delta."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(x.request_id == rid and x.finish_reason for b in list(d.sent) for x in b.deltas):
+        if any(x.request_id == rid and x.finish_reason for b in d.poll_token_batches() for x in b.deltas):
             return
         await asyncio.sleep(0.01)
     raise TimeoutError(rid)
@@ -99,8 +97,7 @@ def test_an_idle_server_with_stale_stats_never_answers_429(demo_model_dir):
     d = FakeDecodeWorker("decode-0", cfg, None)
 
     async def main():
-        stream = TokenStreamReceiver()
-        router = Router([], [WorkerClient("decode-0", "decode", Slow(d))], stream,
+        router = Router([], [WorkerClient("decode-0", "decode", Slow(d))],
                         AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
                         RouterConfig(**STALE))
         await router.start()
@@ -110,8 +107,8 @@ def test_an_idle_server_with_stale_stats_never_answers_429(demo_model_dir):
             if i == 0:
                 await router.poll_once()  # a poll while it runs: the stats now say "1 free block"
                 polls = router._fresh_as_of
-            await _finished(d, rs.request_id)  # (without a token sink the double keeps its batches)
-            router.finish(rs.request_id)
+            await _finished(d, rs.request_id)
+            router.finish(rs.request_id, generated=2)  # what the gateway's Finish says
         assert router._fresh_as_of == polls  # no re-poll was needed: the release was counted
         # Blocks freed behind the router's back (an abort straight on the worker): the polled stats
         # say full, admission re-polls once before answering and then admits.
@@ -126,7 +123,6 @@ def test_an_idle_server_with_stale_stats_never_answers_429(demo_model_dir):
         assert rs2.decode_worker_id == "decode-0" and router._fresh_as_of > polls
         router.finish("after", abort=True)
         await router.stop()
-        stream.close()
 
     try:
         asyncio.run(main())
@@ -143,9 +139,8 @@ def test_dead_worker_kv_gauge_is_removed(demo_model_dir):
             raise ConnectionError("gone")
 
     async def main():
-        metrics = ServingMetrics("m")
-        stream = TokenStreamReceiver()
-        router = Router([], [WorkerClient("decode-0", "decode", d), WorkerClient("decode-1", "decode", Dead())], stream,
+        metrics = RouterMetrics("m")
+        router = Router([], [WorkerClient("decode-0", "decode", d), WorkerClient("decode-1", "decode", Dead())],
                         AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
                         RouterConfig(unhealthy_after_failures=1, **STALE), metrics)
         await router.poll_once()
@@ -157,7 +152,6 @@ def test_dead_worker_kv_gauge_is_removed(demo_model_dir):
         text = metrics.render().decode()
         assert "kv_cache_usage_perc{" not in text  # no frozen last value for a dead worker
         assert 'pdserve:worker_healthy{model_name="m",role="decode",worker_id="decode-0"} 0.0' in text
-        stream.close()
 
     try:
         asyncio.run(main())
@@ -179,7 +173,7 @@ def test_a_gone_client_stops_counting_as_waiting(refusing_cluster):
     import ray
 
     sc = refusing_cluster
-    router = sc.gateway.router
+    router = sc.router  # lives on the launcher's loop; its counters are read from here
     decode = sc.workers.decode["decode-0"]
     ray.get(decode.refuse_placements.remote(True))  # admitted, but no decode worker takes them: they wait
     body = {"model": "pdserve-demo", "prompt": "hello there", "max_tokens": 4, "stream": True}
@@ -222,9 +216,8 @@ def test_a_reservation_made_as_the_client_leaves_still_reaches_the_prefill_worke
     p.init_transport({"decode": {"decode-0": d}})
 
     async def main():
-        stream = TokenStreamReceiver()
         router = Router([WorkerClient("prefill-0", "prefill", p)], [WorkerClient("decode-0", "decode", Slow(d, 0.5))],
-                        stream, AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                        AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
                         RouterConfig(prefill_placement="static", **STALE))
         await router.start()
         task = asyncio.ensure_future(router.submit(req("left", n=40)))
@@ -239,7 +232,6 @@ def test_a_reservation_made_as_the_client_leaves_still_reaches_the_prefill_worke
         assert d.reserve_calls == 1 and p.submitted == 1  # the orphan reservation was handed to P...
         assert not d._reserved and d.stats().free_blocks == d.stats().total_blocks  # ...and D let it go
         await router.stop()
-        stream.close()
 
     try:
         asyncio.run(main())

@@ -61,7 +61,7 @@ def test_workers_warmed_up_before_serving(cluster):
         if wid.startswith("decode"):
             assert warm["requests"] == 4  # the local-prefill path, once per sampler variant (+ one decoding)
     # The warm-up seeded the measured rates the router plans with.
-    views = cluster.gateway.router.views
+    views = cluster.router.views
     assert all(v.stats.prefill_rate is not None for v in views.values())
     assert all(views[w].stats.decode_rate is not None for w in cluster.workers.decode)
 
@@ -71,7 +71,7 @@ def test_planner_switches_a_decode_worker_to_prefill_and_serving_stays_exact(clu
     from router.pd_planner import PDPlanner, PlannerConfig
 
     sc = cluster
-    router = sc.gateway.router
+    router = sc.router  # on the launcher's loop (sc._loop)
     loop = PlannerLoop.for_cluster(sc, router)
     loop.planner = PDPlanner(PlannerConfig(min_prefill=1, hysteresis=0.1, min_utilization=0.0, confirmations=1,
                                            min_dwell_s=0.0))
@@ -90,8 +90,8 @@ def test_planner_switches_a_decode_worker_to_prefill_and_serving_stays_exact(clu
             for _ in range(300):
                 router.arrivals.record_arrival(3000, 4)
                 router.arrivals.record_finish(4)
-            # The planner runs where it does in `pdserve serve`: on the gateway's event loop.
-            new_id = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(loop.step(), sc.gateway.loop))
+            # The planner runs where it does in `pdserve serve`: on the router's event loop.
+            new_id = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(loop.step(), sc._loop))
             during = await asyncio.gather(*inflight)
             after = await asyncio.gather(*(_complete(client, prompts[i], lens[i], stream=i % 2 == 0)
                                            for i in range(2, 8)))
