@@ -257,6 +257,7 @@ class DecodeWorker:
         finally:
             with self._lock:
                 self._outbox.clear()
+                self._last_step_info = (0.0, 0, 0, -1)  # no warm-up step record goes out
                 self._warming = False
             for r in ids:  # their last deltas were not published: nothing ends their publisher state
                 self.publisher.forget(r)

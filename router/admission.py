@@ -11,8 +11,8 @@ Rules, in order:
    prompt (plus the first decode slot) right now, or every prefill path (each prefill worker, each
    decode worker's local queue) would make the prompt wait more than `max_prefill_queue_s` before its
    prefill starts. Both read the router's WorkerViews, which count the router's own placements and
-   releases since the last poll; the router re-polls the workers and asks once more before it
-   answers 429 on these grounds, so stale stats never refuse a request.
+   releases since the last poll; before it answers 429 on these grounds the router re-polls the
+   workers (waiting a fraction of a second at most) and asks once more.
 
 An admitted request holds a ticket until the gateway releases it (finished, failed, aborted or its
 client gone), so the counters can't leak; `mark_running` moves it from waiting to running at its
