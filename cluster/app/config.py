@@ -80,8 +80,9 @@ class ClusterConfig(BaseModel):
     local_prefill_chunk_tokens: int = Field(256, ge=1)
     """Most prompt tokens a decode worker prefills locally between two decode steps while requests are
     decoding on it (the rest of a long prompt goes in later chunks, each followed by a decode step).
-    256 tokens of an 8B model cost ~6.5 ms on an H200 (2048 tokens took ~55 ms inside the decode loop
-    in the issue-15 runs), about one decode step: a running request's token gap at most doubles."""
+    256 tokens of the 8B shape take ~5.7 ms on an H200 (42-46k prompt tokens/s measured,
+    loadtest/results/prefill_h200.md), as long as its decode step at batch 64 (5.82 ms,
+    decode_h200.md): a running request's token gap at most doubles while a long prompt goes in."""
     warmup: bool = True
     """Warm every worker up before /ready: each prefill shape class (twice; the second run seeds the
     measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
