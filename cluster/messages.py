@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.pass_rate import PassRate
 from cluster.sampling_params import SamplingParams
 
 
@@ -129,3 +130,11 @@ class WorkerStats:
     graph_buckets: tuple[int, ...] = ()
     max_num_seqs: int = 0
     extra: dict = field(default_factory=dict)
+    # Measured costs (cluster.pass_rate), None until the worker ran a pass. Prefill worker: its packed
+    # prefills, per token. Decode worker: its local prefill chunks, per token (prefill_rate), and its
+    # decode steps, per row (decode_rate). The router's prefill cost model and the planner read them.
+    prefill_rate: PassRate | None = None
+    decode_rate: PassRate | None = None
+    # Decode only: most local-prefill tokens it runs between two decode steps while requests decode.
+    local_prefill_chunk_tokens: int = 0
+    prefill_tokens_total: int = 0  # prompt tokens computed since start (either role)

@@ -18,6 +18,10 @@ class WorkerConfig:
     cpu_num_blocks: int = 512  # the pool on CPU, where free memory says little
     max_num_seqs: int = 128
     max_prefill_tokens: int = 4096
+    # Decode worker: at most this many local-prefill tokens between two decode steps while requests
+    # are decoding (all of max_prefill_tokens when none is), so a long local prompt costs the running
+    # requests a bounded stall per step instead of its whole prefill at once.
+    local_prefill_chunk_tokens: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
     graph_buckets: str | tuple[int, ...] = "vllm"

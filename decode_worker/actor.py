@@ -27,6 +27,11 @@ class DecodeWorkerActor:
         """Returns once the model is loaded and the graphs are captured (the constructor finished)."""
         return True
 
+    def warmup(self) -> dict:
+        """Before serving (the launcher calls it before /ready): prefill shapes, the local-prefill
+        path and a decode step of every graph variant (DecodeWorker.warmup)."""
+        return self.worker.warmup()
+
     def reserve(self, req: ReserveRequest) -> Reservation | None:
         return self.worker.reserve(req)
 

@@ -5,6 +5,10 @@ The loop, on its own thread, one iteration per decode step:
     ->  read step t's tokens (they were copied to pinned memory while t+1 was queued)  ->  publish
 Publishing only enqueues: the TokenPublisher's thread detokenizes, applies stop strings (a match
 ends the request here, through abort()) and sends each gateway its own requests' text.
+The local prefill of an iteration is capped at `local_prefill_chunk_tokens` while requests are
+decoding (FCFS chunks, cluster.chunked_prefill), so a long local prompt is spread over several
+iterations, each followed by a decode step: running requests see a bounded stall per token, never
+the whole prompt's prefill. With nothing decoding, the whole `max_prefill_tokens` budget is used.
 Step t+1 is launched before step t's tokens are read: its rows that continue from step t take their
 input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
@@ -17,8 +21,8 @@ import logging
 import random
 import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import defaultdict, deque
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,10 +33,12 @@ from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner
+from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
+from cluster.warmup import WARMUP_PARAMS, prefill_shapes, warm_prefill
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
@@ -81,6 +87,15 @@ class DecodeWorker:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
+        # Measured costs the router plans with: local prefill per token, decode step per row.
+        self.prefill_meter = PassRateMeter()
+        self._prefill_timer = DevicePassTimer(self.prefill_meter, self.device)
+        self.step_meter = PassRateMeter()
+        self.prefill_tokens_total = 0
+        self.local_prefill_log: deque[tuple[int, int, int]] = deque(maxlen=1024)
+        self.chunk_tokens = max(1, min(cfg.local_prefill_chunk_tokens, cfg.max_prefill_tokens))
+        self.warmup_info: dict = {}
+        self._warming = False  # warm-up requests run: nothing is published
         self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
         self.transport: KVReceiver | None = None
 
@@ -176,6 +191,7 @@ class DecodeWorker:
         self._wake.set()
 
     def stats(self) -> WorkerStats:
+        self._prefill_timer.harvest()
         with self._lock:
             s = self.scheduler
             return WorkerStats(
@@ -186,7 +202,9 @@ class DecodeWorker:
                 graph_buckets=tuple(self.graph_runner.buckets), max_num_seqs=self.cfg.max_num_seqs,
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
-                       "steps": self._step, "error": self.error},
+                       "steps": self._step, "error": self.error, "warmup": self.warmup_info},
+                prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
+                local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
             )
 
     def step_metrics(self) -> dict:
@@ -196,6 +214,77 @@ class DecodeWorker:
                  capture_seconds=gr.capture_seconds, capture_bytes=gr.capture_bytes,
                  capture_stats={str(k): v for k, v in gr.capture_stats.items()})
         return m
+
+    def warmup(self, timeout_s: float = 600.0) -> dict:
+        """Before the worker serves (the launcher calls it before /ready): every prefill shape class
+        through the local-prefill runner, twice (cluster.warmup), then synthetic requests through the
+        real path (submit_local -> chunked local prefill -> decode steps), one per sampler variant,
+        with a prompt longer than the chunk cap while another request decodes, so that the capped
+        interleaving, the first-token sampler and a decode step of every graph variant have all run.
+        Their tokens are not published. Seeds the measured rates; returns what ran."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        with self._lock:
+            if self.scheduler.num_seqs:
+                raise RuntimeError("warmup() must run before the worker serves")
+            self._warming = True
+        ids: list[str] = []
+        try:
+            def blocks_for(n: int):
+                with self._lock:
+                    return self.blocks.allocate_for_tokens(n)
+
+            def release(table):
+                with self._lock:
+                    self.blocks.free_now(table)
+
+            def timed(fn, tokens):
+                start = self._prefill_timer.start()
+                out = fn()
+                self._prefill_timer.stop(start, tokens)
+                return out
+
+            shapes = prefill_shapes(self.cfg.max_prefill_tokens, self.max_model_len, cuda)
+            # The loop holds the lock while it prefills; these passes run beside an idle loop.
+            passes = warm_prefill(self.prefill_runner, shapes, blocks_for, release, self.arch.vocab_size, timed)
+            long_prompt = min(self.chunk_tokens + 16, self.max_model_len - 64) if cuda else min(24, self.chunk_tokens + 8)
+            prompts = [8] + [max(2, long_prompt)] * len(WARMUP_PARAMS)
+            params = [replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
+            for i, (n, p) in enumerate(zip(prompts, params)):
+                rid = f"__warmup-{self.worker_id}-{i}"
+                req = GenerateRequest(rid, tuple((11 + 17 * k) % self.arch.vocab_size for k in range(n)), p, i, 0.0)
+                if self.submit_local(req):
+                    ids.append(rid)
+                if i == 0:  # let the short one start decoding, so the long ones prefill beside it
+                    self._wait_until(lambda: any(x.request_id == rid for x in self.scheduler.running)
+                                     or not self._known(rid), t0 + timeout_s)
+            self._wait_until(lambda: not any(self._known(r) for r in ids), t0 + timeout_s)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        finally:
+            with self._lock:
+                self._outbox.clear()
+                self._last_step_info = (0.0, 0, 0, -1)  # no warm-up step record goes out
+                self._warming = False
+            for r in ids:  # their last deltas were not published: nothing ends their publisher state
+                self.publisher.forget(r)
+        self._prefill_timer.harvest()
+        self.metrics = StepMetrics()  # what the benchmarks read is serving only
+        self.prefill_tokens_total = 0
+        self.local_prefill_log.clear()
+        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
+                            "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
+        return self.warmup_info
+
+    def _wait_until(self, cond, deadline: float) -> None:
+        while True:
+            with self._lock:
+                if cond():
+                    return
+            if time.perf_counter() > deadline:
+                raise TimeoutError("decode worker warm-up did not finish in time")
+            self._wake.set()
+            time.sleep(0.002)
 
     def poll_token_batches(self, timeout: float = 0.0) -> list:
         """The StreamBatches of requests without a reply_to so far (tests and in-process use)."""
@@ -235,7 +324,7 @@ class DecodeWorker:
                 if inflight is not None:
                     deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
                 inflight = launched
-                if deltas:
+                if deltas and not self._warming:
                     step_s, bs, bucket, step = self._last_step_info
                     self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
                     self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
@@ -257,6 +346,7 @@ class DecodeWorker:
         info = launched.handle.info
         self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0,
                                 launched.batch.step)
+        self.step_meter.add(info.batch_size, launched.handle.gpu_time_s)
         self.metrics.record(StepRecord(
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
             padded_rows=info.bucket - info.batch_size, graph=info.graph,
@@ -280,10 +370,17 @@ class DecodeWorker:
     @torch.inference_mode()
     def _local_prefill(self) -> list[TokenDelta]:
         self.scheduler.readmit_preempted()
-        chunks = self.scheduler.schedule_prefill()
+        # Capped while requests decode: the step that follows this chunk is theirs (see the docstring).
+        chunks = self.scheduler.schedule_prefill(self.chunk_tokens if self.scheduler.running else None)
         if not chunks:
             return []
+        tokens = sum(len(c.token_ids) for _, c in chunks)
+        start = self._prefill_timer.start()
         logits = self.prefill_runner.prefill([c for _, c in chunks])
+        self._prefill_timer.stop(start, tokens)
+        self.prefill_tokens_total += tokens
+        # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
+        self.local_prefill_log.append((self._step, tokens, len(self.scheduler.running)))
         done = self.scheduler.on_prefill_done(chunks)
         if not done:
             return []

@@ -150,10 +150,12 @@ class DecodeScheduler:
         return False
 
     # -- local prefill ----------------------------------------------------------------------------
-    def schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
-        """Prefill chunks under the token budget, FCFS (cluster.chunked_prefill). A preempted sequence
-        still waiting for blocks (readmit_preempted) ends the batch: nothing overtakes it."""
-        return fcfs_chunks(self.waiting, self.max_prefill_tokens,
+    def schedule_prefill(self, budget: int | None = None) -> list[tuple[Sequence, PrefillChunk]]:
+        """Prefill chunks under the token budget (default max_prefill_tokens), FCFS
+        (cluster.chunked_prefill). A preempted sequence still waiting for blocks (readmit_preempted)
+        ends the batch: nothing overtakes it."""
+        budget = self.max_prefill_tokens if budget is None else min(budget, self.max_prefill_tokens)
+        return fcfs_chunks(self.waiting, budget,
                            lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table),
                            lambda s: bool(s.block_table))
 

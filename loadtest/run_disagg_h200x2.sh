@@ -1,50 +1,99 @@
 #!/usr/bin/env bash
-# Issue 9 on two H200s: (1) NCCL KV transfer vs a plain send/recv baseline, (2) the full stack with a
-# Llama-3.1-8B-shaped random bf16 model, 1 prefill GPU + 1 decode GPU (disaggregated) against the same
-# two GPUs each running both phases (colocated: two decode workers that prefill locally), under a
-# Poisson load with mixed prompt lengths.
-# Usage: loadtest/run_disagg_h200x2.sh OUT_DIR   (knobs: STAGES, RATES, DURATION, SHAPE, PROMPT_LENS)
+# Issue 15: disaggregation against colocation on two H200s (or one: GPUS=1), all in ONE device call.
+# An 8B-shaped random bf16 model, Poisson arrivals, prompts of 128/512/2048 tokens, 128 output tokens,
+# rates 2..48 req/s, goodput under two SLO sets ({TTFT 1 s, TPOT 50 ms} and {300 ms, 15 ms}), three
+# server setups, each started fresh (its start-up, warm-up included, happens before /ready):
+#   adaptive     1 prefill + 1 decode worker, adaptive prefill placement (the default of `pdserve serve`)
+#   static-1p1d  1 prefill + 1 decode worker, every prompt prefilled remotely (static, threshold 0)
+#   colocated    2 decode workers, every prompt prefilled on its decode worker (no prefill worker)
+# With GPUS=1 the 1P+1D setups share the one GPU (half each, KV by CUDA IPC) and colocated is one
+# decode worker on the whole GPU.
+#
+# Usage: loadtest/run_disagg_h200x2.sh OUT_DIR
+#   writes OUT_DIR/disagg_vs_colocated.json (+ _records.jsonl, .png; *_h200x1* with GPUS=1),
+#   OUT_DIR/serve_<setup>.log, OUT_DIR/disagg_timing.txt
+# Time plan (2 GPUs, <= 9.5 min): model ~40 s; per setup a start-up of ~60 s, bench warm-up ~5 s, then
+# per rate DURATION s of arrivals (2 req/s: MIN_REQUESTS/rate = 15 s) + at most DRAIN s to finish + 1 s.
+# A rate that would start after the deadline (BUDGET_S from the start) is skipped and listed.
+# Knobs: GPUS SETUPS RATES DURATION MIN_REQUESTS MAX_DURATION DRAIN BUDGET_S SHAPE PROMPT_LENS
+#        OUTPUT_TOKENS PORT EXTRA_SERVE_FLAGS; DRY_RUN=1: CPU, the demo model, tiny load (the CI check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-loadtest/results}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STAGES=${STAGES:-nccl,disaggregated,colocated}
-SHAPE=${SHAPE:-llama-8b}
-MODEL_DIR=${MODEL_DIR:-/tmp/pdserve-$SHAPE-random}
-RATES=${RATES:-2,4,8}
-DURATION=${DURATION:-20}
-PROMPT_LENS=${PROMPT_LENS:-128,512,2048}
-COMMON=${COMMON:-"--device cuda --dtype bfloat16 --gpus-per-worker 1 --kv-memory-fraction 0.8 --max-model-len 8192 --max-num-seqs 128 --attention-backend triton"}
-
-if [[ $STAGES == *nccl* ]]; then
-  python3 loadtest/bench_nccl.py --stages transfer --paths nccl --out "$OUT" || echo "bench_nccl failed"
+START=$(date +%s)
+GPUS=${GPUS:-2}
+SETUPS=${SETUPS:-adaptive,static-1p1d,colocated}
+BUDGET_S=${BUDGET_S:-555}
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  RATES=${RATES:-1,3}; DURATION=${DURATION:-3}; MIN_REQUESTS=${MIN_REQUESTS:-4}; MAX_DURATION=${MAX_DURATION:-4}
+  DRAIN=${DRAIN:-20}; PROMPT_LENS=${PROMPT_LENS:-16,32,64}; OUTPUT_TOKENS=${OUTPUT_TOKENS:-8}
+  PORT=${PORT:-$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")}
+  MODEL_ARG=""  # the built-in demo model
+  COMMON="--device cpu --max-num-seqs 16 --no-use-cuda-graph --cpu-num-blocks 512 --max-prefill-queue-s 1000"
+  BUDGET_S=${DRY_BUDGET_S:-900}
+else
+  RATES=${RATES:-2,8,16,24,32,48}; DURATION=${DURATION:-8}; MIN_REQUESTS=${MIN_REQUESTS:-30}
+  MAX_DURATION=${MAX_DURATION:-15}; DRAIN=${DRAIN:-6}; PROMPT_LENS=${PROMPT_LENS:-128,512,2048}
+  OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}; PORT=${PORT:-8000}
+  SHAPE=${SHAPE:-llama-8b}
+  MODEL_DIR=${MODEL_DIR:-/tmp/pdserve-$SHAPE-random}
+  MODEL_ARG=$MODEL_DIR
+  COMMON="--device cuda --dtype bfloat16 --kv-memory-fraction 0.8 --max-model-len 8192 --max-num-seqs 128 --attention-backend triton"
 fi
+COMMON="$COMMON ${EXTRA_SERVE_FLAGS:-}"
+if [[ $GPUS == 1 ]]; then
+  RESULT="$OUT/disagg_vs_colocated_h200x1.json"
+  PD_FLAGS="--prefill-workers 1 --decode-workers 1"  # two actors on one GPU: half each
+  COLOCATED_FLAGS="--prefill-workers 0 --decode-workers 1"
+else
+  RESULT="$OUT/disagg_vs_colocated.json"
+  PD_FLAGS="--prefill-workers 1 --decode-workers 1 --gpus-per-worker 1"
+  COLOCATED_FLAGS="--prefill-workers 0 --decode-workers 2 --gpus-per-worker 1"
+fi
+[[ ${DRY_RUN:-0} == 1 ]] && PD_FLAGS="--prefill-workers 1 --decode-workers 1" && \
+  COLOCATED_FLAGS="--prefill-workers 0 --decode-workers $GPUS"
+TIMING="$OUT/disagg_timing.txt"
+: > "$TIMING"
+stamp() { echo "$(( $(date +%s) - START ))s $*" | tee -a "$TIMING"; }
+left() { echo $(( START + BUDGET_S - $(date +%s) )); }
 
-ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)" 2>/dev/null; }
+ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
 
-serve_and_bench() {  # setup-name, extra serve flags
+serve_and_bench() {  # setup-name, serve flags...
   local setup=$1; shift
-  python3 -m cluster.app.cli serve "$MODEL_DIR" --port 8000 $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
+  if (( $(left) < 90 )); then stamp "$setup: skipped, $(left)s left of the budget"; return; fi
+  stamp "$setup: starting the server"
+  python3 -m cluster.app.cli serve $MODEL_ARG --port "$PORT" $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
   local server=$!
-  for _ in $(seq 1 400); do
+  for _ in $(seq 1 600); do
     ready && break
     kill -0 $server 2>/dev/null || break
-    sleep 1
+    sleep 0.5
   done
   if ready; then
-    python3 -m loadtest.bench_disagg --url http://127.0.0.1:8000 --setup "$setup" --rates "$RATES" \
-      --duration "$DURATION" --prompt-lens "$PROMPT_LENS" --output-tokens 128 --out "$OUT/disagg_vs_colocated.json"
+    stamp "$setup: ready"
+    python3 -m loadtest.bench_disagg --url "http://127.0.0.1:$PORT" --setup "$setup" --rates "$RATES" \
+      --duration "$DURATION" --min-requests "$MIN_REQUESTS" --max-duration "$MAX_DURATION" --drain-s "$DRAIN" \
+      --prompt-lens "$PROMPT_LENS" --output-tokens "$OUTPUT_TOKENS" --deadline $(( START + BUDGET_S )) \
+      --out "$RESULT"
+    stamp "$setup: measured"
   else
-    echo "$setup: server did not become ready"; tail -40 "$OUT/serve_$setup.log"
+    stamp "$setup: server did not become ready"; tail -40 "$OUT/serve_$setup.log"
   fi
   kill -TERM $server 2>/dev/null; wait $server
+  stamp "$setup: stopped"
 }
 
-if [[ $STAGES == *disaggregated* || $STAGES == *colocated* ]]; then
+rm -f "$RESULT" "${RESULT%.json}_records.jsonl"
+if [[ ${DRY_RUN:-0} != 1 ]]; then
   [ -f "$MODEL_DIR/model.safetensors" ] || python3 -m loadtest.make_model --shape "$SHAPE" --device "${GEN_DEVICE:-cuda}" "$MODEL_DIR" || exit 1
+  stamp "model ready"
 fi
-[[ $STAGES == *disaggregated* ]] && serve_and_bench disaggregated --prefill-workers 1 --decode-workers 1 --local-prefill-threshold 0
-[[ $STAGES == *colocated* ]] && serve_and_bench colocated --prefill-workers 0 --decode-workers 2
-[ -f "$OUT/disagg_vs_colocated.json" ] && python3 loadtest/plot_disagg.py "$OUT/disagg_vs_colocated.json"
+[[ $SETUPS == *adaptive* ]] && serve_and_bench adaptive $PD_FLAGS --prefill-placement adaptive
+[[ $SETUPS == *static-1p1d* ]] && serve_and_bench static-1p1d $PD_FLAGS --prefill-placement static --local-prefill-threshold 0
+[[ $SETUPS == *colocated* ]] && serve_and_bench colocated $COLOCATED_FLAGS
+[ -f "$RESULT" ] && python3 loadtest/plot_disagg.py "$RESULT"
+stamp "done"
 exit 0

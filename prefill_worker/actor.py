@@ -36,6 +36,11 @@ class PrefillWorkerActor:
         Every decode worker's init_transport must have been called (it publishes its endpoint)."""
         return self.worker.transport.connect(decode_worker_ids)
 
+    async def warmup(self) -> dict:
+        """Before serving (the launcher calls it before /ready): every prefill shape class, twice.
+        Off the actor's event loop, so stats() still answers meanwhile."""
+        return await asyncio.to_thread(self.worker.warmup)
+
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))
 

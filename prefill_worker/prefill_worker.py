@@ -26,8 +26,10 @@ from cluster.messages import PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.sampler import sample_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
+from cluster.warmup import prefill_shapes, warm_prefill
 from cluster.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,13 @@ class PrefillWorker:
         self.transport = transport
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
+        self.max_model_len = min(cfg.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        # Measured cost of a packed prefill (per token + per pass), reported in stats().
+        self.rate_meter = PassRateMeter()
+        self._timer = DevicePassTimer(self.rate_meter, self.device)
+        self.prefill_tokens_total = 0
+        self.warmup_info: dict = {}
         self._waiting: deque[_Job] = deque()
         self._jobs: dict[str, _Job] = {}
         self._sending = 0
@@ -139,6 +148,30 @@ class PrefillWorker:
                 self._finish_aborted(job)
             return True
 
+    def warmup(self) -> dict:
+        """Runs every prefill shape class twice (cluster.warmup) before the worker serves; the timed
+        second round seeds the rate the router plans with. Call it before any submit()."""
+        t0 = time.perf_counter()
+
+        def blocks_for(n: int):
+            need = self.spec.blocks_for_tokens(n)
+            return self.allocator.allocate(need) if self.allocator.can_allocate(need) else None
+
+        def timed(fn, tokens):
+            start = self._timer.start()
+            out = fn()
+            self._timer.stop(start, tokens)
+            return out
+
+        shapes = prefill_shapes(self.max_prefill_tokens, self.max_model_len, self.device.type == "cuda")
+        passes = warm_prefill(self.runner, shapes, blocks_for, self.allocator.free, self.arch.vocab_size, timed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._timer.harvest()
+        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes),
+                            "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
+        return self.warmup_info
+
     def set_transport(self, transport: KVSender, send_timeout_s: float | None = None) -> None:
         self.transport = transport
         if send_timeout_s is not None:
@@ -151,9 +184,13 @@ class PrefillWorker:
         if self.transport is not None and hasattr(self.transport, "metrics"):
             m = self.transport.metrics()
             extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
+        if self.warmup_info:
+            extra["warmup"] = self.warmup_info
+        self._timer.harvest()
         return WorkerStats(self.worker_id, "prefill", healthy=not self._stop, free_blocks=self.allocator.num_free,
                            total_blocks=self.allocator.capacity, running=extra["sending"],
-                           waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra)
+                           waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra,
+                           prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -197,10 +234,14 @@ class PrefillWorker:
         shipment = self._begin(finishing)
         self._shipment = shipment
         try:
+            tokens_in_pass = sum(len(c.token_ids) for _, c in chunks)
+            start = self._timer.start()
             logits = self.runner.prefill([c for _, c in chunks])
             self._shipment = None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now, while we sample
+            self._timer.stop(start, tokens_in_pass)
+            self.prefill_tokens_total += tokens_in_pass
             done = []
             for i, (job, c) in enumerate(chunks):
                 job.done_tokens += len(c.token_ids)

@@ -5,16 +5,23 @@ Rules, in order:
    blocks than the largest decode worker has in all.
 2. 503 when no decode worker is healthy.
 3. 429 (with Retry-After) when the router already holds `max_waiting_requests` requests that have
-   no first token yet, when admitting would exceed `max_inflight_tokens` (prompt + max_tokens of
-   every admitted, unfinished request), or when no healthy decode worker has room for the prompt
-   (plus the first decode slot) right now.
+   no first token yet, or when admitting would exceed `max_inflight_tokens` (prompt + max_tokens of
+   every admitted, unfinished request).
+4. 429 from the workers' state (`CapacityShortError`): no healthy decode worker has room for the
+   prompt (plus the first decode slot) right now, or every prefill path (each prefill worker, each
+   decode worker's local queue) would make the prompt wait more than `max_prefill_queue_s` before its
+   prefill starts. Both read the router's WorkerViews, which count the router's own placements and
+   releases since the last poll; before it answers 429 on these grounds the router re-polls the
+   workers (waiting a fraction of a second at most) and asks once more.
 
-An admitted request holds a ticket until the gateway releases it (finished, failed or aborted), so
-the counters can't leak; `mark_running` moves it from waiting to running at its first token.
+An admitted request holds a ticket until the gateway releases it (finished, failed, aborted or its
+client gone), so the counters can't leak; `mark_running` moves it from waiting to running at its
+first token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
@@ -29,6 +36,11 @@ class OverloadedError(CapacityError):
         self.retry_after_s = retry_after_s
 
 
+class CapacityShortError(OverloadedError):
+    """HTTP 429 decided on the workers' polled state (KV room, prefill queues): a fresh poll may
+    change the answer, so the router re-polls and asks again before it lets this out."""
+
+
 class NoHealthyWorkerError(PdserveError):
     """HTTP 503: no worker can serve the request at all."""
 
@@ -40,6 +52,7 @@ class AdmissionLimits:
     max_waiting_requests: int = 256
     max_inflight_tokens: int = 1 << 20
     retry_after_s: int = 1
+    max_prefill_queue_s: float = math.inf  # longest expected wait before a prompt's prefill starts
 
 
 @dataclass
@@ -71,7 +84,10 @@ class AdmissionController:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
 
-    def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView]) -> None:
+    def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView],
+              prefill_wait_s: float = 0.0) -> None:
+        """prefill_wait_s: the shortest expected wait before a prompt placed now starts its prefill
+        (PrefillCostModel.best_queue_wait_s)."""
         self.check_request(prompt_len, max_tokens)
         if request_id in self._tickets:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
@@ -92,9 +108,13 @@ class AdmissionController:
                 f"too many tokens in flight ({self.inflight_tokens} + {tokens} > {lim.max_inflight_tokens}); "
                 "retry later", lim.retry_after_s)
         need = self.blocks_for(prompt_len + 1)
-        if not any(v.free_blocks >= need for v in healthy):
-            raise OverloadedError(f"no decode worker has {need} free KV blocks for this prompt; retry later",
-                                  lim.retry_after_s)
+        if not any(v.free_blocks >= need for v in healthy if not v.draining):
+            raise CapacityShortError(f"no decode worker has {need} free KV blocks for this prompt; retry later",
+                                     lim.retry_after_s)
+        if prefill_wait_s > lim.max_prefill_queue_s:
+            raise CapacityShortError(
+                f"the prefill queues are {prefill_wait_s:.1f}s deep (limit {lim.max_prefill_queue_s:g}s); retry later",
+                lim.retry_after_s)
         self._tickets[request_id] = _Ticket(tokens)
         self.num_waiting += 1
         self.inflight_tokens += tokens

@@ -29,6 +29,7 @@ from typing import Annotated, AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
@@ -314,9 +315,13 @@ class Gateway:
         max_tokens = api.max_tokens(self, body, ids)
         params = self._params(body, max_tokens)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        gen = await self.start_generation(rid, ids, params)
+        gen = await _unless_gone(request, self.start_generation(rid, ids, params), lambda g: self.end(g, abort=True))
+        if gen is None:
+            return Response(status_code=499)  # the client left while its request waited for a worker
         if body.stream:
-            return _sse(self._events(api, gen, rid, body))
+            # The request is let go however the stream ends, even when the client left before the
+            # body iterator ever started (then Generation.pieces() never runs its cleanup).
+            return _sse(self._events(api, gen, rid, body), on_close=lambda: self.end(gen, abort=True))
 
         async def collect():
             text = "".join([t async for t, _ in gen.pieces()])
@@ -452,10 +457,43 @@ def _event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[str], on_close=None) -> StreamingResponse:
     # Starlette cancels the iterator when the client disconnects; Generation.pieces() then aborts.
+    # on_close runs after the response, however it ended (Starlette runs the background task then).
     return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(on_close) if on_close is not None else None)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(request: Request, work, on_gone):
+    """Awaits `work` (admission and placement, which may wait for a decode worker with room) while
+    watching the connection. A client that hangs up meanwhile cancels it (start_generation's cleanup
+    tells the router, which cancels the placement, releases the admission ticket and aborts whatever
+    a worker took), so a gone client stops counting as waiting at once. Returns None when the client
+    went (`on_gone(result)` lets go of a request placed just as it left)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled() and task.exception() is None:
+        on_gone(task.result())
+    return None
 
 
 async def _unless_disconnected(request: Request, work) -> Response:
@@ -463,13 +501,7 @@ async def _unless_disconnected(request: Request, work) -> Response:
     the work (whose cleanup aborts the request on the workers)."""
     task = asyncio.ensure_future(work)
 
-    async def disconnected():
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

@@ -97,6 +97,11 @@ class RouterMetrics(_Metrics):
         self.local_prefills = self._counter("local_prefill_requests",
                                             "Requests prefilled on their decode worker (conditional disaggregation).")
         self.reserve_retries = self._counter("reserve_retries", "Reservations a decode worker refused.")
+        self._prefill_placements = Counter(
+            "pdserve:prefill_placements", "Where prompts were prefilled (local: on their decode worker) and why.",
+            m + ["where", "reason"], registry=r)
+        self.role_switches = self._counter("worker_role_switches",
+                                           "Workers the P:D planner moved between prefill and decode.")
         self.migrations = self._counter("request_migrations", "Requests moved to another worker after theirs died.")
         self.running = Gauge("pdserve:num_requests_running", "Requests decoding on decode workers.", m,
                              registry=r).labels(self.model_name)
@@ -106,6 +111,11 @@ class RouterMetrics(_Metrics):
                                m + ["worker_id"], registry=r)
         self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
                               m + ["worker_id", "role"], registry=r)
+        self._pass_cost = Gauge(
+            "pdserve:worker_pass_cost_seconds",
+            "A worker's measured pass cost, seconds = overhead + units x per_unit (pass=prefill: per prompt token, "
+            "on a decode worker its local prefill; pass=decode: per batch row).",
+            m + ["worker_id", "pass", "term"], registry=r)
 
     def observe_step(self, rec: DecodeStepRecord) -> None:
         if rec.step_time_s > 0:
@@ -115,10 +125,35 @@ class RouterMetrics(_Metrics):
             if rec.bucket > 0:
                 self.graph_padding_ratio.observe(max(0, rec.bucket - rec.batch_size) / rec.bucket)
 
+    def prefill_placed(self, where: str, reason: str) -> None:
+        self._prefill_placements.labels(self.model_name, where, reason).inc()
+
     def observe_worker(self, stats: WorkerStats | None, worker_id: str, role: str, healthy: bool) -> None:
         self._healthy.labels(self.model_name, worker_id, role).set(1.0 if healthy else 0.0)
-        if stats is not None and role == "decode" and stats.total_blocks > 0:
+        if not healthy:
+            # A dead worker's last KV usage is no measurement: the series goes until it answers again.
+            self._remove(self._kv_usage, worker_id)
+        elif stats is not None and role == "decode" and stats.total_blocks > 0:
             self._kv_usage.labels(self.model_name, worker_id).set(1.0 - stats.free_blocks / stats.total_blocks)
+        if healthy and stats is not None:
+            for kind, rate in (("prefill", stats.prefill_rate), ("decode", stats.decode_rate)):
+                if rate is not None:
+                    self._pass_cost.labels(self.model_name, worker_id, kind, "overhead").set(rate.overhead_s)
+                    self._pass_cost.labels(self.model_name, worker_id, kind, "per_unit").set(rate.unit_s)
+
+    def forget_worker(self, worker_id: str, role: str) -> None:
+        """A worker taken out of service (a role switch): its series go."""
+        self._remove(self._kv_usage, worker_id)
+        self._remove(self._healthy, worker_id, role)
+        for kind in ("prefill", "decode"):
+            for term in ("overhead", "per_unit"):
+                self._remove(self._pass_cost, worker_id, kind, term)
+
+    def _remove(self, metric, *labels: str) -> None:
+        try:
+            metric.remove(self.model_name, *labels)
+        except KeyError:
+            pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

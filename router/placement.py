@@ -2,7 +2,8 @@
 
 Policies are small classes behind two registries, so a deployment picks them by name in its
 config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded`). They rank the
-router's `WorkerView`s (polled `WorkerStats` plus what the router itself placed since the poll);
+router's `WorkerView`s (polled `WorkerStats` corrected by what the router itself placed and released
+since the poll);
 the router walks the ranking and falls back to the next worker when one refuses.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
@@ -42,21 +44,43 @@ class Registry(Generic[T]):
 
 
 @dataclass
+class InFlight:
+    """A placement the worker's last polled stats may not include yet."""
+
+    blocks: int  # KV blocks it takes (decode) or 0 (prefill)
+    prefill_tokens: int  # prompt tokens this worker will prefill for it (0: none here)
+    acked_at: float | None = None  # time.monotonic() the worker confirmed it; None: the call is still out
+
+
+@dataclass
 class WorkerView:
-    """The router's picture of one worker: the last polled stats, plus optimistic local updates for
-    what the router placed since (so a burst between two polls doesn't all land on one worker).
-    `pending_*` are reset by the next poll, whose stats already include those placements."""
+    """The router's picture of one worker: its last polled stats, corrected by what the router itself
+    did since, so that decisions between two polls (a burst arrives in a few ms; polls come every
+    0.1 s) see their own effects:
+
+    - `placing`: placements counted from the moment the router decides them, before the worker even
+      answers (a burst of concurrent requests must not all pick the worker that looked idle). A poll
+      drops those the worker confirmed before that poll was issued: its stats include them.
+    - `released`: blocks of requests the router finished here since (their worker frees them; a poll
+      issued after the release shows it), so a just-finished request's blocks count as free at once
+      and an idle server never refuses a request for stale stats.
+    """
 
     worker_id: str
     role: str
     stats: WorkerStats
     healthy: bool = False  # until the first successful poll
     consecutive_failures: int = 0
-    pending_blocks: int = 0
-    pending_running: int = 0
-    pending_prefill_tokens: int = 0
+    placing: dict[str, InFlight] = field(default_factory=dict)
+    released: list[tuple[float, int]] = field(default_factory=list)  # (time.monotonic(), blocks)
+    refused: bool = False  # refused a placement since its last poll: not ranked until the next one
+    draining: bool = False  # being taken out (a role switch): no new placements
     inflight: set[str] = field(default_factory=set)  # request ids the router has placed here
     placed_total: int = 0  # requests ever placed here: the last tie-break, so idle equals alternate
+
+    @property
+    def placeable(self) -> bool:
+        return self.healthy and not self.refused and not self.draining
 
     @property
     def total_blocks(self) -> int:
@@ -64,21 +88,50 @@ class WorkerView:
 
     @property
     def free_blocks(self) -> int:
-        return max(0, self.stats.free_blocks - self.pending_blocks)
+        taken = sum(p.blocks for p in self.placing.values())
+        back = sum(b for _, b in self.released)
+        return max(0, min(self.stats.total_blocks, self.stats.free_blocks - taken + back))
 
     @property
     def running(self) -> int:
-        return self.stats.running + self.stats.waiting + self.pending_running
+        return self.stats.running + self.stats.waiting + len(self.placing)
 
     @property
     def outstanding_prefill_tokens(self) -> int:
-        return self.stats.outstanding_prefill_tokens + self.pending_prefill_tokens
+        return self.stats.outstanding_prefill_tokens + sum(p.prefill_tokens for p in self.placing.values())
 
-    def update(self, stats: WorkerStats) -> None:
+    # -- the router's own accounting ------------------------------------------------------------
+    def begin(self, request_id: str, blocks: int, prefill_tokens: int) -> None:
+        """A placement decided here; the call to the worker is about to go out."""
+        self.placing[request_id] = InFlight(blocks, prefill_tokens)
+
+    def ack(self, request_id: str, blocks: int | None = None) -> None:
+        p = self.placing.get(request_id)
+        if p is not None:
+            p.acked_at = time.monotonic()
+            if blocks is not None:
+                p.blocks = blocks
+
+    def rollback(self, request_id: str) -> None:
+        """The placement did not happen (refused, failed, cancelled)."""
+        self.placing.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The worker is done with what was placed (a prefill finished): nothing left to count."""
+        self.placing.pop(request_id, None)
+
+    def release(self, blocks: int) -> None:
+        if blocks > 0:
+            self.released.append((time.monotonic(), blocks))
+
+    def update(self, stats: WorkerStats, issued_at: float) -> None:
+        """A poll issued at `issued_at` (time.monotonic()) answered with `stats`."""
         self.stats = stats
         self.healthy = stats.healthy
         self.consecutive_failures = 0
-        self.pending_blocks = self.pending_running = self.pending_prefill_tokens = 0
+        self.refused = False
+        self.placing = {rid: p for rid, p in self.placing.items() if p.acked_at is None or p.acked_at > issued_at}
+        self.released = [(t, b) for t, b in self.released if t > issued_at]
 
 
 def padding_waste(batch_size: int, buckets: tuple[int, ...]) -> float:
@@ -107,7 +160,7 @@ class LeastOutstandingTokens(PrefillPolicy):
     """Fewest prompt tokens queued or running: prefill time grows with tokens, not with requests."""
 
     def rank(self, views, request):
-        healthy = [v for v in views if v.healthy]
+        healthy = [v for v in views if v.placeable]
         return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens, v.placed_total, v.worker_id))
 
 
@@ -117,7 +170,7 @@ class PrefillRoundRobin(PrefillPolicy):
         self._next = itertools.count()
 
     def rank(self, views, request):
-        healthy = sorted((v for v in views if v.healthy), key=lambda v: v.worker_id)
+        healthy = sorted((v for v in views if v.placeable), key=lambda v: v.worker_id)
         if not healthy:
             return []
         k = next(self._next) % len(healthy)
@@ -153,7 +206,7 @@ class LeastLoadedDecode(DecodePolicy):
                 v.placed_total, v.worker_id)
 
     def rank(self, views, request, blocks_needed):
-        fits = [v for v in views if v.healthy and v.free_blocks >= blocks_needed]
+        fits = [v for v in views if v.placeable and v.free_blocks >= blocks_needed]
         return sorted(fits, key=lambda v: self._key(v, blocks_needed))
 
 
@@ -163,7 +216,7 @@ class DecodeRoundRobin(DecodePolicy):
         self._next = itertools.count()
 
     def rank(self, views, request, blocks_needed):
-        fits = sorted((v for v in views if v.healthy and v.free_blocks >= blocks_needed), key=lambda v: v.worker_id)
+        fits = sorted((v for v in views if v.placeable and v.free_blocks >= blocks_needed), key=lambda v: v.worker_id)
         if not fits:
             return []
         k = next(self._next) % len(fits)

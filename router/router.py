@@ -1,15 +1,20 @@
 """Router: takes a tokenized request from the gateway to a prefill and a decode worker.
 
-Per request: admission -> pick a prefill worker P and a decode worker D -> `D.reserve` (blocks for
-the prompt; None means D is full now, so the next D in the ranking is tried) -> `P.submit` in the
-background (P computes the prompt, ships its KV into the reserved blocks and returns timings) ->
-tokens flow D -> the request's gateway over the token stream, not through the router. Prompts at or below
-`local_prefill_threshold` tokens skip P: `D.submit_local` prefills them on D itself, which is cheaper
-than a transfer (conditional disaggregation); so does every prompt while no prefill worker is healthy.
+Per request: admission -> pick a decode worker D -> decide where the prompt is prefilled
+(router.local_prefill_policy: `adaptive` compares the prefill pool's expected wait with the cost of
+prefilling on D, router.prefill_cost_model; `static` uses a length threshold) -> remote: `D.reserve`
+(blocks for the prompt; None means D is full now, so the next D in the ranking is tried), then
+`P.submit` in the background (P computes the prompt, ships its KV into the reserved blocks and
+returns timings); local: `D.submit_local` (D prefills it in chunks between its decode steps) ->
+tokens flow D -> the request's gateway over the token stream, not through the router. Every prompt
+is prefilled locally while no prefill worker is healthy.
 
-The router also polls every worker's `stats()` (admission and placement decide on those), marks a
-worker that stops answering unhealthy and fails the requests placed on it, and aborts a request on
-every worker that holds it when the gateway gives up on it (client gone, stop string, error).
+The router also polls every worker's `stats()` (admission and placement decide on those, corrected
+by the router's own placements and releases since the poll: WorkerView), marks a worker that stops
+answering unhealthy and fails the requests placed on it, and aborts a request on every worker that
+holds it when the gateway gives up on it (client gone, stop string, error). Workers can join and
+leave while it serves (`add_worker`, `drain_worker`, `remove_worker`: the P:D planner's role
+switches).
 
 Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): the router
 tells the request's gateway (`notify`), which stops taking the dead placement's tokens at once and
@@ -34,9 +39,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
-from router.admission import AdmissionController, NoHealthyWorkerError, OverloadedError
+from router.admission import AdmissionController, CapacityShortError, NoHealthyWorkerError, OverloadedError
+from router.arrival_stats import ArrivalStats
+from router.local_prefill_policy import LOCAL_PREFILL_POLICIES
 from router.metrics import RouterMetrics
 from router.placement import DECODE_POLICIES, PREFILL_POLICIES, WorkerView
+from router.prefill_cost_model import PrefillCostModel
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,19 @@ except ImportError:  # pragma: no cover
 
 class DrainingError(NoHealthyWorkerError):
     """HTTP 503: the server drains (SIGTERM) and takes no new request."""
+
+
+async def with_timeout(aw, timeout: float | None):
+    """`await aw`, failing with TimeoutError after `timeout` s. Not asyncio.wait_for: on Python 3.11
+    it can swallow a cancellation that arrives while its inner future completes (the awaiting task
+    then runs on as if never cancelled). asyncio.timeout (3.11+) counts cancellations and has no such
+    window."""
+    if not timeout:
+        return await aw
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await aw
+    return await asyncio.wait_for(aw, timeout)  # pragma: no cover (Python 3.10)
 
 
 class WorkerClient:
@@ -67,12 +88,14 @@ class WorkerClient:
             result = fn(*args)
             if not inspect.isawaitable(result):
                 return result
-        return await asyncio.wait_for(result, timeout) if timeout else await result
+        return await with_timeout(result, timeout)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
+    prefill_placement: str = "adaptive"  # router.local_prefill_policy: "adaptive" | "static"
     local_prefill_threshold: int = 0  # prompts of at most this many tokens are prefilled on D
+    itl_cost_weight: float = 20.0  # TTFT seconds one second of added TPOT is worth (adaptive mode)
     stats_interval_s: float = 0.1
     call_timeout_s: float = 30.0  # reserve / submit_local / stats / abort
     prefill_timeout_s: float = 600.0  # P.submit: queue + prefill + transfer
@@ -140,10 +163,15 @@ class Router:
         self.decode_ids = [c.worker_id for c in decode]
         self.prefill_policy = PREFILL_POLICIES.create(cfg.prefill_policy)
         self.decode_policy = DECODE_POLICIES.create(cfg.decode_policy)
+        self.prefill_choice = LOCAL_PREFILL_POLICIES.create(cfg.prefill_placement, threshold=cfg.local_prefill_threshold)
+        self.cost = PrefillCostModel(cfg.itl_cost_weight)
+        self.arrivals = ArrivalStats()
         self.inflight: dict[str, PlacedRequest] = {}
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._polled_once = False
+        self._refreshing: asyncio.Future | None = None
+        self._fresh_as_of = -1e9  # when the last completed poll of every worker was issued
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -170,7 +198,40 @@ class Router:
     def prefill_views(self) -> list[WorkerView]:
         return [self.views[w] for w in self.prefill_ids]
 
+    # -- membership (the P:D planner's role switches) ----------------------------------------------
+    async def add_worker(self, client: WorkerClient) -> None:
+        """A new worker joins; it is placed on once its first stats poll answers."""
+        if client.worker_id in self.clients:
+            raise ValueError(f"worker id {client.worker_id!r} is already in use")
+        self.clients[client.worker_id] = client
+        v = WorkerView(client.worker_id, client.role, WorkerStats(client.worker_id, client.role, healthy=False))
+        self.views[client.worker_id] = v
+        (self.prefill_ids if client.role == "prefill" else self.decode_ids).append(client.worker_id)
+        await self._poll(v)
+
+    def drain_worker(self, worker_id: str) -> None:
+        """No new placements on the worker; what it holds runs to the end."""
+        self.views[worker_id].draining = True
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Takes a (drained) worker out. Requests still on it are failed over like a dead worker's."""
+        v = self.views[worker_id]
+        if v.role == "decode" and len(self.decode_ids) <= 1:
+            raise ValueError("the router needs at least one decode worker")
+        if v.inflight:
+            self._fail_requests_on(v, "was taken out of service")
+        (self.prefill_ids if v.role == "prefill" else self.decode_ids).remove(worker_id)
+        del self.views[worker_id]
+        del self.clients[worker_id]
+        if self.metrics:
+            self.metrics.forget_worker(worker_id, v.role)
+
     # -- requests ---------------------------------------------------------------------------------
+    def _admit(self, req: GenerateRequest) -> None:
+        wait = self.cost.best_queue_wait_s(self.prefill_views(), self.decode_views())
+        self.admission.admit(req.request_id, len(req.prompt_token_ids), req.params.max_tokens, self.decode_views(),
+                             wait)
+
     async def submit(self, req: GenerateRequest) -> PlacedRequest:
         """Admits and places the request; returns once a decode worker holds it. Raises
         InvalidRequestError (400), OverloadedError (429) or NoHealthyWorkerError (503). The request's
@@ -178,7 +239,15 @@ class Router:
         rid = req.request_id
         if self.draining:
             raise DrainingError("the server is shutting down; retry on another replica")
-        self.admission.admit(rid, len(req.prompt_token_ids), req.params.max_tokens, self.decode_views())
+        self.arrivals.record_arrival(len(req.prompt_token_ids), req.params.max_tokens)
+        try:
+            self._admit(req)
+        except CapacityShortError:
+            # Decided on polled state: ask the workers again before refusing (an idle server whose
+            # last poll predates a finish must not answer 429). Bounded: under real overload the
+            # workers answer slowly, and a 429 must still come at once.
+            await self.refresh(max_wait_s=max(0.05, min(0.25, 2 * self.cfg.stats_interval_s)))
+            self._admit(req)
         rs = PlacedRequest(req)
         self.inflight[rid] = rs
         try:
@@ -198,15 +267,19 @@ class Router:
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
         deadline = time.monotonic() + self.cfg.reserve_wait_s
+        mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
         while True:
             prefill_ranked = self.prefill_policy.rank(self.prefill_views(), req)
-            local = prompt_len <= self.cfg.local_prefill_threshold or not prefill_ranked
             for d in self.decode_policy.rank(self.decode_views(), req, need):
+                choice = self.prefill_choice.choose(prompt_len, d, prefill_ranked, self.cost, mean_output)
                 rs.decode_worker_id = d.worker_id
-                if local:
-                    if await self._try_local(rs, d, need):
-                        return
-                elif await self._try_disaggregated(rs, d, prefill_ranked[0], need):
+                if choice.local:
+                    ok = await self._try_local(rs, d, need)
+                else:
+                    ok = await self._try_disaggregated(rs, d, choice.prefill, need)
+                if ok:
+                    if self.metrics:
+                        self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
                     return
             rs.decode_worker_id = None
             if not any(v.healthy for v in self.decode_views()):
@@ -216,48 +289,81 @@ class Router:
                                       "retry later", self.admission.limits.retry_after_s)
             await asyncio.sleep(self.cfg.stats_interval_s)
 
+    # The placement is counted on the workers' views from the moment it is decided (WorkerView.begin),
+    # before the call goes out: concurrent placements awaiting their calls see each other.
     async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
+        wrid = rs.worker_request_id
+        d.begin(wrid, need, len(rs.request.prompt_token_ids))
         try:
             ok = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
+            d.rollback(wrid)
             self._call_failed(d, e)
             return False
+        except BaseException:
+            d.rollback(wrid)
+            raise
         if not ok:
+            d.rollback(wrid)
             self._refused(d)
             return False
+        d.ack(wrid)
         rs.local_prefill = rs.prefill_done = True
-        self._placed(rs, d, need)
+        self._placed(rs, d)
         if self.metrics:
             self.metrics.local_prefills.inc()
         return True
 
     async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, p: WorkerView, need: int) -> bool:
+        wrid = rs.worker_request_id
+        d.begin(wrid, need, 0)
+        p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+        call = asyncio.ensure_future(self.clients[d.worker_id].call(
+            "reserve", ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s))
         try:
-            res: Reservation | None = await self.clients[d.worker_id].call(
-                "reserve", ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s)
-        except Exception as e:
-            self._call_failed(d, e)
-            return False
+            res: Reservation | None = await asyncio.shield(call)
+        except BaseException as e:
+            d.rollback(wrid)
+            p.rollback(wrid)
+            if isinstance(e, Exception):
+                self._call_failed(d, e)
+                return False
+            # NOTE: cancelled (the client left) while D reserved. Once D has reserved, P must hear of
+            # it: D's receiver takes a pair's transfers in transfer_seq order, so a reservation P is
+            # never told about would hold up every later transfer from P to D (until D's expect
+            # timeout). The reservation finishes in the background and is handed to P, aborted.
+            call.add_done_callback(lambda f: self._hand_off_orphan(f, rs, p))
+            raise
         if res is None:
+            d.rollback(wrid)
+            p.rollback(wrid)
             self._refused(d)
             return False
-        self._placed(rs, d, len(res.block_ids))
+        d.ack(wrid, len(res.block_ids))
+        self._placed(rs, d)
         rs.prefill_worker_id = p.worker_id
         p.inflight.add(rs.request_id)
         p.placed_total += 1
-        p.pending_prefill_tokens += len(rs.request.prompt_token_ids)
         self._spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
         return True
 
-    def _placed(self, rs: PlacedRequest, d: WorkerView, blocks: int) -> None:
-        d.pending_blocks += blocks
-        d.pending_running += 1
+    def _hand_off_orphan(self, call: asyncio.Future, rs: PlacedRequest, p: WorkerView) -> None:
+        """A reservation made for a request that was given up meanwhile: P gets the task and its abort
+        right after (Ray starts one caller's calls in order), so P tells D there is no KV."""
+        if call.cancelled() or call.exception() is not None or call.result() is None:
+            return
+        res: Reservation = call.result()
+        self._spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
+        self._abort_on(p.worker_id, res.request_id)
+
+    def _placed(self, rs: PlacedRequest, d: WorkerView) -> None:
         d.placed_total += 1
         d.inflight.add(rs.request_id)
 
     def _refused(self, d: WorkerView) -> None:
-        # D is full right now: treat it as full until its next stats poll.
-        d.pending_blocks = d.stats.free_blocks
+        # D is full right now: not ranked again until a fresh poll says otherwise (asked at once).
+        d.refused = True
+        self._spawn(self._poll(d))
         if self.metrics:
             self.metrics.reserve_retries.inc()
 
@@ -265,11 +371,17 @@ class Router:
         rid, wrid = rs.request_id, rs.worker_request_id
         error = None
         try:
+            # NOTE: acked when the call goes out, not when it returns (after prefill + transfer): Ray
+            # starts an actor's calls from one caller in order, so any stats poll issued after this
+            # line already sees the prompt in P's queue. No await between ack and the call.
+            p.ack(wrid)
             result: PrefillResult = await self.clients[p.worker_id].call("submit", task, timeout=self.cfg.prefill_timeout_s)
             rs.prefill_result = result
             if not result.ok:
                 error = result.error or "prefill failed"
-            elif self.metrics:
+            elif result.transfer_s > 0:
+                self.cost.observe_transfer(len(task.request.prompt_token_ids), result.transfer_s)
+            if result.ok and self.metrics:
                 self.metrics.queue.observe(result.queue_s)
                 self.metrics.prefill.observe(result.prefill_s)
                 self.metrics.kv_transfer.observe(result.transfer_s)
@@ -281,6 +393,7 @@ class Router:
             error = f"prefill worker {p.worker_id} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._call_failed(p, e)
         finally:
+            p.forget(wrid)
             current = rs.worker_request_id == wrid  # not migrated meanwhile
             if current:
                 rs.prefill_done = True
@@ -290,14 +403,16 @@ class Router:
             self.notify(rs, error)
             self._abort_on(rs.decode_worker_id, wrid)
 
-    def finish(self, request_id: str, abort: bool = False) -> None:
+    def finish(self, request_id: str, abort: bool = False, generated: int | None = None) -> None:
         """The gateway is done with the request. With `abort`, every worker that may still hold it
         is told to drop it (its KV blocks go back to the pool). Never blocks; safe to call twice."""
         rs = self.inflight.pop(request_id, None)
         if rs is None:
             return
         self.admission.release(request_id)
-        self._forget_placement(rs, abort)
+        if not abort and generated is not None:
+            self.arrivals.record_finish(generated)
+        self._forget_placement(rs, abort, generated)
 
     def first_token(self, request_id: str, t: float) -> None:
         """The request's first token reached its gateway: admission counts it as running."""
@@ -306,11 +421,24 @@ class Router:
             rs.first_token_time = t
             self.admission.mark_running(request_id)
 
-    def _forget_placement(self, rs: PlacedRequest, abort: bool) -> None:
-        """Takes the request off its workers' books (and, with `abort`, off the workers themselves)."""
+    def _forget_placement(self, rs: PlacedRequest, abort: bool, generated: int | None = None) -> None:
+        """Takes the request off its workers' books (and, with `abort`, off the workers themselves).
+        Its KV blocks on the decode worker count as free from now on (WorkerView.release): its
+        prompt plus `generated` tokens (its max_tokens when the gateway did not say)."""
+        wrid = rs.worker_request_id
         for wid in (rs.decode_worker_id, rs.prefill_worker_id):
-            if wid is not None:
-                self.views[wid].inflight.discard(rs.request_id)
+            v = self.views.get(wid) if wid is not None else None
+            if v is None:
+                continue
+            v.inflight.discard(rs.request_id)
+            if wid == rs.decode_worker_id and v.healthy:
+                if wrid in v.placing:  # not in the polled stats yet: nothing to give back either
+                    v.forget(wrid)
+                else:
+                    n = rs.origin.params.max_tokens if generated is None else generated
+                    v.release(self.admission.blocks_for(len(rs.origin.prompt_token_ids) + n + 1))
+            else:
+                v.forget(wrid)
         if abort:
             self._abort_on(rs.decode_worker_id, rs.worker_request_id)
             if rs.prefill_worker_id is not None and not rs.prefill_done:
@@ -362,7 +490,7 @@ class Router:
         return None
 
     def _abort_on(self, worker_id: str | None, request_id: str) -> None:
-        if worker_id is None:
+        if worker_id is None or worker_id not in self.clients:
             return
 
         async def abort():
@@ -389,30 +517,54 @@ class Router:
                 log.exception("stats poll failed")
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(v) for v in self.views.values()))
+        issued = time.monotonic()
+        await asyncio.gather(*(self._poll(v) for v in list(self.views.values())))
+        self._fresh_as_of = max(self._fresh_as_of, issued)
         self._polled_once = True
         if self.metrics:
             self.metrics.running.set(sum(v.stats.running for v in self.decode_views() if v.healthy))
             self.metrics.waiting.set(self.admission.num_waiting)
 
+    async def refresh(self, max_wait_s: float | None = None) -> None:
+        """Polls every worker now, unless a poll went out a moment ago; concurrent callers share
+        one poll (a burst of refusals does not become a burst of polls). Returns after at most
+        `max_wait_s` even if the poll has not answered yet (it goes on and updates the views)."""
+        if self._refreshing is None:
+            if time.monotonic() - self._fresh_as_of < min(0.02, self.cfg.stats_interval_s / 4):
+                return
+            self._refreshing = fut = asyncio.ensure_future(self.poll_once())
+
+            def done(_):
+                if self._refreshing is fut:
+                    self._refreshing = None
+            fut.add_done_callback(done)
+        # asyncio.wait neither cancels the shared poll nor swallows our own cancellation.
+        await asyncio.wait({self._refreshing}, timeout=max_wait_s)
+
     async def _poll(self, v: WorkerView) -> None:
+        client = self.clients.get(v.worker_id)
+        if client is None:  # removed meanwhile
+            return
+        issued = time.monotonic()
         try:
-            stats = await self.clients[v.worker_id].call("stats", timeout=max(1.0, min(self.cfg.call_timeout_s, 10.0)))
+            stats = await client.call("stats", timeout=max(1.0, min(self.cfg.call_timeout_s, 10.0)))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._call_failed(v, e)
         else:
             was_healthy = v.healthy
-            v.update(stats)
+            v.update(stats, issued)
             if was_healthy and not v.healthy:
                 self._fail_requests_on(v, "reported itself unhealthy")
-        if self.metrics:
+        if self.metrics and v.worker_id in self.views:
             self.metrics.observe_worker(v.stats, v.worker_id, v.role, v.healthy)
 
     async def alive(self, worker_id: str) -> bool:
         """Asks the worker now (a dead Ray actor answers at once with an error)."""
-        v = self.views[worker_id]
+        v = self.views.get(worker_id)
+        if v is None:  # taken out of service
+            return False
         if v.healthy:
             try:
                 await self.clients[worker_id].call("stats", timeout=max(1.0, min(self.cfg.call_timeout_s, 5.0)))

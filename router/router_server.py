@@ -213,7 +213,7 @@ class RouterServer:
                 self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, rs.placed_time or
                                                rs.origin.arrival_time, msg.first_token_time, msg.finished_time,
                                                msg.completion_tokens, rs.prefill_result, rs.local_prefill)
-            r.finish(msg.request_id, abort=msg.abort)
+            r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):

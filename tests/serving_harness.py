@@ -12,9 +12,12 @@ import httpx
 
 MODEL = "pdserve-demo"
 
-# Small, fast CPU settings; a test overrides what it exercises.
+# Small, fast CPU settings; a test overrides what it exercises. Prompts are placed by the static
+# threshold (tests of a path need it to be taken for sure; adaptive placement is tested where it is
+# the subject), and the prefill-queue admission limit is off (a CPU prefills ~100x slower than a GPU).
 CPU_DEFAULTS = dict(served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num_seqs=32, use_cuda_graph=False,
-                    stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120, api_servers=1)
+                    stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120, api_servers=1,
+                    prefill_placement="static", max_prefill_queue_s=1e9)
 
 
 def init_ray(num_cpus: int = 8) -> bool:

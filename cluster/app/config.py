@@ -77,6 +77,15 @@ class ClusterConfig(BaseModel):
     """Most sequences a decode worker runs at once."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Token budget of one prefill step."""
+    local_prefill_chunk_tokens: int = Field(256, ge=1)
+    """Most prompt tokens a decode worker prefills locally between two decode steps while requests are
+    decoding on it (the rest of a long prompt goes in later chunks, each followed by a decode step).
+    256 tokens of the 8B shape take ~5.7 ms on an H200 (42-46k prompt tokens/s measured,
+    loadtest/results/prefill_h200.md), as long as its decode step at batch 64 (5.82 ms,
+    decode_h200.md): a running request's token gap at most doubles while a long prompt goes in."""
+    warmup: bool = True
+    """Warm every worker up before /ready: each prefill shape class (twice; the second run seeds the
+    measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (default: the model's max_position_embeddings)."""
     graph_buckets: str | tuple[int, ...] = "vllm"
@@ -87,8 +96,20 @@ class ClusterConfig(BaseModel):
     """Seed of the workers' engines."""
 
     # -- router: admission and placement -------------------------------------------------------------
+    prefill_placement: Literal["adaptive", "static"] = "adaptive"
+    """Where prompts are prefilled. 'adaptive': on the chosen decode worker when that is cheaper than the
+    prefill pool (its queue over its measured rate, the prompt's own prefill and KV transfer) counting
+    the stall it adds to the requests decoding there; else on a prefill worker. 'static': on the decode
+    worker only at or below local_prefill_threshold tokens."""
     local_prefill_threshold: int = Field(0, ge=0)
-    """Prompts of at most this many tokens are prefilled on the decode worker (0: never)."""
+    """Prompts of at most this many tokens are always prefilled on their decode worker (both modes; 0: none
+    by length alone)."""
+    itl_cost_weight: float = Field(20.0, ge=0.0)
+    """Adaptive placement: how many seconds of TTFT one second added to the running requests' time per
+    output token is worth (20 = the ratio of the usual SLOs, 1 s TTFT to 50 ms TPOT)."""
+    max_prefill_queue_s: float = Field(5.0, gt=0.0)
+    """A request gets 429 when every prefill path (each prefill worker, each decode worker's local queue)
+    would make it wait longer than this before its prefill starts (queued tokens over measured rates)."""
     prefill_policy: str = "least_outstanding_tokens"
     """Prefill placement policy (router.placement.PREFILL_POLICIES)."""
     decode_policy: str = "least_loaded"
@@ -125,6 +146,28 @@ class ClusterConfig(BaseModel):
     port). Fix it to open it between nodes in a firewall."""
     kv_transport: Literal["torch_dist", "same_gpu", "local"] | None = None
     """KV transport kind (cluster.transport.factory); none: same_gpu when actors share one GPU, else torch_dist."""
+
+    # -- the P:D planner -------------------------------------------------------------------------------
+    planner: bool = False
+    """Move workers between prefill and decode while serving (router.pd_planner), one at a time: drain
+    the worker, then start the other role's actor on its GPU. Needs prefill_workers >= 1."""
+    planner_interval_s: float = Field(10.0, gt=0.0)
+    """How often the planner looks at the measured rates and the request mix."""
+    planner_window_s: float = Field(60.0, gt=0.0)
+    """The request mix (arrival rate, prompt and output lengths) is measured over this window."""
+    planner_min_dwell_s: float = Field(120.0, ge=0.0)
+    """Least time between two role switches."""
+    planner_hysteresis: float = Field(0.25, ge=0.0, lt=1.0)
+    """Switch only when the better split lowers the bottleneck utilisation by this fraction."""
+    planner_confirmations: int = Field(3, ge=1)
+    """Consecutive evaluations that must agree before a switch."""
+    planner_min_prefill_workers: int = Field(1, ge=0)
+    """The planner keeps at least this many prefill workers (adaptive placement already prefills on
+    decode workers when the prefill pool is the slower path)."""
+    planner_tpot_target_s: float = Field(0.05, gt=0.0)
+    """Decode capacity is counted at the batch whose measured step time meets this."""
+    planner_drain_timeout_s: float = Field(60.0, ge=0.0)
+    """How long a worker being switched may finish what it holds; what is left then migrates."""
 
     @field_validator("prefill_resources", "decode_resources", mode="before")
     @classmethod
@@ -201,6 +244,12 @@ class ClusterConfig(BaseModel):
     def _consistent(self) -> "ClusterConfig":
         if self.max_prefill_tokens < self.block_size:
             raise ValueError("max_prefill_tokens must be at least block_size")
+        if self.planner:
+            if self.prefill_workers < 1:
+                raise ValueError("the planner needs prefill_workers >= 1 (the KV transport group is formed at start)")
+            if self.prefill_resources != self.decode_resources:
+                raise ValueError("the planner moves workers between roles on the same bundle: prefill_resources "
+                                 "and decode_resources must be equal")
         return self
 
     # -- loading ----------------------------------------------------------------------------------
@@ -229,7 +278,8 @@ class ClusterConfig(BaseModel):
             block_size=self.block_size, num_blocks=self.num_blocks, kv_memory_fraction=self.kv_memory_fraction,
             gpu_share=gpu_share,
             cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
-            max_prefill_tokens=self.max_prefill_tokens, max_model_len=self.max_model_len,
+            max_prefill_tokens=self.max_prefill_tokens, local_prefill_chunk_tokens=self.local_prefill_chunk_tokens,
+            max_model_len=self.max_model_len,
             graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,
             seed=self.seed,
         )

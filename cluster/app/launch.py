@@ -12,9 +12,13 @@ Processes:
 Start-up order: the router's sockets and the HTTP socket are bound first (a port in use is a one-line
 error before anything starts; the gateway processes start importing while the workers load), then
 the actors are placed (decode workers get the router's step-record sink) and the transport group is
-formed; /ready turns true only when the router has polled every worker and every gateway process is
-up. SIGTERM drains: the router refuses new requests, every gateway lets its in-flight requests finish
+formed, then every worker warms up (`warmup()`: prefill shapes, the local-prefill path, a decode
+step per graph variant; the first request then costs what the hundredth does); /ready turns true
+only when the router has polled every worker and every gateway process is up. SIGTERM drains: the router refuses new requests, every gateway lets its in-flight requests finish
 (up to `drain_timeout_s`), then everything stops in order and the launcher exits 0.
+
+With `planner` on, a PlannerLoop (cluster/app/planner_loop.py) runs beside the router and moves
+workers between prefill and decode on the GPUs they hold (`spawn_worker` / `retire_worker` here).
 """
 
 from __future__ import annotations
@@ -41,8 +45,31 @@ from cluster.errors import PdserveError
 log = logging.getLogger("pdserve.launch")
 
 # (prefill handles by id, decode handles by id, cluster config, **where) -> whatever must stay alive
-# while serving (the rendezvous store); forms the KV transport group.
+# while serving (a KVTransportGroup); forms the KV transport group.
 TransportFormer = Callable[..., Any]
+
+
+@dataclass
+class KVTransportGroup:
+    """The KV transport group of a serving cluster: the rendezvous store (keep it alive while
+    serving) and the spec every worker was given; a worker that joins later gets the same spec."""
+
+    store: Any
+    spec: Any
+
+    def join(self, handles: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
+             timeout_s: float) -> dict[str, dict[str, float]]:
+        """Gives the new workers `handles` the spec, then has every prefill worker in `prefill` form
+        and warm its channel to every decode worker in `decode` (pairs formed before are kept);
+        returns the seconds each new pair took, by prefill worker. Blocking.
+
+        All prefill workers at once: each forms its pairs one at a time, in the same order, and a
+        decode worker answers hellos in arrival order, so no pair waits on another forever."""
+        import ray
+
+        ray.get([h.init_transport.remote(self.spec) for h in handles.values()], timeout=timeout_s)
+        warm = ray.get([h.connect_transport.remote(sorted(decode)) for h in prefill.values()], timeout=timeout_s)
+        return dict(zip(prefill, warm))
 
 
 def add_serve_command(sub) -> None:
@@ -62,8 +89,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig,
                             *, store_host: str = "127.0.0.1", device: str = "cpu", namespace: str = "pdserve"):
-    """Connects every prefill worker to every decode worker for KV transfers; returns the rendezvous
-    store, which the caller must keep alive while the cluster serves.
+    """Connects every prefill worker to every decode worker for KV transfers; returns the
+    KVTransportGroup (its rendezvous store must stay alive while the cluster serves).
 
     The launcher hosts the TCPStore (master) the transports rendezvous through; every actor gets the
     same frozen `TransportSpec` via `init_transport(spec)` (a decode worker publishes its control
@@ -92,19 +119,16 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     if missing:
         raise PdserveError(f"workers {missing} have no init_transport(spec); run with --prefill-workers 0 "
                            "to prefill on the decode workers")
+    group = KVTransportGroup(store, spec)
     try:
-        ray.get([h.init_transport.remote(spec) for h in handles.values()], timeout=cfg.ready_timeout_s)
-        # All prefill workers at once: each forms its pairs one at a time, in the same order, and a
-        # decode worker answers hellos in arrival order, so no pair waits on another forever.
-        warm = ray.get([h.connect_transport.remote(sorted(decode)) for h in prefill.values()],
-                       timeout=cfg.ready_timeout_s)
+        warm = group.join(handles, prefill, decode, cfg.ready_timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise PdserveError(f"the KV transport group did not form within {cfg.ready_timeout_s:g}s") from None
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
         raise PdserveError(f"forming the KV transport group failed: {str(e).strip().splitlines()[-1]}") from None
-    for pid, secs in zip(prefill, warm):
+    for pid, secs in warm.items():
         log.info("KV channels of %s formed and warmed: %s", pid, {d: round(t, 3) for d, t in secs.items()})
-    return store
+    return group
 
 
 def rendezvous_store(host: str, port: int = 0):
@@ -156,6 +180,8 @@ class _Workers:
     prefill: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)
     placement_group: Any = None
+    bundle: dict[str, int] = field(default_factory=dict)  # worker id -> its placement-group bundle
+    next_index: dict[str, int] = field(default_factory=dict)  # role -> the next worker id's number
 
 
 class ServingCluster:
@@ -176,8 +202,10 @@ class ServingCluster:
         self.url: str | None = None
         self.failure: str | None = None  # why serving stopped on its own (an API server died)
         self._owns_ray = False
-        self._kv_store = None
+        self._kv_group = None
         self._device = "cpu"
+        self.planner = None  # cluster.app.planner_loop.PlannerLoop with `planner` on
+        self.serving_since: float | None = None  # time.time() when the cluster became ready
         self._listen = None
         self._tmp: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,6 +214,11 @@ class ServingCluster:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.tag = f"pdserve-{uuid.uuid4().hex[:8]}"  # names this cluster's placement group and actors
+
+    @property
+    def _kv_store(self):
+        """The KV transport group's rendezvous store (None without prefill workers)."""
+        return self._kv_group.store if isinstance(self._kv_group, KVTransportGroup) else self._kv_group
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> "ServingCluster":
@@ -230,18 +263,22 @@ class ServingCluster:
         self.api_servers.start()  # they load the tokenizer while the workers load the model
 
         self._place_workers(str(model_dir), self.router_server.stats_sink)
-        self._kv_store = self._form_transport_group(
+        self._kv_group = self._form_transport_group(
             self.workers.prefill, self.workers.decode, cfg, store_host=stream_host, device=self._device,
             namespace=self.tag)
+        if cfg.warmup:
+            self._warm_up({**self.workers.prefill, **self.workers.decode})
 
         admission = AdmissionController(AdmissionLimits(
             max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
-            max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s))
+            max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s,
+            max_prefill_queue_s=cfg.max_prefill_queue_s))
         self.router = Router(
             [WorkerClient(wid, "prefill", h) for wid, h in self.workers.prefill.items()],
             [WorkerClient(wid, "decode", h) for wid, h in self.workers.decode.items()],
             admission,
             RouterConfig(
+                prefill_placement=cfg.prefill_placement, itl_cost_weight=cfg.itl_cost_weight,
                 local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
                 reserve_wait_s=cfg.reserve_wait_s, migrate_on_worker_death=cfg.migrate_on_worker_death,
@@ -251,6 +288,27 @@ class ServingCluster:
             metrics,
         )
         self.router_server.attach(self.router)
+        if cfg.planner:
+            from cluster.app.planner_loop import PlannerLoop
+
+            self.planner = PlannerLoop.for_cluster(self, self.router, metrics)
+
+    def _warm_up(self, handles: dict[str, Any]) -> None:
+        """Every worker's warmup(), all at once; returns when all are done (before /ready)."""
+        import ray
+
+        handles = {wid: h for wid, h in handles.items() if hasattr(h, "warmup")}
+        if not handles:
+            return
+        t0 = time.monotonic()
+        try:
+            done = ray.get([h.warmup.remote() for h in handles.values()], timeout=self.cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PdserveError(f"workers did not warm up within {self.cfg.ready_timeout_s:g}s") from None
+        except ray.exceptions.RayActorError as e:
+            cause = str(e).strip().splitlines()
+            raise PdserveError(f"a worker failed to warm up: {cause[-1] if cause else e}") from None
+        log.info("warmed up %d workers in %.1fs: %s", len(handles), time.monotonic() - t0, dict(zip(handles, done)))
 
     def _model_dir(self) -> Path:
         if self.cfg.model is None:
@@ -297,7 +355,6 @@ class ServingCluster:
     def _place_workers(self, model_dir: str, stats_sink: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = self.cfg
         prefill_cls, decode_cls = self._actor_classes()
@@ -320,15 +377,10 @@ class ServingCluster:
             raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {bundle} each "
                                f"(plus {extra['prefill'] or {}} for prefill, {extra['decode'] or {}} for decode) "
                                f"(available: {ray.available_resources()})") from None
+        self._actor_args = (prefill_cls, decode_cls, wcfg, gpus, extra, stats_sink)
         for k, (role, i) in enumerate(roles):
-            wid = f"{role}-{i}"
-            opts = dict(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=f"{self.tag}-{wid}",
-                        resources=extra[role] or None,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k))
-            if role == "prefill":
-                self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)
-            else:
-                self.workers.decode[wid] = decode_cls.options(**opts).remote(wid, wcfg, stats_sink)
+            self._create_actor(role, f"{role}-{i}", k)
+        self.workers.next_index = {"prefill": cfg.prefill_workers, "decode": cfg.decode_workers}
         handles = {**self.workers.prefill, **self.workers.decode}
         log.info("waiting for %d workers to load %s on %s", len(handles), model_dir, device)
         refs = {wid: h.stats.remote() for wid, h in handles.items()}
@@ -339,6 +391,59 @@ class ServingCluster:
         except ray.exceptions.RayActorError as e:
             cause = str(e).strip().splitlines()
             raise PdserveError(f"a worker failed to start: {cause[-1] if cause else e}") from None
+
+    def _create_actor(self, role: str, wid: str, bundle_index: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        prefill_cls, decode_cls, wcfg, gpus, extra, stats_sink = self._actor_args
+        opts = dict(num_cpus=self.cfg.cpus_per_worker, num_gpus=gpus, name=f"{self.tag}-{wid}",
+                    resources=extra[role] or None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.workers.placement_group,
+                                                                         placement_group_bundle_index=bundle_index))
+        if role == "prefill":
+            h = self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)
+        else:
+            h = self.workers.decode[wid] = decode_cls.options(**opts).remote(wid, wcfg, stats_sink)
+        self.workers.bundle[wid] = bundle_index
+        return h
+
+    # -- role switches (the P:D planner) ----------------------------------------------------------
+    def retire_worker(self, worker_id: str) -> int:
+        """Shuts a worker's actor down and frees its GPU (the router must have let go of it first);
+        returns its placement-group bundle, for the worker that takes its place. Blocking."""
+        import ray
+
+        h = self.workers.prefill.pop(worker_id, None) or self.workers.decode.pop(worker_id)
+        try:
+            ray.get(h.shutdown.remote(), timeout=10)
+        except Exception:
+            pass  # it may already be gone; the kill below frees its resources anyway
+        ray.kill(h)
+        return self.workers.bundle.pop(worker_id)
+
+    def spawn_worker(self, role: str, bundle_index: int) -> tuple[str, Any]:
+        """Starts a worker of `role` in a bundle (a GPU) a retired worker left, joins it to the KV
+        transport group and warms it up; returns (its new id, its handle) once it can serve. New ids
+        only: transfer pairs and their sequence numbers are per pair of ids. Blocking."""
+        import ray
+
+        if role == "prefill" and self._actor_args[0] is None:
+            from prefill_worker.actor import PrefillWorkerActor
+
+            self._actor_args = (ray.remote(PrefillWorkerActor), *self._actor_args[1:])
+        wid = f"{role}-{self.workers.next_index[role]}"
+        self.workers.next_index[role] += 1
+        h = self._create_actor(role, wid, bundle_index)
+        try:
+            ray.get(h.stats.remote(), timeout=self.cfg.ready_timeout_s)  # loaded (the old one is gone by now)
+            if isinstance(self._kv_group, KVTransportGroup):
+                self._kv_group.join({wid: h}, self.workers.prefill, self.workers.decode, self.cfg.ready_timeout_s)
+            if self.cfg.warmup:
+                self._warm_up({wid: h})
+        except BaseException:
+            self.retire_worker(wid)
+            raise
+        return wid, h
 
     # -- serving ---------------------------------------------------------------------------------
     def _listen_socket(self):
@@ -369,6 +474,7 @@ class ServingCluster:
         rs = self.router_server
         await rs.start()
         watcher = self._loop.create_task(self._watch_api_servers(), name="api-server-watch")
+        planner = None
         try:
             deadline = time.monotonic() + self.cfg.ready_timeout_s
             while not rs.ready and not self._stop.is_set():
@@ -379,13 +485,19 @@ class ServingCluster:
                 await asyncio.sleep(0.05)
             if not self._stop.is_set():
                 self.url = self._bound_url()
+                self.serving_since = time.time()
                 if announce:
                     print(f"pdserve: serving {self.model_name} at {self.url}/v1 ({len(self.workers.prefill)} prefill, "
                           f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers)",
                           flush=True)
+                if self.planner is not None:  # on the router's loop, beside the router
+                    planner = self._loop.create_task(self.planner.run(), name="pd-planner")
             await self._stop.wait()
         finally:
             watcher.cancel()
+            if planner is not None:
+                planner.cancel()
+                await asyncio.gather(planner, return_exceptions=True)
             await rs.stop()
 
     async def _watch_api_servers(self) -> None:
@@ -514,7 +626,7 @@ class ServingCluster:
                 ray.shutdown()
         if self.router_server is not None:
             self.router_server.close()  # closed already if it served
-        self._kv_store = None  # after the workers: they may still talk to it while shutting down
+        self._kv_group = None  # after the workers: they may still talk to it while shutting down
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         print("pdserve: stopped", file=sys.stderr, flush=True)

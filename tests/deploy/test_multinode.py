@@ -99,6 +99,7 @@ def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_d
         "address": address, "port": 0, "prefill_workers": 1, "decode_workers": 1, "device": "cpu",
         "prefill_resources": {"prefill": 1}, "decode_resources": {"decode": 1}, "kv_transport": "torch_dist",
         "cpu_num_blocks": 256, "served_model_name": "pdserve-demo",
+        "prefill_placement": "static",  # every prompt crosses the nodes (adaptive may keep it local)
     }))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # port 0: the server picks a free port and prints its URL

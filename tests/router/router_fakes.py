@@ -43,6 +43,7 @@ class FakeDecodeWorker:
         self._stop = threading.Event()
         self.reserve_calls = 0
         self.local_submits = 0
+        self.refusing = False  # refuse every placement although blocks are free (a full batch, say)
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -59,7 +60,7 @@ class FakeDecodeWorker:
         with self._lock:
             self.reserve_calls += 1
             need = self._blocks(rr.request)
-            if self._free_locked() < need:
+            if self.refusing or self._free_locked() < need:
                 return None
             self.publisher.register(rr.request)
             self._reserved[rr.request.request_id] = (rr.request, need)
@@ -76,7 +77,7 @@ class FakeDecodeWorker:
 
     def submit_local(self, req: GenerateRequest) -> bool:
         with self._lock:
-            if self._free_locked() < self._blocks(req):
+            if self.refusing or self._free_locked() < self._blocks(req):
                 return False
             self.local_submits += 1
             self.publisher.register(req)
@@ -119,6 +120,9 @@ class FakeDecodeWorker:
 
     def init_transport(self, spec) -> None:
         pass
+
+    def refuse_placements(self, on: bool) -> None:
+        self.refusing = on
 
     def set_step_delay(self, seconds: float) -> None:
         self.step_delay_s = seconds

@@ -79,7 +79,6 @@ def test_kv_capacity_needs_a_worker_where_the_prompt_fits():
     ac.admit("fits", 17, 10, views)  # 18 tokens -> 2 blocks: fits on d1
     with pytest.raises(OverloadedError):
         ac.admit("too-big-now", 40, 10, views)  # 3 blocks free nowhere
-    views[0].pending_blocks = 0
     views[0].stats = WorkerStats("d0", "decode", True, 50, 100)
     ac.admit("later", 40, 10, views)
 

@@ -38,7 +38,7 @@ def test_prefill_fewest_outstanding_tokens_skips_unhealthy():
     p = PREFILL_POLICIES.create("least_outstanding_tokens")
     views = [pview("p0", 500), pview("p1", 20), pview("p2", 0, healthy=False)]
     assert [v.worker_id for v in p.rank(views, REQ)] == ["p1", "p0"]
-    views[1].pending_prefill_tokens = 1000  # the router's own placements since the last poll count
+    views[1].begin("r9", 0, 1000)  # the router's own placements since the last poll count
     assert p.rank(views, REQ)[0].worker_id == "p0"
 
 
