@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import GenerateRequest, Reservation, ReserveRequest, TokenBatch, TokenDelta, WorkerStats
@@ -78,7 +79,9 @@ class DecodeWorker:
         )
         self.graph_runner.capture(progress=capture_progress)
 
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size,
+                                   prefix_cache_salt(cfg.model_dir, str(self.dtype), cfg.block_size),
+                                   cfg.enable_prefix_caching)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
         self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
@@ -179,8 +182,13 @@ class DecodeWorker:
                 graph_buckets=tuple(self.graph_runner.buckets), max_num_seqs=self.cfg.max_num_seqs,
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
-                       "steps": self._step, "error": self.error},
+                       "steps": self._step, "error": self.error, **self.blocks.allocator.stats_extra()},
             )
+
+    def check_blocks(self) -> None:
+        """Block accounting (tests): raises AssertionError on a leaked or doubly owned KV block."""
+        with self._lock:
+            self.scheduler.check_blocks()
 
     def step_metrics(self) -> dict:
         m = self.metrics.snapshot()
@@ -295,3 +303,4 @@ class DecodeWorker:
             deltas = [TokenDelta(rid, (), "error", error) for rid in ids]
         if deltas:
             self.publisher.publish(TokenBatch(self.worker_id, self._step, tuple(deltas)))
+

@@ -4,6 +4,10 @@ first token and ships its KV to the decode worker that reserved blocks for it. N
 One loop thread computes; each finished prompt's transfer runs on its own short-lived thread, so the
 next batch's forward overlaps the previous batch's transfers. A prompt's blocks go back to this
 worker's pool only when `send` returned: the decode side has the KV (or the transfer failed).
+
+Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
+pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
+and stay cached after the send, until evicted.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.block_allocator import BlockAllocator
+from cluster.block_hash import BlockHash, prefix_cache_salt
+from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import KVHeader, PrefillResult, PrefillTask, WorkerStats
@@ -36,6 +41,7 @@ class _Job:
     started: float = 0.0
     done_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
     aborted: bool = False
 
     @property
@@ -60,7 +66,10 @@ class PrefillWorker:
         self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
                                           kv_pool_blocks(cfg, self.arch, dtype, self.device), dtype)
         self.runner = ModelRunner(self.model, self.spec, self.device)
-        self.allocator = BlockAllocator(self.spec.num_blocks)
+        self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
+                                                prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
+                                                cfg.enable_prefix_caching)
+        self._computed_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.transport = transport
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
@@ -118,7 +127,8 @@ class PrefillWorker:
     def stats(self) -> WorkerStats:
         with self._cv:
             outstanding = sum(len(j.prompt) - j.done_tokens for j in self._waiting)
-            extra = {"sending": self._sending}
+            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens,
+                     **self.allocator.stats_extra()}
         if self.transport is not None and hasattr(self.transport, "metrics"):
             m = self.transport.metrics()
             extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
@@ -148,10 +158,10 @@ class PrefillWorker:
     def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
         def admit(job: _Job) -> bool:
             if not job.blocks:
-                need = self.spec.blocks_for_tokens(len(job.prompt))
-                if not self.allocator.can_allocate(need):
+                got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes)
+                if got is None:
                     return False
-                job.blocks = self.allocator.allocate(need)
+                job.blocks, job.done_tokens = got  # the cached prefix is not computed again
                 job.started = time.perf_counter()
             return True
 
@@ -167,10 +177,13 @@ class PrefillWorker:
         try:
             logits = self.runner.prefill([c for _, c in chunks])
             done = []
-            for i, (job, c) in enumerate(chunks):
-                job.done_tokens += len(c.token_ids)
-                if job.done_tokens == len(job.prompt):
-                    done.append((i, job))
+            with self._cv:  # the pool is shared with the send threads' releases
+                for i, (job, c) in enumerate(chunks):
+                    job.done_tokens += len(c.token_ids)
+                    self._computed_tokens += len(c.token_ids)
+                    self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
+                    if job.done_tokens == len(job.prompt):
+                        done.append((i, job))
             tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             with self._cv:

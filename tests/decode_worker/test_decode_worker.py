@@ -285,3 +285,34 @@ def test_stop_string_ends_the_request_on_the_worker(demo_model_dir, engine):
             time.sleep(0.02)
     finally:
         worker.shutdown()
+
+
+def test_prefix_cache_hits_on_the_decode_worker_keep_greedy_output_exact(demo_model_dir, engine):
+    """Arrived prompts and decoded blocks are cached; local prefills (new, and a multi-turn follow-up
+    that resends prompt + answer) take them from the cache. Output equals the engine's, and the block
+    accounting holds throughout."""
+    rng = random.Random(7)
+    system = [0] + [rng.randrange(5, 500) for _ in range(80)]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    first = [system + [rng.randrange(5, 500) for _ in range(n)] for n in (5, 12)]
+    worker = make_worker(demo_model_dir)
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        col = Collector(worker)
+        pre.prefill_and_send(pre.reserve(worker, "t1", first[0], params), first[0])  # lands, gets cached
+        col.wait(lambda: "t1" in col.finish)
+        assert worker.submit_local(GenerateRequest("t2", tuple(first[1]), params, 0, 0.0))
+        col.wait(lambda: "t2" in col.finish)
+        follow = first[0] + col.tokens["t1"] + [rng.randrange(5, 500) for _ in range(7)]  # turn 2 of t1
+        assert worker.submit_local(GenerateRequest("t3", tuple(follow), params, 0, 0.0))
+        col.wait(lambda: "t3" in col.finish)
+        ref = engine.generate([first[0], first[1], follow], params)
+        assert [col.tokens[r] for r in ("t1", "t2", "t3")] == [list(o.token_ids) for o in ref]
+        ex = worker.stats().extra
+        # t2 finds the system prompt's 5 full blocks; t3 finds t1's prompt and most of its answer.
+        assert ex["prefix_cache_queries"] == len(first[1]) + len(follow)
+        assert ex["prefix_cache_hits"] == 5 * 16 + (len(first[0]) + 20 - 1) // 16 * 16
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+        worker.check_blocks()
+    finally:
+        worker.shutdown()

@@ -62,3 +62,28 @@ def test_abort_queued_request_tells_decode_side(setup):
     (a,) = dec.wait_arrivals(1)
     assert a.header is not None and not a.header.ok
     assert not w.abort(task.request.request_id)
+
+
+def test_a_cached_prefix_is_not_computed_again_and_the_decode_side_gets_every_block(setup, demo_model_dir):
+    dec, w = setup
+    shared = list(range(5, 5 + 70))  # 4 full blocks
+    prompts = [shared + [200, 201], shared + list(range(300, 330))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    w.start()
+    results = []
+    for p in prompts:  # one after the other: the second finds the first's blocks
+        req = harness.request(p)
+        req = type(req)(req.request_id, req.prompt_token_ids, params, req.seed, req.arrival_time)
+        results.append((req, w.submit(dec.reserve(req, "p0")).result(timeout=30)))
+    arrivals = {a.reservation.request_id: a for a in dec.wait_arrivals(2)}
+    eng = LLMEngine(demo_model_dir, enable_prefix_caching=False)
+    for req, res in results:
+        out = eng.generate([list(req.prompt_token_ids)], params)[0]
+        a = arrivals[req.request_id]
+        assert res.ok and res.first_token == out.token_ids[0]
+        assert dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
+    ex = w.stats().extra
+    assert ex["computed_prompt_tokens"] == len(prompts[0]) + len(prompts[1]) - 64
+    assert (ex["prefix_cache_queries"], ex["prefix_cache_hits"]) == (sum(map(len, prompts)), 64)
+    assert w.allocator.num_free == w.allocator.capacity and w.allocator.num_cached == 100 // 16  # prompt 1 holds every full block
+    w.allocator.check([])
