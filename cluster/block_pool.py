@@ -16,10 +16,17 @@ A block is registered only once its K/V are computed or have landed (`cache_full
 blocks that a transfer may still write are never found by address.
 
 With caching off the pool is a plain allocator: nothing is registered, every freed block is free.
+
+Change feed: with `event_log_size`, every address registered or evicted is logged, and
+`events_since(epoch, seq)` gives the net change of the cached set since a reader's last look (or the
+whole set, when the reader's position is from another pool or older than what the log keeps). The
+router indexes the workers' caches from it (router.kv_index), as Dynamo's KV router does from its
+workers' block events.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,6 +34,11 @@ from typing import Sequence
 from cluster.block_hash import BlockHash, BlockHasher
 from cluster.errors import CapacityError
 from cluster.kv_cache import NULL_BLOCK
+
+
+# Events a worker's pool keeps for the router's index: enough for several seconds of churn between two
+# polls (one event per block registered or evicted); a router further behind gets the whole set.
+WORKER_EVENT_LOG_SIZE = 1 << 16
 
 
 @dataclass
@@ -42,8 +54,20 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True)
+class CacheChanges:
+    """The net change of a pool's cached addresses after event `since` up to event `seq`."""
+
+    epoch: str  # names this pool instance; positions are only comparable within one epoch
+    seq: int
+    reset: bool  # True: `stored` is the whole cached set and the reader drops what it had
+    stored: tuple[BlockHash, ...]
+    removed: tuple[BlockHash, ...]
+
+
 class PrefixCachingBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"", enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"", enable_caching: bool = True,
+                 event_log_size: int = 0):
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -56,6 +80,11 @@ class PrefixCachingBlockPool:
         self._cached: dict[BlockHash, int] = {}  # address -> the block holding it
         self._free: deque[int] = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; least recently used first
+        # Change feed: (address, stored?) of events _log_base + 1 ... _log_base + len(_log).
+        self.epoch = os.urandom(8).hex()
+        self._log_size = event_log_size
+        self._log: list[tuple[BlockHash, bool]] = []
+        self._log_base = 0
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -98,6 +127,7 @@ class PrefixCachingBlockPool:
             else:
                 b, _ = self._evictable.popitem(last=False)
                 del self._cached[self._hash_of[b]]
+                self._log_event(self._hash_of[b], False)
                 self._hash_of[b] = None
                 self.stats.evicted_blocks += 1
             self._ref[b] = 1
@@ -167,9 +197,36 @@ class PrefixCachingBlockPool:
             if self._hash_of[b] is None and h not in self._cached:
                 self._hash_of[b] = h
                 self._cached[h] = b
+                self._log_event(h, True)
 
     def is_cached(self, block: int) -> bool:
         return self._hash_of[block] is not None
+
+    # -- change feed ------------------------------------------------------------------------------
+    def _log_event(self, h: BlockHash, stored: bool) -> None:
+        if not self._log_size:
+            return
+        self._log.append((h, stored))
+        if len(self._log) > 2 * self._log_size:  # drop the older half (amortised O(1) per event)
+            drop = len(self._log) - self._log_size
+            del self._log[:drop]
+            self._log_base += drop
+
+    @property
+    def event_seq(self) -> int:
+        return self._log_base + len(self._log)
+
+    def events_since(self, epoch: str | None, seq: int) -> CacheChanges:
+        """What changed in the cached set after event `seq` of pool `epoch` (see CacheChanges)."""
+        head = self.event_seq
+        if not self._log_size or epoch != self.epoch or not self._log_base <= seq <= head:
+            return CacheChanges(self.epoch, head, True, tuple(self._cached), ())
+        net: dict[BlockHash, bool] = {}
+        for h, stored in self._log[seq - self._log_base:]:
+            net.pop(h, None)  # keep the order of the last change
+            net[h] = stored
+        return CacheChanges(self.epoch, head, False, tuple(h for h, s in net.items() if s),
+                            tuple(h for h, s in net.items() if not s))
 
     # -- accounting -------------------------------------------------------------------------------
     def stats_extra(self) -> dict[str, int]:

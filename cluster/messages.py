@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.block_pool import CacheChanges
 from cluster.sampling_params import SamplingParams
 
 
@@ -128,3 +129,15 @@ class WorkerStats:
     graph_buckets: tuple[int, ...] = ()
     max_num_seqs: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVCacheEvents:
+    """Worker -> router, polled with the stats: how the worker's cached KV blocks changed since the
+    router's last look (router.kv_index). `salt` and `block_size` name the address space
+    (cluster.block_hash) the router hashes prompts in to match them."""
+
+    worker_id: str
+    salt: bytes
+    block_size: int
+    changes: CacheChanges

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from cluster.block_pool import PrefixCacheStats, PrefixCachingBlockPool
+from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCacheStats, PrefixCachingBlockPool
 from cluster.sequence import Sequence
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"", enable_prefix_caching: bool = True):
-        self.allocator = PrefixCachingBlockPool(num_blocks, block_size, salt, enable_prefix_caching)
+        self.allocator = PrefixCachingBlockPool(num_blocks, block_size, salt, enable_prefix_caching,
+                                                event_log_size=WORKER_EVENT_LOG_SIZE)
         self.block_size = block_size
         self._after_step: list[tuple[int, list[int]]] = []  # (step, blocks): free once step completed
         self._held_for_transfer: dict[str, list[int]] = {}  # request_id -> blocks a transfer may land in

@@ -25,7 +25,8 @@ import torch
 from cluster.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
-from cluster.messages import GenerateRequest, Reservation, ReserveRequest, TokenBatch, TokenDelta, WorkerStats
+from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
+                              WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
@@ -184,6 +185,12 @@ class DecodeWorker:
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, **self.blocks.allocator.stats_extra()},
             )
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        with self._lock:
+            pool = self.blocks.allocator
+            return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))
 
     def check_blocks(self) -> None:
         """Block accounting (tests): raises AssertionError on a leaked or doubly owned KV block."""

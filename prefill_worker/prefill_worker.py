@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.block_hash import BlockHash, prefix_cache_salt
-from cluster.block_pool import PrefixCachingBlockPool
+from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
-from cluster.messages import KVHeader, PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import KVCacheEvents, KVHeader, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
@@ -68,7 +68,7 @@ class PrefillWorker:
         self.runner = ModelRunner(self.model, self.spec, self.device)
         self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
                                                 prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
-                                                cfg.enable_prefix_caching)
+                                                cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
         self._computed_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.transport = transport
         self.send_timeout_s = send_timeout_s
@@ -135,6 +135,17 @@ class PrefillWorker:
         return WorkerStats(self.worker_id, "prefill", healthy=not self._stop, free_blocks=self.allocator.num_free,
                            total_blocks=self.allocator.capacity, running=extra["sending"],
                            waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra)
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        with self._cv:
+            pool = self.allocator
+            return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))
+
+    def check_blocks(self) -> None:
+        """Block accounting (tests): raises AssertionError on a leaked or doubly owned KV block."""
+        with self._cv:
+            self.allocator.check([j.blocks for j in self._jobs.values()])
 
     def shutdown(self) -> None:
         with self._cv:

@@ -202,3 +202,33 @@ def test_random_workload_never_serves_wrong_content_or_overwrites_a_block_in_use
                 pool.cache_full_blocks(table, tokens, hashes, cached, len(tokens))
                 live.append((table, tokens))
             pool.check([t for t, _ in live])
+
+
+def test_change_feed_gives_net_changes_then_a_reset_when_the_reader_fell_behind():
+    pool = PrefixCachingBlockPool(5, BS, event_log_size=4)  # 4 usable blocks
+    first = pool.events_since(None, 0)
+    assert first.reset and first.stored == () and first.seq == 0
+    a, _ = run_prompt(pool, [1] * 8, slots=8)  # stores 2
+    ha = pool.hasher.hashes([1] * 8)
+    ch = pool.events_since(first.epoch, first.seq)
+    assert not ch.reset and ch.stored == tuple(ha) and ch.removed == () and ch.seq == 2
+    pool.free(a)
+    b, _ = run_prompt(pool, [2] * 12, slots=12)  # evicts a's tail, stores 3
+    hb = pool.hasher.hashes([2] * 12)
+    ch2 = pool.events_since(ch.epoch, ch.seq)
+    assert ch2.stored == tuple(hb) and ch2.removed == (ha[1],)
+    # A reader that is behind by more than the log keeps gets the whole set.
+    pool.free(b)
+    for i in range(6):
+        pool.free(run_prompt(pool, [3 + i] * 9, slots=9)[0])
+    old = pool.events_since(ch.epoch, ch.seq)
+    assert old.reset and set(old.stored) == set(pool._cached)
+    assert pool.events_since("another pool", pool.event_seq).reset
+    assert pool.events_since(old.epoch, old.seq) == type(old)(old.epoch, old.seq, False, (), ())
+    # Stored, then evicted before the next look: nets out to a removal.
+    t, _ = run_prompt(pool, [9] * 5, slots=5)
+    pool.free(t)
+    pool.free(pool.allocate(4))
+    (h9,) = pool.hasher.hashes([9] * 4)
+    last = pool.events_since(old.epoch, old.seq)
+    assert h9 not in last.stored and h9 in last.removed and not pool.num_cached
