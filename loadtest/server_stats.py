@@ -66,6 +66,18 @@ def parse_histogram_totals(text: str, names=METRIC_HISTOGRAMS) -> dict[str, tupl
     return {n: (sums[n], counts[n]) for n in names if n in sums and n in counts}
 
 
+def parse_counter_totals(text: str, names) -> dict[str, float]:
+    """{metric: value summed over all label sets}, from Prometheus text exposition (counters carry
+    their `_total` suffix in `names`)."""
+    out: dict[str, float] = {}
+    wanted = set(names)
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in wanted:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
 @dataclass
 class ServerStatsPoller:
     """Polls /stats (or /metrics) on a thread; `records` and `snapshots` grow while it runs."""

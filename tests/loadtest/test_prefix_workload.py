@@ -36,3 +36,20 @@ def test_few_shot_reuses_the_template():
     reqs = few_shot(requests=10, template_tokens=320, seed=3)
     hits, total = theoretical_reuse([r.prompt for r in reqs], 16)
     assert hits == 9 * 320 and total == sum(len(r.prompt) for r in reqs)
+
+
+def test_report_checks_the_targets():
+    from loadtest.prefix_cache_report import checks, table
+
+    def row(cache, hit, ttft, moved, thr=4.0, workload="multi_turn"):
+        return {"setup": "disaggregated", "workload": workload, "request_rate": 4.0, "cache": cache,
+                "requests": 192, "completed": 192, "failed": 0, "hit_rate": hit, "theoretical_reuse": 0.8,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 2, "tpot_p50_ms": 10.0, "goodput_rps": thr,
+                "throughput_rps": thr, "prefill_tokens_per_s": 1e4, "kv_transfer_bytes": moved}
+
+    good = checks([row("on", 0.78, 50.0, 2.2e9), row("off", 0.0, 200.0, 10e9)])
+    assert [ok for _, ok, _ in good] == [True, True, True]
+    bad = checks([row("on", 0.6, 100.0, 5e9), row("off", 0.0, 200.0, 10e9, thr=2.0)])
+    assert [ok for _, ok, _ in bad] == [False, False, False]
+    assert "saturated" in bad[1][2]
+    assert "multi_turn" in table([row("on", 0.78, 50.0, 2.2e9)])
