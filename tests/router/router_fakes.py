@@ -117,6 +117,11 @@ class FakeDecodeWorker:
     def step_metrics(self) -> dict:
         return {}
 
+    def check_blocks(self) -> None:
+        with self._lock:
+            e = self.engine
+            e.allocator.check([s.block_table for s in (*e.running, *e.waiting)])
+
     def init_transport(self, spec) -> None:
         pass
 
