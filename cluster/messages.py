@@ -47,12 +47,18 @@ class Reservation:
 
     `transfer_seq` numbers transfers per (prefill, decode) pair; both transfer threads work
     through them in order, which is what keeps point-to-point sends and receives matched.
+
+    Prefix caching: the decode worker may already hold the prompt's first `num_cached_blocks` blocks
+    (found in its cache and pinned for the request). The transfer skips them: the prefill worker sends
+    its blocks from that offset on, and they land in `block_ids`, which are only the blocks the
+    transfer writes (the decode worker's block table is the cached ones, then these).
     """
 
     request_id: str
     decode_worker_id: str
     block_ids: tuple[int, ...]
     transfer_seq: int
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class PrefillResult:
     transfer_bytes: int
     ok: bool = True
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefill worker's cache (not computed)
 
 
 @dataclass(frozen=True)

@@ -137,12 +137,13 @@ class DecodeWorker:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
             self.publisher.register(req.request)
-            blocks = self.scheduler.reserve(seq)
-            if blocks is None:
+            if not self.scheduler.reserve(seq):
                 self.publisher.forget(seq.request_id)
                 return None
             peer = req.prefill_worker_id
-            res = Reservation(seq.request_id, self.worker_id, tuple(blocks), self._transfer_seq[peer])
+            cached = seq.num_cached_tokens // self.spec.block_size  # the transfer lands after these
+            res = Reservation(seq.request_id, self.worker_id, tuple(seq.block_table[cached:]), self._transfer_seq[peer],
+                              num_cached_blocks=cached)
             self._transfer_seq[peer] += 1
             if self.transport is not None:
                 # Under the lock so that expect() calls reach the transport in transfer_seq order.

@@ -86,17 +86,14 @@ class DecodeScheduler:
     def has_room(self) -> bool:
         return self.num_seqs < self.max_num_seqs
 
-    def reserve(self, seq: Sequence) -> list[int] | None:
-        """Blocks for the prompt plus the first decode slot; None if they (or a batch row) don't fit."""
-        if not self.has_room():
-            return None
-        blocks = self.blocks.allocate_for_tokens(len(seq.prompt_token_ids) + 1)
-        if blocks is None:
-            return None
-        seq.block_table = blocks
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for the prompt plus the first decode slot, its cached prefix taken from the cache
+        (seq.num_cached_tokens: the transfer skips those); False if they (or a batch row) don't fit."""
+        if not self.has_room() or not self.blocks.allocate_prompt(seq):
+            return False
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.waiting_for_kv[seq.request_id] = seq
-        return blocks
+        return True
 
     def add_local(self, seq: Sequence) -> bool:
         """Queues a request to prefill here. Blocks are taken now so that it can't be starved later."""
@@ -120,8 +117,8 @@ class DecodeScheduler:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
             return TokenDelta(request_id, (), "error", error or "KV transfer failed")
-        seq.num_cached_tokens = len(seq.prompt_token_ids)
-        self.blocks.cache_computed(seq, 0, seq.num_cached_tokens)  # landed: the transport synced it
+        landed_from, seq.num_cached_tokens = seq.num_cached_tokens, len(seq.prompt_token_ids)
+        self.blocks.cache_computed(seq, landed_from, seq.num_cached_tokens)  # landed: the transport synced it
         seq.status = SequenceStatus.RUNNING
         reason = seq.append_token(first_token)
         if reason is not None:

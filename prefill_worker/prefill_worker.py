@@ -7,7 +7,8 @@ worker's pool only when `send` returned: the decode side has the KV (or the tran
 
 Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
 pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
-and stay cached after the send, until evicted.
+and stay cached after the send, until evicted. Only the blocks the decode worker lacks are sent: the
+reservation says how many leading blocks it already holds (`Reservation.num_cached_blocks`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _Job:
     done_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
+    cached_tokens: int = 0  # prompt tokens found in this worker's cache
     aborted: bool = False
 
     @property
@@ -97,6 +99,12 @@ class PrefillWorker:
         n = len(task.request.prompt_token_ids)
         if n == 0 or self.spec.blocks_for_tokens(n) > self.allocator.capacity:
             fut.set_result(self._failed(task, 0.0, f"prompt of {n} tokens does not fit this prefill worker"))
+            self._spawn_abort(task)
+            return fut
+        if task.reservation.num_cached_blocks * self.spec.block_size >= n:
+            # The cache-hit rule leaves the last prompt token to compute, so its block is always sent.
+            fut.set_result(self._failed(task, 0.0, f"reservation skips {task.reservation.num_cached_blocks} "
+                                                   f"blocks of a {n}-token prompt"))
             self._spawn_abort(task)
             return fut
         job = _Job(task, fut, time.perf_counter())
@@ -172,7 +180,8 @@ class PrefillWorker:
                 got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes)
                 if got is None:
                     return False
-                job.blocks, job.done_tokens = got  # the cached prefix is not computed again
+                job.blocks, job.cached_tokens = got
+                job.done_tokens = job.cached_tokens  # the cached prefix is not computed again
                 job.started = time.perf_counter()
             return True
 
@@ -225,16 +234,18 @@ class PrefillWorker:
     # -- transfer and completion ----------------------------------------------------------------
     def _send(self, job: _Job, first_token: int, prefill_done: float) -> None:
         res = job.task.reservation
-        header = KVHeader(job.request_id, res.transfer_seq, len(job.prompt), first_token)
+        skip = res.num_cached_blocks  # the decode worker holds these already
+        header = KVHeader(job.request_id, res.transfer_seq, len(job.prompt) - skip * self.spec.block_size, first_token)
         queue_s, prefill_s = job.started - job.submitted, prefill_done - job.started
         try:
             if self.transport is None:
                 raise RuntimeError("no KV transport (init_transport first)")
-            st = self.transport.send(res, header, job.blocks, self.send_timeout_s)
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, st.seconds, st.bytes)
+            st = self.transport.send(res, header, job.blocks[skip:], self.send_timeout_s)
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, st.seconds, st.bytes,
+                                   cached_tokens=job.cached_tokens)
         except Exception as e:
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False,
-                                   error=f"{type(e).__name__}: {e}")
+                                   error=f"{type(e).__name__}: {e}", cached_tokens=job.cached_tokens)
         with self._cv:
             self._release(job)  # only now: the decode side confirmed (or the transfer is over)
             self._sending -= 1

@@ -9,7 +9,9 @@ than a transfer (conditional disaggregation); so does every prompt while no pref
 
 The router also polls every worker's `stats()` (admission and placement decide on those), marks a
 worker that stops answering unhealthy and fails the requests placed on it, and aborts a request on
-every worker that holds it when the gateway gives up on it (client gone, stop string, error).
+every worker that holds it when the gateway gives up on it (client gone, stop string, error). With a
+`prefix_aware` policy it also polls the workers' block events (`kv_events`) into a `KVBlockIndex` of
+who caches which prompt prefix.
 
 Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): the router
 tells the request's gateway (`notify`), which stops taking the dead placement's tokens at once and
@@ -35,8 +37,9 @@ from typing import Callable
 
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
 from router.admission import AdmissionController, NoHealthyWorkerError, OverloadedError
+from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
-from router.placement import DECODE_POLICIES, PREFILL_POLICIES, WorkerView
+from router.placement import DECODE_POLICIES, PREFILL_POLICIES, UsesKVIndex, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,12 @@ class Router:
         self.decode_ids = [c.worker_id for c in decode]
         self.prefill_policy = PREFILL_POLICIES.create(cfg.prefill_policy)
         self.decode_policy = DECODE_POLICIES.create(cfg.decode_policy)
+        self.kv_index = KVBlockIndex()
+        self._indexed_roles = set()  # roles whose cached blocks a policy ranks by
+        for role, policy in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
+            if isinstance(policy, UsesKVIndex):
+                policy.bind_kv_index(self.kv_index)
+                self._indexed_roles.add(role)
         self.inflight: dict[str, PlacedRequest] = {}
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
@@ -406,9 +415,25 @@ class Router:
             was_healthy = v.healthy
             v.update(stats)
             if was_healthy and not v.healthy:
+                self.kv_index.drop(v.worker_id)
                 self._fail_requests_on(v, "reported itself unhealthy")
+            if v.healthy and v.role in self._indexed_roles:
+                await self._poll_kv_events(v)
         if self.metrics:
             self.metrics.observe_worker(v.stats, v.worker_id, v.role, v.healthy)
+
+    async def _poll_kv_events(self, v: WorkerView) -> None:
+        """Brings the index up to date with the worker's cached blocks. The index only ranks workers,
+        so a failed poll just leaves it a poll behind (health is the stats poll's business)."""
+        try:
+            ev = await self.clients[v.worker_id].call("kv_events", *self.kv_index.position(v.worker_id),
+                                                      timeout=max(1.0, min(self.cfg.call_timeout_s, 10.0)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("kv_events of %s failed: %s", v.worker_id, e)
+        else:
+            self.kv_index.apply(ev)
 
     async def alive(self, worker_id: str) -> bool:
         """Asks the worker now (a dead Ray actor answers at once with an error)."""
@@ -428,6 +453,7 @@ class Router:
         dead = isinstance(e, _ActorDead)
         if v.healthy and (dead or v.consecutive_failures >= self.cfg.unhealthy_after_failures):
             v.healthy = False
+            self.kv_index.drop(v.worker_id)
             log.error("worker %s is unhealthy: %s: %s", v.worker_id, e.__class__.__name__, e)
             self._fail_requests_on(v, "died" if dead else "stopped answering")
 

@@ -21,17 +21,17 @@ def seq(rid, prompt_len=5, max_tokens=8, ignore_eos=True):
 
 
 def arrive(s: DecodeScheduler, sq: Sequence, first=100):
-    assert s.reserve(sq) is not None
+    assert s.reserve(sq)
     return s.on_arrival(sq.request_id, first, ok=True)
 
 
 def test_reserve_covers_prompt_plus_one_and_respects_capacity():
     s = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=2)
     a = seq("a", prompt_len=7)  # 8 tokens -> 2 blocks
-    assert len(s.reserve(a)) == 2 and a.status is SequenceStatus.WAITING_FOR_KV
-    assert s.reserve(seq("b", prompt_len=8)) is None  # 9 tokens -> 3 blocks, 2 free
-    assert s.reserve(seq("c", prompt_len=3)) is not None
-    assert s.reserve(seq("d", prompt_len=1)) is None  # max_num_seqs reached
+    assert s.reserve(a) and len(a.block_table) == 2 and a.status is SequenceStatus.WAITING_FOR_KV
+    assert not s.reserve(seq("b", prompt_len=8))  # 9 tokens -> 3 blocks, 2 free
+    assert s.reserve(seq("c", prompt_len=3))
+    assert not s.reserve(seq("d", prompt_len=1))  # max_num_seqs reached
 
 
 def test_pipelined_steps_feed_tokens_on_device_and_join_leave():
@@ -162,7 +162,7 @@ def test_an_arrived_prompt_is_cached_and_a_local_prefill_starts_after_it():
     s.on_prefill_token(s.on_prefill_done(chunks)[0], 5)
     s.check_blocks()
     stats = s.blocks.prefix_cache_stats
-    assert (stats.queries, stats.hits) == (11, 8)  # reservations are not lookups (yet): only b's
+    assert (stats.queries, stats.hits) == (10 + 11, 8)  # a's reservation found nothing, b its 2 blocks
     # a leaves while b still uses the shared blocks: they stay in use, b's table intact.
     s.abort("a", transfer_pending=False)
     assert [s.blocks.allocator.ref_count(x) for x in b.block_table[:2]] == [1, 1]
@@ -170,6 +170,31 @@ def test_an_arrived_prompt_is_cached_and_a_local_prefill_starts_after_it():
     s.abort("b", transfer_pending=False)
     s.check_blocks()
     assert s.blocks.num_free == s.blocks.capacity and s.blocks.num_cached_blocks == 2
+
+
+def test_a_reservation_takes_the_cached_prefix_and_the_transfer_lands_after_it():
+    s = make_scheduler()
+    a = seq("a", prompt_len=10, max_tokens=4)
+    arrive(s, a)
+    b = Sequence("b", list(range(10, 19)) + [7] * 6, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                      ignore_eos=True), seed=0)
+    assert s.reserve(b) and b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    landing = b.block_table[2:]
+    assert not any(s.blocks.allocator.is_cached(x) for x in landing)
+    # Aborted with the transfer in flight: the whole table is held until it reports; then the shared
+    # blocks are still a's, the landing ones free.
+    assert s.abort("b", transfer_pending=True)
+    s.check_blocks()
+    assert s.on_arrival("b", 5, ok=True) is None
+    assert [s.blocks.allocator.ref_count(x) for x in a.block_table[:2]] == [1, 1]
+    s.check_blocks()
+    # A reservation that lands: its blocks past the cached prefix are registered on arrival.
+    c = Sequence("c", list(range(10, 19)) + [3] * 8, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                      ignore_eos=True), seed=0)
+    assert s.reserve(c) and c.num_cached_tokens == 8
+    s.on_arrival("c", 5, ok=True)
+    assert c.num_cached_tokens == 17 and all(s.blocks.allocator.is_cached(x) for x in c.block_table[:4])
+    s.check_blocks()
 
 
 def test_a_decoded_block_is_cached_once_the_step_that_filled_it_completed():

@@ -87,3 +87,36 @@ def test_a_cached_prefix_is_not_computed_again_and_the_decode_side_gets_every_bl
     assert (ex["prefix_cache_queries"], ex["prefix_cache_hits"]) == (sum(map(len, prompts)), 64)
     assert w.allocator.num_free == w.allocator.capacity and w.allocator.num_cached == 100 // 16  # prompt 1 holds every full block
     w.allocator.check([])
+
+
+def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir):
+    """The reservation says the decode side holds the prompt's first k blocks (here: those an earlier
+    transfer landed); the prefill worker sends the rest into the reservation's blocks, and decoding
+    from cached + landed blocks gives the engine's output."""
+    from cluster.messages import PrefillTask, Reservation
+
+    dec, w = setup
+    shared = list(range(5, 5 + 64))  # 4 full blocks
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    w.start()
+    r1 = harness.request(shared + [7, 8, 9], max_tokens=6)
+    t1 = dec.reserve(r1, "p0")
+    full = w.submit(t1).result(timeout=30)
+    (a1,) = dec.wait_arrivals(1)
+    r2 = harness.request(shared + list(range(200, 240)), max_tokens=6)  # 104 tokens: 7 blocks
+    k = 4
+    landing = dec.allocator.allocate(dec.kvspec.blocks_for_tokens(len(r2.prompt_token_ids) + 1) - k)
+    res = Reservation(r2.request_id, "d0", tuple(landing), t1.reservation.transfer_seq + 1, num_cached_blocks=k)
+    dec.transport.expect(res, "p0")
+    part = w.submit(PrefillTask(r2, res)).result(timeout=30)
+    (a2,) = dec.wait_arrivals(1)
+    assert full.ok and part.ok and part.cached_tokens == 64  # the prefill worker's own hit
+    bpb = dec.kvspec.bytes_per_block
+    assert full.transfer_bytes == 5 * bpb and part.transfer_bytes == 3 * bpb
+    assert a2.header.num_tokens == len(r2.prompt_token_ids) - k * 16
+    table = list(a1.reservation.block_ids[:k]) + list(landing)
+    eng = LLMEngine(demo_model_dir, enable_prefix_caching=False)
+    for req, blocks, first in ((r1, a1.reservation.block_ids, a1.header.first_token), (r2, table, a2.header.first_token)):
+        out = eng.generate([list(req.prompt_token_ids)], params)[0]
+        assert dec.greedy_decode(req, blocks, first) == list(out.token_ids)
+    w.allocator.check([])
