@@ -30,7 +30,7 @@ class DecodeWorkerActor:
     def reserve(self, req: ReserveRequest) -> Reservation | None:
         return self.worker.reserve(req)
 
-    def submit_local(self, req: GenerateRequest) -> bool:
+    def submit_local(self, req: GenerateRequest) -> int | None:
         return self.worker.submit_local(req)
 
     def abort(self, request_id: str) -> None:

@@ -151,19 +151,20 @@ class DecodeWorker:
                 self._expected.add(seq.request_id)
         return res
 
-    def submit_local(self, req: GenerateRequest) -> bool:
-        """Prefills here (between decode steps), then decodes. False if it does not fit now."""
+    def submit_local(self, req: GenerateRequest) -> int | None:
+        """Prefills here (between decode steps), then decodes. Returns the prompt tokens found in this
+        worker's prefix cache (not computed), or None if the request does not fit now."""
         seq = self._make_sequence(req)
         with self._lock:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
             self.publisher.register(req)
-            ok = self.scheduler.add_local(seq)
-            if not ok:
+            if not self.scheduler.add_local(seq):
                 self.publisher.forget(seq.request_id)
-        if ok:
-            self._wake.set()
-        return ok
+                return None
+            cached = seq.num_cached_tokens  # before the loop starts computing it
+        self._wake.set()
+        return cached
 
     def abort(self, request_id: str) -> None:
         """Drops the request (the router gave up on it, or its publisher matched a stop string)."""

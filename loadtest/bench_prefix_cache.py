@@ -9,6 +9,8 @@ Per (workload, rate) one row is written to --out (rows of the same setup, cache,
 replaced):
 - hit_rate: prompt tokens the server did not compute (`usage.prompt_tokens_details.cached_tokens`) /
   prompt tokens; theoretical_reuse: the same for a perfect cache (loadtest.prefix_workload);
+  server_hit_rate_prefill / _decode: the workers' own counters over the row (`pdserve:prefix_cache_*`
+  on /metrics; a decode worker's hits are KV it did not need transferred);
 - ttft_p50_ms / ttft_p99_ms / tpot_p50_ms, client-side; goodput_rps: requests meeting both SLOs per
   second of the run (DistServe's goodput), throughput_rps: completed requests per second;
 - prefill_tokens_per_s: prompt tokens served per second; computed_prefill_tokens_per_s: those the
@@ -36,6 +38,7 @@ from loadtest.report import percentile
 from loadtest.server_stats import parse_counter_totals
 
 TRANSFER_BYTES = "pdserve:kv_transfer_bytes_total"
+PREFIX_QUERIES, PREFIX_HITS = "pdserve:prefix_cache_queries_total", "pdserve:prefix_cache_hits_total"
 WORKLOADS = ("multi_turn", "few_shot")
 
 
@@ -125,9 +128,20 @@ def build_workload(name: str, args, seed: int) -> list[WorkloadRequest]:
     raise SystemExit(f"error: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
-def transfer_bytes(client: httpx.Client) -> float:
+def server_counters(client: httpx.Client) -> dict[str, float]:
+    """KV bytes moved and the prefix-cache counters per role, from the gateway's /metrics."""
     r = client.get("/metrics")
-    return parse_counter_totals(r.text, [TRANSFER_BYTES]).get(TRANSFER_BYTES, 0.0) if r.status_code == 200 else 0.0
+    text = r.text if r.status_code == 200 else ""
+    out = {"bytes": parse_counter_totals(text, [TRANSFER_BYTES]).get(TRANSFER_BYTES, 0.0)}
+    for role in ("prefill", "decode"):
+        c = parse_counter_totals(text, [PREFIX_QUERIES, PREFIX_HITS], f'role="{role}"')
+        out[f"{role}_queries"], out[f"{role}_hits"] = c.get(PREFIX_QUERIES, 0.0), c.get(PREFIX_HITS, 0.0)
+    return out
+
+
+def server_hit_rate(before: dict, after: dict, role: str) -> float | None:
+    q = after[f"{role}_queries"] - before[f"{role}_queries"]
+    return (after[f"{role}_hits"] - before[f"{role}_hits"]) / q if q > 0 else None
 
 
 def main(argv=None) -> int:
@@ -163,12 +177,16 @@ def main(argv=None) -> int:
                 seed = args.seed + 1000 * wi + ri
                 reqs = build_workload(name, args, seed)
                 hits, total = theoretical_reuse([r.prompt for r in reqs], args.block_size)
-                before = transfer_bytes(client)
+                before = server_counters(client)
                 results, elapsed = asyncio.run(run_workload(args.url, model, reqs, rate, seed))
-                moved = transfer_bytes(client) - before
+                time.sleep(0.5)  # the router polls the workers' counters every stats_interval_s
+                after = server_counters(client)
+                moved = after["bytes"] - before["bytes"]
                 row = {"setup": args.setup, "cache": args.cache, "workload": name, "request_rate": rate,
                        **summarize(results, elapsed, args.ttft_slo_s, args.tpot_slo_s),
                        "theoretical_reuse": hits / total, "prompt_tokens": total,
+                       "server_hit_rate_prefill": server_hit_rate(before, after, "prefill"),
+                       "server_hit_rate_decode": server_hit_rate(before, after, "decode"),
                        "kv_transfer_bytes": moved, "kv_transfer_bytes_per_prompt_token": moved / total}
                 key = ("setup", "cache", "workload", "request_rate")
                 doc["rows"] = [r for r in doc["rows"] if tuple(r.get(k) for k in key) != tuple(row[k] for k in key)]

@@ -106,6 +106,16 @@ class RouterMetrics(_Metrics):
                                m + ["worker_id"], registry=r)
         self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
                               m + ["worker_id", "role"], registry=r)
+        # Prefix cache, as vLLM counts it: prompt tokens looked up, and those found (per worker; a
+        # prefill worker's hits are tokens not computed, a decode worker's are KV not transferred).
+        self._prefix_queries = Counter("pdserve:prefix_cache_queries", "Prefix cache queries, in prompt tokens.",
+                                       m + ["worker_id", "role"], registry=r)
+        self._prefix_hits = Counter("pdserve:prefix_cache_hits", "Prefix cache hits, in prompt tokens.",
+                                    m + ["worker_id", "role"], registry=r)
+        self._prefix_hit_rate = Gauge("pdserve:prefix_cache_hit_rate",
+                                      "Prefix cache hits / queries since start, over all workers of a role.",
+                                      m + ["role"], registry=r)
+        self._prefix_seen: dict[str, tuple[str, int, int]] = {}  # worker -> (role, queries, hits) last polled
 
     def observe_step(self, rec: DecodeStepRecord) -> None:
         if rec.step_time_s > 0:
@@ -119,6 +129,21 @@ class RouterMetrics(_Metrics):
         self._healthy.labels(self.model_name, worker_id, role).set(1.0 if healthy else 0.0)
         if stats is not None and role == "decode" and stats.total_blocks > 0:
             self._kv_usage.labels(self.model_name, worker_id).set(1.0 - stats.free_blocks / stats.total_blocks)
+        if stats is not None and "prefix_cache_queries" in stats.extra:
+            self._observe_prefix_cache(worker_id, role, stats.extra["prefix_cache_queries"],
+                                       stats.extra["prefix_cache_hits"])
+
+    def _observe_prefix_cache(self, worker_id: str, role: str, queries: int, hits: int) -> None:
+        """The workers report totals since they started: the counters advance by the difference (by
+        the whole total when it went down: a new worker under the same id)."""
+        _, q0, h0 = self._prefix_seen.get(worker_id, (role, 0, 0))
+        dq, dh = (queries - q0, hits - h0) if queries >= q0 else (queries, hits)
+        self._prefix_queries.labels(self.model_name, worker_id, role).inc(max(0, dq))
+        self._prefix_hits.labels(self.model_name, worker_id, role).inc(max(0, dh))
+        self._prefix_seen[worker_id] = (role, queries, hits)
+        q = sum(x[1] for x in self._prefix_seen.values() if x[0] == role)
+        h = sum(x[2] for x in self._prefix_seen.values() if x[0] == role)
+        self._prefix_hit_rate.labels(self.model_name, role).set(h / q if q else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -102,6 +102,7 @@ class PlacedRequest:
     prefill_worker_id: str | None = None
     local_prefill: bool = False
     prefill_done: bool = False
+    cached_tokens: int = 0  # prompt tokens the computing worker found in its prefix cache
     placed_time: float = 0.0
     first_token_time: float | None = None
     prefill_result: PrefillResult | None = None
@@ -121,6 +122,8 @@ class PlacedRequest:
 
 # (request, error message): tells the request's gateway that a worker failed it.
 Notify = Callable[[PlacedRequest, str], None]
+# Tells the request's gateway that its prompt is computed (`cached_tokens` is final: its usage).
+Prefilled = Callable[[PlacedRequest], None]
 
 
 class Router:
@@ -133,6 +136,7 @@ class Router:
         self.admission = admission
         self.metrics = metrics
         self.notify: Notify = notify or (lambda rs, error: None)
+        self.prefilled: Prefilled = lambda rs: None
         self.draining = False  # set on SIGTERM: new requests are refused (503)
         self.clients = {c.worker_id: c for c in [*prefill, *decode]}
         if len(self.clients) != len(prefill) + len(decode):
@@ -227,15 +231,17 @@ class Router:
 
     async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
         try:
-            ok = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
+            cached = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
             self._call_failed(d, e)
             return False
-        if not ok:
+        if cached is None:
             self._refused(d)
             return False
         rs.local_prefill = rs.prefill_done = True
+        rs.cached_tokens = cached
         self._placed(rs, d, need)
+        self.prefilled(rs)
         if self.metrics:
             self.metrics.local_prefills.inc()
         return True
@@ -294,6 +300,9 @@ class Router:
             if current:
                 rs.prefill_done = True
                 p.inflight.discard(rid)
+                if error is None:
+                    rs.cached_tokens = result.cached_tokens
+                    self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
             self.notify(rs, error)
