@@ -7,7 +7,8 @@
 # Each setup serves twice (caching on, then off) and writes rows to OUT_DIR/prefix_cache_h200.json.
 # Usage: loadtest/run_prefix_cache.sh OUT_DIR [one_gpu|disaggregated]
 #   DRY_RUN=1: the same on CPU with a tiny model and a small workload (checks the script end to end).
-#   Knobs: RATES, WORKLOADS, SESSIONS, TURNS, SYSTEM_TOKENS, FEW_SHOT_REQUESTS, SHAPE, SERVE_ARGS, BENCH_ARGS
+#   Knobs: CACHES ("on off"), RATES, WORKLOADS, SESSIONS, TURNS, SYSTEM_TOKENS, FEW_SHOT_REQUESTS, SHAPE,
+#   SERVE_ARGS, BENCH_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-loadtest/results}
@@ -68,7 +69,8 @@ serve_and_bench() {  # cache on|off
   kill -TERM $server 2>/dev/null; wait $server
 }
 
-serve_and_bench on
-serve_and_bench off
+for cache in ${CACHES:-on off}; do
+  serve_and_bench "$cache"
+done
 [ -f "$OUT/prefix_cache_h200.json" ] && $PY -m loadtest.prefix_cache_report "$OUT/prefix_cache_h200.json"
 exit 0
