@@ -53,14 +53,7 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return self.allocator.can_allocate(n)
-
     # -- allocation -------------------------------------------------------------------------------
-    def allocate_for_tokens(self, num_tokens: int) -> list[int] | None:
-        n = self.blocks_for_tokens(num_tokens)
-        return self.allocator.allocate(n) if self.allocator.can_allocate(n) else None
-
     def allocate_prompt(self, seq: Sequence, count: bool = True) -> bool:
         """Blocks for everything the sequence has plus one decode slot, its cached prefix taken from
         the cache (seq.num_cached_tokens says how much); False, with nothing taken, if they don't fit.
