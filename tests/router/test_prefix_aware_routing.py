@@ -16,7 +16,6 @@ from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from router.admission import AdmissionController, AdmissionLimits
 from router.router import Router, RouterConfig, WorkerClient
-from router.token_stream import TokenStreamReceiver
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,7 @@ def test_a_follow_up_goes_where_its_conversation_is_cached(decode_workers):
     by_id = {w.worker_id: w for w in decode_workers}
 
     async def main():
-        stream = TokenStreamReceiver()
-        router = Router([], [WorkerClient(w.worker_id, "decode", w) for w in decode_workers], stream,
+        router = Router([], [WorkerClient(w.worker_id, "decode", w) for w in decode_workers],
                         AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
                         RouterConfig(stats_interval_s=0.01, decode_policy="prefix_aware"))
         await router.start()
@@ -72,7 +70,6 @@ def test_a_follow_up_goes_where_its_conversation_is_cached(decode_workers):
             router.finish("other")
         finally:
             await router.stop()
-            stream.close()
 
     asyncio.run(main())
     ex = by_id[decode_workers[0].worker_id].stats().extra, by_id[decode_workers[1].worker_id].stats().extra
