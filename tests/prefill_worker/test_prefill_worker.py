@@ -120,3 +120,19 @@ def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir)
         out = eng.generate([list(req.prompt_token_ids)], params)[0]
         assert dec.greedy_decode(req, blocks, first) == list(out.token_ids)
     w.allocator.check([])
+
+
+def test_a_reservation_that_skips_the_last_token_is_refused(setup):
+    """The cache-hit rule always leaves the prompt's last token to compute (its logits give the first
+    token), so a reservation claiming every block is a bug upstream: a clear failure, no transfer."""
+    from cluster.messages import PrefillTask, Reservation
+
+    dec, w = setup
+    req = harness.request(list(range(5, 37)))  # 32 tokens: 2 full blocks
+    task = dec.reserve(req, "p0")
+    bad = Reservation(req.request_id, "d0", task.reservation.block_ids, task.reservation.transfer_seq,
+                      num_cached_blocks=2)
+    res = w.submit(PrefillTask(req, bad)).result(timeout=10)
+    assert not res.ok and "skips 2 blocks of a 32-token prompt" in res.error
+    (a,) = dec.wait_arrivals(1)
+    assert a.header is not None and not a.header.ok  # the decode side frees its blocks
