@@ -2,7 +2,8 @@
 
 Its scheduler is deliberately simple: a step is either one packed prefill (chunked to a token budget)
 or one decode step over every running sequence; when the KV pool runs out, the newest sequence is
-preempted and recomputed later.
+preempted and recomputed later. With prefix caching (the default) a prompt's leading blocks already in
+the cache are taken from it and only the rest is computed, attending to them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from cluster.block_allocator import BlockAllocator
+from cluster.block_hash import prefix_cache_salt
+from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.errors import InvalidRequestError
@@ -51,6 +53,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 2048,
         attention_backend: str = "torch",
+        enable_prefix_caching: bool = True,
     ):
         if model_dir is None:
             from cluster.model.demo import ensure_demo_model
@@ -63,7 +66,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype or self.arch.dtype)
         self.spec = KVCacheSpec.for_model(self.arch, block_size, num_blocks, self.dtype)
         self.runner = ModelRunner(self.model, self.spec, device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = PrefixCachingBlockPool(num_blocks, block_size,
+                                                prefix_cache_salt(self.model_dir, str(self.dtype), block_size),
+                                                enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = self.arch.max_position_embeddings
@@ -114,11 +119,13 @@ class LLMEngine:
                 return False
             if not seq.block_table:
                 # Reserve the whole prompt plus the first decode slot up front, so later chunks
-                # and the first decode step can't fail for lack of blocks.
-                need = self.spec.blocks_for_tokens(seq.num_tokens + 1)
-                if not self.allocator.can_allocate(need):
+                # and the first decode step can't fail for lack of blocks; its cached prefix is
+                # not computed again. (A sequence with outputs is a preempted one's recompute.)
+                got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes,
+                                                     count=not seq.output_token_ids)
+                if got is None:
                     return False
-                seq.block_table = self.allocator.allocate(need)
+                seq.block_table, seq.num_cached_tokens = got
             planned += 1
             return True
 
@@ -131,6 +138,8 @@ class LLMEngine:
         done_rows, done = [], []
         for i, (seq, c) in enumerate(chunks):
             seq.num_cached_tokens += len(c.token_ids)
+            self.allocator.cache_full_blocks(seq.block_table, seq.all_token_ids, seq.block_hashes, c.start,
+                                             seq.num_cached_tokens)
             if seq.num_cached_tokens == seq.num_tokens:
                 done_rows.append(i)
                 done.append(seq)
@@ -162,8 +171,9 @@ class LLMEngine:
         logits = self.runner.decode([s.last_token_id for s in seqs], positions, [s.block_table for s in seqs])
         tokens = self._sample(logits, seqs)
         finished = [s for s, t in zip(seqs, tokens) if s.append_token(t)]
-        for s in seqs:
-            s.num_cached_tokens = s.num_tokens - 1
+        for s, pos in zip(seqs, positions):
+            s.num_cached_tokens = pos + 1
+            self.allocator.cache_full_blocks(s.block_table, s.all_token_ids, s.block_hashes, pos, pos + 1)
         self._retire(finished)
         return finished
 

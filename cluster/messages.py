@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.block_pool import CacheChanges
 from cluster.pass_rate import PassRate
 from cluster.sampling_params import SamplingParams
 
@@ -47,12 +48,18 @@ class Reservation:
 
     `transfer_seq` numbers transfers per (prefill, decode) pair: it names the transfer in the
     claim/cancel compare-and-set that decides who owns the blocks (cluster/transport/control.py).
+
+    Prefix caching: the decode worker may already hold the prompt's first `num_cached_blocks` blocks
+    (found in its cache and pinned for the request). The transfer skips them: the prefill worker sends
+    its blocks from that offset on, and they land in `block_ids`, which are only the blocks the
+    transfer writes (the decode worker's block table is the cached ones, then these).
     """
 
     request_id: str
     decode_worker_id: str
     block_ids: tuple[int, ...]
     transfer_seq: int
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,7 @@ class PrefillResult:
     transfer_bytes: int
     ok: bool = True
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefill worker's cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -138,3 +146,15 @@ class WorkerStats:
     # Decode only: most local-prefill tokens it runs between two decode steps while requests decode.
     local_prefill_chunk_tokens: int = 0
     prefill_tokens_total: int = 0  # prompt tokens computed since start (either role)
+
+
+@dataclass(frozen=True)
+class KVCacheEvents:
+    """Worker -> router, polled with the stats: how the worker's cached KV blocks changed since the
+    router's last look (router.kv_index). `salt` and `block_size` name the address space
+    (cluster.block_hash) the router hashes prompts in to match them."""
+
+    worker_id: str
+    salt: bytes
+    block_size: int
+    changes: CacheChanges

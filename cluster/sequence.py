@@ -26,6 +26,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are in this worker's cache
+    block_hashes: list[bytes] = field(default_factory=list)  # addresses of its full blocks (cluster.block_hash)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None

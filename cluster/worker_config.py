@@ -23,6 +23,7 @@ class WorkerConfig:
     # requests a bounded stall per step instead of its whole prefill at once.
     local_prefill_chunk_tokens: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True  # freed full KV blocks stay findable by content (cluster.block_pool)
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True

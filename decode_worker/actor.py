@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from cluster.messages import GenerateRequest, Reservation, ReserveRequest, WorkerStats
+from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 
@@ -35,7 +35,7 @@ class DecodeWorkerActor:
     def reserve(self, req: ReserveRequest) -> Reservation | None:
         return self.worker.reserve(req)
 
-    def submit_local(self, req: GenerateRequest) -> bool:
+    def submit_local(self, req: GenerateRequest) -> int | None:
         return self.worker.submit_local(req)
 
     def abort(self, request_id: str) -> None:
@@ -43,6 +43,12 @@ class DecodeWorkerActor:
 
     def stats(self) -> WorkerStats:
         return self.worker.stats()
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        return self.worker.kv_events(epoch, seq)
+
+    def check_blocks(self) -> None:
+        self.worker.check_blocks()
 
     def step_metrics(self) -> dict:
         return self.worker.step_metrics()

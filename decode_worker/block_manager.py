@@ -1,4 +1,9 @@
-"""KV blocks of the decode worker's requests. Plain Python over `cluster.block_allocator`, no torch.
+"""KV blocks of the decode worker's requests. Plain Python over `cluster.block_pool`, no torch.
+
+With prefix caching, a block may be shared by several requests (ref-counted by the pool) and a freed
+full block stays findable by its address until evicted: a local prefill takes its prompt's cached
+prefix, and every block that fills (prompt blocks once computed or landed, decoded blocks once their
+last step completed) is registered.
 
 Two hazards it owns, both about *when* a block may go back to the pool:
 - a step in flight on the GPU may still write a row's K/V into a block: blocks of a request that left
@@ -9,12 +14,16 @@ Two hazards it owns, both about *when* a block may go back to the pool:
 
 from __future__ import annotations
 
-from cluster.block_allocator import BlockAllocator
+from typing import Sequence as Seq
+
+from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCacheStats, PrefixCachingBlockPool
+from cluster.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.allocator = BlockAllocator(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"", enable_prefix_caching: bool = True):
+        self.allocator = PrefixCachingBlockPool(num_blocks, block_size, salt, enable_prefix_caching,
+                                                event_log_size=WORKER_EVENT_LOG_SIZE)
         self.block_size = block_size
         self._after_step: list[tuple[int, list[int]]] = []  # (step, blocks): free once step completed
         self._held_for_transfer: dict[str, list[int]] = {}  # request_id -> blocks a transfer may land in
@@ -33,16 +42,33 @@ class BlockManager:
         """Blocks no request owns any more but that a step or a transfer may still write."""
         return sum(len(b) for _, b in self._after_step) + sum(len(b) for b in self._held_for_transfer.values())
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.allocator.stats
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.allocator.num_cached
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return self.allocator.can_allocate(n)
-
     # -- allocation -------------------------------------------------------------------------------
-    def allocate_for_tokens(self, num_tokens: int) -> list[int] | None:
-        n = self.blocks_for_tokens(num_tokens)
-        return self.allocator.allocate(n) if self.allocator.can_allocate(n) else None
+    def allocate_prompt(self, seq: Sequence, count: bool = True) -> bool:
+        """Blocks for everything the sequence has plus one decode slot, its cached prefix taken from
+        the cache (seq.num_cached_tokens says how much); False, with nothing taken, if they don't fit.
+        count=False for a preempted sequence's recompute (cluster.block_pool.allocate_prompt)."""
+        got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes, count)
+        if got is None:
+            return False
+        seq.block_table, seq.num_cached_tokens = got
+        return True
+
+    def cache_computed(self, seq: Sequence, num_computed_before: int, num_computed: int) -> None:
+        """The sequence's K/V up to `num_computed` tokens are complete on the device (in stream order
+        before any later step or prefill): its blocks that became full are registered."""
+        self.allocator.cache_full_blocks(seq.block_table, seq.all_token_ids, seq.block_hashes,
+                                         num_computed_before, num_computed)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Extra blocks a table needs to hold `num_tokens` tokens."""
@@ -98,3 +124,8 @@ class BlockManager:
 
     def is_held_for_transfer(self, request_id: str) -> bool:
         return request_id in self._held_for_transfer
+
+    def check(self, tables: Seq[Seq[int]]) -> None:
+        """Block accounting (AssertionError if off): every reference the pool counts is one of the
+        requests' `tables` or a deferred free here, and each block is in exactly one pool state."""
+        self.allocator.check([*tables, *(b for _, b in self._after_step), *self._held_for_transfer.values()])

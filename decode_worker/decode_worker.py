@@ -26,9 +26,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cluster.block_hash import prefix_cache_salt
+from cluster.block_pool import PrefixCacheStats
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
-from cluster.messages import GenerateRequest, Reservation, ReserveRequest, TokenBatch, TokenDelta, WorkerStats
+from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
+                              WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
@@ -84,7 +87,9 @@ class DecodeWorker:
         )
         self.graph_runner.capture(progress=capture_progress)
 
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size,
+                                   prefix_cache_salt(cfg.model_dir, str(self.dtype), cfg.block_size),
+                                   cfg.enable_prefix_caching)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
         # Measured costs the router plans with: local prefill per token, decode step per row.
@@ -151,12 +156,13 @@ class DecodeWorker:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
             self.publisher.register(req.request)
-            blocks = self.scheduler.reserve(seq)
-            if blocks is None:
+            if not self.scheduler.reserve(seq):
                 self.publisher.forget(seq.request_id)
                 return None
             peer = req.prefill_worker_id
-            res = Reservation(seq.request_id, self.worker_id, tuple(blocks), self._transfer_seq[peer])
+            cached = seq.num_cached_tokens // self.spec.block_size  # the transfer lands after these
+            res = Reservation(seq.request_id, self.worker_id, tuple(seq.block_table[cached:]), self._transfer_seq[peer],
+                              num_cached_blocks=cached)
             self._transfer_seq[peer] += 1
             if self.transport is not None:
                 # Under the lock so that expect() calls reach the transport in transfer_seq order.
@@ -164,19 +170,20 @@ class DecodeWorker:
                 self._expected[seq.request_id] = (res, peer)
         return res
 
-    def submit_local(self, req: GenerateRequest) -> bool:
-        """Prefills here (between decode steps), then decodes. False if it does not fit now."""
+    def submit_local(self, req: GenerateRequest) -> int | None:
+        """Prefills here (between decode steps), then decodes. Returns the prompt tokens found in this
+        worker's prefix cache (not computed), or None if the request does not fit now."""
         seq = self._make_sequence(req)
         with self._lock:
             if self._known(seq.request_id):
                 raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
             self.publisher.register(req)
-            ok = self.scheduler.add_local(seq)
-            if not ok:
+            if not self.scheduler.add_local(seq):
                 self.publisher.forget(seq.request_id)
-        if ok:
-            self._wake.set()
-        return ok
+                return None
+            cached = seq.num_cached_tokens  # before the loop starts computing it
+        self._wake.set()
+        return cached
 
     def abort(self, request_id: str) -> None:
         """Drops the request (the router gave up on it, or its publisher matched a stop string)."""
@@ -202,10 +209,22 @@ class DecodeWorker:
                 graph_buckets=tuple(self.graph_runner.buckets), max_num_seqs=self.cfg.max_num_seqs,
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
-                       "steps": self._step, "error": self.error, "warmup": self.warmup_info},
+                       "steps": self._step, "error": self.error, "warmup": self.warmup_info,
+                       **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
                 local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
             )
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        with self._lock:
+            pool = self.blocks.allocator
+            return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))
+
+    def check_blocks(self) -> None:
+        """Block accounting (tests): raises AssertionError on a leaked or doubly owned KV block."""
+        with self._lock:
+            self.scheduler.check_blocks()
 
     def step_metrics(self) -> dict:
         m = self.metrics.snapshot()
@@ -232,7 +251,8 @@ class DecodeWorker:
         try:
             def blocks_for(n: int):
                 with self._lock:
-                    return self.blocks.allocate_for_tokens(n)
+                    pool, need = self.blocks.allocator, self.blocks.blocks_for_tokens(n)
+                    return pool.allocate(need) if pool.can_allocate(need) else None
 
             def release(table):
                 with self._lock:
@@ -252,7 +272,9 @@ class DecodeWorker:
             params = [replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
             for i, (n, p) in enumerate(zip(prompts, params)):
                 rid = f"__warmup-{self.worker_id}-{i}"
-                req = GenerateRequest(rid, tuple((11 + 17 * k) % self.arch.vocab_size for k in range(n)), p, i, 0.0)
+                # Distinct prompts: none may find another's blocks in the prefix cache and skip the path.
+                req = GenerateRequest(rid, tuple((11 + 17 * k + 101 * i) % self.arch.vocab_size for k in range(n)),
+                                      p, i, 0.0)
                 if self.submit_local(req):
                     ids.append(rid)
                 if i == 0:  # let the short one start decoding, so the long ones prefill beside it
@@ -270,6 +292,7 @@ class DecodeWorker:
                 self.publisher.forget(r)
         self._prefill_timer.harvest()
         self.metrics = StepMetrics()  # what the benchmarks read is serving only
+        self.blocks.allocator.stats = PrefixCacheStats()  # so are the prefix-cache counters
         self.prefill_tokens_total = 0
         self.local_prefill_log.clear()
         self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
@@ -399,3 +422,4 @@ class DecodeWorker:
             deltas = [TokenDelta(rid, (), "error", error) for rid in ids]
         if deltas:
             self.publisher.publish(TokenBatch(self.worker_id, self._step, tuple(deltas)))
+

@@ -13,6 +13,10 @@ have one token in flight. Step t+1's input for such a row is step t's output on 
 max_tokens is already reached by the token in flight is not scheduled at all. Sequences that stop on
 EOS/stop tokens are only known to have stopped one step late; their extra row is discarded.
 
+Prefix caching: a local prefill (new or a preempted sequence's recompute) starts after the prompt's
+cached prefix; blocks are registered in the cache as they fill (arrived prompts, computed chunks,
+decode steps that completed).
+
 Blocks are freed only once no step in flight can write them (see BlockManager). When the pool is
 short, `schedule_decode` asks the worker to drain the pipeline first (so every deferred free lands),
 then preempts the newest sequences, which are recomputed by a local prefill later (vLLM's
@@ -82,26 +86,19 @@ class DecodeScheduler:
     def has_room(self) -> bool:
         return self.num_seqs < self.max_num_seqs
 
-    def reserve(self, seq: Sequence) -> list[int] | None:
-        """Blocks for the prompt plus the first decode slot; None if they (or a batch row) don't fit."""
-        if not self.has_room():
-            return None
-        blocks = self.blocks.allocate_for_tokens(len(seq.prompt_token_ids) + 1)
-        if blocks is None:
-            return None
-        seq.block_table = blocks
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for the prompt plus the first decode slot, its cached prefix taken from the cache
+        (seq.num_cached_tokens: the transfer skips those); False if they (or a batch row) don't fit."""
+        if not self.has_room() or not self.blocks.allocate_prompt(seq):
+            return False
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.waiting_for_kv[seq.request_id] = seq
-        return blocks
+        return True
 
     def add_local(self, seq: Sequence) -> bool:
         """Queues a request to prefill here. Blocks are taken now so that it can't be starved later."""
-        if not self.has_room():
+        if not self.has_room() or not self.blocks.allocate_prompt(seq):
             return False
-        blocks = self.blocks.allocate_for_tokens(seq.num_tokens + 1)
-        if blocks is None:
-            return False
-        seq.block_table = blocks
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         return True
@@ -114,13 +111,14 @@ class DecodeScheduler:
         seq = self.waiting_for_kv.pop(request_id, None)
         if seq is None:
             return None
-        seq.num_cached_tokens = len(seq.prompt_token_ids)
         if not ok:
             self.blocks.free_now(seq.block_table)
             seq.block_table = []
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "error"
             return TokenDelta(request_id, (), "error", error or "KV transfer failed")
+        landed_from, seq.num_cached_tokens = seq.num_cached_tokens, len(seq.prompt_token_ids)
+        self.blocks.cache_computed(seq, landed_from, seq.num_cached_tokens)  # landed: the transport synced it
         seq.status = SequenceStatus.RUNNING
         reason = seq.append_token(first_token)
         if reason is not None:
@@ -164,6 +162,7 @@ class DecodeScheduler:
         done = []
         for seq, c in chunks:
             seq.num_cached_tokens += len(c.token_ids)
+            self.blocks.cache_computed(seq, c.start, seq.num_cached_tokens)
             if seq.num_cached_tokens == seq.num_tokens:
                 done.append(seq)
         return done
@@ -245,6 +244,7 @@ class DecodeScheduler:
     def on_step_output(self, batch: DecodeBatch, tokens: list[int]) -> list[TokenDelta]:
         """Step `batch.step` completed with these sampled tokens (row order). Returns what to publish."""
         self.completed_step = max(self.completed_step, batch.step)
+        bsz = self.blocks.block_size
         deltas = []
         for row, tok in zip(batch.rows, tokens):
             seq = row.seq
@@ -257,6 +257,8 @@ class DecodeScheduler:
                 continue  # finished, aborted or preempted after this step was launched
             reason = seq.append_token(tok)
             seq.num_cached_tokens = row.position + 1
+            if seq.num_cached_tokens % bsz == 0:  # this step filled a block
+                self.blocks.cache_computed(seq, row.position, seq.num_cached_tokens)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq)
@@ -278,10 +280,8 @@ class DecodeScheduler:
         for seq in self.waiting:
             if seq.block_table:
                 continue
-            blocks = self.blocks.allocate_for_tokens(seq.num_tokens + 1)
-            if blocks is None:
+            if not self.blocks.allocate_prompt(seq, count=False):  # its own blocks, if still cached
                 break
-            seq.block_table = blocks
 
     def prefill_ready(self) -> bool:
         return bool(self.waiting) and bool(self.waiting[0].block_table)
@@ -295,6 +295,11 @@ class DecodeScheduler:
         seq.status = SequenceStatus.FINISHED
         self._pending.pop(seq.request_id, None)
         self._release(seq)
+
+    def check_blocks(self) -> None:
+        """Block accounting: every block reference is held by exactly the requests here (or a deferred
+        free); raises AssertionError otherwise (tests, and the worker's `check_blocks`)."""
+        self.blocks.check([s.block_table for s in (*self.waiting_for_kv.values(), *self.waiting, *self.running)])
 
     def has_decode_work(self) -> bool:
         return any(self._schedulable(s) for s in self.running)

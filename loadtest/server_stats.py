@@ -66,6 +66,19 @@ def parse_histogram_totals(text: str, names=METRIC_HISTOGRAMS) -> dict[str, tupl
     return {n: (sums[n], counts[n]) for n in names if n in sums and n in counts}
 
 
+def parse_counter_totals(text: str, names, label: str | None = None) -> dict[str, float]:
+    """{metric: value summed over its label sets}, from Prometheus text exposition (counters carry
+    their `_total` suffix in `names`); with `label` (e.g. 'role="prefill"'), only the label sets
+    that contain it."""
+    out: dict[str, float] = {}
+    wanted = set(names)
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in wanted and (label is None or label in (m.group(2) or "")):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
 @dataclass
 class ServerStatsPoller:
     """Polls /stats (or /metrics) on a thread; `records` and `snapshots` grow while it runs."""

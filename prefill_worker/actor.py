@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.messages import PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.worker_config import WorkerConfig
 from prefill_worker.prefill_worker import PrefillWorker
@@ -49,6 +49,12 @@ class PrefillWorkerActor:
 
     def stats(self) -> WorkerStats:
         return self.worker.stats()
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        return self.worker.kv_events(epoch, seq)
+
+    def check_blocks(self) -> None:
+        self.worker.check_blocks()
 
     def transfer_metrics(self) -> dict:
         t = self.worker.transport

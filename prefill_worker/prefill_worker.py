@@ -6,6 +6,11 @@ claimed (`KVSender.begin`); during it a forward hook on every decoder layer repo
 a long prompt's layer i is on the wire while layer i+1 computes; after sampling, `commit` sends the
 first tokens. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
 back to this worker's pool when its transfer future resolves (the payload left them, or failed).
+
+Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
+pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
+and stay cached after the send, until evicted. Only the blocks the decode worker lacks are sent: the
+reservation says how many leading blocks it already holds (`Reservation.num_cached_blocks`).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.block_allocator import BlockAllocator
+from cluster.block_hash import BlockHash, prefix_cache_salt
+from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
-from cluster.messages import PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
@@ -43,6 +49,8 @@ class _Job:
     started: float = 0.0
     done_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
+    cached_tokens: int = 0  # prompt tokens found in this worker's cache
     aborted: bool = False
 
     @property
@@ -67,7 +75,10 @@ class PrefillWorker:
         self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
                                           kv_pool_blocks(cfg, self.arch, dtype, self.device), dtype)
         self.runner = ModelRunner(self.model, self.spec, self.device)
-        self.allocator = BlockAllocator(self.spec.num_blocks)
+        self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
+                                                prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
+                                                cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
+        self._computed_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.transport = transport
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
@@ -128,6 +139,12 @@ class PrefillWorker:
             fut.set_result(self._failed(task, 0.0, f"prompt of {n} tokens does not fit this prefill worker"))
             self._spawn_abort(task)
             return fut
+        if task.reservation.num_cached_blocks * self.spec.block_size >= n:
+            # The cache-hit rule leaves the last prompt token to compute, so its block is always sent.
+            fut.set_result(self._failed(task, 0.0, f"reservation skips {task.reservation.num_cached_blocks} "
+                                                   f"blocks of a {n}-token prompt"))
+            self._spawn_abort(task)
+            return fut
         job = _Job(task, fut, time.perf_counter())
         with self._cv:
             self._jobs[job.request_id] = job
@@ -180,7 +197,8 @@ class PrefillWorker:
     def stats(self) -> WorkerStats:
         with self._cv:
             outstanding = sum(len(j.prompt) - j.done_tokens for j in self._waiting)
-            extra = {"sending": self._sending}
+            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens,
+                     **self.allocator.stats_extra()}
         if self.transport is not None and hasattr(self.transport, "metrics"):
             m = self.transport.metrics()
             extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
@@ -191,6 +209,17 @@ class PrefillWorker:
                            total_blocks=self.allocator.capacity, running=extra["sending"],
                            waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra,
                            prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        with self._cv:
+            pool = self.allocator
+            return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))
+
+    def check_blocks(self) -> None:
+        """Block accounting (tests): raises AssertionError on a leaked or doubly owned KV block."""
+        with self._cv:
+            self.allocator.check([j.blocks for j in self._jobs.values()])
 
     def shutdown(self) -> None:
         with self._cv:
@@ -214,10 +243,11 @@ class PrefillWorker:
     def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
         def admit(job: _Job) -> bool:
             if not job.blocks:
-                need = self.spec.blocks_for_tokens(len(job.prompt))
-                if not self.allocator.can_allocate(need):
+                got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes)
+                if got is None:
                     return False
-                job.blocks = self.allocator.allocate(need)
+                job.blocks, job.cached_tokens = got
+                job.done_tokens = job.cached_tokens  # the cached prefix is not computed again
                 job.started = time.perf_counter()
             return True
 
@@ -243,11 +273,14 @@ class PrefillWorker:
             self._timer.stop(start, tokens_in_pass)
             self.prefill_tokens_total += tokens_in_pass
             done = []
-            for i, (job, c) in enumerate(chunks):
-                job.done_tokens += len(c.token_ids)
-                if job.done_tokens == len(job.prompt):
-                    done.append((i, job))
-            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []
+            with self._cv:  # the pool is shared with the send threads' releases
+                for i, (job, c) in enumerate(chunks):
+                    job.done_tokens += len(c.token_ids)
+                    self._computed_tokens += len(c.token_ids)
+                    self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
+                    if job.done_tokens == len(job.prompt):
+                        done.append((i, job))
+            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
             if shipment is not None:
@@ -287,7 +320,10 @@ class PrefillWorker:
         """Claims the transfers of the prompts this forward completes (before it runs)."""
         if self.transport is None or not jobs:
             return None
-        sends = [KVSend(j.task.reservation, len(j.prompt), tuple(j.blocks)) for j in jobs]
+        # The decode worker holds the first num_cached_blocks of a prompt already: only the rest goes.
+        bs = self.spec.block_size
+        sends = [KVSend(j.task.reservation, len(j.prompt) - j.task.reservation.num_cached_blocks * bs,
+                        tuple(j.blocks[j.task.reservation.num_cached_blocks:])) for j in jobs]
         return self.transport.begin(sends)
 
     def _await_send(self, job: _Job, shipment: Shipment, first_token: int, error: str | None) -> None:
@@ -313,9 +349,10 @@ class PrefillWorker:
         if error is None:
             st = fut.result()
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, time.perf_counter() - prefill_done,
-                                   st.bytes)
+                                   st.bytes, cached_tokens=job.cached_tokens)
         else:
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error)
+            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error,
+                                   cached_tokens=job.cached_tokens)
         with self._cv:
             self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1

@@ -46,7 +46,7 @@ from router.openai_protocol import (
 )
 from router.router import DrainingError
 from router.router_client import RouterClient
-from router.router_messages import Drain, RequestFailed
+from router.router_messages import Drain, PrefillDone, RequestFailed
 from router.step_stats import DEFAULT_LIMIT, MAX_LIMIT
 from router.token_stream import TokenMailbox, TokenStreamReceiver
 
@@ -119,6 +119,8 @@ class Generation:
         self.migrations = 0
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
+        self.prefilled = asyncio.Event()
 
     @property
     def completion_tokens(self) -> int:
@@ -126,7 +128,16 @@ class Generation:
 
     @property
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt_tokens, self.completion_tokens)
+        return UsageInfo.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Waits for PrefillDone, which says how much of the prompt was cached (the usage's
+        prompt_tokens_details): a prefill worker's answer may reach the router after the decode
+        worker's tokens reached us."""
+        try:
+            await asyncio.wait_for(self.prefilled.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (new text, finish reason or None); the last piece carries the finish reason."""
@@ -201,6 +212,7 @@ class Gateway:
         self.draining = False  # set by drain(): new requests get 503, /ready is false
         self.on_drained = lambda left: None  # the API-server process stops its HTTP server here
         client.on_failed = self._request_failed
+        client.on_prefilled = self._prefilled
         client.on_drain = self._drain_requested
         client.status = lambda: (token_stream.open_streams, len(asyncio.all_tasks()), self.draining)
 
@@ -235,6 +247,12 @@ class Gateway:
         the reader see the failure (it asks the router to migrate the request)."""
         self.token_stream.push(StreamDelta(msg.worker_request_id, (), "", "error", msg.error))
         self.token_stream.unregister(msg.worker_request_id)
+
+    def _prefilled(self, msg: PrefillDone) -> None:
+        gen = self.active.get(msg.request_id)
+        if gen is not None:
+            gen.cached_tokens = msg.cached_tokens
+            gen.prefilled.set()
 
     def _drain_requested(self, msg: Drain) -> None:
         if not self.draining:
@@ -325,6 +343,7 @@ class Gateway:
 
         async def collect():
             text = "".join([t async for t, _ in gen.pieces()])
+            await gen.settle()
             return api.response(rid, body, text, gen)
         return await _unless_disconnected(request, collect())
 
@@ -336,6 +355,7 @@ class Gateway:
             async for text, finish in gen.pieces():
                 yield fmt.piece(text, finish)
             if body.include_usage:
+                await gen.settle()
                 yield fmt.usage(gen.usage)
         except GenerationError as e:
             yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())

@@ -116,6 +116,16 @@ class RouterMetrics(_Metrics):
             "A worker's measured pass cost, seconds = overhead + units x per_unit (pass=prefill: per prompt token, "
             "on a decode worker its local prefill; pass=decode: per batch row).",
             m + ["worker_id", "pass", "term"], registry=r)
+        # Prefix cache, as vLLM counts it: prompt tokens looked up, and those found (per worker; a
+        # prefill worker's hits are tokens not computed, a decode worker's are KV not transferred).
+        self._prefix_queries = Counter("pdserve:prefix_cache_queries", "Prefix cache queries, in prompt tokens.",
+                                       m + ["worker_id", "role"], registry=r)
+        self._prefix_hits = Counter("pdserve:prefix_cache_hits", "Prefix cache hits, in prompt tokens.",
+                                    m + ["worker_id", "role"], registry=r)
+        self._prefix_hit_rate = Gauge("pdserve:prefix_cache_hit_rate",
+                                      "Prefix cache hits / queries since start, over all workers of a role.",
+                                      m + ["role"], registry=r)
+        self._prefix_seen: dict[str, tuple[str, int, int]] = {}  # worker -> (role, queries, hits) last polled
 
     def observe_step(self, rec: DecodeStepRecord) -> None:
         if rec.step_time_s > 0:
@@ -140,6 +150,9 @@ class RouterMetrics(_Metrics):
                 if rate is not None:
                     self._pass_cost.labels(self.model_name, worker_id, kind, "overhead").set(rate.overhead_s)
                     self._pass_cost.labels(self.model_name, worker_id, kind, "per_unit").set(rate.unit_s)
+        if stats is not None and "prefix_cache_queries" in stats.extra:
+            self._observe_prefix_cache(worker_id, role, stats.extra["prefix_cache_queries"],
+                                       stats.extra["prefix_cache_hits"])
 
     def forget_worker(self, worker_id: str, role: str) -> None:
         """A worker taken out of service (a role switch): its series go."""
@@ -154,6 +167,18 @@ class RouterMetrics(_Metrics):
             metric.remove(self.model_name, *labels)
         except KeyError:
             pass
+
+    def _observe_prefix_cache(self, worker_id: str, role: str, queries: int, hits: int) -> None:
+        """The workers report totals since they started: the counters advance by the difference (by
+        the whole total when it went down: a new worker under the same id)."""
+        _, q0, h0 = self._prefix_seen.get(worker_id, (role, 0, 0))
+        dq, dh = (queries - q0, hits - h0) if queries >= q0 else (queries, hits)
+        self._prefix_queries.labels(self.model_name, worker_id, role).inc(max(0, dq))
+        self._prefix_hits.labels(self.model_name, worker_id, role).inc(max(0, dh))
+        self._prefix_seen[worker_id] = (role, queries, hits)
+        q = sum(x[1] for x in self._prefix_seen.values() if x[0] == role)
+        h = sum(x[2] for x in self._prefix_seen.values() if x[0] == role)
+        self._prefix_hit_rate.labels(self.model_name, role).set(h / q if q else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,10 @@ config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded
 router's `WorkerView`s (polled `WorkerStats` corrected by what the router itself placed and released
 since the poll);
 the router walks the ranking and falls back to the next worker when one refuses.
+
+The `prefix_aware` policies also weigh what each worker already caches of the prompt
+(router.kv_index, fed by the workers' block events): Dynamo's KV-router trade-off of cache overlap
+against load.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
+from cluster.block_hash import BlockHash
 from cluster.messages import GenerateRequest, WorkerStats
+from router.kv_index import KVBlockIndex
 
 T = TypeVar("T")
 
@@ -145,6 +151,26 @@ def padding_waste(batch_size: int, buckets: tuple[int, ...]) -> float:
     return (buckets[i] - batch_size) / buckets[i]
 
 
+class UsesKVIndex:
+    """A policy that ranks by cache overlap: the router binds its index of the workers' cached blocks
+    (and only then polls the workers' block events)."""
+
+    def bind_kv_index(self, index: KVBlockIndex) -> None:
+        self.kv_index = index
+        self._memo: tuple[str, list[BlockHash]] = ("", [])
+
+    def overlap_tokens(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
+        """Prompt tokens each worker holds in its cache, as last reported (leading whole blocks)."""
+        index = getattr(self, "kv_index", None)
+        if index is None or index.block_size is None:
+            return {v.worker_id: 0 for v in views}
+        rid, hashes = self._memo
+        if rid != request.request_id:  # one request is ranked again while it waits for room
+            hashes = index.hashes(request.prompt_token_ids)
+            self._memo = (request.request_id, hashes)
+        return {w: n * index.block_size for w, n in index.overlap(hashes, [v.worker_id for v in views]).items()}
+
+
 # -- prefill ---------------------------------------------------------------------------------------
 class PrefillPolicy(ABC):
     @abstractmethod
@@ -162,6 +188,19 @@ class LeastOutstandingTokens(PrefillPolicy):
     def rank(self, views, request):
         healthy = [v for v in views if v.placeable]
         return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens, v.placed_total, v.worker_id))
+
+
+@PREFILL_POLICIES.register("prefix_aware")
+class PrefixAwarePrefill(UsesKVIndex, PrefillPolicy):
+    """Fewest prompt tokens to compute before this one is done: the worker's outstanding tokens plus
+    the part of this prompt it does not hold in its cache (it computes only that part)."""
+
+    def rank(self, views, request):
+        healthy = [v for v in views if v.healthy]
+        cached = self.overlap_tokens(healthy, request)
+        n = len(request.prompt_token_ids)
+        return sorted(healthy, key=lambda v: (v.outstanding_prefill_tokens + n - cached[v.worker_id], v.placed_total,
+                                              v.worker_id))
 
 
 @PREFILL_POLICIES.register("round_robin")
@@ -198,16 +237,42 @@ class LeastLoadedDecode(DecodePolicy):
     def __init__(self, load_quantum: float = 0.05):
         self.load_quantum = load_quantum
 
-    def _key(self, v: WorkerView, blocks_needed: int):
+    def load_after(self, v: WorkerView, blocks_needed: int) -> float:
         kv_after = 1.0 - (v.free_blocks - blocks_needed) / max(1, v.total_blocks)
         batch_after = v.running + 1
-        load = max(kv_after, batch_after / max(1, v.stats.max_num_seqs or batch_after))
-        return (int(load / self.load_quantum), padding_waste(batch_after, v.stats.graph_buckets), -v.free_blocks,
+        return max(kv_after, batch_after / max(1, v.stats.max_num_seqs or batch_after))
+
+    def _key(self, v: WorkerView, blocks_needed: int, cost: float | None = None):
+        """cost: what is quantized and compared first (default: the load after placing)."""
+        cost = self.load_after(v, blocks_needed) if cost is None else cost
+        return (int(cost / self.load_quantum), padding_waste(v.running + 1, v.stats.graph_buckets), -v.free_blocks,
                 v.placed_total, v.worker_id)
 
     def rank(self, views, request, blocks_needed):
         fits = [v for v in views if v.placeable and v.free_blocks >= blocks_needed]
         return sorted(fits, key=lambda v: self._key(v, blocks_needed))
+
+
+@DECODE_POLICIES.register("prefix_aware")
+class PrefixAwareDecode(UsesKVIndex, LeastLoadedDecode):
+    """Cache overlap against load: a worker's cost is its load after placing the request (as
+    least_loaded measures it) plus `overlap_weight` x the fraction of the prompt it does not hold
+    (what it must receive from a prefill worker, or compute in a local prefill). With the default
+    weight a worker that holds the whole prompt wins over one up to half a worker's capacity less
+    loaded: sessions stay where their history is cached unless that worker is much busier.
+    Ties as in least_loaded."""
+
+    def __init__(self, load_quantum: float = 0.05, overlap_weight: float = 0.5):
+        super().__init__(load_quantum)
+        self.overlap_weight = overlap_weight
+
+    def rank(self, views, request, blocks_needed):
+        fits = [v for v in views if v.healthy and v.free_blocks >= blocks_needed]
+        cached = self.overlap_tokens(fits, request)
+        n = max(1, len(request.prompt_token_ids))
+
+        return sorted(fits, key=lambda v: self._key(
+            v, blocks_needed, self.load_after(v, blocks_needed) + self.overlap_weight * (1 - cached[v.worker_id] / n)))
 
 
 @DECODE_POLICIES.register("round_robin")

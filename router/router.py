@@ -14,7 +14,9 @@ by the router's own placements and releases since the poll: WorkerView), marks a
 answering unhealthy and fails the requests placed on it, and aborts a request on every worker that
 holds it when the gateway gives up on it (client gone, stop string, error). Workers can join and
 leave while it serves (`add_worker`, `drain_worker`, `remove_worker`: the P:D planner's role
-switches).
+switches). With a
+`prefix_aware` policy it also polls the workers' block events (`kv_events`) into a `KVBlockIndex` of
+who caches which prompt prefix.
 
 Worker death: a request whose decode worker dies is migrated (`migrate_on_worker_death`): the router
 tells the request's gateway (`notify`), which stops taking the dead placement's tokens at once and
@@ -41,9 +43,10 @@ from typing import Callable
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
 from router.admission import AdmissionController, CapacityShortError, NoHealthyWorkerError, OverloadedError
 from router.arrival_stats import ArrivalStats
+from router.kv_index import KVBlockIndex
 from router.local_prefill_policy import LOCAL_PREFILL_POLICIES
 from router.metrics import RouterMetrics
-from router.placement import DECODE_POLICIES, PREFILL_POLICIES, WorkerView
+from router.placement import DECODE_POLICIES, PREFILL_POLICIES, UsesKVIndex, WorkerView
 from router.prefill_cost_model import PrefillCostModel
 
 log = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ class PlacedRequest:
     prefill_worker_id: str | None = None
     local_prefill: bool = False
     prefill_done: bool = False
+    cached_tokens: int = 0  # prompt tokens the computing worker found in its prefix cache
     placed_time: float = 0.0
     first_token_time: float | None = None
     prefill_result: PrefillResult | None = None
@@ -141,6 +145,8 @@ class PlacedRequest:
 
 # (request, error message): tells the request's gateway that a worker failed it.
 Notify = Callable[[PlacedRequest, str], None]
+# Tells the request's gateway that its prompt is computed (`cached_tokens` is final: its usage).
+Prefilled = Callable[[PlacedRequest], None]
 
 
 class Router:
@@ -153,6 +159,7 @@ class Router:
         self.admission = admission
         self.metrics = metrics
         self.notify: Notify = notify or (lambda rs, error: None)
+        self.prefilled: Prefilled = lambda rs: None
         self.draining = False  # set on SIGTERM: new requests are refused (503)
         self.clients = {c.worker_id: c for c in [*prefill, *decode]}
         if len(self.clients) != len(prefill) + len(decode):
@@ -166,6 +173,12 @@ class Router:
         self.prefill_choice = LOCAL_PREFILL_POLICIES.create(cfg.prefill_placement, threshold=cfg.local_prefill_threshold)
         self.cost = PrefillCostModel(cfg.itl_cost_weight)
         self.arrivals = ArrivalStats()
+        self.kv_index = KVBlockIndex()
+        self._indexed_roles = set()  # roles whose cached blocks a policy ranks by
+        for role, policy in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
+            if isinstance(policy, UsesKVIndex):
+                policy.bind_kv_index(self.kv_index)
+                self._indexed_roles.add(role)
         self.inflight: dict[str, PlacedRequest] = {}
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
@@ -223,6 +236,7 @@ class Router:
         (self.prefill_ids if v.role == "prefill" else self.decode_ids).remove(worker_id)
         del self.views[worker_id]
         del self.clients[worker_id]
+        self.kv_index.drop(worker_id)
         if self.metrics:
             self.metrics.forget_worker(worker_id, v.role)
 
@@ -295,7 +309,7 @@ class Router:
         wrid = rs.worker_request_id
         d.begin(wrid, need, len(rs.request.prompt_token_ids))
         try:
-            ok = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
+            cached = await self.clients[d.worker_id].call("submit_local", rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
             d.rollback(wrid)
             self._call_failed(d, e)
@@ -303,13 +317,15 @@ class Router:
         except BaseException:
             d.rollback(wrid)
             raise
-        if not ok:
+        if cached is None:
             d.rollback(wrid)
             self._refused(d)
             return False
         d.ack(wrid)
         rs.local_prefill = rs.prefill_done = True
+        rs.cached_tokens = cached
         self._placed(rs, d)
+        self.prefilled(rs)
         if self.metrics:
             self.metrics.local_prefills.inc()
         return True
@@ -398,6 +414,9 @@ class Router:
             if current:
                 rs.prefill_done = True
                 p.inflight.discard(rid)
+                if error is None:
+                    rs.cached_tokens = result.cached_tokens
+                    self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
             self.notify(rs, error)
@@ -556,9 +575,25 @@ class Router:
             was_healthy = v.healthy
             v.update(stats, issued)
             if was_healthy and not v.healthy:
+                self.kv_index.drop(v.worker_id)
                 self._fail_requests_on(v, "reported itself unhealthy")
+            if v.healthy and v.role in self._indexed_roles:
+                await self._poll_kv_events(v)
         if self.metrics and v.worker_id in self.views:
             self.metrics.observe_worker(v.stats, v.worker_id, v.role, v.healthy)
+
+    async def _poll_kv_events(self, v: WorkerView) -> None:
+        """Brings the index up to date with the worker's cached blocks. The index only ranks workers,
+        so a failed poll just leaves it a poll behind (health is the stats poll's business)."""
+        try:
+            ev = await self.clients[v.worker_id].call("kv_events", *self.kv_index.position(v.worker_id),
+                                                      timeout=max(1.0, min(self.cfg.call_timeout_s, 10.0)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("kv_events of %s failed: %s", v.worker_id, e)
+        else:
+            self.kv_index.apply(ev)
 
     async def alive(self, worker_id: str) -> bool:
         """Asks the worker now (a dead Ray actor answers at once with an error)."""
@@ -580,6 +615,7 @@ class Router:
         dead = isinstance(e, _ActorDead)
         if v.healthy and (dead or v.consecutive_failures >= self.cfg.unhealthy_after_failures):
             v.healthy = False
+            self.kv_index.drop(v.worker_id)
             log.error("worker %s is unhealthy: %s: %s", v.worker_id, e.__class__.__name__, e)
             self._fail_requests_on(v, "died" if dead else "stopped answering")
 

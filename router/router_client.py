@@ -2,7 +2,8 @@
 
 Calls (submit, migrate, query) await the router's `Reply`; the rest are one-way frames that never
 block the event loop. What the router pushes is handed to the gateway: the failures of its requests
-(`on_failed`), the drain (`on_drain`), and the cluster state, kept in `state` for /health and /ready.
+(`on_failed`), their prompts' prefix-cache hits (`on_prefilled`), the drain (`on_drain`), and the
+cluster state, kept in `state` for /health and /ready.
 A heartbeat tells the router this gateway is alive (and how many streams and tasks it holds); a
 gateway whose heartbeats stop has its requests aborted by the router.
 """
@@ -24,7 +25,7 @@ from cluster.messages import GenerateRequest
 from router.admission import NoHealthyWorkerError, OverloadedError
 from router.router import DrainingError
 from router.router_messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
-                                    Query, Reply, RequestFailed, Submit, decode_to_gateway, encode)
+                                    PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_gateway, encode)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class RouterClient:
         self.state: ClusterState | None = None
         self.state_time = 0.0  # time.monotonic() of the last state frame
         self.on_failed: Callable[[RequestFailed], None] = lambda m: None
+        self.on_prefilled: Callable[[PrefillDone], None] = lambda m: None
         self.on_drain: Callable[[Drain], None] = lambda m: None
         self.status: Callable[[], tuple[int, int, bool]] = lambda: (0, 0, False)  # (open streams, tasks, draining)
         self._ctx = zmq.asyncio.Context()
@@ -163,6 +165,8 @@ class RouterClient:
                     fut.set_result(msg)
             elif isinstance(msg, RequestFailed):
                 self.on_failed(msg)
+            elif isinstance(msg, PrefillDone):
+                self.on_prefilled(msg)
             elif isinstance(msg, ClusterState):
                 self.state, self.state_time = msg, time.monotonic()
             elif isinstance(msg, Drain):

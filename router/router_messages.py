@@ -6,7 +6,7 @@ socket; every frame is one of the tagged Structs below, msgpack-encoded (never p
 `GenerateRequest` (msgspec encodes and validates the dataclass).
 
     gateway -> router   Hello, Heartbeat, Submit*, FirstToken, Finish, Migrate*, Query*, Goodbye
-    router -> gateway   Reply (to *), RequestFailed, ClusterState, Drain
+    router -> gateway   Reply (to *), RequestFailed, PrefillDone, ClusterState, Drain
 """
 
 from __future__ import annotations
@@ -110,6 +110,15 @@ class RequestFailed(_Msg):
     error: str
 
 
+class PrefillDone(_Msg):
+    """The request's prompt is computed: `cached_tokens` of it came from a prefix cache (its usage's
+    prompt_tokens_details). Sent before the Submit's Reply for a prompt prefilled on its decode worker;
+    for a prefill worker's, when it answers (the first token may reach the gateway before)."""
+
+    request_id: str
+    cached_tokens: int
+
+
 class ClusterState(_Msg):
     """What every gateway answers /health and /ready from, pushed on change and periodically."""
 
@@ -129,7 +138,7 @@ class Drain(_Msg):
 
 
 ToRouter = Hello | Heartbeat | Submit | FirstToken | Finish | Migrate | Query | Goodbye
-ToGateway = Reply | RequestFailed | ClusterState | Drain
+ToGateway = Reply | RequestFailed | PrefillDone | ClusterState | Drain
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_router = msgspec.msgpack.Decoder(ToRouter).decode

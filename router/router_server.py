@@ -29,7 +29,7 @@ from router.admission import NoHealthyWorkerError, OverloadedError
 from router.metrics import RouterMetrics
 from router.router import DrainingError, PlacedRequest, Router
 from router.router_messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
-                                    Query, Reply, RequestFailed, Submit, decode_to_router, encode)
+                                    PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode)
 from router.step_stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class RouterServer:
     def attach(self, router: Router) -> None:
         self.router = router
         router.notify = self._notify
+        router.prefilled = self._prefilled
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +162,11 @@ class RouterServer:
         g = self._gateway_of(rs)
         if g is not None and g.up:
             self._send(g.identity, RequestFailed(rs.request_id, rs.worker_request_id, error))
+
+    def _prefilled(self, rs: PlacedRequest) -> None:
+        g = self._gateway_of(rs)
+        if g is not None and g.up:
+            self._send(g.identity, PrefillDone(rs.request_id, rs.cached_tokens))
 
     def cluster_state(self) -> ClusterState:
         r = self.router

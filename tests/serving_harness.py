@@ -81,15 +81,33 @@ def worker_stats(sc, roles=("decode",)) -> dict:
     return alive
 
 
+def check_blocks(sc, roles=("decode", "prefill")) -> None:
+    """Block accounting on every live worker: each KV block in exactly one pool state, every reference
+    held by a request the worker knows (no leaked, no doubly owned block). Raises on a violation."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    handles = {**(sc.workers.decode if "decode" in roles else {}), **(sc.workers.prefill if "prefill" in roles else {})}
+    for wid, h in handles.items():
+        if not hasattr(h, "check_blocks"):  # a test double without a block pool
+            continue
+        try:
+            ray.get(h.check_blocks.remote(), timeout=10)
+        except RayActorError:
+            pass  # a worker the test killed
+
+
 def wait_clean(sc, roles=("decode", "prefill"), timeout_s: float = 20.0, router: bool = True) -> dict:
     """Waits until every live worker holds no request and every KV block is back in its pool (and,
-    with `router`, the router holds no request); returns the workers' stats. Fails otherwise."""
+    with `router`, the router holds no request), then checks the block accounting; returns the
+    workers' stats. Fails otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = worker_stats(sc, roles)
         clean = all(s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0 for s in stats.values())
         r = sc.router
         if clean and (not router or (not r.inflight and r.admission.num_admitted == 0)):
+            check_blocks(sc, roles)
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"not clean: workers {stats}, router inflight {list(r.inflight)}, "

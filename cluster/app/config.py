@@ -88,6 +88,9 @@ class ClusterConfig(BaseModel):
     measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (default: the model's max_position_embeddings)."""
+    enable_prefix_caching: bool = True
+    """Keep freed full KV blocks findable by their content on every worker, so a prompt's cached prefix
+    is neither recomputed nor sent again (vLLM's automatic prefix caching)."""
     graph_buckets: str | tuple[int, ...] = "vllm"
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
     use_cuda_graph: bool = True
@@ -279,7 +282,7 @@ class ClusterConfig(BaseModel):
             gpu_share=gpu_share,
             cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens, local_prefill_chunk_tokens=self.local_prefill_chunk_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,
             seed=self.seed,
         )

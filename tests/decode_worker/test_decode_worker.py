@@ -42,10 +42,13 @@ class FakePrefill:
         return worker.reserve(ReserveRequest(req, self.id))
 
     def prefill_and_send(self, res, prompt):
+        """Prefills the whole prompt; sends the blocks the decode worker does not hold already."""
         blocks = list(range(1, 1 + self.spec.blocks_for_tokens(len(prompt))))
         logits = self.runner.prefill([PrefillChunk(prompt, 0, blocks)])
         first = int(logits.argmax(-1)[0])
-        self.transport.send(res, KVHeader(res.request_id, res.transfer_seq, len(prompt), first), blocks)
+        skip = res.num_cached_blocks
+        header = KVHeader(res.request_id, res.transfer_seq, len(prompt) - skip * self.spec.block_size, first)
+        return self.transport.send(res, header, blocks[skip:])
 
 
 class Collector:
@@ -96,7 +99,7 @@ def test_greedy_equals_engine_with_requests_joining_and_leaving(demo_model_dir, 
         col.wait(lambda: len(col.tokens.get("r1", [])) >= 3)
         for i in (3, 4):
             pre.prefill_and_send(pre.reserve(worker, f"r{i}", ps[i], params[i]), ps[i])
-        assert worker.submit_local(GenerateRequest("r5", tuple(ps[5]), params[5], 0, 0.0))
+        assert worker.submit_local(GenerateRequest("r5", tuple(ps[5]), params[5], 0, 0.0)) is not None
         col.wait(lambda: "r1" in col.finish)  # a request left; one more joins after it
         pre.prefill_and_send(pre.reserve(worker, "r6", ps[6], params[6]), ps[6])
         col.wait(lambda: len(col.finish) == len(ps))
@@ -206,7 +209,7 @@ def test_short_kv_pool_preempts_by_recompute_and_output_is_unchanged(demo_model_
     try:
         col = Collector(worker)
         for i, p in enumerate(ps):
-            assert worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0))
+            assert worker.submit_local(GenerateRequest(f"r{i}", tuple(p), params, 0, 0.0)) is not None
         col.wait(lambda: len(col.finish) == len(ps))
         assert worker.stats().extra["preemptions"] > 0
         for i, r in enumerate(ref):
@@ -290,5 +293,45 @@ def test_stop_string_ends_the_request_on_the_worker(demo_model_dir, engine):
         while worker.stats().running or worker.stats().free_blocks != worker.stats().total_blocks:
             assert time.time() - t0 < 10, worker.stats()
             time.sleep(0.02)
+    finally:
+        worker.shutdown()
+
+
+def test_prefix_cache_hits_on_the_decode_worker_keep_greedy_output_exact(demo_model_dir, engine):
+    """Arrived prompts and decoded blocks are cached; a later reservation skips the blocks the worker
+    holds (the transfer carries only the rest), and local prefills (new, and a multi-turn follow-up
+    that resends prompt + answer) start after them. Output equals the engine's, and the block
+    accounting holds throughout."""
+    rng = random.Random(7)
+    system = [0] + [rng.randrange(5, 500) for _ in range(80)]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    first = [system + [rng.randrange(5, 500) for _ in range(n)] for n in (5, 12, 30)]
+    worker = make_worker(demo_model_dir)
+    try:
+        pre = FakePrefill(demo_model_dir, worker)
+        col = Collector(worker)
+        res1 = pre.reserve(worker, "t1", first[0], params)
+        assert res1.num_cached_blocks == 0
+        full = pre.prefill_and_send(res1, first[0])  # lands, gets cached
+        col.wait(lambda: "t1" in col.finish)
+        assert worker.submit_local(GenerateRequest("t2", tuple(first[1]), params, 0, 0.0)) == 5 * 16
+        col.wait(lambda: "t2" in col.finish)
+        res3 = pre.reserve(worker, "t3", first[2], params)  # the system prompt's 5 blocks are here
+        assert res3.num_cached_blocks == 5 and len(res3.block_ids) == worker.spec.blocks_for_tokens(len(first[2]) + 1) - 5
+        part = pre.prefill_and_send(res3, first[2])
+        assert part.bytes == 2 * worker.spec.bytes_per_block and full.bytes == 6 * worker.spec.bytes_per_block
+        col.wait(lambda: "t3" in col.finish)
+        follow = first[0] + col.tokens["t1"] + [rng.randrange(5, 500) for _ in range(7)]  # turn 2 of t1
+        assert worker.submit_local(GenerateRequest("t4", tuple(follow), params, 0, 0.0)) == (len(first[0]) + 20 - 1) // 16 * 16
+        col.wait(lambda: "t4" in col.finish)
+        ref = engine.generate([first[0], first[1], first[2], follow], params)
+        assert [col.tokens[r] for r in ("t1", "t2", "t3", "t4")] == [list(o.token_ids) for o in ref]
+        ex = worker.stats().extra
+        # Reservations are lookups too. t2 and t3 find the system prompt's 5 full blocks; t4 finds
+        # t1's prompt and most of its answer.
+        assert ex["prefix_cache_queries"] == len(first[0]) + len(first[1]) + len(first[2]) + len(follow)
+        assert ex["prefix_cache_hits"] == 2 * 5 * 16 + (len(first[0]) + 20 - 1) // 16 * 16
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+        worker.check_blocks()
     finally:
         worker.shutdown()

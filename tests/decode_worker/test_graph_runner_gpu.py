@@ -79,7 +79,7 @@ def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 8, 21, 15, 40, 3)]
     try:
         for i, (p, sp) in enumerate(zip(ps, params)):
-            assert worker.submit_local(GenerateRequest(f"r{i}", tuple(p), sp, 0, 0.0))
+            assert worker.submit_local(GenerateRequest(f"r{i}", tuple(p), sp, 0, 0.0)) is not None
         tokens, done, t0 = {}, set(), time.time()
         while len(done) < len(ps):
             assert time.time() - t0 < 60

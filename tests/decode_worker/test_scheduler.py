@@ -1,5 +1,7 @@
 """DecodeScheduler on CPU with fake device outputs (no model): the pipelined step protocol."""
 
+import pytest
+
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
 from decode_worker.block_manager import BlockManager
@@ -8,9 +10,9 @@ from decode_worker.scheduler import DecodeScheduler
 EOS = 1
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=1024):
-    return DecodeScheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_prefill_tokens=64,
-                           max_model_len=max_model_len)
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=1024, caching=True):
+    return DecodeScheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=caching), max_num_seqs,
+                           max_prefill_tokens=64, max_model_len=max_model_len)
 
 
 def seq(rid, prompt_len=5, max_tokens=8, ignore_eos=True):
@@ -19,17 +21,17 @@ def seq(rid, prompt_len=5, max_tokens=8, ignore_eos=True):
 
 
 def arrive(s: DecodeScheduler, sq: Sequence, first=100):
-    assert s.reserve(sq) is not None
+    assert s.reserve(sq)
     return s.on_arrival(sq.request_id, first, ok=True)
 
 
 def test_reserve_covers_prompt_plus_one_and_respects_capacity():
     s = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=2)
     a = seq("a", prompt_len=7)  # 8 tokens -> 2 blocks
-    assert len(s.reserve(a)) == 2 and a.status is SequenceStatus.WAITING_FOR_KV
-    assert s.reserve(seq("b", prompt_len=8)) is None  # 9 tokens -> 3 blocks, 2 free
-    assert s.reserve(seq("c", prompt_len=3)) is not None
-    assert s.reserve(seq("d", prompt_len=1)) is None  # max_num_seqs reached
+    assert s.reserve(a) and len(a.block_table) == 2 and a.status is SequenceStatus.WAITING_FOR_KV
+    assert not s.reserve(seq("b", prompt_len=8))  # 9 tokens -> 3 blocks, 2 free
+    assert s.reserve(seq("c", prompt_len=3))
+    assert not s.reserve(seq("d", prompt_len=1))  # max_num_seqs reached
 
 
 def test_pipelined_steps_feed_tokens_on_device_and_join_leave():
@@ -107,8 +109,9 @@ def test_failed_arrival_frees_and_reports_error():
     assert s.blocks.num_free == s.blocks.capacity and not s.running
 
 
-def test_short_pool_drains_then_preempts_newest_for_recompute():
-    s = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks
+@pytest.mark.parametrize("caching", [True, False])
+def test_short_pool_drains_then_preempts_newest_for_recompute(caching):
+    s = make_scheduler(num_blocks=5, block_size=4, caching=caching)  # 4 usable blocks
     a, b = seq("a", prompt_len=3, max_tokens=20), seq("b", prompt_len=3, max_tokens=20)
     arrive(s, a)
     arrive(s, b)  # each holds 1 block (3 prompt + 1)
@@ -134,7 +137,89 @@ def test_short_pool_drains_then_preempts_newest_for_recompute():
     s.abort("a", transfer_pending=False)
     s.readmit_preempted()
     chunks = s.schedule_prefill()
-    assert [(x.request_id, c.start, len(c.token_ids)) for x, c in chunks] == [("b", 0, b.num_tokens)]
+    # With caching, b's full blocks (prompt and decoded tokens) are still cached: only its last,
+    # partial block is recomputed.
+    start = (b.num_tokens - 1) // 4 * 4 if caching else 0
+    assert [(x.request_id, c.start, len(c.token_ids)) for x, c in chunks] == [("b", start, b.num_tokens - start)]
     done = s.on_prefill_done(chunks)
     d = s.on_prefill_token(done[0], 9)
     assert d.token_ids == (9,) and b in s.running
+
+
+# -- prefix caching -------------------------------------------------------------------------------------
+def test_an_arrived_prompt_is_cached_and_a_local_prefill_starts_after_it():
+    s = make_scheduler()
+    a = seq("a", prompt_len=10, max_tokens=4)
+    arrive(s, a)
+    # Same first 8 tokens (two full blocks), then different ones.
+    b = Sequence("b", list(range(10, 18)) + [99, 98, 97], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                         ignore_eos=True), seed=0)
+    assert s.add_local(b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert [s.blocks.allocator.ref_count(x) for x in a.block_table[:2]] == [2, 2]
+    chunks = s.schedule_prefill()
+    assert [(x.request_id, c.start, list(c.token_ids)) for x, c in chunks] == [("b", 8, [99, 98, 97])]
+    s.on_prefill_token(s.on_prefill_done(chunks)[0], 5)
+    s.check_blocks()
+    stats = s.blocks.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (10 + 11, 8)  # a's reservation found nothing, b its 2 blocks
+    # a leaves while b still uses the shared blocks: they stay in use, b's table intact.
+    s.abort("a", transfer_pending=False)
+    assert [s.blocks.allocator.ref_count(x) for x in b.block_table[:2]] == [1, 1]
+    s.check_blocks()
+    s.abort("b", transfer_pending=False)
+    s.check_blocks()
+    assert s.blocks.num_free == s.blocks.capacity and s.blocks.num_cached_blocks == 2
+
+
+def test_a_reservation_takes_the_cached_prefix_and_the_transfer_lands_after_it():
+    s = make_scheduler()
+    a = seq("a", prompt_len=10, max_tokens=4)
+    arrive(s, a)
+    b = Sequence("b", list(range(10, 19)) + [7] * 6, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                      ignore_eos=True), seed=0)
+    assert s.reserve(b) and b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    landing = b.block_table[2:]
+    assert not any(s.blocks.allocator.is_cached(x) for x in landing)
+    # Aborted with the transfer in flight: the whole table is held until it reports; then the shared
+    # blocks are still a's, the landing ones free.
+    assert s.abort("b", transfer_pending=True)
+    s.check_blocks()
+    assert s.on_arrival("b", 5, ok=True) is None
+    assert [s.blocks.allocator.ref_count(x) for x in a.block_table[:2]] == [1, 1]
+    s.check_blocks()
+    # A reservation that lands: its blocks past the cached prefix are registered on arrival.
+    c = Sequence("c", list(range(10, 19)) + [3] * 8, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                      ignore_eos=True), seed=0)
+    assert s.reserve(c) and c.num_cached_tokens == 8
+    s.on_arrival("c", 5, ok=True)
+    assert c.num_cached_tokens == 17 and all(s.blocks.allocator.is_cached(x) for x in c.block_table[:4])
+    s.check_blocks()
+
+
+def test_a_decoded_block_is_cached_once_the_step_that_filled_it_completed():
+    s = make_scheduler()
+    a = seq("a", prompt_len=6, max_tokens=10)  # block 1 holds prompt tokens 4, 5; decode fills it
+    arrive(s, a, first=100)  # token 6 = 100
+    assert s.blocks.num_cached_blocks == 1
+    b0 = s.schedule_decode(0, False)  # writes position 6
+    s.on_step_launched(b0)
+    b1 = s.schedule_decode(1, True)  # writes position 7: block 1 full once step 1 completes
+    s.on_step_launched(b1)
+    s.on_step_output(b0, [101])
+    assert s.blocks.num_cached_blocks == 1
+    s.on_step_output(b1, [102])
+    assert s.blocks.num_cached_blocks == 2 and s.blocks.allocator.is_cached(a.block_table[1])
+    s.check_blocks()
+    # The cached content is the sequence's own tokens: a prompt resending them finds both blocks.
+    c = Sequence("c", a.all_token_ids[:8] + [1], SamplingParams(max_tokens=2), seed=0)
+    assert s.add_local(c) and c.num_cached_tokens == 8
+
+
+def test_caching_off_finds_nothing():
+    s = make_scheduler(caching=False)
+    a = seq("a", prompt_len=10)
+    arrive(s, a)
+    b = seq("b", prompt_len=10)
+    assert s.add_local(b) and b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+    assert s.blocks.num_cached_blocks == 0

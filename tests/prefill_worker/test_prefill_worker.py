@@ -64,3 +64,77 @@ def test_abort_queued_request_tells_decode_side(setup):
     (a,) = dec.wait_arrivals(1)
     assert a.header is not None and not a.header.ok
     assert not w.abort(task.request.request_id)
+
+
+def test_a_cached_prefix_is_not_computed_again_and_the_decode_side_gets_every_block(setup, demo_model_dir):
+    dec, w = setup
+    shared = list(range(5, 5 + 70))  # 4 full blocks
+    prompts = [shared + [200, 201], shared + list(range(300, 330))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    w.start()
+    results = []
+    for p in prompts:  # one after the other: the second finds the first's blocks
+        req = harness.request(p)
+        req = type(req)(req.request_id, req.prompt_token_ids, params, req.seed, req.arrival_time)
+        results.append((req, w.submit(dec.reserve(req, "p0")).result(timeout=30)))
+    arrivals = {a.reservation.request_id: a for a in dec.wait_arrivals(2)}
+    eng = LLMEngine(demo_model_dir, enable_prefix_caching=False)
+    for req, res in results:
+        out = eng.generate([list(req.prompt_token_ids)], params)[0]
+        a = arrivals[req.request_id]
+        assert res.ok and res.first_token == out.token_ids[0]
+        assert dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
+    ex = w.stats().extra
+    assert ex["computed_prompt_tokens"] == len(prompts[0]) + len(prompts[1]) - 64
+    assert (ex["prefix_cache_queries"], ex["prefix_cache_hits"]) == (sum(map(len, prompts)), 64)
+    assert w.allocator.num_free == w.allocator.capacity and w.allocator.num_cached == 100 // 16  # prompt 1 holds every full block
+    w.allocator.check([])
+
+
+def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir):
+    """The reservation says the decode side holds the prompt's first k blocks (here: those an earlier
+    transfer landed); the prefill worker sends the rest into the reservation's blocks, and decoding
+    from cached + landed blocks gives the engine's output."""
+    from cluster.messages import PrefillTask, Reservation
+
+    dec, w = setup
+    shared = list(range(5, 5 + 64))  # 4 full blocks
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    w.start()
+    r1 = harness.request(shared + [7, 8, 9], max_tokens=6)
+    t1 = dec.reserve(r1, "p0")
+    full = w.submit(t1).result(timeout=30)
+    (a1,) = dec.wait_arrivals(1)
+    r2 = harness.request(shared + list(range(200, 240)), max_tokens=6)  # 104 tokens: 7 blocks
+    k = 4
+    landing = dec.allocator.allocate(dec.kvspec.blocks_for_tokens(len(r2.prompt_token_ids) + 1) - k)
+    res = Reservation(r2.request_id, "d0", tuple(landing), t1.reservation.transfer_seq + 1, num_cached_blocks=k)
+    dec.transport.expect(res, "p0")
+    part = w.submit(PrefillTask(r2, res)).result(timeout=30)
+    (a2,) = dec.wait_arrivals(1)
+    assert full.ok and part.ok and part.cached_tokens == 64  # the prefill worker's own hit
+    bpb = dec.kvspec.bytes_per_block
+    assert full.transfer_bytes == 5 * bpb and part.transfer_bytes == 3 * bpb
+    assert a2.header.num_tokens == len(r2.prompt_token_ids) - k * 16
+    table = list(a1.reservation.block_ids[:k]) + list(landing)
+    eng = LLMEngine(demo_model_dir, enable_prefix_caching=False)
+    for req, blocks, first in ((r1, a1.reservation.block_ids, a1.header.first_token), (r2, table, a2.header.first_token)):
+        out = eng.generate([list(req.prompt_token_ids)], params)[0]
+        assert dec.greedy_decode(req, blocks, first) == list(out.token_ids)
+    w.allocator.check([])
+
+
+def test_a_reservation_that_skips_the_last_token_is_refused(setup):
+    """The cache-hit rule always leaves the prompt's last token to compute (its logits give the first
+    token), so a reservation claiming every block is a bug upstream: a clear failure, no transfer."""
+    from cluster.messages import PrefillTask, Reservation
+
+    dec, w = setup
+    req = harness.request(list(range(5, 37)))  # 32 tokens: 2 full blocks
+    task = dec.reserve(req, "p0")
+    bad = Reservation(req.request_id, "d0", task.reservation.block_ids, task.reservation.transfer_seq,
+                      num_cached_blocks=2)
+    res = w.submit(PrefillTask(req, bad)).result(timeout=10)
+    assert not res.ok and "skips 2 blocks of a 32-token prompt" in res.error
+    (a,) = dec.wait_arrivals(1)
+    assert a.header is not None and not a.header.ok  # the decode side frees its blocks

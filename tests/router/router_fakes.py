@@ -75,14 +75,15 @@ class FakeDecodeWorker:
             elif entry is not None:
                 self.publisher.forget(request_id)
 
-    def submit_local(self, req: GenerateRequest) -> bool:
+    def submit_local(self, req: GenerateRequest) -> int | None:
+        """None when it does not fit; else 0 (the engine looks its cache up later, when it schedules)."""
         with self._lock:
             if self.refusing or self._free_locked() < self._blocks(req):
-                return False
+                return None
             self.local_submits += 1
             self.publisher.register(req)
             self._add_locked(req)
-            return True
+            return 0
 
     def _add_locked(self, req: GenerateRequest) -> None:
         params = replace(req.params, seed=req.seed, stop=())  # stop strings are the publisher's
@@ -117,6 +118,11 @@ class FakeDecodeWorker:
 
     def step_metrics(self) -> dict:
         return {}
+
+    def check_blocks(self) -> None:
+        with self._lock:
+            e = self.engine
+            e.allocator.check([s.block_table for s in (*e.running, *e.waiting)])
 
     def init_transport(self, spec) -> None:
         pass

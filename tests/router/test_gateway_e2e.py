@@ -48,7 +48,8 @@ def test_completion_matches_engine(fake_cluster, reference_engine):
     assert body["choices"][0]["text"] == ref.text
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 24,
-                             "total_tokens": len(ref.prompt_token_ids) + 24}
+                             "total_tokens": len(ref.prompt_token_ids) + 24,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_streaming_completion_with_usage(fake_cluster, reference_engine):

@@ -80,3 +80,50 @@ def test_each_worker_is_judged_by_its_own_buckets():
     assert padding_waste(4, (3, 5)) > 0 and padding_waste(4, (4,)) == 0.0
     assert d.rank(views, REQ, 1)[0].worker_id == "d1"
     assert padding_waste(6, (3, 5)) == 0.0  # beyond the largest bucket: eager, no padding
+
+
+# -- prefix-aware -----------------------------------------------------------------------------------
+def _index_with(holdings: dict[str, list[int]]):
+    """A KVBlockIndex fed by real pools: worker -> the prompt it ran (its full blocks are cached)."""
+    from cluster.block_pool import PrefixCachingBlockPool
+    from cluster.messages import KVCacheEvents
+    from router.kv_index import KVBlockIndex
+
+    index = KVBlockIndex()
+    for wid, tokens in holdings.items():
+        pool = PrefixCachingBlockPool(64, 16, b"salt", event_log_size=64)
+        hashes: list = []
+        table, cached = pool.allocate_prompt(tokens, len(tokens), hashes)
+        pool.cache_full_blocks(table, tokens, hashes, cached, len(tokens))
+        index.apply(KVCacheEvents(wid, b"salt", 16, pool.events_since(None, 0)))
+    return index
+
+
+def test_prefix_aware_decode_trades_cache_overlap_against_load():
+    prompt = tuple(range(10, 10 + 200))  # 12 full blocks may be hits
+    req = GenerateRequest("r", prompt, SamplingParams(), 0, 0.0)
+    d = DECODE_POLICIES.create("prefix_aware")
+    d.bind_kv_index(_index_with({"d1": list(prompt[:192])}))
+    # d1 holds the prompt and is somewhat busier: it still wins.
+    views = [dview("d0", free=90), dview("d1", free=70)]
+    assert [v.worker_id for v in d.rank(views, req, 13)] == ["d1", "d0"]
+    # Much busier: load wins.
+    views = [dview("d0", free=90), dview("d1", free=20)]
+    assert d.rank(views, req, 13)[0].worker_id == "d0"
+    # A prompt nobody holds: least_loaded's order.
+    other = GenerateRequest("o", tuple(range(300, 500)), SamplingParams(), 0, 0.0)
+    views = [dview("d0", free=90), dview("d1", free=70)]
+    assert [v.worker_id for v in d.rank(views, other, 13)] == [v.worker_id for v in LeastLoadedDecode().rank(views, other, 13)]
+    # Unbound (no index yet): also least_loaded's order.
+    assert [v.worker_id for v in DECODE_POLICIES.create("prefix_aware").rank(views, req, 13)] == ["d0", "d1"]
+
+
+def test_prefix_aware_prefill_counts_only_the_uncached_tokens():
+    prompt = tuple(range(10, 10 + 400))
+    req = GenerateRequest("r", prompt, SamplingParams(), 0, 0.0)
+    p = PREFILL_POLICIES.create("prefix_aware")
+    p.bind_kv_index(_index_with({"p1": list(prompt[:320])}))
+    views = [pview("p0", 100), pview("p1", 300)]  # p1: 300 queued + 80 uncached < p0: 100 + 400
+    assert [v.worker_id for v in p.rank(views, req)] == ["p1", "p0"]
+    views = [pview("p0", 0), pview("p1", 500)]
+    assert p.rank(views, req)[0].worker_id == "p0"

@@ -70,3 +70,32 @@ def test_disaggregated_disconnect_frees_blocks(real_pd_cluster):
             next(lines)
     wait_idle(real_pd_cluster)
     assert not real_pd_cluster.router.inflight
+
+
+def test_a_repeated_prefix_is_reported_cached_and_not_transferred_again(real_pd_cluster, reference_engine):
+    """Two requests sharing a long prefix, one after the other: the second's usage says how much of
+    its prompt the prefill worker found cached, its text is still the engine's, and the decode worker
+    (which holds the first request's blocks) receives fewer KV bytes for it."""
+    system = "You are a careful assistant. " + " ".join(f"rule {k} says w{k % 7}." for k in range(30))
+    prompts = [system + " Question: the sea?", system + " Question: the wind and the sailors?"]
+    sent = []
+    for p in prompts:
+        before = _transfer_bytes(real_pd_cluster.url)
+        with httpx.stream("POST", f"{real_pd_cluster.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        wait_idle(real_pd_cluster)
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text == reference_engine.generate([p], SamplingParams(max_tokens=6, temperature=0.0))[0].text
+        sent.append((events[-1]["usage"], _transfer_bytes(real_pd_cluster.url) - before))
+    (u1, b1), (u2, b2) = sent
+    shared = len(reference_engine.tokenizer.encode(system)) // 16 * 16  # whole blocks of the shared part
+    assert u2["prompt_tokens_details"]["cached_tokens"] >= shared - 16 > 0
+    assert u1["prompt_tokens"] - u1["prompt_tokens_details"]["cached_tokens"] > u2["prompt_tokens"] - u2["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < b2 < b1  # the decode worker held the shared blocks: only the rest moved
+
+
+def _transfer_bytes(url: str) -> float:
+    lines = [x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith("pdserve:kv_transfer_bytes_total")]
+    return float(lines[0].split()[-1])

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from cluster.block_allocator import BlockAllocator
+from cluster.block_pool import PrefixCachingBlockPool
 from cluster.kv_cache import KVCacheSpec
 from cluster.messages import GenerateRequest, PrefillTask, Reservation
 from cluster.model.config import ModelArchConfig
@@ -49,7 +49,7 @@ class DecodeSide:
         self.runner = None
         if with_model:
             self.runner = ModelRunner(load_model(model_dir, device="cpu"), self.kvspec, "cpu", kv_cache=self.kv_cache)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = PrefixCachingBlockPool(num_blocks, 16)
         self.transport = create_transport(spec, self.kv_cache, worker_id, "decode")
         self._seq = defaultdict(itertools.count)
 

@@ -1,0 +1,66 @@
+"""Content addresses of full KV blocks: a hash chain over token ids. Plain Python, no torch.
+
+Block i of a sequence holds the K/V of tokens [i * block_size, (i + 1) * block_size), and those depend
+on every token before them, so its address is `blake2b(address of block i-1 || its token ids)`; block
+0 chains from the *salt*, which names what else the K/V depend on (the checkpoint, the KV dtype, the
+block size). Equal addresses mean equal K/V, on any worker of the cluster that uses the same salt: the
+prefill workers, the decode workers and the router (which indexes the decode workers' blocks) all
+compute addresses with this one function. Only full blocks have an address; a partial last block is
+never shared.
+
+128-bit digests: a collision would silently serve another prompt's K/V, so the width is chosen so
+that it never happens in practice (Python's `hash()` is neither wide enough nor stable across
+processes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+from typing import Sequence
+
+BlockHash = bytes  # 16 bytes
+
+_DIGEST = 16
+_VERSION = b"pdserve-prefix-cache-v1"
+
+
+def prefix_cache_salt(model_dir: str | Path, kv_dtype: str, block_size: int) -> bytes:
+    """The salt of a worker's block addresses: its checkpoint's config.json, KV dtype and block size.
+
+    Workers of one cluster load the same checkpoint and so agree on it; a different model, KV dtype or
+    block size gives addresses that never match (their K/V would differ)."""
+    h = hashlib.blake2b(_VERSION, digest_size=_DIGEST)
+    config = Path(model_dir) / "config.json"
+    h.update(config.read_bytes() if config.is_file() else str(model_dir).encode())
+    h.update(f"|{kv_dtype}|{block_size}".encode())
+    return h.digest()
+
+
+class BlockHasher:
+    def __init__(self, block_size: int, salt: bytes):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.salt = salt
+        self._pack = struct.Struct(f"<{block_size}q").pack
+
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """Appends to `hashes` (the addresses of the first len(hashes) blocks of `token_ids`) those of
+        blocks up to `num_blocks` (at most the full blocks of token_ids); returns `hashes`.
+
+        A sequence's tokens only grow, so a caller keeps one list per sequence and extends it as
+        blocks fill: every block is hashed once."""
+        bs = self.block_size
+        num_blocks = min(num_blocks, len(token_ids) // bs)
+        parent = hashes[-1] if hashes else self.salt
+        for i in range(len(hashes), num_blocks):
+            parent = hashlib.blake2b(parent + self._pack(*token_ids[i * bs:(i + 1) * bs]),
+                                     digest_size=_DIGEST).digest()
+            hashes.append(parent)
+        return hashes
+
+    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The addresses of every full block of `token_ids`."""
+        return self.extend([], token_ids, len(token_ids) // self.block_size)
