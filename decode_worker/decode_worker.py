@@ -275,7 +275,7 @@ class DecodeWorker:
                 # Distinct prompts: none may find another's blocks in the prefix cache and skip the path.
                 req = GenerateRequest(rid, tuple((11 + 17 * k + 101 * i) % self.arch.vocab_size for k in range(n)),
                                       p, i, 0.0)
-                if self.submit_local(req):
+                if self.submit_local(req) is not None:
                     ids.append(rid)
                 if i == 0:  # let the short one start decoding, so the long ones prefill beside it
                     self._wait_until(lambda: any(x.request_id == rid for x in self.scheduler.running)

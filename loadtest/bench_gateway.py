@@ -120,9 +120,10 @@ class FakeDecodeFleet:
         self.max_num_seqs = max_num_seqs
         self.running = 0
 
-    def submit_local(self, req) -> bool:
+    def submit_local(self, req) -> int | None:
+        """Accepted; 0 prompt tokens found in a prefix cache (it keeps none)."""
         self._sock.send(self._encode(("add", req, "")))
-        return True
+        return 0
 
     def abort(self, request_id: str) -> None:
         self._sock.send(self._encode(("abort", None, request_id)))

@@ -157,7 +157,7 @@ def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s
     worker.attach_transport(transport)
     q.put(("decode_ready",))
     for i in range(batch):  # the running batch: long generations that never end during the run
-        assert worker.submit_local(_request(f"run{i}", prompt_len, max_len - prompt_len - 1))
+        assert worker.submit_local(_request(f"run{i}", prompt_len, max_len - prompt_len - 1)) is not None
     while worker.stats().running < batch:
         worker.poll_token_batches(0.01)
     go.wait(600)  # the prefill process is connected (its start-up does not share the phases)

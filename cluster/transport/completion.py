@@ -58,14 +58,27 @@ class EventCompletion(Completion):
 
     def error(self) -> str | None:
         for w in self.works:
-            try:
-                w.is_completed()  # refreshes the work's error from its communicator (the watchdog only sees a copy)
-                e = w.exception()
-            except Exception as x:  # noqa: BLE001 - a broken work object is an error too
-                return f"{type(x).__name__}: {x}"
-            if e is not None:
-                return f"{type(e).__name__}: {e}"
+            err = work_error(w)
+            if err is not None:
+                return err
         return None
+
+
+def work_error(w) -> str | None:
+    """The error a finished torch.distributed work object carries, or None.
+
+    HAZARD: in some torch builds (2.11 on the GPU host) `Work.exception()` cannot return its
+    exception_ptr to Python (a pybind11 TypeError, even when there is no error); there the work's
+    success flag (`is_success`, set from the same exception) says whether it failed."""
+    try:
+        w.is_completed()  # refreshes the work's error from its communicator (the watchdog only sees a copy)
+        try:
+            e = w.exception()
+        except TypeError:
+            return None if w.is_success() else f"{type(w).__name__} failed (its communicator reported an error)"
+    except Exception as x:  # noqa: BLE001 - a broken work object is an error too
+        return f"{type(x).__name__}: {x}"
+    return None if e is None else f"{type(e).__name__}: {e}"
 
 
 class HostCompletion(Completion):

@@ -50,12 +50,12 @@ def test_running_requests_get_a_step_between_chunks_and_outputs_equal_the_engine
                 for d in b.deltas:
                     tokens.setdefault(d.request_id, []).extend(d.token_ids)
 
-        assert worker.submit_local(GenerateRequest("short", tuple(short), p_short, 0, 0.0))
+        assert worker.submit_local(GenerateRequest("short", tuple(short), p_short, 0, 0.0)) is not None
         deadline = time.monotonic() + 60
         while len(tokens.get("short", [])) < 2:  # decoding now
             assert time.monotonic() < deadline
             collect()
-        assert worker.submit_local(GenerateRequest("long", tuple(long_), p_long, 0, 0.0))
+        assert worker.submit_local(GenerateRequest("long", tuple(long_), p_long, 0, 0.0)) is not None
         while len(tokens.get("long", [])) < p_long.max_tokens or len(tokens.get("short", [])) < 40:
             assert time.monotonic() < deadline, tokens
             collect()
@@ -81,7 +81,7 @@ def test_nothing_decoding_uses_the_whole_budget(demo_model_dir):
     worker = DecodeWorker("d0", cfg)
     try:
         p = _prompt(3, 100)
-        assert worker.submit_local(GenerateRequest("only", tuple(p), SamplingParams(max_tokens=2, **GREEDY), 0, 0.0))
+        assert worker.submit_local(GenerateRequest("only", tuple(p), SamplingParams(max_tokens=2, **GREEDY), 0, 0.0)) is not None
         deadline = time.monotonic() + 60
         while not worker.local_prefill_log:
             assert time.monotonic() < deadline

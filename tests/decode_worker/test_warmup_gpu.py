@@ -49,14 +49,14 @@ def test_warmup_then_capped_local_prefill_equals_the_engine(demo_model_dir):
         p_short, p_long = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=8, **GREEDY)
         ref = LLMEngine(demo_model_dir, dtype="float32", device="cuda").generate([short, long_], [p_short, p_long])
         tokens: dict[str, list[int]] = {}
-        assert worker.submit_local(GenerateRequest("short", tuple(short), p_short, 0, 0.0))
+        assert worker.submit_local(GenerateRequest("short", tuple(short), p_short, 0, 0.0)) is not None
         deadline = time.monotonic() + 60
         while len(tokens.get("short", [])) < 2:
             assert time.monotonic() < deadline
             for b in worker.poll_token_batches(0.01):
                 for d in b.deltas:
                     tokens.setdefault(d.request_id, []).extend(d.token_ids)
-        assert worker.submit_local(GenerateRequest("long", tuple(long_), p_long, 0, 0.0))
+        assert worker.submit_local(GenerateRequest("long", tuple(long_), p_long, 0, 0.0)) is not None
         while len(tokens.get("long", [])) < 8 or len(tokens.get("short", [])) < 40:
             assert time.monotonic() < deadline
             for b in worker.poll_token_batches(0.01):

@@ -1,0 +1,37 @@
+from cluster.transport.completion import work_error
+
+
+class _Work:
+    """A torch.distributed work object as seen after it finished."""
+
+    def __init__(self, exc=None, binding_broken=False):
+        self.exc, self.binding_broken = exc, binding_broken
+
+    def is_completed(self):
+        return True
+
+    def exception(self):
+        if self.binding_broken:  # torch 2.11: the exception_ptr cannot be converted
+            raise TypeError("Unable to convert function return value to a Python type!")
+        return self.exc
+
+    def is_success(self):
+        return self.exc is None
+
+
+def test_work_error_reads_the_exception():
+    assert work_error(_Work()) is None
+    assert "RuntimeError: NCCL communicator was aborted" == work_error(_Work(RuntimeError("NCCL communicator was aborted")))
+
+
+def test_work_error_falls_back_to_the_success_flag_where_exception_cannot_be_read():
+    assert work_error(_Work(binding_broken=True)) is None
+    assert "failed" in work_error(_Work(RuntimeError("x"), binding_broken=True))
+
+
+def test_a_work_object_that_raises_is_an_error():
+    class Broken(_Work):
+        def is_completed(self):
+            raise RuntimeError("gone")
+
+    assert work_error(Broken()) == "RuntimeError: gone"
