@@ -91,9 +91,14 @@ if [[ ${DRY_RUN:-0} != 1 ]]; then
   [ -f "$MODEL_DIR/model.safetensors" ] || python3 -m loadtest.make_model --shape "$SHAPE" --device "${GEN_DEVICE:-cuda}" "$MODEL_DIR" || exit 1
   stamp "model ready"
 fi
-[[ $SETUPS == *adaptive* ]] && serve_and_bench adaptive $PD_FLAGS --prefill-placement adaptive
-[[ $SETUPS == *static-1p1d* ]] && serve_and_bench static-1p1d $PD_FLAGS --prefill-placement static --local-prefill-threshold 0
-[[ $SETUPS == *colocated* ]] && serve_and_bench colocated $COLOCATED_FLAGS
+for setup in ${SETUPS//,/ }; do  # in the order given: a setup the budget cannot fit is skipped
+  case $setup in
+    adaptive) serve_and_bench adaptive $PD_FLAGS --prefill-placement adaptive ;;
+    static-1p1d) serve_and_bench static-1p1d $PD_FLAGS --prefill-placement static --local-prefill-threshold 0 ;;
+    colocated) serve_and_bench colocated $COLOCATED_FLAGS ;;
+    *) stamp "unknown setup $setup (adaptive, static-1p1d, colocated)" ;;
+  esac
+done
 [ -f "$RESULT" ] && python3 loadtest/plot_disagg.py "$RESULT"
 stamp "done"
 exit 0

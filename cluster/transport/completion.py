@@ -68,17 +68,32 @@ def work_error(w) -> str | None:
     """The error a finished torch.distributed work object carries, or None.
 
     HAZARD: in some torch builds (2.11 on the GPU host) `Work.exception()` cannot return its
-    exception_ptr to Python (a pybind11 TypeError, even when there is no error); there the work's
-    success flag (`is_success`, set from the same exception) says whether it failed."""
+    exception_ptr to Python (a pybind11 TypeError, even when there is no error), and NCCL's
+    `is_success()` raises NotImplementedError; there the work's result future says it."""
     try:
         w.is_completed()  # refreshes the work's error from its communicator (the watchdog only sees a copy)
         try:
             e = w.exception()
         except TypeError:
-            return None if w.is_success() else f"{type(w).__name__} failed (its communicator reported an error)"
+            return _work_result_error(w)
     except Exception as x:  # noqa: BLE001 - a broken work object is an error too
         return f"{type(x).__name__}: {x}"
     return None if e is None else f"{type(e).__name__}: {e}"
+
+
+def _work_result_error(w) -> str | None:
+    """Where exception() cannot be read: the work's result future (WorkResult: 0 SUCCESS, 1 TIMEOUT,
+    2 COMM_ERROR), which NCCL's watchdog sets once it has seen the work end. Not set yet, or not
+    readable (is_success is not implemented for NCCL): no error known here; a dead peer is still
+    found by the pair's liveness checks (PeerDeadError)."""
+    try:
+        fut = w.get_future_result()
+        if not fut.done():
+            return None
+        result = int(fut.value())
+    except Exception:  # noqa: BLE001 - unreadable: no error known
+        return None
+    return None if result == 0 else f"{type(w).__name__} failed (WorkResult {result})"
 
 
 class HostCompletion(Completion):

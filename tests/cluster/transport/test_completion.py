@@ -16,7 +16,18 @@ class _Work:
         return self.exc
 
     def is_success(self):
-        return self.exc is None
+        raise NotImplementedError("WorkNCCL::isSuccess() is deprecated")
+
+    def get_future_result(self):
+        from concurrent.futures import Future
+
+        class _F(Future):
+            def value(self):
+                return self.result()
+
+        f = _F()
+        f.set_result(0 if self.exc is None else 2)  # WorkResult.SUCCESS / COMM_ERROR
+        return f
 
 
 def test_work_error_reads_the_exception():
@@ -24,7 +35,7 @@ def test_work_error_reads_the_exception():
     assert "RuntimeError: NCCL communicator was aborted" == work_error(_Work(RuntimeError("NCCL communicator was aborted")))
 
 
-def test_work_error_falls_back_to_the_success_flag_where_exception_cannot_be_read():
+def test_work_error_falls_back_to_the_result_future_where_exception_cannot_be_read():
     assert work_error(_Work(binding_broken=True)) is None
     assert "failed" in work_error(_Work(RuntimeError("x"), binding_broken=True))
 
@@ -35,3 +46,11 @@ def test_a_work_object_that_raises_is_an_error():
             raise RuntimeError("gone")
 
     assert work_error(Broken()) == "RuntimeError: gone"
+
+
+def test_an_unreadable_result_is_no_error():
+    class Unreadable(_Work):
+        def get_future_result(self):
+            raise RuntimeError("ProcessGroup work getFutureResult not implemented")
+
+    assert work_error(Unreadable(RuntimeError("x"), binding_broken=True)) is None
