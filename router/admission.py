@@ -85,9 +85,10 @@ class AdmissionController:
                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
 
     def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView],
-              prefill_wait_s: float = 0.0) -> None:
+              prefill_wait_s: float = 0.0, cached_blocks: dict[str, int] | None = None) -> None:
         """prefill_wait_s: the shortest expected wait before a prompt placed now starts its prefill
-        (PrefillCostModel.best_queue_wait_s)."""
+        (PrefillCostModel.best_queue_wait_s). cached_blocks: the prompt's leading blocks each decode
+        worker holds in its prefix cache (router.kv_index); a worker needs only the rest free."""
         self.check_request(prompt_len, max_tokens)
         if request_id in self._tickets:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
@@ -108,7 +109,8 @@ class AdmissionController:
                 f"too many tokens in flight ({self.inflight_tokens} + {tokens} > {lim.max_inflight_tokens}); "
                 "retry later", lim.retry_after_s)
         need = self.blocks_for(prompt_len + 1)
-        if not any(v.free_blocks >= need for v in healthy if not v.draining):
+        cached = cached_blocks or {}
+        if not any(v.free_blocks >= need - cached.get(v.worker_id, 0) for v in healthy if not v.draining):
             raise CapacityShortError(f"no decode worker has {need} free KV blocks for this prompt; retry later",
                                      lim.retry_after_s)
         if prefill_wait_s > lim.max_prefill_queue_s:

@@ -161,6 +161,12 @@ class RouterMetrics(_Metrics):
         for kind in ("prefill", "decode"):
             for term in ("overhead", "per_unit"):
                 self._remove(self._pass_cost, worker_id, kind, term)
+        self._remove(self._prefix_queries, worker_id, role)
+        self._remove(self._prefix_hits, worker_id, role)
+        if self._prefix_seen.pop(worker_id, None) is not None:  # the hit rate is over the serving workers
+            q = sum(x[1] for x in self._prefix_seen.values() if x[0] == role)
+            h = sum(x[2] for x in self._prefix_seen.values() if x[0] == role)
+            self._prefix_hit_rate.labels(self.model_name, role).set(h / q if q else 0.0)
 
     def _remove(self, metric, *labels: str) -> None:
         try:

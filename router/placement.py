@@ -159,8 +159,8 @@ class UsesKVIndex:
         self.kv_index = index
         self._memo: tuple[str, list[BlockHash]] = ("", [])
 
-    def overlap_tokens(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
-        """Prompt tokens each worker holds in its cache, as last reported (leading whole blocks)."""
+    def overlap_blocks(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
+        """Leading blocks of the prompt each worker holds in its cache, as last reported."""
         index = getattr(self, "kv_index", None)
         if index is None or index.block_size is None:
             return {v.worker_id: 0 for v in views}
@@ -168,7 +168,12 @@ class UsesKVIndex:
         if rid != request.request_id:  # one request is ranked again while it waits for room
             hashes = index.hashes(request.prompt_token_ids)
             self._memo = (request.request_id, hashes)
-        return {w: n * index.block_size for w, n in index.overlap(hashes, [v.worker_id for v in views]).items()}
+        return index.overlap(hashes, [v.worker_id for v in views])
+
+    def overlap_tokens(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
+        """Prompt tokens each worker holds in its cache, as last reported (leading whole blocks)."""
+        bs = self.kv_index.block_size if getattr(self, "kv_index", None) is not None else None
+        return {w: n * (bs or 0) for w, n in self.overlap_blocks(views, request).items()}
 
 
 # -- prefill ---------------------------------------------------------------------------------------
@@ -267,7 +272,10 @@ class PrefixAwareDecode(UsesKVIndex, LeastLoadedDecode):
         self.overlap_weight = overlap_weight
 
     def rank(self, views, request, blocks_needed):
-        fits = [v for v in views if v.healthy and v.free_blocks >= blocks_needed]
+        healthy = [v for v in views if v.healthy]
+        held = self.overlap_blocks(healthy, request)
+        # A worker that caches the prompt's leading blocks needs only the rest free (they get pinned).
+        fits = [v for v in healthy if v.free_blocks >= blocks_needed - held[v.worker_id]]
         cached = self.overlap_tokens(fits, request)
         n = max(1, len(request.prompt_token_ids))
 

@@ -244,7 +244,15 @@ class Router:
     def _admit(self, req: GenerateRequest) -> None:
         wait = self.cost.best_queue_wait_s(self.prefill_views(), self.decode_views())
         self.admission.admit(req.request_id, len(req.prompt_token_ids), req.params.max_tokens, self.decode_views(),
-                             wait)
+                             wait, self._cached_blocks(req))
+
+    def _cached_blocks(self, req: GenerateRequest) -> dict[str, int]:
+        """The prompt's leading blocks each decode worker reported caching (empty when no policy
+        keeps the index): a worker holding them needs only the rest of the prompt's blocks free,
+        as its reservation pins the cached ones. Stale entries only cost a refused reservation."""
+        if "decode" not in self._indexed_roles or self.kv_index.block_size is None:
+            return {}
+        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.decode_ids)
 
     async def submit(self, req: GenerateRequest) -> PlacedRequest:
         """Admits and places the request; returns once a decode worker holds it. Raises
@@ -280,6 +288,7 @@ class Router:
         req = rs.request
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
+        cached = self._cached_blocks(req)
         deadline = time.monotonic() + self.cfg.reserve_wait_s
         mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
         while True:
@@ -287,10 +296,11 @@ class Router:
             for d in self.decode_policy.rank(self.decode_views(), req, need):
                 choice = self.prefill_choice.choose(prompt_len, d, prefill_ranked, self.cost, mean_output)
                 rs.decode_worker_id = d.worker_id
+                new_blocks = need - cached.get(d.worker_id, 0)
                 if choice.local:
-                    ok = await self._try_local(rs, d, need)
+                    ok = await self._try_local(rs, d, new_blocks)
                 else:
-                    ok = await self._try_disaggregated(rs, d, choice.prefill, need)
+                    ok = await self._try_disaggregated(rs, d, choice.prefill, new_blocks)
                 if ok:
                     if self.metrics:
                         self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
