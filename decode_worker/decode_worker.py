@@ -328,6 +328,9 @@ class DecodeWorker:
         try:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
+                # Cleared before the work is looked at, so a wake-up that comes while we look (an
+                # arrival landing right after its commit) is not lost to the nap below.
+                self._wake.clear()
                 with self._lock:
                     deltas = self._outbox
                     self._outbox = []
@@ -354,7 +357,6 @@ class DecodeWorker:
                                                       step_s, bs, bucket))
                 if inflight is None and not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
-                    self._wake.clear()
         except Exception as e:  # noqa: BLE001 - report, fail every request, stay alive for stats()
             log.exception("decode loop of %s failed", self.worker_id)
             self.error = f"{type(e).__name__}: {e}"

@@ -343,10 +343,11 @@ def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q):
             t.expect(res, "p0")
             ctl.put((PrefillTask(req, res), layerwise))
             got = []
-            while not got:
-                wake.wait(1.0)
+            while not got:  # clear, look, then nap: a wake-up while looking is not lost
                 wake.clear()
                 got = t.poll_arrivals()
+                if not got:
+                    wake.wait(1.0)
             rows.append((req.request_id, layerwise, rep, time.monotonic(), got[0].error))
             seq += 1
     ctl.put(None)
