@@ -5,6 +5,7 @@ over real HTTP."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -118,3 +119,19 @@ def wait_clean(sc, roles=("decode", "prefill"), timeout_s: float = 20.0, router:
 def wait_idle(sc, timeout_s: float = 15.0) -> list:
     """Waits until every decode worker holds no request and all its blocks are free; returns stats."""
     return list(wait_clean(sc, roles=("decode",), timeout_s=timeout_s, router=False).values())
+
+
+async def completion_text(client: httpx.AsyncClient, body: dict) -> str:
+    """POSTs a /v1/completions body (streamed or not, as body["stream"] says) and returns its text,
+    asserting a 200."""
+    if not body.get("stream"):
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text

@@ -35,6 +35,7 @@ deadlines, cancels and liveness checks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import logging
@@ -639,6 +640,15 @@ class ControlledTransport(KVTransport):
         self._record("send", request_id, 0, 0.0, True, pair.peer)
 
     # -- decode side --------------------------------------------------------------------------------
+    def _on_stream(self, stream):
+        """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.kv_cache.device))
+        stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         self._wakeup = wake
 

@@ -18,7 +18,6 @@ process lives on could still write a claimed transfer's blocks after the decode 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import msgspec
@@ -80,13 +79,6 @@ class SameGPUTransport(ControlledTransport):
     def _plan(self, srcs, dsts, layerwise):
         return [ItemPlan(s, d, None) for s, d in zip(srcs, dsts)], plan_copies(len(srcs), self.num_layers, layerwise)
 
-    def _on(self, p: _Pool):
-        if p.stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.kv_cache.device))
-        stack.enter_context(torch.cuda.stream(p.stream))
-        return stack
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids, dtype=torch.int32)
@@ -111,7 +103,7 @@ class SameGPUTransport(ControlledTransport):
 
     def _payload_warm(self, pair: Pair) -> None:
         p = pair.payload
-        with self._on(p):
+        with self._on_stream(p.stream):
             zero = self._ids([0])
             copy_blocks(p.pool, zero, self.kv_cache, zero)  # NULL block -> NULL block: compiles the kernel
         if p.stream is not None:
@@ -119,7 +111,7 @@ class SameGPUTransport(ControlledTransport):
 
     def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
         p = pair.payload
-        with self._on(p):
+        with self._on_stream(p.stream):
             if ready is not None:
                 p.stream.wait_event(ready)  # the layers this launch carries are computed
             if b.payload is None:

@@ -27,7 +27,6 @@ receives and runs the scatters.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -115,14 +114,6 @@ class TorchDistTransport(ControlledTransport):
             stream = None
         return _Link(pg, 1 - rank, stream)
 
-    def _on(self, link: _Link):
-        """Makes the pair's stream current (CUDA); nothing on CPU."""
-        if link.stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.kv_cache.device))
-        stack.enter_context(torch.cuda.stream(link.stream))
-        return stack
 
     def _p2p(self, link: _Link, msgs: list[torch.Tensor], send: bool) -> list:
         pg = link.pg
@@ -141,7 +132,7 @@ class TorchDistTransport(ControlledTransport):
         """One tiny message through the real path (forms the NCCL communicator), and the copy kernel
         compiled for this cache, both before the first transfer."""
         cache = self.kv_cache
-        with self._on(link):
+        with self._on_stream(link.stream):
             one = torch.zeros((1,) + tuple(cache.shape[3:]), dtype=cache.dtype, device=cache.device)
             works = self._p2p(link, [one], send)
             if link.stream is None:
@@ -238,7 +229,7 @@ class TorchDistTransport(ControlledTransport):
     # -- prefill side -----------------------------------------------------------------------------------
     def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
         link = pair.payload
-        with self._on(link):
+        with self._on_stream(link.stream):
             if ready is not None:
                 link.stream.wait_event(ready)  # the layers this launch carries are computed
             if b.payload is None:
@@ -254,7 +245,7 @@ class TorchDistTransport(ControlledTransport):
         link, io = pair.payload, b.payload or _BundleIO({})
         if link.stream is None:
             return HostCompletion([(io.works, [])], io.keep), -1
-        with self._on(link):
+        with self._on_stream(link.stream):
             for w in io.works:
                 w.wait()
             ev = torch.cuda.Event(blocking=True)
@@ -265,7 +256,7 @@ class TorchDistTransport(ControlledTransport):
     def _payload_post(self, pair: Pair, b):
         link = pair.payload
         works_all, keep, steps, err = [], [], [], None
-        with self._on(link):
+        with self._on_stream(link.stream):
             try:
                 ids = self._ids(b, "dst")
                 pending = None

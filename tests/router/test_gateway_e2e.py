@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cluster.sampling_params import SamplingParams
-from serving_harness import wait_idle
+from serving_harness import completion_text, wait_idle
 
 MODEL = "pdserve-demo"
 PROMPTS = [
@@ -123,17 +123,7 @@ def test_concurrent_greedy_equals_engine(fake_cluster, reference_engine):
 
     async def one(client, prompt, max_tokens, stream):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-        if not stream:
-            r = await client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        text = ""
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
+        return await completion_text(client, body)
 
     async def main():
         async with httpx.AsyncClient(base_url=fake_cluster.url, timeout=120) as client:

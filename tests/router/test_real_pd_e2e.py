@@ -10,7 +10,7 @@ import httpx
 import ray
 
 from cluster.sampling_params import SamplingParams
-from serving_harness import wait_idle
+from serving_harness import completion_text, wait_idle
 
 MODEL = "pdserve-demo"
 
@@ -23,17 +23,7 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
 
     async def one(client, i):
         body = {"model": MODEL, "prompt": prompts[i], "max_tokens": lens[i], "temperature": 0, "stream": i % 2 == 0}
-        if not body["stream"]:
-            r = await client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-        text = ""
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
+        return await completion_text(client, body)
 
     async def main():
         async with httpx.AsyncClient(base_url=real_pd_cluster.url, timeout=120) as client:

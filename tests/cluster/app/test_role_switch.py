@@ -7,13 +7,12 @@ remaining decode worker. Also: every worker warmed up before the server accepted
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
 from cluster.sampling_params import SamplingParams
-from serving_harness import MODEL, init_ray, start_cluster, wait_clean
+from serving_harness import MODEL, completion_text, init_ray, start_cluster, wait_clean
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +36,7 @@ def _prompt(i: int, n: int) -> list[int]:
 async def _complete(client, prompt, max_tokens, stream):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream}
-    if not stream:
-        r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return await completion_text(client, body)
 
 
 def test_workers_warmed_up_before_serving(cluster):
