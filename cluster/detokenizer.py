@@ -34,6 +34,12 @@ class _OffsetsDecoder:
     def flush(self) -> str:
         return self._advance(final=True) or ""
 
+    def peek(self) -> str:
+        """The text held back so far, decoded as it is (replacement characters included); no change."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        return self._decode(self.tokens[self.prefix_offset :])[len(self._decode(self.tokens[self.prefix_offset : self.read_offset])) :]
+
     def _advance(self, final: bool) -> str | None:
         if self.read_offset == len(self.tokens):
             return None
@@ -67,11 +73,14 @@ class _RustStreamDecoder:
         return out
 
     def flush(self) -> str:
-        if not self.pending:
-            return ""
-        text = self._decode(self.window + self.pending)[len(self._decode(self.window)) :]
+        text = self.peek()
         self.window, self.pending = self.pending, []
         return text
+
+    def peek(self) -> str:
+        if not self.pending:
+            return ""
+        return self._decode(self.window + self.pending)[len(self._decode(self.window)) :]
 
     def as_offsets(self) -> _OffsetsDecoder:
         return _OffsetsDecoder(self._decode, self.window + self.pending, len(self.window))
@@ -99,6 +108,9 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        # A stop string with U+FFFD can match bytes that are still held back (an incomplete UTF-8
+        # sequence decodes to it): those are looked at as they are after every token (see add()).
+        self._stop_on_held = any(_REPLACEMENT in s for s in stop)
         self.stopped = False
         # The Rust tokenizer under a fast HF tokenizer decodes a short window in ~3 us; the HF Python
         # wrapper around it costs ~50 us a call, which at thousands of tokens/s would be the limit.
@@ -136,6 +148,12 @@ class IncrementalDetokenizer:
             new = self._decoder._advance(final=False)
         if new is not None:
             self._append(new)
+        elif self._stop_on_held and self._matches(self._decoder.peek()):
+            self._append(self._decoder.flush())  # the held bytes complete a stop string: stop at this token
+
+    def _matches(self, tail: str) -> bool:
+        window = self.text[max(0, len(self.text) - self.hold) :] + tail
+        return bool(tail) and any(s in window for s in self.stop)
 
     def _append(self, new: str) -> None:
         start = len(self.text)

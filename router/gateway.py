@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -121,6 +121,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
         self.prefilled = asyncio.Event()
+        self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
 
     @property
     def completion_tokens(self) -> int:
@@ -159,7 +160,10 @@ class Generation:
                     self.generated.extend(d.token_ids)
                 text, finish = d.text, d.finish_reason
                 if finish == "error" or d.error is not None:
-                    end = await self._recover(d.error or "the decode worker failed the request")
+                    if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
+                        end = ("error", d.error)
+                    else:
+                        end = await self._recover(d.error or "the decode worker failed the request")
                     if end is None:  # placed again: the tokens read with the failure still go out
                         if text:
                             self.emitted_chars += len(text)
@@ -176,7 +180,7 @@ class Generation:
                     abort = False
                     m.e2e.observe(time.time() - self.arrival)
                     m.generation_tokens.inc(self.completion_tokens)
-                    m.finished(finish)
+                    m.finished(finish, self.prompt_tokens, self.completion_tokens)
                     return
         finally:
             # Also on cancellation (the client went away): frees the request's KV blocks everywhere.
@@ -271,12 +275,28 @@ class Gateway:
         deadline = loop.time() + timeout_s
         while self.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        left = list(self.active.values())
-        for gen in left:  # each ends with an error event (or a 500) and is aborted on its workers
-            self.token_stream.push(StreamDelta(gen.worker_request_id, (), "", "error",
-                                               f"the server shut down (drain timeout {timeout_s:g}s) before "
-                                               "the request finished"))
-        return len(left)
+        left = len(self.active)
+        self.end_all(f"the server shut down (drain timeout {timeout_s:g}s) before the request finished")
+        return left
+
+    def end_all(self, error: str) -> None:
+        """Ends every request in flight with `error`: an error event and [DONE] on a stream, a 500 on a
+        non-streaming request; each is aborted on its workers. New requests get 503 from now on."""
+        self.draining = True
+        for gen in list(self.active.values()):
+            gen.closing = True
+            self.token_stream.push(StreamDelta(gen.worker_request_id, (), "", "error", error))
+
+    async def stop_requests(self, error: str, timeout_s: float) -> int:
+        """A stop (a second SIGTERM, SIGINT): `end_all`, then waits up to `timeout_s` for the requests
+        to hand their last events to their responses; returns how many were ended."""
+        n = len(self.active)
+        self.end_all(error)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return n
 
     # -- request building -------------------------------------------------------------------------
     def _check_accepting(self) -> None:
@@ -540,6 +560,35 @@ async def _unless_disconnected(request: Request, work) -> Response:
     return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
 
+def check_api_key(authorization: str, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time."""
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class APIKeyAuth:
+    """ASGI middleware: every /v1 request without the API key gets 401 before anything reads its
+    body, so an unauthenticated client learns nothing from validation (not even that its JSON is
+    invalid) and never costs a parse. The outermost middleware: before the body-size limit too."""
+
+    def __init__(self, app, key: str | None, on_refused=lambda: None):
+        self.app = app
+        self.key = key
+        self.on_refused = on_refused
+
+    async def __call__(self, scope, receive, send):
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not check_api_key(auth.decode("latin-1"), self.key):
+                self.on_refused()
+                resp = error_response(APIError(401, "Incorrect API key provided.", "authentication_error",
+                                               code="invalid_api_key"))
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class BodySizeLimit:
     """ASGI middleware: refuses request bodies above `max_bytes` with a 413 before the app parses them."""
 
@@ -591,6 +640,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=gw.cfg.max_body_bytes)
+    app.add_middleware(APIKeyAuth, key=gw.cfg.api_key, on_refused=lambda: gw.metrics.rejected(401))  # outermost
 
     @app.exception_handler(APIError)
     async def _api(request: Request, e: APIError):
@@ -630,16 +680,7 @@ def build_app(gw: Gateway) -> FastAPI:
         log.error("request failed", exc_info=e)
         return error_response(APIError(500, f"internal error: {e.__class__.__name__}", "internal_error"))
 
-    def check_api_key(request: Request) -> None:
-        key = gw.cfg.api_key
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise APIError(401, "Incorrect API key provided.", "authentication_error", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")  # the API key is checked before routing (APIKeyAuth)
 
     @v1.get("/models")
     async def models() -> ModelList:

@@ -25,6 +25,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
                     7.5, 10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -54,13 +55,19 @@ class GatewayMetrics(_Metrics):
         self.e2e = self._hist("e2e_request_latency_seconds", "Time from arrival to the last token.",
                               _LATENCY_BUCKETS)
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens streamed to clients.")
+        self.request_prompt_tokens = self._hist("request_prompt_tokens", "Prompt tokens of a finished request.",
+                                                _TOKEN_BUCKETS)
+        self.request_generation_tokens = self._hist("request_generation_tokens",
+                                                    "Generated tokens of a finished request.", _TOKEN_BUCKETS)
         self._success = Counter("pdserve:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter("pdserve:request_rejected", "Requests refused, by HTTP status.",
                                  ["model_name", "status"], registry=self.registry)
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
         self._success.labels(self.model_name, reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()

@@ -140,14 +140,31 @@ def serve(spec: APIServerSpec) -> None:
                  load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn, except that SIGTERM drains this process's requests before it stops."""
+        """uvicorn, except that SIGTERM drains this process's requests before it stops, and a stop
+        (SIGINT, or SIGTERM during a drain) first ends every request with an error event and [DONE]
+        (a stream is never cut mid-body); a third signal stops at once."""
+
+        stopping = False
 
         def handle_exit(self, sig, frame):
             loop = gw.loop
-            if sig == signal.SIGTERM and loop is not None and not gw.draining and not self.should_exit:
+            if loop is None or self.should_exit:
+                return super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and not gw.draining:
                 loop.call_soon_threadsafe(gw.client.on_drain, Drain(spec.drain_timeout_s))
                 return
+            if not self.stopping:
+                self.stopping = True
+                loop.call_soon_threadsafe(lambda: loop.create_task(self.end_then_exit(), name="stop"))
+                return
             super().handle_exit(sig, frame)
+
+        async def end_then_exit(self):
+            n = await gw.stop_requests("the server is shutting down; the request did not finish", 3.0)
+            if n:
+                log.warning("%s: stopping, %d requests ended with an error event", spec.gateway_id, n)
+            await asyncio.sleep(0.1)  # their last events leave before the connections close
+            self.should_exit = True
 
     config = uvicorn.Config(build_app(gw), loop="uvloop", http="httptools", lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)
@@ -178,4 +195,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Served and closed: the interpreter's teardown (torch's and the tokenizer's thread pools) would
+    # take seconds more, which the launcher's stop would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -44,6 +44,22 @@ from cluster.errors import PdserveError
 
 log = logging.getLogger("pdserve.launch")
 
+# Longest wait for Ray while stopping (workers' shutdown calls, kills, ray.shutdown): `pdserve serve`
+# exits within drain_timeout_s + 5 s whatever died first.
+_RAY_STOP_BUDGET_S = 3.0
+
+
+def _kill_children() -> None:
+    """Kills every process this one started (Ray's GCS, raylet and workers of a local instance)."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 # (prefill handles by id, decode handles by id, cluster config, **where) -> whatever must stay alive
 # while serving (a KVTransportGroup); forms the KV transport group.
 TransportFormer = Callable[..., Any]
@@ -201,6 +217,7 @@ class ServingCluster:
         self.model_name: str | None = None
         self.url: str | None = None
         self.failure: str | None = None  # why serving stopped on its own (an API server died)
+        self.ray_unresponsive = False  # shutdown() gave up waiting for Ray
         self._owns_ray = False
         self._kv_group = None
         self._device = "cpu"
@@ -281,7 +298,8 @@ class ServingCluster:
                 prefill_placement=cfg.prefill_placement, itl_cost_weight=cfg.itl_cost_weight,
                 local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
-                reserve_wait_s=cfg.reserve_wait_s, migrate_on_worker_death=cfg.migrate_on_worker_death,
+                reserve_wait_s=cfg.reserve_wait_s, migration_wait_s=cfg.migration_wait_s,
+                migrate_on_worker_death=cfg.migrate_on_worker_death,
                 prefill_policy=cfg.prefill_policy,
                 decode_policy=cfg.decode_policy,
             ),
@@ -498,6 +516,9 @@ class ServingCluster:
             if planner is not None:
                 planner.cancel()
                 await asyncio.gather(planner, return_exceptions=True)
+            # The API servers first: each ends its streams with an error event and [DONE] (a stop
+            # during a drain); the router's stop would end them with "abort" under their feet.
+            await asyncio.get_running_loop().run_in_executor(None, self.api_servers.stop)
             await rs.stop()
 
     async def _watch_api_servers(self) -> None:
@@ -550,6 +571,10 @@ class ServingCluster:
         finally:
             self.shutdown()
             signal.signal(signal.SIGTERM, previous)
+        if self.ray_unresponsive:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if self.failure else 0)  # not through Ray's atexit hook (see shutdown)
         if self.failure:
             raise PdserveError(self.failure)
 
@@ -599,6 +624,37 @@ class ServingCluster:
             self._thread.join(timeout=15)
         if self._listen is not None:
             self._listen.close()
+        if not self._stop_ray(_RAY_STOP_BUDGET_S):
+            # Ray's control plane is gone or hung (its GCS was killed first, say): every Ray call would
+            # wait for it (~60 s "Failed to connect to GCS"). What this process started of Ray goes
+            # with it; the exit skips Ray's own atexit hook, which would wait the same way.
+            log.error("Ray did not answer within %gs while stopping; not waiting for it", _RAY_STOP_BUDGET_S)
+            self.ray_unresponsive = True
+            if self._owns_ray:
+                _kill_children()
+        if self.router_server is not None:
+            self.router_server.close()  # closed already if it served
+        self._kv_group = None  # after the workers: they may still talk to it while shutting down
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        print("pdserve: stopped", file=sys.stderr, flush=True)
+
+    def _stop_ray(self, budget_s: float) -> bool:
+        """Stops the workers and (if this process started it) Ray, on a thread; False if that took
+        longer than `budget_s` (it goes on in the background)."""
+        done = threading.Event()
+
+        def run():
+            try:
+                self._stop_ray_now()
+            except Exception:  # noqa: BLE001 - stopping anyway
+                log.exception("stopping the Ray actors failed")
+            finally:
+                done.set()
+        threading.Thread(target=run, name="ray-stop", daemon=True).start()
+        return done.wait(budget_s)
+
+    def _stop_ray_now(self) -> None:
         try:
             import ray
         except ImportError:  # pragma: no cover
@@ -607,7 +663,7 @@ class ServingCluster:
             handles = [*self.workers.prefill.values(), *self.workers.decode.values()]
             refs = [h.shutdown.remote() for h in handles]
             try:
-                ray.wait(refs, num_returns=len(refs), timeout=10)
+                ray.wait(refs, num_returns=len(refs), timeout=_RAY_STOP_BUDGET_S / 3)
             except Exception:
                 pass
             for h in handles:
@@ -624,9 +680,3 @@ class ServingCluster:
                     pass
             if self._owns_ray:
                 ray.shutdown()
-        if self.router_server is not None:
-            self.router_server.close()  # closed already if it served
-        self._kv_group = None  # after the workers: they may still talk to it while shutting down
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        print("pdserve: stopped", file=sys.stderr, flush=True)

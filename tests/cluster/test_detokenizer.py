@@ -112,3 +112,43 @@ def test_resumed_detokenizer_continues_the_text_exactly(tokenizer):
                 break
         got += rest.take_new_text(final=True)
         assert got == full, cut
+
+
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_stop_string_of_replacement_characters_matches_held_bytes(tokenizer, use_decode_stream):
+    """Bytes that never complete a character are held back (more could follow); a stop string made of
+    U+FFFD still matches them at the token that completes it, not only when the sequence ends."""
+    lone = [i for i in range(5, len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"][:1] * 4
+    ids = tokenizer(" the sea", add_special_tokens=False).input_ids + lone
+    for stop in (("\ufffd",), ("\ufffd\ufffd",), ("sea\ufffd",)):
+        det = IncrementalDetokenizer(tokenizer, [0], stop, use_decode_stream=use_decode_stream)
+        fed = 0
+        for t in ids:
+            det.add(t)
+            fed += 1
+            if det.stopped:
+                break
+        assert det.stopped, stop
+        assert fed == len(ids) - len(lone) + stop[0].count("\ufffd")  # at the token completing the match
+        assert "\ufffd" not in det.take_new_text(final=True)
+
+
+def test_engine_stops_on_a_replacement_character_stop_string(reference_engine):
+    """A U+FFFD stop string ends a request with finish_reason "stop" at the token that completes it (the
+    engine and the decode worker's publisher share the detokenizer rule), also when the held bytes are
+    the last tokens max_tokens allows."""
+    from cluster.sampling_params import SamplingParams
+
+    prompt, found = "Once upon a time", 0
+    for seed in range(40):
+        free = reference_engine.generate([prompt], SamplingParams(max_tokens=32, temperature=1.0, seed=seed))[0]
+        if "\ufffd" not in free.text:
+            continue
+        found += 1
+        cut = free.text.index("\ufffd")
+        k = next(n for n in range(1, 33) if "\ufffd" in reference_engine.tokenizer.decode(list(free.token_ids[:n])))
+        for max_tokens in (32, k):  # k: the replacement character comes with the last allowed token
+            out = reference_engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                     seed=seed, stop=("\ufffd",)))[0]
+            assert (out.finish_reason, out.text, len(out.token_ids)) == ("stop", free.text[:cut], k), (seed, max_tokens)
+    assert found >= 2

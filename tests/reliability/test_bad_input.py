@@ -230,3 +230,13 @@ def test_every_v1_route_needs_the_key(cluster):
         assert r.status_code == 200, (method, path, r.text[:200])
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{cluster.url}{path}", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"null", b'{"model": 1}', b"x" * (MAX_BODY + 10)])
+def test_no_key_is_401_before_any_body_validation(cluster, raw):
+    """Without the key, whatever the body (invalid JSON, empty, wrong schema, over the size limit), the
+    answer is 401: nothing about the body is validated for an unauthenticated client."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(f"{cluster.url}{path}", content=raw, timeout=30, headers={"Content-Type": "application/json"})
+        assert r.status_code == 401 and is_openai_error(r), (path, raw[:20], r.status_code, r.text[:200])
+        assert r.json()["error"]["type"] == "authentication_error"

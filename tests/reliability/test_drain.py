@@ -1,7 +1,9 @@
 """Graceful drain of `pdserve serve` (a subprocess with its own Ray, as a user runs it), with one and
 with two API-server processes: SIGTERM to the launcher turns /ready false and answers new requests
 with 503 at once (on every API server), lets in-flight requests finish, ends those that outlive
-`--drain-timeout-s` with a clear error event, and then exits 0 with every process gone."""
+`--drain-timeout-s` with a clear error event, and then exits 0 with every process gone. A second
+SIGTERM during the drain ends every stream with an error event and [DONE] (no truncated body, no ASGI
+traceback); with Ray's GCS killed first, the server still exits within drain_timeout_s + 5 s."""
 
 from __future__ import annotations
 
@@ -104,3 +106,112 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def _serve(demo_model_dir, api_servers: int, drain_s: float):
+    """`pdserve serve` as a subprocess in its own session; returns (proc, url, output lines)."""
+    env = dict(os.environ, RAY_ADDRESS="")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+         "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
+         "--served-model-name", "demo", "--drain-timeout-s", str(drain_s), "--api-servers", str(api_servers)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    out_lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + 180
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out_lines.append(line)
+        m = re.search(r"serving demo at (http://\S+)/v1", line)
+        url = m.group(1) if m else None
+    if url is None:
+        proc.kill()
+        raise AssertionError("".join(out_lines))
+    threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True).start()
+    return proc, url, out_lines
+
+
+def _streams(url: str, n: int, max_tokens: int) -> tuple[list[dict], list[threading.Thread]]:
+    outs = [{} for _ in range(n)]
+    body = {"model": "demo", "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0, "max_tokens": max_tokens}
+    threads = [threading.Thread(target=_stream, args=(url, body, o)) for o in outs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(o.get("status") for o in outs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # all are streaming
+    return outs, threads
+
+
+def _kill_session(proc) -> None:
+    import psutil
+
+    if proc.poll() is None:
+        proc.kill()
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == proc.pid:
+                p.kill()
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.mark.timeout(240)
+def test_second_sigterm_ends_every_stream_with_an_error_event(demo_model_dir):
+    """SIGTERM to the launcher, then a second one during the drain: every stream (on both API servers)
+    ends with an error event and [DONE], nothing is cut mid-body, no ASGI traceback is logged."""
+    pytest.importorskip("decode_worker.actor")
+    proc, url, out = _serve(demo_model_dir, api_servers=2, drain_s=30.0)
+    try:
+        outs, threads = _streams(url, 8, 4000)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        t_second = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        proc.wait(timeout=60)
+        text = "".join(out)
+        print(f"\nsecond SIGTERM: exit {proc.returncode} {time.monotonic() - t_second:.1f}s after it; "
+              f"{sum('exc' in o for o in outs)} streams cut")
+        for o in outs:
+            assert "exc" not in o and o.get("done"), o
+            err = o["events"][-1].get("error")
+            assert err and "shutting down" in err["message"], o["events"][-1]
+        assert "Exception in ASGI application" not in text and "Traceback" not in text, text[-3000:]
+        assert "pdserve: stopped" in text
+    finally:
+        _kill_session(proc)
+
+
+@pytest.mark.timeout(240)
+def test_exits_in_time_when_ray_dies_first(demo_model_dir):
+    """Ray's GCS killed before the SIGTERM (a whole process group stopped in the wrong order): the server
+    still drains what it can and exits within drain_timeout_s + 5 s, not after Ray's 60 s reconnects."""
+    pytest.importorskip("decode_worker.actor")
+    import psutil
+
+    drain_s = 3.0
+    proc, url, out = _serve(demo_model_dir, api_servers=1, drain_s=drain_s)
+    try:
+        outs, threads = _streams(url, 2, 4000)
+        gcs = [p for p in psutil.Process(proc.pid).children(recursive=True) if "gcs_server" in p.name()]
+        assert gcs, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+        for p in gcs:
+            p.send_signal(signal.SIGKILL)
+        t_sig = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - t_sig
+        for t in threads:
+            t.join(timeout=30)
+        print(f"\nGCS killed first: exit {proc.returncode} {took:.1f}s after SIGTERM (drain {drain_s:g}s)")
+        assert took <= drain_s + 5, "".join(out)[-3000:]
+        assert "pdserve: stopped" in "".join(out)
+        for o in outs:  # every stream was ended cleanly (error event and [DONE])
+            assert "exc" not in o and o.get("done"), o
+    finally:
+        _kill_session(proc)

@@ -233,7 +233,7 @@ def test_bad_http_bodies(fake_cluster):
         assert err["message"] and err["type"]
 
 
-def test_health_ready_models_metrics(fake_cluster):
+def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
     url = fake_cluster.url
     assert httpx.get(f"{url}/health").json()["healthy_decode_workers"] == 2
     assert httpx.get(f"{url}/ready").status_code == 200
@@ -247,3 +247,22 @@ def test_health_ready_models_metrics(fake_cluster):
                  "num_requests_running", "num_requests_waiting"]:
         assert f"pdserve:{name}" in text, name
     assert 'pdserve:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
+    # Per finished request: its prompt and generated token counts (vLLM's request_*_tokens histograms).
+    from cluster.tokenizer import encode_prompt, load_tokenizer
+
+    prompt_len = len(encode_prompt(load_tokenizer(demo_model_dir), "hi"))
+    before = _hist_count(text, "request_prompt_tokens")
+    assert before >= 1 and _hist_count(text, "request_generation_tokens") == before
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=60)
+    text = httpx.get(f"{url}/metrics").text
+    assert _hist_count(text, "request_prompt_tokens") == before + 1
+    assert _hist_sum(text, "request_generation_tokens") >= 4 + 3
+    assert _hist_sum(text, "request_prompt_tokens") >= 2 * prompt_len
+
+
+def _hist_count(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_count"))
+
+
+def _hist_sum(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_sum"))
