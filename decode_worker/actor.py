@@ -41,6 +41,15 @@ class DecodeWorkerActor:
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
+    def peer_died(self, peer: str, why: str) -> None:
+        self.worker.peer_died(peer, why)
+
+    def lost(self, request_id: str) -> bool:
+        return self.worker.lost(request_id)
+
+    def inject_fault(self, kind: str) -> None:
+        self.worker.inject_fault(kind)
+
     def stats(self) -> WorkerStats:
         return self.worker.stats()
 

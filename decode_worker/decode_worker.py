@@ -52,6 +52,8 @@ from decode_worker.token_publisher import TokenPublisher
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # the loop's nap when there is nothing to do; new work wakes it at once
+MAX_LOOP_RESTARTS = 3  # a loop that failed more often stays down: the worker reports itself unhealthy
+_LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
 
 
 @dataclass
@@ -115,6 +117,9 @@ class DecodeWorker:
         self._last_step_info = (0.0, 0, 0, -1)  # (step time, batch size, bucket, step) of the last finished step
         self._rng = random.Random(cfg.seed)
         self.error: str | None = None
+        self.loop_failures = 0
+        self._lost: dict[str, str] = {}  # request id -> why: dropped by a failed loop (insertion order)
+        self._fault: str | None = None  # inject_fault()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{worker_id}", daemon=True)
         if start:
             self._thread.start()
@@ -197,6 +202,26 @@ class DecodeWorker:
                 self.transport.cancel(*pending)
         self._wake.set()
 
+    def peer_died(self, peer: str, why: str) -> None:
+        """A prefill peer is dead (the router heard it from Ray): the transfers expected from it fail
+        now and their reserved blocks come back, without waiting for the transport's heartbeat timeout."""
+        t = self.transport
+        if t is not None and hasattr(t, "peer_died"):
+            t.peer_died(peer, why)
+
+    def lost(self, request_id: str) -> bool:
+        """Whether a failure of this worker (not of the request: a loop exception) dropped the request:
+        the router then moves it like a dead worker's (prompt + tokens so far, same seed)."""
+        with self._lock:
+            return request_id in self._lost
+
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection (chaos tests): "loop": the decode loop raises at its next iteration."""
+        if kind != "loop":
+            raise ValueError(f"unknown fault {kind!r}")
+        self._fault = kind
+        self._wake.set()
+
     def stats(self) -> WorkerStats:
         self._prefill_timer.harvest()
         with self._lock:
@@ -210,6 +235,7 @@ class DecodeWorker:
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
+                       "loop_failures": self.loop_failures,
                        **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
                 local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
@@ -324,43 +350,77 @@ class DecodeWorker:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        inflight: _Launched | None = None
+        """Runs the loop; an exception in it fails the requests it held as *lost* (the router moves
+        them, like a dead worker's), settles the device and the block accounting, and starts the loop
+        again, up to MAX_LOOP_RESTARTS times; after that (or a CUDA error, which poisons the context)
+        the worker reports itself unhealthy."""
+        while True:
+            try:
+                self._run_loop()
+                return
+            except Exception as e:  # noqa: BLE001 - report, fail every request, stay alive for stats()
+                log.exception("decode loop of %s failed", self.worker_id)
+                self.loop_failures += 1
+                why = f"decode worker {self.worker_id} failed: {type(e).__name__}: {e}"
+                recoverable = self._settle_after_failure(why) and self.loop_failures <= MAX_LOOP_RESTARTS
+                if not recoverable or self._stop.is_set():
+                    self.error = why
+                    return
+                log.warning("decode loop of %s restarted (failure %d of at most %d)", self.worker_id,
+                            self.loop_failures, MAX_LOOP_RESTARTS)
+
+    def _settle_after_failure(self, why: str) -> bool:
+        """After a loop exception: every request here fails as lost; once the device is idle, the
+        steps launched so far count as done (their deferred frees land). False if the device is not
+        usable any more."""
+        self._fail_all(why, lost=True)
         try:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                # Cleared before the work is looked at, so a wake-up that comes while we look (an
-                # arrival landing right after its commit) is not lost to the nap below.
-                self._wake.clear()
-                with self._lock:
-                    deltas = self._outbox
-                    self._outbox = []
-                    deltas += self._take_arrivals()
-                    deltas += self._local_prefill()
-                    batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
-                    if batch.needs_drain:  # pool short: let every deferred free land, then preempt
-                        deltas += self._finish(inflight)
-                        inflight = None
-                        batch = self.scheduler.schedule_decode(self._step, pipeline_busy=False)
-                    launched = None
-                    if batch.rows:
-                        handle = self.graph_runner.launch(batch.rows)
-                        self.scheduler.on_step_launched(batch)
-                        launched = _Launched(batch, handle, time.perf_counter() - t0)
-                        self._step += 1
-                if inflight is not None:
-                    deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
-                inflight = launched
-                if deltas and not self._warming:
-                    step_s, bs, bucket, step = self._last_step_info
-                    self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
-                    self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
-                                                      step_s, bs, bucket))
-                if inflight is None and not deltas:
-                    self._wake.wait(_IDLE_WAIT_S)
-        except Exception as e:  # noqa: BLE001 - report, fail every request, stay alive for stats()
-            log.exception("decode loop of %s failed", self.worker_id)
-            self.error = f"{type(e).__name__}: {e}"
-            self._fail_all(self.error)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a sticky CUDA error: this process cannot compute any more
+            log.exception("decode worker %s: the device is not usable after the failure", self.worker_id)
+            return False
+        with self._lock:
+            self.scheduler.steps_abandoned(self._step - 1)
+            self._outbox.clear()
+        return True
+
+    def _run_loop(self) -> None:
+        inflight: _Launched | None = None
+        while not self._stop.is_set():
+            if self._fault == "loop":
+                self._fault = None
+                raise RuntimeError("injected fault")
+            t0 = time.perf_counter()
+            # Cleared before the work is looked at, so a wake-up that comes while we look (an
+            # arrival landing right after its commit) is not lost to the nap below.
+            self._wake.clear()
+            with self._lock:
+                deltas = self._outbox
+                self._outbox = []
+                deltas += self._take_arrivals()
+                deltas += self._local_prefill()
+                batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
+                if batch.needs_drain:  # pool short: let every deferred free land, then preempt
+                    deltas += self._finish(inflight)
+                    inflight = None
+                    batch = self.scheduler.schedule_decode(self._step, pipeline_busy=False)
+                launched = None
+                if batch.rows:
+                    handle = self.graph_runner.launch(batch.rows)
+                    self.scheduler.on_step_launched(batch)
+                    launched = _Launched(batch, handle, time.perf_counter() - t0)
+                    self._step += 1
+            if inflight is not None:
+                deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
+            inflight = launched
+            if deltas and not self._warming:
+                step_s, bs, bucket, step = self._last_step_info
+                self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
+                self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
+                                                  step_s, bs, bucket))
+            if inflight is None and not deltas:
+                self._wake.wait(_IDLE_WAIT_S)
 
     def _finish(self, launched: _Launched) -> list[TokenDelta]:
         """Reads a launched step's tokens (waits for that step only) and applies them."""
@@ -415,12 +475,19 @@ class DecodeWorker:
                                [s.num_tokens for s in done])
         return [self.scheduler.on_prefill_token(s, t) for s, t in zip(done, tokens)]
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, lost: bool = False) -> None:
         with self._lock:
             s = self.scheduler
             ids = list(s.waiting_for_kv) + [x.request_id for x in s.waiting] + [x.request_id for x in s.running]
             for rid in ids:
                 s.abort(rid, transfer_pending=rid in self._expected)
+                pending = self._expected.get(rid)
+                if pending is not None and self.transport is not None:
+                    self.transport.cancel(*pending)  # unclaimed: its blocks come back with the failed arrival
+                if lost:
+                    self._lost[rid] = error
+            while len(self._lost) > _LOST_KEPT:
+                del self._lost[next(iter(self._lost))]
             deltas = [TokenDelta(rid, (), "error", error) for rid in ids]
         if deltas:
             self.publisher.publish(TokenBatch(self.worker_id, self._step, tuple(deltas)))

@@ -236,6 +236,13 @@ class DecodeScheduler:
             rows.append(DecodeRow(seq, token, prev_row, pos))
         return batch
 
+    def steps_abandoned(self, last_step: int) -> None:
+        """The loop failed with steps up to `last_step` launched; the device is idle now, so they are
+        over (their tokens are never read) and the frees that waited for them land."""
+        self.completed_step = max(self.completed_step, last_step)
+        self._pending.clear()
+        self.blocks.step_completed(last_step)
+
     def on_step_launched(self, batch: DecodeBatch) -> None:
         for i, r in enumerate(batch.rows):
             self._pending.setdefault(r.seq.request_id, deque()).append((batch.step, i))

@@ -47,6 +47,12 @@ class PrefillWorkerActor:
     def abort(self, request_id: str) -> bool:
         return self.worker.abort(request_id)
 
+    def peer_died(self, peer: str, why: str) -> None:
+        """A decode peer is dead (the router heard it from Ray): transfers to it fail now."""
+        t = self.worker.transport
+        if t is not None and hasattr(t, "peer_died"):
+            t.peer_died(peer, why)
+
     def stats(self) -> WorkerStats:
         return self.worker.stats()
 

@@ -103,6 +103,7 @@ class RouterConfig:
     call_timeout_s: float = 30.0  # reserve / submit_local / stats / abort
     prefill_timeout_s: float = 600.0  # P.submit: queue + prefill + transfer
     reserve_wait_s: float = 2.0  # how long a request may wait for a D with room before a 429
+    migration_wait_s: float = 60.0  # how long a migrated request may wait for room (or a restart)
     migrate_on_worker_death: bool = True  # re-place a dead worker's requests (else: an error event)
     max_migrations: int = 3  # per request
     unhealthy_after_failures: int = 3  # missed stats polls (a dead Ray actor counts at once)
@@ -198,7 +199,11 @@ class Router:
             self._poller.cancel()
         tasks = [t for t in [self._poller, *self._tasks] if t is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+            # The aborts just sent get a moment; then nothing waits on a worker (or a Ray that no
+            # longer answers) any more: the launcher stops the workers next.
+            await asyncio.wait(tasks, timeout=1.0)
+            for t in tasks:
+                t.cancel()
         self._poller = None
 
     @property
@@ -284,12 +289,16 @@ class Router:
             self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         return rs
 
-    async def _place(self, rs: PlacedRequest) -> None:
+    async def _place(self, rs: PlacedRequest, wait_s: float | None = None) -> None:
+        """Places the request, waiting up to `wait_s` (default reserve_wait_s) for a decode worker with
+        room. A migration waits longer (migration_wait_s): the request was admitted, its client is
+        still reading, and the blocks it needs may be held by the dead worker's transfers a moment more."""
         req = rs.request
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
         cached = self._cached_blocks(req)
-        deadline = time.monotonic() + self.cfg.reserve_wait_s
+        wait_s = self.cfg.reserve_wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
         while True:
             prefill_ranked = self.prefill_policy.rank(self.prefill_views(), req)
@@ -309,7 +318,7 @@ class Router:
             if not any(v.healthy for v in self.decode_views()):
                 raise NoHealthyWorkerError("no healthy decode worker is available")
             if time.monotonic() >= deadline:
-                raise OverloadedError(f"no decode worker could take the request within {self.cfg.reserve_wait_s:g}s; "
+                raise OverloadedError(f"no decode worker could take the request within {wait_s:g}s; "
                                       "retry later", self.admission.limits.retry_after_s)
             await asyncio.sleep(self.cfg.stats_interval_s)
 
@@ -487,6 +496,11 @@ class Router:
             # The decode side may see a transfer break (and fail the request) before the router has
             # noticed that the prefill worker died: nothing was streamed yet, so run it elsewhere.
             rs.lost = f"prefill worker {rs.prefill_worker_id} died"
+        if rs.lost is None and rs.decode_worker_id is not None and await self._lost_on(rs.decode_worker_id,
+                                                                                        worker_request_id=rs.worker_request_id):
+            # Its decode worker failed it for a failure of its own (a loop exception, the process
+            # alive): moved like a dead worker's request.
+            rs.lost = failure
         if rs.lost is None or not self.cfg.migrate_on_worker_death:
             return "error", failure
         why, rs.lost = rs.lost, None
@@ -509,7 +523,7 @@ class Router:
         log.warning("request %s: %s; migrating with %d tokens so far as %s", rs.request_id, why, done,
                     rs.worker_request_id)
         try:
-            await self._place(rs)
+            await self._place(rs, self.cfg.migration_wait_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -620,6 +634,21 @@ class Router:
                 return not isinstance(e, _ActorDead)
         return v.healthy
 
+    async def _lost_on(self, worker_id: str, worker_request_id: str) -> bool:
+        """Whether the worker dropped the request through a failure of its own (or is dead)."""
+        if worker_id not in self.clients:
+            return False
+        try:
+            return bool(await self.clients[worker_id].call("lost", worker_request_id,
+                                                            timeout=max(1.0, min(self.cfg.call_timeout_s, 5.0))))
+        except asyncio.CancelledError:
+            raise
+        except _ActorDead as e:
+            self._call_failed(self.views[worker_id], e)
+            return True
+        except Exception:  # noqa: BLE001 - a worker without the method (test doubles), or not answering
+            return False
+
     def _call_failed(self, v: WorkerView, e: BaseException) -> None:
         v.consecutive_failures += 1
         dead = isinstance(e, _ActorDead)
@@ -627,7 +656,25 @@ class Router:
             v.healthy = False
             self.kv_index.drop(v.worker_id)
             log.error("worker %s is unhealthy: %s: %s", v.worker_id, e.__class__.__name__, e)
+            if dead:
+                self._tell_peers(v, f"Ray reports worker {v.worker_id} dead")
             self._fail_requests_on(v, "died" if dead else "stopped answering")
+
+    def _tell_peers(self, v: WorkerView, why: str) -> None:
+        """A worker died: every worker of the other role drops its KV transfers with it now (a decode
+        worker frees the blocks it reserved for them), instead of after its transport's heartbeat
+        timeout. Before the requests are moved, so their new placements find the blocks free."""
+        other = self.decode_ids if v.role == "prefill" else self.prefill_ids
+        for wid in other:
+            if self.views[wid].healthy:
+                client = self.clients[wid]
+
+                async def tell(client=client):
+                    try:
+                        await client.call("peer_died", v.worker_id, why, timeout=self.cfg.call_timeout_s)
+                    except Exception as e:  # noqa: BLE001 - its own heartbeat check still finds out
+                        log.warning("telling %s that %s died failed: %s", client.worker_id, v.worker_id, e)
+                self._spawn(tell())
 
     def _fail_requests_on(self, v: WorkerView, why: str) -> None:
         """Ends (or, with migration on, moves) every request placed on a worker that failed: its

@@ -125,6 +125,9 @@ class ClusterConfig(BaseModel):
     """Retry-After sent with a 429."""
     reserve_wait_s: float = Field(2.0, ge=0.0)
     """How long a request waits for a decode worker with room before a 429."""
+    migration_wait_s: float = Field(60.0, ge=0.0)
+    """How long a request moved off a dead worker may wait for a decode worker with room (the dead
+    worker's transfers may hold blocks a moment more) before it ends with an error event."""
     migrate_on_worker_death: bool = True
     """A dead worker's requests are placed again elsewhere (prompt + tokens so far; the stream goes on);
     off: they end with an error event."""

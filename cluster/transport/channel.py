@@ -35,6 +35,7 @@ class Hello(msgspec.Struct, tag="h"):
     p: str  # the prefill worker
     layout: list  # [layers, block_size, kv_heads, head_dim, dtype]: must equal the decode pool's
     events: list[bytes] = []  # same-GPU: IPC handles of the pair's doorbell events
+    inc: int = 0  # the prefill's incarnation (control.py: restarts)
 
 
 class Begin(msgspec.Struct, tag="b"):

@@ -3,15 +3,26 @@ NCCL/gloo point-to-point, same_gpu.py: CUDA IPC copies).
 
 The store (the launcher's TCPStore, or an in-process HashStore in tests) holds ownership and liveness
 only, never anything a transfer waits for:
-  {ns}/x/P/D/s   the claim of transfer s from prefill P to decode D. The prefill claims with
+  {ns}/x/P/D.i/s the claim of transfer s from prefill P to incarnation i of decode D. The prefill claims with
                  compare_set("", CLAIM) (ABORT: a transfer that carries no KV) before any byte can
                  reach the reserved blocks; the decode side cancels with compare_set("", CANCEL) when
                  its expect deadline passes or it is asked to. Exactly one wins, atomically: after a
                  cancel nothing lands. The decode side deletes a claim once the transfer arrived; the
                  prefill deletes a CANCEL it read.
   {ns}/hb/W      heartbeat counter of worker W (store.add every heartbeat_s); -1e9 after a clean close.
-  {ns}/ctl/D     decode worker D's control endpoint, KV layout and payload extras (its IPC pool).
+  {ns}/inc/W     W's incarnation counter: each transport a worker starts (a Ray restart of its actor
+                 starts another) takes the next number.
+  {ns}/ctl/D     decode worker D's control endpoint, incarnation, KV layout and payload extras (its IPC pool).
 Everything else travels on the push channel (channel.py), prefill -> decode, in order per pair.
+
+Restarts. A worker restarted under its id is a new incarnation: its pairs are formed anew (the
+payload channel's rendezvous is per pair of incarnations), and whatever was in flight with the old
+one fails on the survivor, its reserved or source blocks freed: a decode worker fails the old pair
+and the old prefill's pending transfers when the new prefill's Hello arrives; a prefill worker, on
+connect(), re-forms a pair whose decode peer published a new incarnation. Claim keys carry the
+decode incarnation, and a decode worker's transfer_seq only grows per prefill peer, so no key of an
+old incarnation is ever taken for a new transfer. `peer_died` lets the caller (the router, told by
+Ray) mark a peer dead at once instead of after peer_timeout_s.
 
 One shipment (what one prefill forward sends): `begin` before the forward claims each transfer and
 pushes a Begin (one bundle per decode peer); the decode side posts its receives for the whole bundle
@@ -106,6 +117,7 @@ class Pair:
 
     def __init__(self, peer: str, me: str):
         self.peer = peer
+        self.peer_inc = 0  # the peer's incarnation this pair was formed with
         self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
         self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
         self.outbox: Outbox | None = None
@@ -223,6 +235,9 @@ class ControlledTransport(KVTransport):
         self._in_flight: list[_InBundle] = []
         self._done_keys: deque[str] = deque()
         self._wakeup: Callable[[], None] | None = None
+        store = self._store()
+        self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
+        store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
         self._setup_payload()
         self._inbox: Inbox | None = None
         self._control: threading.Thread | None = None
@@ -231,8 +246,9 @@ class ControlledTransport(KVTransport):
             if spec.store_host:
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
             self._inbox = Inbox(host, f"{self.ns}/{worker_id}")
-            info = {"endpoint": self._inbox.endpoint, "layout": self._layout(), "pid": os.getpid(), **self._payload_info()}
-            self._store().set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
+            info = {"endpoint": self._inbox.endpoint, "layout": self._layout(), "pid": os.getpid(),
+                    "incarnation": self.incarnation, **self._payload_info()}
+            store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
         self._heartbeat = threading.Thread(target=self._beat, name=f"kv-heartbeat-{worker_id}", daemon=True)
@@ -304,8 +320,8 @@ class ControlledTransport(KVTransport):
             s = self._local.store = self._new_store()
         return s
 
-    def _key(self, prefill: str, decode: str, seq: int) -> str:
-        return f"{self.ns}/x/{prefill}/{decode}/{seq}"
+    def _key(self, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
+        return f"{self.ns}/x/{prefill}/{decode}.{decode_inc}/{seq}"
 
     def _wake(self) -> None:
         w = self._wakeup
@@ -386,6 +402,48 @@ class ControlledTransport(KVTransport):
             self._inbox.wake()  # the control thread fails the peer's pending transfers
         self._wake()
 
+    def peer_died(self, peer: str, why: str) -> None:
+        """The caller knows the peer is dead (Ray said so): fail everything with it now."""
+        self._mark_dead(peer, why)
+
+    def _forget_incarnation(self, peer: str, why: str) -> None:
+        """Control thread or connect(): a new incarnation of `peer` shows up. Everything with the old
+        one fails now (its pair's bundles, and on the decode side the transfers it was expected to
+        send: their blocks come back), then the peer counts as alive again."""
+        with self._lock:
+            known = peer in self._pairs or peer in self._dead
+        if not known:
+            return
+        self._mark_dead(peer, f"peer {peer} {why}")
+        if self._inbox is not None:
+            self._fail_pending_of(peer)
+        with self._lock:
+            self._dead.pop(peer, None)
+            self._liveness.pop(peer, None)
+            old = self._pairs.pop(peer, None)
+        if old is not None:
+            old.waiter.stop()
+            if old.outbox is not None:
+                old.outbox.close()
+
+    def _fail_pending_of(self, peer: str) -> None:
+        """Decode side: the transfers still expected from a dead incarnation of `peer` fail now."""
+        store = self._store()
+        with self._lock:
+            due = [e for e in self._pending.values() if e.peer == peer]
+        why = self._dead.get(peer, "its incarnation ended")
+        for e in due:
+            res = e.reservation
+            key = self._key(e.peer, self.worker_id, self.incarnation, res.transfer_seq)
+            v = store.compare_set(key, "", CANCEL)
+            with self._lock:
+                if self._pending.pop((e.peer, res.transfer_seq), None) is not e:
+                    continue
+            if v != CANCEL:  # claimed by the dead incarnation: no receive was posted, nothing can land
+                self._done_keys.append(key)
+            self._record("recv", res.request_id, 0, 0.0, False, e.peer)
+            self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=f"PeerDeadError: {why}"))
+
     def _record(self, side: str, request_id: str, nbytes: int, seconds: float, ok: bool, peer: str) -> TransferStats:
         st = TransferStats(nbytes, seconds)
         with self._lock:
@@ -411,8 +469,17 @@ class ControlledTransport(KVTransport):
     # -- prefill side: pairs --------------------------------------------------------------------------
     def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
         out = {}
+        store = self._store()
         for peer in sorted(set(decode_worker_ids)):  # the same order everywhere: see _pair
             t0 = time.perf_counter()
+            raw = store.get(f"{self.ns}/ctl/{peer}") if store.check([f"{self.ns}/ctl/{peer}"]) else None
+            inc = msgspec.msgpack.decode(raw).get("incarnation", 0) if raw is not None else None
+            with self._lock:
+                pair = self._pairs.get(peer)
+                # A dead peer that has not published a new incarnation stays dead (_pair raises).
+                stale = inc is not None and (pair.peer_inc != inc if pair is not None else peer in self._dead)
+            if stale:  # the decode worker restarted: form the pair with its new incarnation
+                self._forget_incarnation(peer, f"published incarnation {inc}")
             self._pair(peer)
             out[peer] = time.perf_counter() - t0
         return out
@@ -448,12 +515,13 @@ class ControlledTransport(KVTransport):
                 raise TimeoutError(f"decode worker {peer} never published its KV control endpoint "
                                    f"(within transfer_timeout_s={self.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
+            pair.peer_inc = info.get("incarnation", 0)
             if list(info["layout"]) != self._layout():
                 raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
                                    f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {self._layout()}")
             pair.outbox = Outbox(info["endpoint"])
             events = self._payload_prepare(pair, info)
-            pair.outbox.send(Hello(self.worker_id, self._layout(), events))
+            pair.outbox.send(Hello(self.worker_id, self._layout(), events, self.incarnation))
             with pair.io:
                 self._payload_warm(pair)
         except Exception as e:
@@ -508,8 +576,8 @@ class ControlledTransport(KVTransport):
         if -(-s.num_tokens // self.block_size) != n:
             raise ValueError(f"{s.num_tokens} tokens do not fill {n} blocks of {self.block_size}")
 
-    def _claim(self, store, res: Reservation, value: bytes) -> None:
-        key = self._key(self.worker_id, res.decode_worker_id, res.transfer_seq)
+    def _claim(self, store, pair: Pair, res: Reservation, value: bytes) -> None:
+        key = self._key(self.worker_id, res.decode_worker_id, pair.peer_inc, res.transfer_seq)
         got = store.compare_set(key, "", value)
         if got == CANCEL:
             store.delete_key(key)
@@ -530,7 +598,7 @@ class ControlledTransport(KVTransport):
             fut = futures[s.reservation.request_id]
             try:
                 self._check_send(s)
-                self._claim(store, s.reservation, CLAIM)
+                self._claim(store, pair, s.reservation, CLAIM)
             except Exception as e:  # noqa: BLE001
                 self._fail_send(fut, s, e, pair.peer)
                 continue
@@ -635,7 +703,7 @@ class ControlledTransport(KVTransport):
         if reservation.request_id != request_id:
             raise ValueError(f"abort of {request_id} for the reservation of {reservation.request_id}")
         pair = self._pair(reservation.decode_worker_id)
-        self._claim(self._store(), reservation, ABORT)
+        self._claim(self._store(), pair, reservation, ABORT)
         pair.outbox.send(Abort(self.worker_id, reservation.transfer_seq, request_id))
         self._record("send", request_id, 0, 0.0, True, pair.peer)
 
@@ -689,7 +757,7 @@ class ControlledTransport(KVTransport):
         out = []
         for k, e in enumerate(b.expects):
             res = e.reservation
-            self._done_keys.append(self._key(b.pair.peer, self.worker_id, res.transfer_seq))
+            self._done_keys.append(self._key(b.pair.peer, self.worker_id, self.incarnation, res.transfer_seq))
             n = len(b.items[k].src)
             header = None
             if b.committed:
@@ -750,7 +818,9 @@ class ControlledTransport(KVTransport):
         if isinstance(m, Hello):
             if list(m.layout) != self._layout():
                 raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {self._layout()}")
+            self._forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
             pair = Pair(peer, self.worker_id)
+            pair.peer_inc = m.inc
             with pair.io:
                 self._payload_accept(pair, m)
             pair.waiter.start()
@@ -820,7 +890,7 @@ class ControlledTransport(KVTransport):
         if e is None or e.reservation.request_id != m.request_id:
             raise RuntimeError(f"abort of transfer {m.seq} ({m.request_id}) that is not expected")
         res = e.reservation
-        self._done_keys.append(self._key(pair.peer, self.worker_id, res.transfer_seq))
+        self._done_keys.append(self._key(pair.peer, self.worker_id, self.incarnation, res.transfer_seq))
         self._record("recv", res.request_id, 0, 0.0, True, pair.peer)
         self._arrive(KVArrival(res, KVHeader(res.request_id, res.transfer_seq, 0, -1, ok=False), TransferStats(0, 0.0),
                                error="prefill aborted or failed"))
@@ -839,7 +909,7 @@ class ControlledTransport(KVTransport):
                 self._mark_dead(e.peer, f"transfer {res.transfer_seq} was claimed but no KV came within "
                                         f"transfer_timeout_s={self.spec.transfer_timeout_s}")
                 dead = self._dead[e.peer]
-            key = self._key(e.peer, self.worker_id, res.transfer_seq)
+            key = self._key(e.peer, self.worker_id, self.incarnation, res.transfer_seq)
             v = store.compare_set(key, "", CANCEL)
             if v != CANCEL and dead is None:
                 with self._lock:  # claimed meanwhile: its begin (or abort) is on the way

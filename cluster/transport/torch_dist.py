@@ -86,8 +86,10 @@ class TorchDistTransport(ControlledTransport):
         return items, plan_launches(items, self.num_layers, self.plane_block_bytes, layerwise, self.spec.staging_bytes)
 
     # -- the pair's channel ---------------------------------------------------------------------------
-    def _form(self, peer: str) -> _Link:
-        prefill, decode = (self.worker_id, peer) if self.role == "prefill" else (peer, self.worker_id)
+    def _form(self, peer: str, peer_inc: int) -> _Link:
+        # The rendezvous is per pair of incarnations: a restarted worker never meets its old keys.
+        me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
+        prefill, decode = (me, them) if self.role == "prefill" else (them, me)
         store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
@@ -154,11 +156,11 @@ class TorchDistTransport(ControlledTransport):
         return []
 
     def _payload_warm(self, pair: Pair) -> None:
-        pair.payload = self._form(pair.peer)
+        pair.payload = self._form(pair.peer, pair.peer_inc)
         self._warm(pair.payload, send=True)
 
     def _payload_accept(self, pair: Pair, hello) -> None:
-        pair.payload = self._form(pair.peer)
+        pair.payload = self._form(pair.peer, pair.peer_inc)
         self._warm(pair.payload, send=False)
 
     def _payload_abort(self, pair: Pair) -> None:
