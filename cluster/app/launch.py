@@ -49,6 +49,21 @@ log = logging.getLogger("pdserve.launch")
 _RAY_STOP_BUDGET_S = 3.0
 
 
+def _gcs_gone() -> bool:
+    """True when this process started a local Ray whose GCS server process is no longer among its
+    descendants: every Ray call would then wait for it, so nothing is asked of Ray."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        try:
+            # A killed GCS stays listed, as a zombie, until Ray's bookkeeping reaps it.
+            if p.name().startswith("gcs_server") and p.status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.Error:
+            pass
+    return True
+
+
 def _kill_children() -> None:
     """Kills every process this one started (Ray's GCS, raylet and workers of a local instance)."""
     import psutil
@@ -624,11 +639,13 @@ class ServingCluster:
             self._thread.join(timeout=15)
         if self._listen is not None:
             self._listen.close()
-        if not self._stop_ray(_RAY_STOP_BUDGET_S):
+        # A local Ray whose GCS died first gets no budget at all: nothing it could do would answer.
+        budget = 0.0 if self._owns_ray and self._local_ray() and _gcs_gone() else _RAY_STOP_BUDGET_S
+        if not self._stop_ray(budget):
             # Ray's control plane is gone or hung (its GCS was killed first, say): every Ray call would
             # wait for it (~60 s "Failed to connect to GCS"). What this process started of Ray goes
             # with it; the exit skips Ray's own atexit hook, which would wait the same way.
-            log.error("Ray did not answer within %gs while stopping; not waiting for it", _RAY_STOP_BUDGET_S)
+            log.error("Ray did not answer within %gs while stopping; not waiting for it", budget)
             self.ray_unresponsive = True
             if self._owns_ray:
                 _kill_children()
