@@ -12,6 +12,8 @@ Only small typed messages cross Ray; the KV goes through the transport.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import uuid
 
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
@@ -21,6 +23,8 @@ from prefill_worker.prefill_worker import PrefillWorker
 
 class PrefillWorkerActor:
     def __init__(self, worker_id: str, cfg: WorkerConfig):
+        # A Ray restart runs this again: a new incarnation (see DecodeWorkerActor.__init__).
+        self.incarnation = uuid.uuid4().hex
         self.worker = PrefillWorker(worker_id, cfg).start()
 
     def init_transport(self, spec: TransportSpec) -> None:
@@ -54,7 +58,8 @@ class PrefillWorkerActor:
             t.peer_died(peer, why)
 
     def stats(self) -> WorkerStats:
-        return self.worker.stats()
+        s = self.worker.stats()
+        return dataclasses.replace(s, extra={**s.extra, "incarnation": self.incarnation})
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         return self.worker.kv_events(epoch, seq)
