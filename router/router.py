@@ -678,6 +678,10 @@ class Router:
         self._fail_requests_on(v, "died" if dead else "stopped answering")
 
     # -- restarts -----------------------------------------------------------------------------------
+    def incarnation(self, worker_id: str) -> str | None:
+        """The process incarnation the worker serves as: changes once a restarted worker rejoined."""
+        return self._incarnations.get(worker_id)
+
     def _restarted(self, v: WorkerView, stats: WorkerStats, was_healthy: bool) -> bool:
         """Whether the worker answering is a new incarnation that has not rejoined yet (Ray restarted
         its actor: no KV transport, cold). Starts its rejoin; once that succeeded, the next poll
