@@ -69,10 +69,13 @@ class DecodeWorkerActor:
         return self.worker.step_metrics()
 
     def init_transport(self, spec) -> None:
-        """Builds the KV transport over this worker's cache; from then on reserve() expects transfers."""
+        """Builds the KV transport over this worker's cache; from then on reserve() expects transfers.
+        Once per incarnation (see PrefillWorkerActor.init_transport): a second call keeps it."""
         from cluster.transport.factory import create_transport
 
         w = self.worker
+        if w.transport is not None:
+            return
         w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
 
     def transfer_metrics(self) -> dict:

@@ -28,12 +28,14 @@ class PrefillWorkerActor:
         self.worker = PrefillWorker(worker_id, cfg).start()
 
     def init_transport(self, spec: TransportSpec) -> None:
-        """Connects to the cluster's store; returns at once (connect_transport forms the pairs)."""
-        old = self.worker.transport
+        """Connects to the cluster's store; returns at once (connect_transport forms the pairs). Once
+        per incarnation: a second call (a rejoin retried after its pairs failed to form) keeps the
+        transport, whose connect() re-forms what failed. A second transport would be a second
+        incarnation, and closing the first would mark the worker's heartbeat shut down under it."""
+        if self.worker.transport is not None:
+            return
         self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
                                   send_timeout_s=spec.transfer_timeout_s)
-        if old is not None:
-            old.close()
 
     def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
         """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.
