@@ -7,7 +7,9 @@ tokens go to the gateway each request names (`GenerateRequest.reply_to`), step r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import uuid
 
 from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
@@ -21,6 +23,9 @@ class DecodeWorkerActor:
         # wait that long for the GIL behind a busy publisher, past a whole decode step. This process
         # is the actor's own, so the setting touches nothing else.
         sys.setswitchinterval(0.0005)
+        # A Ray restart runs this again: a new incarnation, which the router sees in stats() and has
+        # rejoined (KV transport, warm-up) before it places on the worker again.
+        self.incarnation = uuid.uuid4().hex
         self.worker = DecodeWorker(worker_id, cfg, stats_sink)
 
     def ready(self) -> bool:
@@ -51,7 +56,8 @@ class DecodeWorkerActor:
         self.worker.inject_fault(kind)
 
     def stats(self) -> WorkerStats:
-        return self.worker.stats()
+        s = self.worker.stats()
+        return dataclasses.replace(s, extra={**s.extra, "incarnation": self.incarnation})
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         return self.worker.kv_events(epoch, seq)
@@ -63,10 +69,13 @@ class DecodeWorkerActor:
         return self.worker.step_metrics()
 
     def init_transport(self, spec) -> None:
-        """Builds the KV transport over this worker's cache; from then on reserve() expects transfers."""
+        """Builds the KV transport over this worker's cache; from then on reserve() expects transfers.
+        Once per incarnation (see PrefillWorkerActor.init_transport): a second call keeps it."""
         from cluster.transport.factory import create_transport
 
         w = self.worker
+        if w.transport is not None:
+            return
         w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
 
     def transfer_metrics(self) -> dict:

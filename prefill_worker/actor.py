@@ -12,6 +12,8 @@ Only small typed messages cross Ray; the KV goes through the transport.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import uuid
 
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
@@ -21,15 +23,19 @@ from prefill_worker.prefill_worker import PrefillWorker
 
 class PrefillWorkerActor:
     def __init__(self, worker_id: str, cfg: WorkerConfig):
+        # A Ray restart runs this again: a new incarnation (see DecodeWorkerActor.__init__).
+        self.incarnation = uuid.uuid4().hex
         self.worker = PrefillWorker(worker_id, cfg).start()
 
     def init_transport(self, spec: TransportSpec) -> None:
-        """Connects to the cluster's store; returns at once (connect_transport forms the pairs)."""
-        old = self.worker.transport
+        """Connects to the cluster's store; returns at once (connect_transport forms the pairs). Once
+        per incarnation: a second call (a rejoin retried after its pairs failed to form) keeps the
+        transport, whose connect() re-forms what failed. A second transport would be a second
+        incarnation, and closing the first would mark the worker's heartbeat shut down under it."""
+        if self.worker.transport is not None:
+            return
         self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
                                   send_timeout_s=spec.transfer_timeout_s)
-        if old is not None:
-            old.close()
 
     def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
         """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.
@@ -54,7 +60,8 @@ class PrefillWorkerActor:
             t.peer_died(peer, why)
 
     def stats(self) -> WorkerStats:
-        return self.worker.stats()
+        s = self.worker.stats()
+        return dataclasses.replace(s, extra={**s.extra, "incarnation": self.incarnation})
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         return self.worker.kv_events(epoch, seq)

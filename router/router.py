@@ -38,7 +38,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
 from router.admission import AdmissionController, CapacityShortError, NoHealthyWorkerError, OverloadedError
@@ -105,6 +105,7 @@ class RouterConfig:
     reserve_wait_s: float = 2.0  # how long a request may wait for a D with room before a 429
     migration_wait_s: float = 60.0  # how long a migrated request may wait for room (or a restart)
     migrate_on_worker_death: bool = True  # re-place a dead worker's requests (else: an error event)
+    workers_restart: bool = False  # Ray restarts dead workers: a migration waits for one to come back
     max_migrations: int = 3  # per request
     unhealthy_after_failures: int = 3  # missed stats polls (a dead Ray actor counts at once)
     prefill_policy: str = "least_outstanding_tokens"
@@ -148,6 +149,9 @@ class PlacedRequest:
 Notify = Callable[[PlacedRequest, str], None]
 # Tells the request's gateway that its prompt is computed (`cached_tokens` is final: its usage).
 Prefilled = Callable[[PlacedRequest], None]
+# (worker id, role, ids of the healthy workers of the other role): makes a restarted worker (a new
+# incarnation) ready to serve again: joins its KV transport, warms it up. Raises if it could not.
+Rejoin = Callable[[str, str, list[str]], Awaitable[None]]
 
 
 class Router:
@@ -161,6 +165,7 @@ class Router:
         self.metrics = metrics
         self.notify: Notify = notify or (lambda rs, error: None)
         self.prefilled: Prefilled = lambda rs: None
+        self.rejoin: Rejoin | None = None  # the launcher's; without it a restarted worker serves as it is
         self.draining = False  # set on SIGTERM: new requests are refused (503)
         self.clients = {c.worker_id: c for c in [*prefill, *decode]}
         if len(self.clients) != len(prefill) + len(decode):
@@ -186,6 +191,11 @@ class Router:
         self._polled_once = False
         self._refreshing: asyncio.Future | None = None
         self._fresh_as_of = -1e9  # when the last completed poll of every worker was issued
+        # Restarts: a worker's stats carry the incarnation of its process (extra["incarnation"], new on
+        # every Ray restart of its actor); a new one is kept unhealthy until it rejoined.
+        self._incarnations: dict[str, str] = {}  # worker id -> the incarnation it serves as
+        self._rejoining: dict[str, asyncio.Task] = {}
+        self._rejoin_after: dict[str, float] = {}  # worker id -> when a failed rejoin may be retried
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,6 +251,7 @@ class Router:
         (self.prefill_ids if v.role == "prefill" else self.decode_ids).remove(worker_id)
         del self.views[worker_id]
         del self.clients[worker_id]
+        self._incarnations.pop(worker_id, None)
         self.kv_index.drop(worker_id)
         if self.metrics:
             self.metrics.forget_worker(worker_id, v.role)
@@ -289,10 +300,11 @@ class Router:
             self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         return rs
 
-    async def _place(self, rs: PlacedRequest, wait_s: float | None = None) -> None:
+    async def _place(self, rs: PlacedRequest, wait_s: float | None = None, wait_for_restart: bool = False) -> None:
         """Places the request, waiting up to `wait_s` (default reserve_wait_s) for a decode worker with
         room. A migration waits longer (migration_wait_s): the request was admitted, its client is
-        still reading, and the blocks it needs may be held by the dead worker's transfers a moment more."""
+        still reading, and the blocks it needs may be held by the dead worker's transfers a moment more.
+        With `wait_for_restart` it also waits while no decode worker is healthy (one is restarting)."""
         req = rs.request
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
@@ -315,7 +327,7 @@ class Router:
                         self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
                     return
             rs.decode_worker_id = None
-            if not any(v.healthy for v in self.decode_views()):
+            if not wait_for_restart and not any(v.healthy for v in self.decode_views()):
                 raise NoHealthyWorkerError("no healthy decode worker is available")
             if time.monotonic() >= deadline:
                 raise OverloadedError(f"no decode worker could take the request within {wait_s:g}s; "
@@ -523,7 +535,7 @@ class Router:
         log.warning("request %s: %s; migrating with %d tokens so far as %s", rs.request_id, why, done,
                     rs.worker_request_id)
         try:
-            await self._place(rs, self.cfg.migration_wait_s)
+            await self._place(rs, self.cfg.migration_wait_s, wait_for_restart=self.cfg.workers_restart)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -598,7 +610,9 @@ class Router:
         else:
             was_healthy = v.healthy
             v.update(stats, issued)
-            if was_healthy and not v.healthy:
+            if self._restarted(v, stats, was_healthy):
+                v.healthy = False  # until it rejoined
+            elif was_healthy and not v.healthy:
                 self.kv_index.drop(v.worker_id)
                 self._fail_requests_on(v, "reported itself unhealthy")
             if v.healthy and v.role in self._indexed_roles:
@@ -651,14 +665,63 @@ class Router:
 
     def _call_failed(self, v: WorkerView, e: BaseException) -> None:
         v.consecutive_failures += 1
-        dead = isinstance(e, _ActorDead)
+        dead = isinstance(e, _ActorDead)  # also while Ray restarts it (ActorUnavailableError)
         if v.healthy and (dead or v.consecutive_failures >= self.cfg.unhealthy_after_failures):
-            v.healthy = False
-            self.kv_index.drop(v.worker_id)
             log.error("worker %s is unhealthy: %s: %s", v.worker_id, e.__class__.__name__, e)
-            if dead:
-                self._tell_peers(v, f"Ray reports worker {v.worker_id} dead")
-            self._fail_requests_on(v, "died" if dead else "stopped answering")
+            self._worker_failed(v, dead, f"Ray reports worker {v.worker_id} dead")
+
+    def _worker_failed(self, v: WorkerView, dead: bool, why: str) -> None:
+        v.healthy = False
+        self.kv_index.drop(v.worker_id)
+        if dead:
+            self._tell_peers(v, why)
+        self._fail_requests_on(v, "died" if dead else "stopped answering")
+
+    # -- restarts -----------------------------------------------------------------------------------
+    def incarnation(self, worker_id: str) -> str | None:
+        """The process incarnation the worker serves as: changes once a restarted worker rejoined."""
+        return self._incarnations.get(worker_id)
+
+    def _restarted(self, v: WorkerView, stats: WorkerStats, was_healthy: bool) -> bool:
+        """Whether the worker answering is a new incarnation that has not rejoined yet (Ray restarted
+        its actor: no KV transport, cold). Starts its rejoin; once that succeeded, the next poll
+        marks it healthy and the router places on it again. A restart the router never saw fail (it
+        happened between two polls) is a death first: what the old incarnation held is gone."""
+        wid, inc = v.worker_id, stats.extra.get("incarnation")
+        known = self._incarnations.setdefault(wid, inc)
+        if inc == known:
+            return False
+        if was_healthy:
+            log.error("worker %s restarted (incarnation %s) between two polls", wid, inc)
+            self._worker_failed(v, True, f"worker {wid} restarted")
+        if wid not in self._rejoining and time.monotonic() >= self._rejoin_after.get(wid, 0.0):
+            log.warning("worker %s answers as a new incarnation (%s): rejoining it", wid, inc)
+            task = asyncio.get_running_loop().create_task(self._rejoin(v, inc), name=f"rejoin-{wid}")
+            self._rejoining[wid] = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _rejoin(self, v: WorkerView, inc: str) -> None:
+        wid = v.worker_id
+        other = self.decode_ids if v.role == "prefill" else self.prefill_ids
+        peers = [w for w in other if self.views[w].healthy]
+        t0 = time.monotonic()
+        try:
+            if self.rejoin is not None:
+                await self.rejoin(wid, v.role, peers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - retried a moment later, from a poll
+            log.error("worker %s restarted but did not rejoin: %s: %s", wid, e.__class__.__name__, e)
+            self._rejoin_after[wid] = time.monotonic() + 1.0
+        else:
+            if self.clients.get(wid) is not None:
+                self._incarnations[wid] = inc
+                log.warning("worker %s restarted and rejoined in %.1fs (peers %s)", wid, time.monotonic() - t0, peers)
+                self._spawn(self._poll(v))  # healthy at once, not at the next poll
+        finally:
+            self._rejoining.pop(wid, None)
 
     def _tell_peers(self, v: WorkerView, why: str) -> None:
         """A worker died: every worker of the other role drops its KV transfers with it now (a decode

@@ -128,6 +128,10 @@ class ClusterConfig(BaseModel):
     migration_wait_s: float = Field(60.0, ge=0.0)
     """How long a request moved off a dead worker may wait for a decode worker with room (the dead
     worker's transfers may hold blocks a moment more) before it ends with an error event."""
+    worker_max_restarts: int = Field(3, ge=-1)
+    """How many times Ray restarts a prefill or decode worker's actor that died (-1: always; 0: a dead
+    worker stays out). A restarted worker rejoins the KV transport, warms up and is placed on again;
+    migrated requests wait for it (up to migration_wait_s) while no decode worker is healthy."""
     migrate_on_worker_death: bool = True
     """A dead worker's requests are placed again elsewhere (prompt + tokens so far; the stream goes on);
     off: they end with an error event."""

@@ -91,7 +91,8 @@ class KVTransportGroup:
     def join(self, handles: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
              timeout_s: float) -> dict[str, dict[str, float]]:
         """Gives the new workers `handles` the spec, then has every prefill worker in `prefill` form
-        and warm its channel to every decode worker in `decode` (pairs formed before are kept);
+        and warm its channel to every decode worker in `decode` (pairs formed before are kept, but
+        one whose decode worker restarted is formed anew);
         returns the seconds each new pair took, by prefill worker. Blocking.
 
         All prefill workers at once: each forms its pairs one at a time, in the same order, and a
@@ -314,12 +315,13 @@ class ServingCluster:
                 local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
                 call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
                 reserve_wait_s=cfg.reserve_wait_s, migration_wait_s=cfg.migration_wait_s,
-                migrate_on_worker_death=cfg.migrate_on_worker_death,
+                migrate_on_worker_death=cfg.migrate_on_worker_death, workers_restart=cfg.worker_max_restarts != 0,
                 prefill_policy=cfg.prefill_policy,
                 decode_policy=cfg.decode_policy,
             ),
             metrics,
         )
+        self.router.rejoin = self._rejoin_worker
         self.router_server.attach(self.router)
         if cfg.planner:
             from cluster.app.planner_loop import PlannerLoop
@@ -432,7 +434,11 @@ class ServingCluster:
         opts = dict(num_cpus=self.cfg.cpus_per_worker, num_gpus=gpus, name=f"{self.tag}-{wid}",
                     resources=extra[role] or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.workers.placement_group,
-                                                                         placement_group_bundle_index=bundle_index))
+                                                                         placement_group_bundle_index=bundle_index),
+                    # A restarted actor reruns __init__ (a new incarnation) and rejoins through the
+                    # router's rejoin hook (_rejoin_worker); no call is retried: the router moves
+                    # what a dead worker held.
+                    max_restarts=self.cfg.worker_max_restarts, max_task_retries=0)
         if role == "prefill":
             h = self.workers.prefill[wid] = prefill_cls.options(**opts).remote(wid, wcfg)
         else:
@@ -477,6 +483,26 @@ class ServingCluster:
             self.retire_worker(wid)
             raise
         return wid, h
+
+    # -- restarts --------------------------------------------------------------------------------
+    async def _rejoin_worker(self, worker_id: str, role: str, peers: list[str]) -> None:
+        """The router's rejoin hook: Ray restarted the worker's actor (a new incarnation, no transport
+        yet). Joins it to the KV transport group with the healthy workers of the other role, `peers`
+        (a prefill worker forms its pairs to them; each of them forms its pair to a decode worker:
+        the pair of its old incarnation is re-formed), then warms it up. A peer restarting meanwhile
+        forms the pair when it rejoins itself (or on its first transfer)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._rejoin_blocking, worker_id, role, peers)
+
+    def _rejoin_blocking(self, worker_id: str, role: str, peers: list[str]) -> None:
+        h = (self.workers.prefill if role == "prefill" else self.workers.decode)[worker_id]
+        if isinstance(self._kv_group, KVTransportGroup):
+            if role == "prefill":
+                prefill, decode = {worker_id: h}, {d: self.workers.decode[d] for d in peers}
+            else:
+                prefill, decode = {p: self.workers.prefill[p] for p in peers}, {worker_id: h}
+            self._kv_group.join({worker_id: h}, prefill, decode, self.cfg.ready_timeout_s)
+        if self.cfg.warmup:
+            self._warm_up({worker_id: h})
 
     # -- serving ---------------------------------------------------------------------------------
     def _listen_socket(self):
