@@ -35,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
 from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import StreamDelta
-from cluster.tokenizer import encode_chat, encode_prompt
+from cluster.stream_messages import DeltaLogprobs, StreamDelta
+from cluster.tokenizer import encode_bad_words, encode_chat, encode_prompt
 from router.admission import NoHealthyWorkerError, OverloadedError
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_protocol import (
@@ -44,6 +44,7 @@ from router.openai_protocol import (
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse,
     ModelCard, ModelList, UsageInfo,
 )
+from router.openai_logprobs import CompletionLogprobsBuilder, chat_logprobs
 from router.router import DrainingError
 from router.router_client import RouterClient
 from router.router_messages import Drain, PrefillDone, RequestFailed
@@ -61,6 +62,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     token_timeout_s: float = 600.0  # no token for this long: the request fails (a stuck worker)
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
 
 
 class APIError(Exception):
@@ -122,6 +124,7 @@ class Generation:
         self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
         self.prefilled = asyncio.Event()
         self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
+        self.prompt_logprobs: tuple | None = None  # from the first delta, when asked (prompt_logprobs)
 
     @property
     def completion_tokens(self) -> int:
@@ -140,8 +143,9 @@ class Generation:
         except asyncio.TimeoutError:
             pass
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yields (new text, finish reason or None); the last piece carries the finish reason."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, DeltaLogprobs | None]]:
+        """Yields (new text, finish reason or None, the new tokens' logprobs or None); the last piece
+        carries the finish reason. A piece may have logprobs and no text (held-back bytes)."""
         gw, m = self.gw, self.gw.metrics
         last = None
         abort = True  # unless a worker itself finished the request
@@ -158,24 +162,26 @@ class Generation:
                         m.itl.observe(now - last)
                     last = now
                     self.generated.extend(d.token_ids)
-                text, finish = d.text, d.finish_reason
+                text, finish, logprobs = d.text, d.finish_reason, d.logprobs
+                if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
                 if finish == "error" or d.error is not None:
                     if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
                         end = ("error", d.error)
                     else:
                         end = await self._recover(d.error or "the decode worker failed the request")
                     if end is None:  # placed again: the tokens read with the failure still go out
-                        if text:
+                        if text or (logprobs is not None and logprobs.tokens):
                             self.emitted_chars += len(text)
-                            yield text, None
+                            yield text, None, logprobs
                         continue
                     finish, error = end
                     if finish == "error":
                         raise GenerationError(error or "the decode worker failed the request")
-                if text or finish is not None:
+                if text or finish is not None or (logprobs is not None and logprobs.tokens):
                     self.emitted_chars += len(text)
                     self.finish_reason = finish
-                    yield text, finish
+                    yield text, finish, logprobs
                 if finish is not None:  # the worker (or the router) finished it: nothing to abort
                     abort = False
                     m.e2e.observe(time.time() - self.arrival)
@@ -312,15 +318,29 @@ class Gateway:
         st = self.client.state
         return st.kv_capacity_tokens if st is not None else 0
 
-    def _params(self, body, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
+    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        bias = ()
+        if body.logit_bias:
+            try:
+                bias = {int(k): v for k, v in body.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
+            bad_words_token_ids=encode_bad_words(self.tokenizer, body.bad_words) if body.bad_words else (),
+            logprobs=logprobs,
         )
+        params.check_token_ids(self.cfg.vocab_size or len(self.tokenizer))
+        return params
 
     async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
@@ -351,7 +371,7 @@ class Gateway:
         body.check_unsupported()
         ids = api.prompt_ids(self, body)
         max_tokens = api.max_tokens(self, body, ids)
-        params = self._params(body, max_tokens)
+        params = self._params(body, max_tokens, api.num_logprobs(body))
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
         gen = await _unless_gone(request, self.start_generation(rid, ids, params), lambda g: self.end(g, abort=True))
         if gen is None:
@@ -362,9 +382,13 @@ class Gateway:
             return _sse(self._events(api, gen, rid, body), on_close=lambda: self.end(gen, abort=True))
 
         async def collect():
-            text = "".join([t async for t, _ in gen.pieces()])
+            text, positions = [], []
+            async for t, _, lp in gen.pieces():
+                text.append(t)
+                if lp is not None:
+                    positions.extend(lp.tokens)
             await gen.settle()
-            return api.response(rid, body, text, gen)
+            return api.response(rid, body, "".join(text), gen, positions if params.logprobs is not None else None)
         return await _unless_disconnected(request, collect())
 
     async def _events(self, api: "_Endpoint", gen: Generation, rid: str, body) -> AsyncIterator[str]:
@@ -372,8 +396,8 @@ class Gateway:
         try:
             for event in fmt.opening():
                 yield event
-            async for text, finish in gen.pieces():
-                yield fmt.piece(text, finish)
+            async for text, finish, logprobs in gen.pieces():
+                yield fmt.piece(text, finish, logprobs.tokens if logprobs is not None else ())
             if body.include_usage:
                 await gen.settle()
                 yield fmt.usage(gen.usage)
@@ -393,7 +417,12 @@ class _Endpoint:
     def max_tokens(self, gw: Gateway, body, ids: list[int]) -> int:
         raise NotImplementedError
 
-    def response(self, rid: str, body, text: str, gen: Generation):
+    def num_logprobs(self, body) -> int | None:
+        """SamplingParams.logprobs for this body (None: no logprobs)."""
+        raise NotImplementedError
+
+    def response(self, rid: str, body, text: str, gen: Generation, positions):
+        """positions: every token's PositionLogprobs when logprobs were asked, else None."""
         raise NotImplementedError
 
     def chunks(self, rid: str, body, created: int) -> "_ChunkFormat":
@@ -404,7 +433,8 @@ class _ChunkFormat:
     def opening(self) -> list[str]:
         return []
 
-    def piece(self, text: str, finish: str | None) -> str:
+    def piece(self, text: str, finish: str | None, positions) -> str:
+        """positions: the logprobs of this piece's tokens (empty unless asked)."""
         raise NotImplementedError
 
     def usage(self, usage: UsageInfo) -> str:
@@ -420,9 +450,15 @@ class _CompletionsEndpoint(_Endpoint):
     def max_tokens(self, gw, body: CompletionRequest, ids) -> int:
         return body.max_tokens if body.max_tokens is not None else gw.cfg.default_max_tokens
 
-    def response(self, rid, body, text, gen):
+    def num_logprobs(self, body: CompletionRequest) -> int | None:
+        return body.logprobs
+
+    def response(self, rid, body, text, gen, positions):
+        logprobs = None
+        if positions is not None:
+            logprobs = CompletionLogprobsBuilder(body.logprobs).add(positions)
         return CompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            CompletionChoice(text=text, finish_reason=gen.finish_reason)])
+            CompletionChoice(text=text, logprobs=logprobs, finish_reason=gen.finish_reason)])
 
     def chunks(self, rid, body, created):
         return _CompletionChunks(rid, body, created)
@@ -436,9 +472,11 @@ class _CompletionChunks(_ChunkFormat):
         self.head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
                      f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
         self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
+        self.logprobs = CompletionLogprobsBuilder(body.logprobs) if body.logprobs is not None else None
 
-    def piece(self, text, finish):
-        return f'{self.head}{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)}}}]{self.tail}'
+    def piece(self, text, finish, positions):
+        lp = "null" if self.logprobs is None else self.logprobs.add(positions).model_dump_json()
+        return f'{self.head}{json.dumps(text)},"logprobs":{lp},"finish_reason":{json.dumps(finish)}}}]{self.tail}'
 
     def usage(self, usage):
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
@@ -458,9 +496,13 @@ class _ChatEndpoint(_Endpoint):
             max_tokens = max(1, room)
         return max_tokens
 
-    def response(self, rid, body, text, gen):
+    def num_logprobs(self, body: ChatCompletionRequest) -> int | None:
+        return body.num_logprobs
+
+    def response(self, rid, body, text, gen, positions):
+        logprobs = chat_logprobs(positions, body.num_logprobs) if positions is not None else None
         return ChatCompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            ChatChoice(message=ChatResponseMessage(content=text), finish_reason=gen.finish_reason)])
+            ChatChoice(message=ChatResponseMessage(content=text), logprobs=logprobs, finish_reason=gen.finish_reason)])
 
     def chunks(self, rid, body, created):
         return _ChatChunks(rid, body, created)
@@ -470,9 +512,12 @@ class _ChatChunks(_ChunkFormat):
     def __init__(self, rid: str, body: ChatCompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None) -> str:
+    def _chunk(self, delta: DeltaMessage, finish: str | None, positions=()) -> str:
+        logprobs = None
+        if self.body.num_logprobs is not None and positions:
+            logprobs = chat_logprobs(positions, self.body.num_logprobs)
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model,
-                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+                                choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
         d = c.model_dump(exclude_none=True)
         d["choices"][0]["finish_reason"] = finish  # always present, null until the end
         if self.body.include_usage:
@@ -482,8 +527,8 @@ class _ChatChunks(_ChunkFormat):
     def opening(self):
         return [self._chunk(DeltaMessage(role="assistant", content=""), None)]
 
-    def piece(self, text, finish):
-        return self._chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish)
+    def piece(self, text, finish, positions):
+        return self._chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
 
     def usage(self, usage):
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)

@@ -1,24 +1,28 @@
 """OpenAI-compatible request and response bodies (the HTTP edge of the gateway).
 
 Requests are validated strictly: a wrong JSON type is a 400, never a silent coercion ("5" is not an
-integer). Fields we accept but do not implement (logprobs, echo, n > 1, penalties) are rejected with a
-400 naming the parameter, rather than ignored, so a client never gets an answer it did not ask for.
+integer). Fields we accept but do not implement (echo, n > 1, ...) are rejected with a 400 naming the
+parameter, rather than ignored, so a client never gets an answer it did not ask for. The sampling
+fields' ranges are SamplingParams' to check (cluster/sampling_params.py); logprobs are rendered in
+OpenAI's completions and chat shapes by the models at the end of this file.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import InvalidRequestError
+from cluster.sampling_params import MAX_LOGPROBS
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
 # Integers that reach the workers become int64 tensors: anything wider is a 400 here, never an
 # overflow inside a decode step (which would fail every request on that worker).
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 
 
 class StreamOptions(BaseModel):
@@ -45,17 +49,16 @@ class _SamplingFields(BaseModel):
     min_tokens: Int64 = 0  # extension (vLLM)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
+    allowed_token_ids: list[Int64] | None = None  # extension (vLLM)
+    bad_words: list[str] | None = None  # extension (vLLM): never generated, whole
     user: str | None = None
 
     def check_unsupported(self) -> None:
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", "n")
-        if self.logprobs not in (None, False):
-            raise InvalidRequestError("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name} is not supported (only 0)", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
@@ -76,9 +79,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int64 | None = None
+    logprobs: Int64 | None = None  # top logprobs per token, 0..5 (0: the sampled token's only)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
         if self.echo:
             raise InvalidRequestError("echo is not supported", "echo")
         if self.suffix:
@@ -118,6 +124,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Int64 | None = None  # the newer spelling of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: Int64 | None = None  # 0..20, with logprobs: true
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
+            if not (0 <= self.top_logprobs <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token for SamplingParams.logprobs (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -142,10 +163,19 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached_tokens, prompt_tokens)))
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions shape: per token its string, logprob, top alternatives and text offset."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -158,6 +188,20 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -166,7 +210,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -187,7 +231,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

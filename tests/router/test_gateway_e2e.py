@@ -202,7 +202,17 @@ def test_non_streaming_disconnect_aborts(fake_cluster):
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "seed": -3}, 400, "seed"),
     ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [10**7]}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
 ])
 def test_bad_completion_requests(fake_cluster, body, status, param):

@@ -30,13 +30,29 @@ def test_ints_are_accepted_for_floats_and_unknown_fields_ignored():
     assert r.temperature == 0.0 and r.top_p == 1.0
 
 
-@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
-                                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"best_of": 3}, "best_of"),
+@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                                         ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
                                          ({"stream_options": {"include_usage": True}}, "stream_options")])
 def test_unsupported_features_are_400(extra, param):
     with pytest.raises(InvalidRequestError) as e:
         CompletionRequest.model_validate({"model": "m", "prompt": "x", **extra}).check_unsupported()
     assert e.value.param == param
+
+
+def test_logprobs_fields():
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0}).check_unsupported()
+    with pytest.raises(ValidationError):  # completions' logprobs is a count, chat's a flag
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": True})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 20})
+    r.check_unsupported()
+    assert r.num_logprobs == 20
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).num_logprobs == 0
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": False}).num_logprobs is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(InvalidRequestError) as e:
+            ChatCompletionRequest.model_validate({**chat, **bad}).check_unsupported()
+        assert e.value.param == "top_logprobs"
 
 
 def test_chat_messages():
