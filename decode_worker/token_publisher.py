@@ -95,7 +95,10 @@ class TokenPublisher:
             return None  # ended here already (stop string), or never ours (an abort after the end)
         tokens, finish, detok = d.token_ids, d.finish_reason, out.detok
         stopped = False
-        for i, tok in enumerate(tokens):
+        # The loop's "stop" is a stop token (stop_token_ids or EOS; stop strings end here): it stays in
+        # token_ids and its logprobs, but its text is not output (as vLLM).
+        text_tokens = len(tokens) - 1 if finish == "stop" else len(tokens)
+        for i, tok in enumerate(tokens[:text_tokens]):
             detok.add(tok)
             if detok.stopped:
                 tokens, finish, stopped = tokens[: i + 1], "stop", True

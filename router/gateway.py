@@ -44,7 +44,7 @@ from router.openai_protocol import (
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse,
     ModelCard, ModelList, UsageInfo,
 )
-from router.openai_logprobs import CompletionLogprobsBuilder, chat_logprobs
+from router.openai_logprobs import CompletionLogprobsBuilder, PromptStart, chat_logprobs
 from router.router import DrainingError
 from router.router_client import RouterClient
 from router.router_messages import Drain, PrefillDone, RequestFailed
@@ -77,8 +77,14 @@ class GenerationError(Exception):
     """A worker failed the request after it was admitted (HTTP 500 / an error event in the stream)."""
 
 
+def _printable(s: str | None) -> str | None:
+    # A message or param may quote what the client sent: a lone surrogate in it could not be encoded
+    # as UTF-8 JSON (a 500 instead of the error). Escaped, it can.
+    return s if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(e: APIError) -> JSONResponse:
-    body = ErrorResponse.of(e.message, e.type, e.param, e.code).model_dump()
+    body = ErrorResponse.of(_printable(e.message), e.type, _printable(e.param), e.code).model_dump()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
@@ -115,6 +121,7 @@ class Generation:
         self.worker_request_id = req.request_id  # changes when a worker's death moves the request
         self.arrival = req.arrival_time
         self.mailbox = mailbox
+        self.params = req.params
         self.prompt_tokens = len(req.prompt_token_ids)
         self.generated: list[int] = []  # every token id the client got (what a migration resumes from)
         self.emitted_chars = 0  # ... and how many characters of text
@@ -318,7 +325,7 @@ class Gateway:
         st = self.client.state
         return st.kv_capacity_tokens if st is not None else 0
 
-    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         bias = ()
         if body.logit_bias:
             try:
@@ -337,13 +344,16 @@ class Gateway:
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
             bad_words_token_ids=encode_bad_words(self.tokenizer, body.bad_words) if body.bad_words else (),
-            logprobs=logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         params.check_token_ids(self.cfg.vocab_size or len(self.tokenizer))
         return params
 
-    async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+    async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                               seed: int | None = None) -> Generation:
+        """`seed`: the sampling seed if not params.seed (choice i of a seeded request: seed + i)."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
                               reply_to=self.token_stream.address)
         mailbox = self.token_stream.register(request_id)  # before the router places it
@@ -365,45 +375,158 @@ class Gateway:
         return await self._serve(_CHAT, body, request)
 
     async def _serve(self, api: "_Endpoint", body, request: Request) -> Response:
-        """Both endpoints: checks, tokenize, admit and place, then stream SSE events or collect."""
+        """Both endpoints: checks, tokenize, admit and place every choice, then stream SSE events or
+        collect. A request's choices are independent generations (one per prompt and per n): choice
+        `p * n + i` is prompt p's i-th, sampled with seed + i when the request has a seed (as vLLM),
+        so it equals the single request with that seed."""
         self._check_accepting()
         self._check_model(body.model)
         body.check_unsupported()
-        ids = api.prompt_ids(self, body)
-        max_tokens = api.max_tokens(self, body, ids)
-        params = self._params(body, max_tokens, api.num_logprobs(body))
+        prompts = [(p, api.encode(self, p)) for p in api.prompts(body)]
+        num_logprobs = api.num_logprobs(body)
+        echo = api.echo(body)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        gen = await _unless_gone(request, self.start_generation(rid, ids, params), lambda g: self.end(g, abort=True))
-        if gen is None:
+        single = len(prompts) * body.n == 1
+
+        async def place_all() -> list[_Choice]:
+            choices: list[_Choice] = []
+            try:
+                for p, (prompt, ids) in enumerate(prompts):
+                    params = self._params(body, api.max_tokens(self, body, ids), num_logprobs,
+                                          num_logprobs if echo else None)
+                    echo_text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else None
+                    for i in range(body.n):
+                        index = p * body.n + i
+                        seed = None if body.seed is None else (body.seed + i) % 2**63
+                        gen = await self.start_generation(rid if single else f"{rid}-{index}", ids, params, seed)
+                        choices.append(_Choice(index, gen, ids, echo_text, self.tokenizer))
+            except BaseException:
+                for c in choices:  # a later choice refused (429, ...) or the client left: none of them runs
+                    self.end(c.gen, abort=True)
+                raise
+            return choices
+
+        def end_all(choices: list[_Choice]) -> None:
+            for c in choices:
+                self.end(c.gen, abort=True)  # a no-op for a choice that finished
+
+        choices = await _unless_gone(request, place_all(), end_all)
+        if choices is None:
             return Response(status_code=499)  # the client left while its request waited for a worker
         if body.stream:
             # The request is let go however the stream ends, even when the client left before the
             # body iterator ever started (then Generation.pieces() never runs its cleanup).
-            return _sse(self._events(api, gen, rid, body), on_close=lambda: self.end(gen, abort=True))
+            return _sse(self._events(api, choices, rid, body), on_close=lambda: end_all(choices))
 
         async def collect():
-            text, positions = [], []
-            async for t, _, lp in gen.pieces():
-                text.append(t)
-                if lp is not None:
-                    positions.extend(lp.tokens)
-            await gen.settle()
-            return api.response(rid, body, "".join(text), gen, positions if params.logprobs is not None else None)
+            tasks = [asyncio.ensure_future(c.collect()) for c in choices]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:  # one failed (or the client left): the others stop too, and abort
+                for t in tasks:
+                    t.cancel()
+            return api.response(rid, body, choices, results, await _usage(choices))
         return await _unless_disconnected(request, collect())
 
-    async def _events(self, api: "_Endpoint", gen: Generation, rid: str, body) -> AsyncIterator[str]:
+    async def _events(self, api: "_Endpoint", choices: list["_Choice"], rid: str, body) -> AsyncIterator[str]:
         fmt = api.chunks(rid, body, int(time.time()))
         try:
-            for event in fmt.opening():
-                yield event
-            async for text, finish, logprobs in gen.pieces():
-                yield fmt.piece(text, finish, logprobs.tokens if logprobs is not None else ())
+            for c in choices:
+                for event in fmt.opening(c.index):
+                    yield event
+            if len(choices) == 1:  # the common case: no task, no queue
+                c = choices[0]
+                async for text, finish, positions in c.pieces():
+                    yield fmt.piece(c.index, text, finish, positions)
+            else:
+                async for index, (text, finish, positions) in _merged(choices):
+                    yield fmt.piece(index, text, finish, positions)
             if body.include_usage:
-                await gen.settle()
-                yield fmt.usage(gen.usage)
+                yield fmt.usage(await _usage(choices))
         except GenerationError as e:
             yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())
         yield "data: [DONE]\n\n"
+
+
+class _Choice:
+    """One choice of a response: its generation, and what echo puts before its text."""
+
+    def __init__(self, index: int, gen: Generation, prompt_ids: list[int], echo: str | None, tokenizer):
+        self.index = index
+        self.gen = gen
+        self.prompt_ids = prompt_ids
+        self.echo = echo  # the prompt's text (echo), else None
+        self.tokenizer = tokenizer
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list]]:
+        """(text, finish reason or None, logprob positions of the piece's tokens); with echo, the first
+        piece starts with the prompt's text and (when logprobs are asked) the prompt's logprobs."""
+        first = self.echo is not None
+        async for text, finish, lp in self.gen.pieces():
+            positions = list(lp.tokens) if lp is not None else []
+            if first:
+                first = False
+                text = self.echo + text
+                if self.gen.params.prompt_logprobs is not None:
+                    positions = self._prompt_positions() + positions
+            yield text, finish, positions
+
+    def _prompt_positions(self) -> list:
+        prompt = self.gen.prompt_logprobs
+        if prompt is None or len(prompt) < len(self.prompt_ids):
+            raise GenerationError("the worker sent no prompt logprobs")
+        # The first prompt token has no logprob (nothing precedes it): its string only.
+        return [PromptStart(self.tokenizer.decode([self.prompt_ids[0]]))] + list(prompt[1:len(self.prompt_ids)])
+
+    async def collect(self) -> tuple[str, list]:
+        text, positions = [], []
+        async for t, _, lp in self.pieces():
+            text.append(t)
+            positions.extend(lp)
+        return "".join(text), positions
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, tuple]]:
+    """Every choice's pieces as they come, tagged with the choice's index. Cancelling the consumer
+    (the client left) cancels every reader, whose cleanup aborts its generation."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def read(c: _Choice):
+        try:
+            async for piece in c.pieces():
+                queue.put_nowait((c.index, piece))
+        except BaseException as e:  # GenerationError, or cancelled: the consumer re-raises the first
+            queue.put_nowait((c.index, e))
+            return
+        queue.put_nowait((c.index, done))
+
+    tasks = [asyncio.ensure_future(read(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _usage(choices: list[_Choice]) -> UsageInfo:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice; the
+    cached prompt tokens as the prompt's first choice found them (once its PrefillDone arrived)."""
+    await asyncio.gather(*(c.gen.settle() for c in choices))
+    prompts: dict[int, tuple[int, int]] = {}
+    for c in choices:
+        prompts.setdefault(id(c.prompt_ids), (len(c.prompt_ids), min(c.gen.cached_tokens, len(c.prompt_ids))))
+    return UsageInfo.of(sum(n for n, _ in prompts.values()), sum(c.gen.completion_tokens for c in choices),
+                        sum(k for _, k in prompts.values()))
 
 
 class _Endpoint:
@@ -411,7 +534,11 @@ class _Endpoint:
 
     id_prefix: str
 
-    def prompt_ids(self, gw: Gateway, body) -> list[int]:
+    def prompts(self, body) -> list:
+        """The request's prompts, each as the client sent it."""
+        raise NotImplementedError
+
+    def encode(self, gw: Gateway, prompt) -> list[int]:
         raise NotImplementedError
 
     def max_tokens(self, gw: Gateway, body, ids: list[int]) -> int:
@@ -421,8 +548,11 @@ class _Endpoint:
         """SamplingParams.logprobs for this body (None: no logprobs)."""
         raise NotImplementedError
 
-    def response(self, rid: str, body, text: str, gen: Generation, positions):
-        """positions: every token's PositionLogprobs when logprobs were asked, else None."""
+    def echo(self, body) -> bool:
+        return False
+
+    def response(self, rid: str, body, choices: list[_Choice], results: list[tuple[str, list]], usage: UsageInfo):
+        """results: each choice's (text, logprob positions; empty unless asked)."""
         raise NotImplementedError
 
     def chunks(self, rid: str, body, created: int) -> "_ChunkFormat":
@@ -430,10 +560,10 @@ class _Endpoint:
 
 
 class _ChunkFormat:
-    def opening(self) -> list[str]:
+    def opening(self, index: int) -> list[str]:
         return []
 
-    def piece(self, text: str, finish: str | None, positions) -> str:
+    def piece(self, index: int, text: str, finish: str | None, positions) -> str:
         """positions: the logprobs of this piece's tokens (empty unless asked)."""
         raise NotImplementedError
 
@@ -444,8 +574,11 @@ class _ChunkFormat:
 class _CompletionsEndpoint(_Endpoint):
     id_prefix = "cmpl"
 
-    def prompt_ids(self, gw, body: CompletionRequest) -> list[int]:
-        return encode_prompt(gw.tokenizer, body.single_prompt())
+    def prompts(self, body: CompletionRequest) -> list:
+        return body.prompts()
+
+    def encode(self, gw, prompt) -> list[int]:
+        return encode_prompt(gw.tokenizer, prompt)
 
     def max_tokens(self, gw, body: CompletionRequest, ids) -> int:
         return body.max_tokens if body.max_tokens is not None else gw.cfg.default_max_tokens
@@ -453,12 +586,15 @@ class _CompletionsEndpoint(_Endpoint):
     def num_logprobs(self, body: CompletionRequest) -> int | None:
         return body.logprobs
 
-    def response(self, rid, body, text, gen, positions):
-        logprobs = None
-        if positions is not None:
-            logprobs = CompletionLogprobsBuilder(body.logprobs).add(positions)
-        return CompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            CompletionChoice(text=text, logprobs=logprobs, finish_reason=gen.finish_reason)])
+    def echo(self, body: CompletionRequest) -> bool:
+        return bool(body.echo)
+
+    def response(self, rid, body, choices, results, usage):
+        out = []
+        for c, (text, positions) in zip(choices, results):
+            logprobs = CompletionLogprobsBuilder(body.logprobs).add(positions) if body.logprobs is not None else None
+            out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.gen.finish_reason))
+        return CompletionResponse(id=rid, model=body.model, usage=usage, choices=out)
 
     def chunks(self, rid, body, created):
         return _CompletionChunks(rid, body, created)
@@ -468,15 +604,21 @@ class _CompletionChunks(_ChunkFormat):
     def __init__(self, rid: str, body: CompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
         # Hot path (one event per token per request): the chunk's fixed parts are encoded once and
-        # only text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
+        # only index, text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
         self.head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
-                     f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
+                     f'"model":{json.dumps(body.model)},"choices":[{{"index":')
         self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
-        self.logprobs = CompletionLogprobsBuilder(body.logprobs) if body.logprobs is not None else None
+        self.logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice (text offsets go on)
 
-    def piece(self, text, finish, positions):
-        lp = "null" if self.logprobs is None else self.logprobs.add(positions).model_dump_json()
-        return f'{self.head}{json.dumps(text)},"logprobs":{lp},"finish_reason":{json.dumps(finish)}}}]{self.tail}'
+    def piece(self, index, text, finish, positions):
+        lp = "null"
+        if self.body.logprobs is not None:
+            builder = self.logprobs.get(index)
+            if builder is None:
+                builder = self.logprobs[index] = CompletionLogprobsBuilder(self.body.logprobs)
+            lp = builder.add(positions).model_dump_json()
+        return (f'{self.head}{index},"text":{json.dumps(text)},"logprobs":{lp},'
+                f'"finish_reason":{json.dumps(finish)}}}]{self.tail}')
 
     def usage(self, usage):
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
@@ -486,8 +628,11 @@ class _CompletionChunks(_ChunkFormat):
 class _ChatEndpoint(_Endpoint):
     id_prefix = "chatcmpl"
 
-    def prompt_ids(self, gw, body: ChatCompletionRequest) -> list[int]:
-        return encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+    def prompts(self, body: ChatCompletionRequest) -> list:
+        return [body.messages]
+
+    def encode(self, gw, messages) -> list[int]:
+        return encode_chat(gw.tokenizer, [m.as_template_dict() for m in messages])
 
     def max_tokens(self, gw, body: ChatCompletionRequest, ids) -> int:
         max_tokens = body.requested_max_tokens
@@ -499,10 +644,13 @@ class _ChatEndpoint(_Endpoint):
     def num_logprobs(self, body: ChatCompletionRequest) -> int | None:
         return body.num_logprobs
 
-    def response(self, rid, body, text, gen, positions):
-        logprobs = chat_logprobs(positions, body.num_logprobs) if positions is not None else None
-        return ChatCompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            ChatChoice(message=ChatResponseMessage(content=text), logprobs=logprobs, finish_reason=gen.finish_reason)])
+    def response(self, rid, body, choices, results, usage):
+        out = []
+        for c, (text, positions) in zip(choices, results):
+            logprobs = chat_logprobs(positions, body.num_logprobs) if body.num_logprobs is not None else None
+            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
+                                  finish_reason=c.gen.finish_reason))
+        return ChatCompletionResponse(id=rid, model=body.model, usage=usage, choices=out)
 
     def chunks(self, rid, body, created):
         return _ChatChunks(rid, body, created)
@@ -512,28 +660,28 @@ class _ChatChunks(_ChunkFormat):
     def __init__(self, rid: str, body: ChatCompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None, positions=()) -> str:
+    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=()) -> str:
         logprobs = None
         if self.body.num_logprobs is not None and positions:
             logprobs = chat_logprobs(positions, self.body.num_logprobs)
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model,
-                                choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+                                choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                                         finish_reason=finish)])
         d = c.model_dump(exclude_none=True)
         d["choices"][0]["finish_reason"] = finish  # always present, null until the end
         if self.body.include_usage:
             d["usage"] = None
         return _event(json.dumps(d, separators=(",", ":")))
 
-    def opening(self):
-        return [self._chunk(DeltaMessage(role="assistant", content=""), None)]
+    def opening(self, index):
+        return [self._chunk(index, DeltaMessage(role="assistant", content=""), None)]
 
-    def piece(self, text, finish, positions):
-        return self._chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
+    def piece(self, index, text, finish, positions):
+        return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
 
     def usage(self, usage):
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
         return _event(c.model_dump_json())
-
 
 _COMPLETIONS, _CHAT = _CompletionsEndpoint(), _ChatEndpoint()
 

@@ -8,17 +8,28 @@ strings: cluster.stream_messages.PositionLogprobs). Nothing here tokenizes.
 - /v1/chat/completions (`logprobs: true, top_logprobs: N`): {content: [{token, logprob, bytes,
   top_logprobs: [N entries]}]}, bytes the UTF-8 of the token's string.
 
+With echo, a completion's logprobs start with the prompt's: its first token has none (nothing
+precedes it), so it comes as a `PromptStart` and is written with null logprob and top_logprobs.
+
 JSON has no -Infinity: a logprob of -inf is written as -9999.0 (what OpenAI and vLLM send).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from cluster.stream_messages import PositionLogprobs
 from router.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class PromptStart:
+    """The prompt's first token in echoed logprobs: its string, no logprob."""
+
+    token: str
 
 
 def _lp(x: float) -> float:
@@ -33,9 +44,16 @@ class CompletionLogprobsBuilder:
         self.offset = 0
         self.all = CompletionLogprobs()
 
-    def add(self, positions: Seq[PositionLogprobs]) -> CompletionLogprobs:
+    def add(self, positions: Seq[PositionLogprobs | PromptStart]) -> CompletionLogprobs:
         part = CompletionLogprobs()
         for p in positions:
+            if isinstance(p, PromptStart):
+                part.tokens.append(p.token)
+                part.token_logprobs.append(None)
+                part.top_logprobs.append(None)
+                part.text_offset.append(self.offset)
+                self.offset += len(p.token)
+                continue
             top = {t: _lp(lp) for t, lp in zip(p.top_tokens[: self.k], p.top_logprobs[: self.k])}
             top.setdefault(p.token, _lp(p.logprob))
             part.tokens.append(p.token)
