@@ -137,10 +137,6 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.generated)
 
-    @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
     async def settle(self, timeout_s: float = 5.0) -> None:
         """Waits for PrefillDone, which says how much of the prompt was cached (the usage's
         prompt_tokens_details): a prefill worker's answer may reach the router after the decode
