@@ -42,7 +42,8 @@ from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse,
-    ModelCard, ModelList, UsageInfo,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, UsageInfo,
+    VersionResponse,
 )
 from router.openai_logprobs import CompletionLogprobsBuilder, PromptStart, chat_logprobs
 from router.router import DrainingError
@@ -131,6 +132,7 @@ class Generation:
         self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
         self.prefilled = asyncio.Event()
         self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
+        self.admitted = False  # the router took it (a refused one is counted as rejected, not here)
         self.prompt_logprobs: tuple | None = None  # from the first delta, when asked (prompt_logprobs)
 
     @property
@@ -180,6 +182,7 @@ class Generation:
                         continue
                     finish, error = end
                     if finish == "error":
+                        self.finish_reason = "error"
                         raise GenerationError(error or "the decode worker failed the request")
                 if text or finish is not None or (logprobs is not None and logprobs.tokens):
                     self.emitted_chars += len(text)
@@ -252,6 +255,11 @@ class Gateway:
         """The request is over for this gateway (safe to call twice)."""
         if self.active.pop(gen.request_id, None) is None:
             return
+        if abort and gen.admitted:
+            # Cancelled (the client left, a sibling choice failed, drain) or failed: counted here, once,
+            # with the tokens it streamed; a request a worker finished was counted by pieces().
+            self.metrics.finished("error" if gen.finish_reason == "error" else "abort")
+            self.metrics.generation_tokens.inc(gen.completion_tokens)
         self.token_stream.unregister(gen.worker_request_id)
         self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
 
@@ -357,6 +365,7 @@ class Gateway:
         self.active[request_id] = gen
         try:
             await self.client.submit(req)
+            gen.admitted = True
         except BaseException:
             # Refused (nothing to undo), or the client left while it was being placed: the router
             # undoes whatever placement it made.
@@ -757,8 +766,12 @@ def check_api_key(authorization: str, key: str) -> bool:
     return hmac.compare_digest(given.strip().encode(), key.encode())
 
 
+# Paths behind the API key; /health, /ready, /metrics, /version and the schema stay open for probes.
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/stats")
+
+
 class APIKeyAuth:
-    """ASGI middleware: every /v1 request without the API key gets 401 before anything reads its
+    """ASGI middleware: every request to KEYED_PATHS without the API key gets 401 before anything reads its
     body, so an unauthenticated client learns nothing from validation (not even that its JSON is
     invalid) and never costs a parse. The outermost middleware: before the body-size limit too."""
 
@@ -768,7 +781,7 @@ class APIKeyAuth:
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send):
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.key and scope["type"] == "http" and scope["path"].startswith(KEYED_PATHS):
             auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not check_api_key(auth.decode("latin-1"), self.key):
                 self.on_refused()
@@ -818,6 +831,15 @@ class BodySizeLimit:
         await resp(scope, receive, send)
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pdserve")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout): the package's own
+        return "0.1.0+source"
+
+
 def build_app(gw: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -827,7 +849,9 @@ def build_app(gw: Gateway) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is generated from the request models (router/openai_protocol.py); /docs renders it.
+    app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.add_middleware(BodySizeLimit, max_bytes=gw.cfg.max_body_bytes)
     app.add_middleware(APIKeyAuth, key=gw.cfg.api_key, on_refused=lambda: gw.metrics.rejected(401))  # outermost
 
@@ -875,6 +899,11 @@ def build_app(gw: Gateway) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)])
 
+    @v1.get("/models/{model_id:path}")  # a served name may contain '/'
+    async def model(model_id: str) -> ModelCard:
+        gw._check_model(model_id)
+        return ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)
+
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await gw.completion(body, request)
@@ -884,6 +913,42 @@ def build_app(gw: Gateway) -> FastAPI:
         return await gw.chat(body, request)
 
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints (at the root, as vLLM serves them), behind the key (KEYED_PATHS).
+    keyed = APIRouter()
+
+    @keyed.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        if body.model is not None:
+            gw._check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            ids = encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+        else:
+            ids = list(gw.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        return TokenizeResponse(count=len(ids), max_model_len=gw.cfg.max_model_len, tokens=ids)
+
+    @keyed.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        if body.model is not None:
+            gw._check_model(body.model)
+        vocab = gw.cfg.vocab_size or len(gw.tokenizer)
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise InvalidRequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=gw.tokenizer.decode(body.tokens))
+
+    @keyed.get("/stats")
+    async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):
+        """Decode steps (batch size, bucket, padding, step time) and request timings recorded since
+        `cursor` (at most `limit`), with the cursor to ask from next: built by the router, so the
+        poll costs this event loop one frame in and one out."""
+        return Response(await gw.client.query("stats", cursor, limit), media_type="application/json")
+
+    app.include_router(keyed)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
 
     @app.get("/health")
     async def health():
@@ -898,13 +963,6 @@ def build_app(gw: Gateway) -> FastAPI:
         ok = gw.ready
         body = {"ready": ok, "draining": True} if gw.draining else {"ready": ok}
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/stats")
-    async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):
-        """Decode steps (batch size, bucket, padding, step time) and request timings recorded since
-        `cursor` (at most `limit`), with the cursor to ask from next: built by the router, so the
-        poll costs this event loop one frame in and one out."""
-        return Response(await gw.client.query("stats", cursor, limit), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics():

@@ -216,6 +216,40 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True  # prompt only (the chat template carries its own)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's)."""
+
+    model: Text | None = None
+    tokens: list[Int64]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 # -- responses ------------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
