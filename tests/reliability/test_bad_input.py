@@ -251,3 +251,91 @@ def test_no_key_is_401_before_any_body_validation(cluster, raw):
         r = httpx.post(f"{cluster.url}{path}", content=raw, timeout=30, headers={"Content-Type": "application/json"})
         assert r.status_code == 401 and is_openai_error(r), (path, raw[:20], r.status_code, r.text[:200])
         assert r.json()["error"]["type"] == "authentication_error"
+
+
+# -- fuzz from the served OpenAPI schema ----------------------------------------------------------
+OPENAPI_EXAMPLES = 120
+
+
+def from_schema(schema: dict, components: dict, depth: int = 0):
+    """A hypothesis strategy of JSON values valid for `schema`, the subset of JSON Schema FastAPI
+    writes from pydantic models ($ref, anyOf, type, properties/required, items, enum/const, bounds),
+    mixed at every level with `anything` (a wrong value for that field) a quarter of the time."""
+    if "$ref" in schema:
+        return from_schema(components[schema["$ref"].rsplit("/", 1)[1]], components, depth)
+    if "anyOf" in schema:
+        return st.one_of(*(from_schema(s, components, depth) for s in schema["anyOf"]))
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    t = schema.get("type")
+    if t == "object" and "properties" in schema and depth < 4:
+        props = {k: st.one_of(from_schema(v, components, depth + 1), anything) if depth == 0 else
+                 from_schema(v, components, depth + 1) for k, v in schema["properties"].items()}
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
+                                     optional={k: v for k, v in props.items() if k not in required})
+    if t == "object":
+        values = from_schema(schema.get("additionalProperties") or {}, components, depth + 1)
+        return st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 600).map(str)), values, max_size=3)
+    if t == "array":
+        return st.lists(from_schema(schema.get("items", {}), components, depth + 1), max_size=4)
+    if t == "integer":
+        lo, hi = schema.get("minimum"), schema.get("maximum", schema.get("exclusiveMaximum"))
+        return st.one_of(st.integers(-3, 600), st.integers(min_value=lo, max_value=hi))
+    if t == "number":
+        return st.one_of(st.floats(-3, 3), st.floats(allow_nan=False), st.integers(-3, 3))
+    if t == "string":
+        # Any Unicode, lone surrogates included (the JSON encoder writes them as \udXXX escapes).
+        return st.one_of(st.text(max_size=12), st.text(st.characters(codec=None, categories=["Cs", "Ll"]), max_size=3),
+                         st.just(MODEL))
+    if t == "boolean":
+        return st.booleans()
+    if t == "null":
+        return st.none()
+    return anything
+
+
+def _openapi_bodies(spec: dict):
+    """(path, body) strategies for every POST operation with a JSON body, built from /openapi.json
+    itself: neither what the schema says is valid nor a schema-shaped body with a wrong field may
+    ever be a 5xx."""
+    out = {}
+    for path, ops in sorted(spec["paths"].items()):
+        body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if body is not None:
+            out[path] = st.tuples(st.just(path), from_schema(body["schema"], spec["components"]["schemas"]))
+    return out
+
+
+def test_fuzz_from_openapi_no_5xx(cluster, client):
+    spec = client.get("/openapi.json").json()
+    strategies = _openapi_bodies(spec)
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(strategies)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=OPENAPI_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(req=st.one_of(*strategies.values()))
+    def one(req):
+        path, body = req
+        if isinstance(body, dict):  # short generations: the fuzz is about the edge
+            for k in ("max_tokens", "max_completion_tokens"):
+                if type(body.get(k)) is int:
+                    body[k] = min(body[k], 4)
+            if type(body.get("n")) is int:
+                body["n"] = min(body["n"], 2)
+            if path.endswith("completions"):
+                body.setdefault("max_tokens", 4)
+                if "prompt" in body and isinstance(body["prompt"], list) and len(body["prompt"]) > 2:
+                    body["prompt"] = body["prompt"][:2]
+        r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        if r.status_code != 200:
+            assert is_openai_error(r), (path, body, r.text[:300])
+
+    one()
+    print(f"\nopenapi fuzz: by status {sorted(seen.items())}")
+    assert sum(seen.values()) >= OPENAPI_EXAMPLES and seen.get(200, 0) > 0
+    wait_clean(cluster)
