@@ -116,7 +116,7 @@ class RouterMetrics(_Metrics):
                              registry=r).labels(self.model_name)
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "KV-cache usage of a decode worker (1 = full).",
                                m + ["worker_id"], registry=r)
-        self.kv_usage_total = Gauge("pdserve:cluster_kv_cache_usage_perc",
+        self.kv_usage_total = Gauge("pdserve:kv_cache_usage_perc_cluster",
                                     "KV-cache usage over every healthy decode worker: used / total blocks.", m,
                                     registry=r).labels(self.model_name)
         self._kv_blocks: dict[str, tuple[int, int]] = {}  # decode worker -> (used, total) last polled

@@ -111,4 +111,4 @@ def test_cancelled_requests_are_counted(fake_cluster):
     streamed = _metric(after, "pdserve:generation_tokens_total") - tokens0
     assert 5 <= streamed < 400
     assert "pdserve:num_preemptions_total" in after
-    assert "pdserve:cluster_kv_cache_usage_perc" in after
+    assert "pdserve:kv_cache_usage_perc_cluster" in after
