@@ -258,7 +258,8 @@ class Gateway:
         if abort and gen.admitted:
             # Cancelled (the client left, a sibling choice failed, drain) or failed: counted here, once,
             # with the tokens it streamed; a request a worker finished was counted by pieces().
-            self.metrics.finished("error" if gen.finish_reason == "error" else "abort")
+            self.metrics.finished("error" if gen.finish_reason == "error" else "abort", gen.prompt_tokens,
+                                  gen.completion_tokens)
             self.metrics.generation_tokens.inc(gen.completion_tokens)
         self.token_stream.unregister(gen.worker_request_id)
         self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)

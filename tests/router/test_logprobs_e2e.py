@@ -63,7 +63,7 @@ def test_completions_logprobs_streaming_and_not(fake_cluster, reference_engine, 
     out = client.completions.create(model=MODEL, prompt=LONG, max_tokens=10, temperature=0, logprobs=k,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == ref.text
-    _check_completion_logprobs(out.choices[0].logprobs, ref, reference_engine, k, 1e-6)
+    _check_completion_logprobs(out.choices[0].logprobs, ref, reference_engine, k, 1e-5)
     if k == 0:
         assert all(len(d) == 1 for d in out.choices[0].logprobs.top_logprobs)  # the sampled token's only
     chunks = [c for c in client.completions.create(model=MODEL, prompt=LONG, max_tokens=10, temperature=0,
@@ -83,7 +83,7 @@ def test_chat_logprobs_streaming_and_not(fake_cluster, reference_engine):
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
                                           top_logprobs=2, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == ref.text
-    _check_chat_logprobs(chat.choices[0].logprobs.content, ref, reference_engine, 2, 1e-6)
+    _check_chat_logprobs(chat.choices[0].logprobs.content, ref, reference_engine, 2, 1e-5)
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
                                                  logprobs=True, top_logprobs=2, stream=True,
                                                  extra_body={"ignore_eos": True}))
