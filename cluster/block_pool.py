@@ -150,7 +150,7 @@ class PrefixCachingBlockPool:
 
     # -- prefix caching ---------------------------------------------------------------------------
     def allocate_prompt(self, token_ids: Sequence[int], num_slots: int, hashes: list[BlockHash],
-                        count: bool = True) -> tuple[list[int], int] | None:
+                        count: bool = True, lookup: bool = True) -> tuple[list[int], int] | None:
         """A block table for `num_slots` tokens whose first len(token_ids) are `token_ids`: the longest
         cached prefix of them (ref-counted), then fresh blocks. Returns (table, cached tokens), or None
         with nothing taken when the fresh blocks don't fit.
@@ -159,9 +159,10 @@ class PrefixCachingBlockPool:
         least one token is computed, so the prefill yields the logits of the first sampled token).
         `hashes` is the caller's list of the sequence's block addresses, extended here as needed.
         `count`: the lookup counts in the hit-rate statistics (not for a preempted sequence's
-        recompute, whose hits are its own earlier blocks)."""
+        recompute, whose hits are its own earlier blocks). `lookup=False`: no hit, the whole prompt is
+        computed (a request that asks for prompt logprobs: SamplingParams.reads_prefix_cache)."""
         hit: list[int] = []
-        if self.enable_caching and token_ids:
+        if self.enable_caching and lookup and token_ids:
             max_hit = (len(token_ids) - 1) // self.block_size
             self.hasher.extend(hashes, token_ids, max_hit)
             for h in hashes[:max_hit]:

@@ -39,6 +39,8 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str
+    logprobs: tuple | None = None  # one cluster.logprobs.TokenLogprobs per token, with params.logprobs
+    prompt_logprobs: tuple | None = None  # one per prompt token (the first None), with params.prompt_logprobs
 
 
 class LLMEngine:
@@ -80,6 +82,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         ids = encode_prompt(self.tokenizer, prompt)
+        params.check_token_ids(self.arch.vocab_size)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
@@ -122,7 +125,8 @@ class LLMEngine:
                 # and the first decode step can't fail for lack of blocks; its cached prefix is
                 # not computed again. (A sequence with outputs is a preempted one's recompute.)
                 got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes,
-                                                     count=not seq.output_token_ids)
+                                                     count=not seq.output_token_ids,
+                                                     lookup=seq.params.reads_prefix_cache)
                 if got is None:
                     return False
                 seq.block_table, seq.num_cached_tokens = got
@@ -134,7 +138,16 @@ class LLMEngine:
                            lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table), admit)
 
     def _run_prefill(self, chunks) -> list[Sequence]:
-        logits = self.runner.prefill([c for _, c in chunks])
+        # Prompt logprobs on a sequence's first prefill (a recompute after preemption has sent them).
+        wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
+                 if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
+        if any(w is not None for w in wants):
+            logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+            for (seq, _), lps in zip(chunks, prompt_lps):
+                if lps is not None:
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
+        else:
+            logits = self.runner.prefill([c for _, c in chunks])
         done_rows, done = [], []
         for i, (seq, c) in enumerate(chunks):
             seq.num_cached_tokens += len(c.token_ids)
@@ -178,7 +191,13 @@ class LLMEngine:
         return finished
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-        return sample_tokens(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs])
+        tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                         [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
+                                         [s.output_token_ids for s in seqs])
+        for s, lp in zip(seqs, logprobs):
+            if lp is not None:
+                s.output_logprobs.append(lp)
+        return tokens
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's blocks; it is recomputed (prompt + outputs) later."""
@@ -209,4 +228,8 @@ class LLMEngine:
         if seq.detokenizer is not None:
             seq.detokenizer.flush()
             text = seq.detokenizer.text
-        return CompletionOutput(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), text, seq.finish_reason or "")
+        p = seq.params
+        return CompletionOutput(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), text,
+                                seq.finish_reason or "",
+                                tuple(seq.output_logprobs) if p.logprobs is not None else None,
+                                tuple(seq.prompt_logprobs or ()) if p.prompt_logprobs is not None else None)

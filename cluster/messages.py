@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from cluster.block_pool import CacheChanges
 from cluster.pass_rate import PassRate
+from cluster.logprobs import PrefillLogprobs, TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 
@@ -80,6 +81,7 @@ class KVHeader:
     num_tokens: int  # prompt tokens whose K/V follow
     first_token: int
     ok: bool = True  # False: the prefill failed or was aborted; no payload follows, free the blocks
+    logprobs: PrefillLogprobs | None = None  # the first token's and the prompt's, when the request asks
 
 
 @dataclass(frozen=True)
@@ -97,14 +99,19 @@ class PrefillResult:
     cached_tokens: int = 0  # prompt tokens found in the prefill worker's cache (not computed)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenDelta:
-    """Decode loop -> its token publisher (same process): new token ids of one request."""
+    """Decode loop -> its token publisher (same process): new token ids of one request.
+
+    Not frozen, with slots: one is built per row per step on the decode loop's thread, where a frozen
+    dataclass's __init__ (object.__setattr__ per field) cost a third of the output processing."""
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token, when asked
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 
 from cluster.attention import AttentionMetadata
 from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
+from cluster.logprobs import prompt_logprobs
 from cluster.model.llama import LlamaForCausalLM
 
 
@@ -85,6 +86,26 @@ class ModelRunner:
         ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
         return self.model.compute_logits(hidden if all_logits else hidden[last])
+
+    @torch.inference_mode()
+    def prefill_with_prompt_logprobs(self, chunks: Seq[PrefillChunk], wants: Seq[tuple[Seq[int], int] | None]):
+        """prefill(chunks) -> (last-token logits [num_chunks, vocab], per chunk: None, or for
+        wants[i] = (prompt, k) the logprobs of the prompt tokens its positions predict
+        (cluster.logprobs.prompt_logprobs), from the chunk's hidden states a slice at a time)."""
+        ids, pos, meta, last = self.build_prefill_inputs(chunks)
+        hidden = self.model(ids, pos, meta)
+        logits = self.model.compute_logits(hidden[last])
+        out, first = [], 0
+        for c, want in zip(chunks, wants):
+            n = len(c.token_ids)
+            if want is None:
+                out.append(None)
+            else:
+                h = hidden[first : first + n]
+                out.append(prompt_logprobs(lambda a, b, h=h: self.model.compute_logits(h[a:b]), n, want[0], c.start,
+                                           want[1]))
+            first += n
+        return logits, out
 
     def build_decode_metadata(self, positions: Seq[int], block_tables: Seq[Seq[int]], width: int | None = None,
                               token_ids: Seq[int] | None = None):

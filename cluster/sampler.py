@@ -1,27 +1,48 @@
 """Batched sampling on the device with per-row parameters and no host synchronisation.
 
-Randomness is counter-based: row r's noise over the vocabulary is a hash of (seed_r, position_r,
-token id) (cluster.kernels.reference.uniform_noise). So a seeded request samples the same tokens
-whatever batch it shares and on whichever worker samples it (engine, prefill worker, decode worker on
-the same device run the same code), a CUDA graph can replay sampling (no generator state to advance
-on the host) and nothing is read back until the caller wants the token ids.
+A step, for rows that need more than the plain draw (`SamplingParams.needs_features`):
+  1. logits processing (cluster.kernels.process_logits, from per-sequence state in cluster.sampling_state):
+     allowed_token_ids, logit_bias, repetition / frequency / presence penalties, bad words, in float32;
+  2. the draw (below) from the processed logits;
+  3. the sampled tokens counted into their sequences' state (update_sampling_state);
+  4. logprobs of the sampled token and the top ones under the raw logits (cluster.logprobs).
+Rows that need none of it run only the draw, reading the logits as they are (the decode graph has a
+variant without steps 1, 3, 4 for batches where no row needs them: cluster-wide the default path).
 
-On CUDA this is one Triton kernel reading the logits once per row (a few times for rows with
-top-k/top-p), no sort and no [B, V] temporaries (cluster/kernels/sampling.py); elsewhere its torch
-reference, the same function.
+The draw: greedy rows take the argmax; others a draw from softmax(logits / T) over their top-k /
+top-p / min-p set, by Gumbel-max with counter-based noise: row r's noise over the vocabulary is a
+hash of (seed_r, position_r, token id) (cluster.kernels.reference.uniform_noise). So a seeded request
+samples the same tokens whatever batch it shares (with or without processing in other rows) and on
+whichever worker samples it (engine, prefill worker, decode worker on the same device run the same
+code), a CUDA graph can replay sampling (no generator state to advance on the host) and nothing is
+read back until the caller wants the token ids.
+
+On CUDA these are Triton kernels reading the logits once or twice per row, no sort and no [B, V]
+temporaries except the processed logits (cluster/kernels/); elsewhere their torch references.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from cluster import kernels
 from cluster.kernels.reference import uniform_noise
-from cluster.sampling_params import SamplingParams
+from cluster.logprobs import TokenLogprobs, rows_to_logprobs
+from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+from cluster.sampling_state import SamplingState
 
-__all__ = ["SamplingTensors", "sample", "sample_tokens", "uniform_noise"]
+__all__ = ["SamplingTensors", "sample", "sample_step", "sample_tokens", "uniform_noise", "log_min_p"]
+
+
+def log_min_p(min_p: float) -> float:
+    """log(min_p) rounded to float32 (-inf for 0): the sampler's threshold is max + this, computed
+    the same way by the kernel and the reference."""
+    return float(np.float32(math.log(min_p))) if min_p > 0 else float("-inf")
 
 
 @dataclass
@@ -32,6 +53,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int, <= 0 = disabled
     top_p: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
+    log_min_p: torch.Tensor | None = None  # [B] float32, -inf = no min_p
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
@@ -41,6 +63,7 @@ class SamplingTensors:
             top_k=torch.tensor([min(p.top_k, 2**31 - 1) for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            log_min_p=torch.tensor([log_min_p(p.min_p) for p in params], dtype=torch.float32, device=device),
         )
 
 
@@ -49,20 +72,74 @@ def sample(
     st: SamplingTensors,
     positions: torch.Tensor,  # [B]: position of the token being sampled (drives the noise)
     use_top_k_top_p: bool | None = None,  # host-side hint: some row filters (the CPU path skips a sort if not)
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B] int64
-    """Greedy rows: argmax. Others: a draw from softmax(logits / T) over their top-k/top-p set, by
-    Gumbel-max (argmax of logits / T plus the row's counter-based Gumbel noise)."""
-    return kernels.sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, positions, use_top_k_top_p)
+    """Greedy rows: argmax. Others: a draw from softmax(logits / T) over their top-k/top-p/min-p set,
+    by Gumbel-max (argmax of logits / T plus the row's counter-based Gumbel noise)."""
+    return kernels.sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, positions, use_top_k_top_p, out,
+                          st.log_min_p)
 
 
-def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int],
-                  positions: list[int]) -> list[int]:
+@dataclass
+class StepOutputs:
+    """Where a features step writes (static buffers in the decode graph, fresh ones on the host path)."""
+
+    processed: torch.Tensor  # [>= B, V] float32
+    tokens: torch.Tensor  # [>= B] int64
+    logprob: torch.Tensor  # [>= B] float32
+    top_ids: torch.Tensor  # [>= B, MAX_LOGPROBS] int64
+    top_logprobs: torch.Tensor  # [>= B, MAX_LOGPROBS] float32
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device) -> "StepOutputs":
+        return cls(torch.empty(rows, vocab, dtype=torch.float32, device=device),
+                   torch.zeros(rows, dtype=torch.int64, device=device),
+                   torch.zeros(rows, dtype=torch.float32, device=device),
+                   torch.zeros(rows, MAX_LOGPROBS, dtype=torch.int64, device=device),
+                   torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, device=device))
+
+
+def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, row_slots: torch.Tensor,
+                state: SamplingState, out: StepOutputs, update_state: bool = True) -> None:
+    """One step with logits processing, state update and logprobs (see the module docstring); the
+    function the decode graph's features variant captures and the host-side sampler calls. Rows with
+    slot -1 sample exactly as `sample` would. No host sync."""
+    b = logits.shape[0]
+    processed = kernels.process_logits(logits, row_slots, state, out.processed[:b])
+    kernels.sample(processed, st.temperature, st.top_k, st.top_p, st.seeds, positions, None, out.tokens[:b],
+                   st.log_min_p)
+    if update_state:
+        kernels.update_sampling_state(row_slots, out.tokens[:b], state)
+    kernels.token_logprobs(logits, out.tokens[:b], MAX_LOGPROBS, out.logprob, out.top_ids, out.top_logprobs)
+
+
+def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
+                  prompts: Seq[Seq[int]] | None = None, outputs: Seq[Seq[int]] | None = None,
+                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """THE host-side sampling rule after a prefill (a prompt's first token, or the next token of a
     recomputed sequence) and in the reference engine: row i samples the token at position
-    `positions[i]` (= the tokens before it) with its own parameters and seed. Every path that samples
-    outside the decode worker's graph calls this, so a seeded request draws the same first token
-    wherever it is prefilled; on one device it is the same function the decode graph runs. Syncs
-    (returns host ints)."""
-    st = SamplingTensors.from_params(params, seeds, logits.device)
-    pos = torch.tensor(positions, device=logits.device)
-    return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist()
+    `positions[i]` (= the tokens before it) with its own parameters and seed, its prompt `prompts[i]`
+    and the tokens it generated so far `outputs[i]` (penalties and bad words read them). Every path
+    that samples outside the decode worker's graph calls this, so a seeded request draws the same
+    first token wherever it is prefilled; on one device it is the same function the decode graph runs.
+    Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values)."""
+    n = len(params)
+    dev = logits.device
+    st = SamplingTensors.from_params(params, seeds, dev)
+    pos = torch.tensor(positions, device=dev)
+    if not any(p.needs_features for p in params):
+        return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist(), [None] * n
+    prompts = prompts if prompts is not None else [()] * n
+    outputs = outputs if outputs is not None else [()] * n
+    slotted = [p.needs_features for p in params]
+    state = SamplingState.for_rows([p if s else SamplingParams() for p, s in zip(params, slotted)],
+                                   [pr if s else () for pr, s in zip(prompts, slotted)],
+                                   [o if s else () for o, s in zip(outputs, slotted)], logits.shape[1], dev)
+    row_slots = torch.tensor([i if s else -1 for i, s in enumerate(slotted)], dtype=torch.int32, device=dev)
+    out = StepOutputs.allocate(n, logits.shape[1], dev)
+    sample_step(logits, st, pos, row_slots, state, out, update_state=False)
+    tokens = out.tokens.tolist()
+    ks = [p.logprobs for p in params]
+    if all(k is None for k in ks):
+        return tokens, [None] * n
+    return tokens, rows_to_logprobs(out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist(), ks)

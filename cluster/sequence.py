@@ -30,6 +30,15 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # With params.logprobs / prompt_logprobs (engine only; workers stream them in TokenDeltas).
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    # stop_token_ids, plus the EOS tokens unless ignore_eos: one membership test per token.
+    _stops: frozenset = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        p = self.params
+        self._stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -47,9 +56,7 @@ class Sequence:
         """Records a sampled token; returns the finish reason if the sequence must stop now."""
         self.output_token_ids.append(token_id)
         n, p = len(self.output_token_ids), self.params
-        if token_id in p.stop_token_ids and n >= p.min_tokens:
-            self.finish_reason = "stop"
-        elif not p.ignore_eos and token_id in self.eos_token_ids and n >= p.min_tokens:
+        if token_id in self._stops and n >= p.min_tokens:
             self.finish_reason = "stop"
         if self.detokenizer is not None and self.finish_reason is None:
             self.detokenizer.add(token_id)

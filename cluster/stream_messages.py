@@ -11,6 +11,27 @@ from __future__ import annotations
 import msgspec
 
 
+class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One position's logprobs (cluster.logprobs: the model's raw distribution) with token strings:
+    its token's, and the most likely ones'. A token's string is `tokenizer.decode([id])` (as vLLM:
+    a piece of a multi-byte character decodes to U+FFFD)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_tokens: tuple[str, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+class DeltaLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The logprobs a delta carries: one per token of the delta (empty when not asked), and with a
+    request's first delta its prompt's (one per prompt token, the first None), when asked."""
+
+    tokens: tuple[PositionLogprobs, ...] = ()
+    prompt: tuple[PositionLogprobs | None, ...] | None = None
+
+
 class StreamDelta(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """New tokens of one request and their text, as the decode worker's detokenizer released it.
 
@@ -23,6 +44,7 @@ class StreamDelta(msgspec.Struct, array_like=True, frozen=True, gc=False):
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    logprobs: DeltaLogprobs | None = None  # only when the request asks (else one msgpack nil byte)
 
 
 class StreamBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):

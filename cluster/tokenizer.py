@@ -40,3 +40,19 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from None
     # The template already carries BOS where the model wants it.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def encode_bad_words(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's rule: each word as it is and with a leading space (the same word mid-text), the second
+    kept only when it is another token sequence of the same length."""
+    out: list[list[int]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise InvalidRequestError("bad_words must be non-empty strings", "bad_words")
+        for prefix in ("", " "):
+            ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                raise InvalidRequestError(f"bad word {word!r} encodes to no token", "bad_words")
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return tuple(tuple(w) for w in out)

@@ -58,7 +58,8 @@ class BlockManager:
         """Blocks for everything the sequence has plus one decode slot, its cached prefix taken from
         the cache (seq.num_cached_tokens says how much); False, with nothing taken, if they don't fit.
         count=False for a preempted sequence's recompute (cluster.block_pool.allocate_prompt)."""
-        got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes, count)
+        got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes, count,
+                                             lookup=seq.params.reads_prefix_cache)
         if got is None:
             return False
         seq.block_table, seq.num_cached_tokens = got

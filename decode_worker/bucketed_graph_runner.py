@@ -11,8 +11,16 @@
   block table; a row is rewritten only when another sequence takes it or its table grows.
 - Input ids come from the device: a row continuing from the previous step reads that step's sampled
   token (`out_tokens[prev_row]`) inside the graph, so the host never needs the token to launch.
-- Sampling runs inside the graph: one kernel covers greedy, temperature and top-k/top-p rows alike
-  (cluster.sampler), so each bucket is captured once.
+- Sampling runs inside the graph: the same kernels cover greedy, temperature, top-k/top-p/min-p rows
+  alike (cluster.sampler). Each bucket is captured twice: the plain step (the default path, exactly
+  the draw), and a features step (logits processing from per-sequence state, the draw, the state
+  update, logprobs: `cluster.sampler.sample_step`) replayed only when some row's sequence needs it.
+- Sampling-state slots (cluster.sampling_state): a sequence that needs features gets a slot when it
+  first appears in a step and keeps it while it appears in every step; the host writes the slot then
+  (outside the graph, on the stream before the step) from the tokens it has. A sequence missing from
+  a step has left (finished, aborted, preempted: DecodeScheduler never skips a running sequence that
+  can still run), so its slot is freed; if it comes back (recomputed after preemption) it takes a slot
+  again with no token in flight, from its full history.
 - Graphs are captured largest bucket first into one shared pool at start-up, never while serving.
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
 - Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
@@ -33,6 +41,9 @@ from cluster.attention import AttentionMetadata
 from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
+from cluster.sampler import SamplingTensors, StepOutputs, log_min_p, sample_step
+from cluster.sampling_params import MAX_LOGPROBS
+from cluster.sampling_state import SamplingState
 
 _INT32_MAX = 2**31 - 1
 
@@ -76,6 +87,7 @@ class StepInfo:
     batch_size: int
     bucket: int  # rows computed (padded); equals batch_size for an unpadded eager batch
     graph: bool
+    features: bool  # the features variant ran (processing, state update, logprobs)
     host_prepare_s: float  # filling the staging buffer and queueing its copy
     launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
 
@@ -99,6 +111,15 @@ class StepHandle:
                 self.gpu_time_s = self._start_ev.elapsed_time(self._end_ev) / 1e3
             self._tokens = self.runner._host_out[self.slot, : self.info.batch_size].tolist()
         return self._tokens
+
+    def logprobs(self):
+        """(logprob [n], top ids [n, MAX_LOGPROBS], top logprobs [n, MAX_LOGPROBS]) as host lists for
+        a features step (None for a plain one). Call after tokens()."""
+        if not self.info.features:
+            return None
+        n, r = self.info.batch_size, self.runner
+        return (r._host_lp[self.slot, :n].tolist(), r._host_top_ids[self.slot, :n].tolist(),
+                r._host_top_lp[self.slot, :n].tolist())
 
 
 class BucketedGraphRunner:
@@ -134,11 +155,19 @@ class BucketedGraphRunner:
         self.sample_positions = torch.ones(mb, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((mb, self.max_blocks), NULL_BLOCK, dtype=torch.int32, device=dev)
         self.out_tokens = torch.zeros(mb, dtype=torch.int64, device=dev)
+        # The features variant's state and outputs (cluster.sampling_state: ~4 * max_num_seqs * V bytes each).
+        vocab = model.cfg.vocab_size
+        self.sampling_state = SamplingState.allocate(mb, vocab, dev)
+        self.step_out = StepOutputs.allocate(mb, vocab, dev)
+        self.step_out.tokens = self.out_tokens
         # Host staging, two slots (step t+1 is prepared while step t's copy may still be queued).
         pin = self.device.type == "cuda"
         self._host_packed = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._np_packed = [t.numpy() for t in self._host_packed]
         self._host_out = torch.zeros(2, mb, dtype=torch.int64, pin_memory=pin)
+        self._host_lp = torch.zeros(2, mb, dtype=torch.float32, pin_memory=pin)
+        self._host_top_ids = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
+        self._host_top_lp = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
         self._slot = 0
         # Persistent rows: host mirrors of each row's slowly changing inputs (see _prepare).
         self._row_seq: list = [None] * mb
@@ -149,19 +178,25 @@ class BucketedGraphRunner:
         self._m_temperature = np.zeros(mb, dtype=np.float32)
         self._m_top_p = np.ones(mb, dtype=np.float32)
         self._m_top_k = np.zeros(mb, dtype=np.int32)
+        self._m_log_min_p = np.full(mb, -np.inf, dtype=np.float32)
+        self._m_slot = np.full(mb, -1, dtype=np.int32)  # the row's sampling-state slot, -1: none
+        self._slot_of: dict[int, tuple] = {}  # id(sequence) -> (sequence, slot), sequences holding one
+        self._free_slots = list(range(mb - 1, -1, -1))
         self._m_tables = np.full((mb, self.max_blocks), NULL_BLOCK, dtype=np.int32)
         # Timing events per staging slot, reused (a slot is reused only after its step was read).
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         for _ in range(2)] if pin else []
 
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the plain step
+        self.feature_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the features step
         self.pool = None
         self.num_captures = 0  # graphs captured so far; must not move once serving starts
         self.capture_stats: dict[int, dict[str, float]] = {}  # bucket -> seconds, bytes
 
     # -- the captured region ----------------------------------------------------------------------
-    def _forward(self, b: int, width: int) -> None:
-        """Decode `b` rows from the packed buffer into out_tokens[:b]. No host sync anywhere.
+    def _forward(self, b: int, width: int, features: bool = False) -> None:
+        """Decode `b` rows from the packed buffer into out_tokens[:b] (features: see cluster.sampler.
+        sample_step). No host sync anywhere.
 
         NOTE: out_tokens is read (previous step's tokens, by decode_inputs) before it is written (this
         step's, by the sampler): the two kernels are ordered on the stream."""
@@ -172,15 +207,19 @@ class BucketedGraphRunner:
                                  context_lens=self.context_lens[:b])
         logits = self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
         p = self.packed
-        kernels.sample(
-            logits,
+        st = SamplingTensors(
             temperature=p[lay.temperature : lay.temperature + b].view(torch.float32),
             top_k=p[lay.top_k : lay.top_k + b],
             top_p=p[lay.top_p : lay.top_p + b].view(torch.float32),
             seeds=p[lay.seeds : lay.seeds + 2 * b].view(torch.int64),
-            positions=self.sample_positions[:b],
-            out=self.out_tokens[:b],
+            log_min_p=p[lay.log_min_p : lay.log_min_p + b].view(torch.float32),
         )
+        if features:
+            sample_step(logits, st, self.sample_positions[:b], p[lay.slot : lay.slot + b], self.sampling_state,
+                        self.step_out)
+        else:
+            kernels.sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, self.sample_positions[:b],
+                           out=self.out_tokens[:b], log_min_p=st.log_min_p)
 
     # -- start-up ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -193,32 +232,37 @@ class BucketedGraphRunner:
         self.block_tables.fill_(NULL_BLOCK)
         bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress)
         for b in bar:
-            # All-zero inputs are padding (greedy rows at position 0 of NULL_BLOCK, prev_row 0 harmless)
-            # at the full table width: the warm-up's and capture's writes all go to NULL_BLOCK.
-            self.packed.zero_()
-            self.packed[DecodeStepLayout(b).width] = self.max_blocks
-            torch.cuda.synchronize()
-            # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
-            # difference in reserved memory is what this bucket's graph added to the shared pool.
-            torch.cuda.empty_cache()
-            t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self._forward(b, self.max_blocks)  # warm-up: lazy init, Triton compilation, allocator
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
-            with torch.cuda.graph(g, pool=self.pool):
-                self._forward(b, self.max_blocks)
-            if self.keep_graphs:
-                g.instantiate()
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[b] = g
-            self.num_captures += 1
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            self.capture_stats[b] = {
-                "seconds": time.perf_counter() - t0,
-                "bytes": torch.cuda.memory_reserved(self.device) - mem0,
-            }
+            for features in (False, True):
+                # Padding rows (greedy, position 0 of NULL_BLOCK, prev_row 0 harmless, no sampling-state
+                # slot) at the full table width: the warm-up's and capture's writes all go to NULL_BLOCK.
+                lay = DecodeStepLayout(b)
+                self.packed.zero_()
+                self.packed[lay.width] = self.max_blocks
+                self.packed[lay.slot : lay.slot + b] = -1
+                self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
+                torch.cuda.synchronize()
+                # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
+                # difference in reserved memory is what this bucket's graph added to the shared pool.
+                torch.cuda.empty_cache()
+                t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+                self._forward(b, self.max_blocks, features)  # warm-up: lazy init, Triton compilation, allocator
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._forward(b, self.max_blocks, features)
+                if self.keep_graphs:
+                    g.instantiate()
+                if self.pool is None:
+                    self.pool = g.pool()
+                (self.feature_graphs if features else self.graphs)[b] = g
+                self.num_captures += 1
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                key = f"{b}/features" if features else b
+                self.capture_stats[key] = {
+                    "seconds": time.perf_counter() - t0,
+                    "bytes": torch.cuda.memory_reserved(self.device) - mem0,
+                }
             bar.set_postfix(bs=b)
 
     @property
@@ -229,26 +273,28 @@ class BucketedGraphRunner:
     def capture_bytes(self) -> int:
         return int(sum(s["bytes"] for s in self.capture_stats.values()))
 
-    def kernels_per_step(self, bucket: int) -> dict[str, int]:
+    def kernels_per_step(self, bucket: int, features: bool = False) -> dict[str, int]:
         """Nodes of a bucket's captured graph by type (needs keep_graphs=True)."""
         from decode_worker.graph_nodes import graph_node_counts
 
-        return graph_node_counts(self.graphs[bucket].raw_cuda_graph())
+        return graph_node_counts((self.feature_graphs if features else self.graphs)[bucket].raw_cuda_graph())
 
     # -- one step ---------------------------------------------------------------------------------
     def padded_size(self, n: int) -> int:
         return bucket_for(self.buckets, n) or n
 
-    def _prepare(self, rows, b: int, slot: int) -> int:
-        """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width).
+    def _prepare(self, rows, b: int, slot: int) -> tuple[int, int, bool]:
+        """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width,
+        whether some row needs the features step).
 
         Persistent rows: a row's sampling parameters and block table live in host mirrors, rewritten
         only when another sequence takes the row or its table grew; staging then copies the mirrors
         with one slice per field. Input ids, previous rows and positions change every step."""
         n = len(rows)
         row_seq, row_table, row_blocks = self._row_seq, self._row_table, self._row_blocks
-        m_tables = self._m_tables
+        m_tables, m_slot = self._m_tables, self._m_slot
         width = 1
+        joined = None  # rows whose new occupant needs a sampling-state slot
         for i, r in enumerate(rows):
             seq = r.seq
             table = seq.block_table
@@ -262,6 +308,12 @@ class BucketedGraphRunner:
                 self._m_temperature[i] = p.temperature
                 self._m_top_p[i] = p.top_p
                 self._m_top_k[i] = min(p.top_k, _INT32_MAX)  # any k >= vocabulary means no limit
+                self._m_log_min_p[i] = log_min_p(p.min_p)
+                m_slot[i] = -1
+                if p.needs_features:
+                    if joined is None:
+                        joined = []
+                    joined.append(i)
                 m_tables[i, nb:] = NULL_BLOCK
                 m_tables[i, :nb] = table
                 row_seq[i], row_table[i], row_blocks[i] = seq, table, nb
@@ -275,6 +327,8 @@ class BucketedGraphRunner:
             self._m_temperature[lo:hi] = 0.0
             self._m_top_p[lo:hi] = 1.0
             self._m_top_k[lo:hi] = 0
+            self._m_log_min_p[lo:hi] = -np.inf
+            m_slot[lo:hi] = -1
             m_tables[lo:hi] = NULL_BLOCK
             row_seq[lo:hi] = [None] * (hi - lo)
             row_table[lo:hi] = [None] * (hi - lo)
@@ -282,12 +336,16 @@ class BucketedGraphRunner:
         self._live_rows = n
         if width > self.max_blocks:
             raise ValueError(f"a sequence holds {width} blocks, more than max_blocks_per_seq={self.max_blocks}")
+        if joined is not None or self._slot_of:
+            self._assign_slots(rows, joined or ())
         lay = DecodeStepLayout(b)
         buf = self._np_packed[slot]
         buf[lay.seeds : lay.seeds + 2 * b].view(np.int64)[:] = self._m_seed[:b]
         buf[lay.temperature : lay.temperature + b].view(np.float32)[:] = self._m_temperature[:b]
         buf[lay.top_p : lay.top_p + b].view(np.float32)[:] = self._m_top_p[:b]
         buf[lay.top_k : lay.top_k + b] = self._m_top_k[:b]
+        buf[lay.log_min_p : lay.log_min_p + b].view(np.float32)[:] = self._m_log_min_p[:b]
+        buf[lay.slot : lay.slot + b] = m_slot[:b]
         ids = buf[lay.host_ids : lay.host_ids + b]
         prev = buf[lay.prev_row : lay.prev_row + b]
         pos = buf[lay.positions : lay.positions + b]
@@ -299,7 +357,30 @@ class BucketedGraphRunner:
         pos[n:] = 0
         buf[lay.width] = width
         buf[lay.tables : lay.tables + b * width].reshape(b, width)[:] = m_tables[:b, :width]
-        return lay.words(width), width
+        return lay.words(width), width, bool(self._slot_of)
+
+    def _assign_slots(self, rows, joined) -> None:
+        """Frees the slots of sequences that left, then gives the rows in `joined` their sequence's slot
+        (a new one, written now from the sequence's tokens, if it has none)."""
+        m_slot, slot_of = self._m_slot, self._slot_of
+        present = {id(rows[i].seq) for i in np.flatnonzero(m_slot[: len(rows)] >= 0)}
+        present.update(id(rows[i].seq) for i in joined)
+        for key in [k for k in slot_of if k not in present]:
+            self._free_slots.append(slot_of.pop(key)[1])
+        new = []
+        for i in joined:
+            seq = rows[i].seq
+            held = slot_of.get(id(seq))
+            if held is None:
+                # NOTE: the slot is written from the host's tokens, so none may be in flight: a sequence
+                # joins a step only right after its prefill or KV arrival (DecodeScheduler).
+                assert rows[i].prev_row < 0, f"{seq.request_id} took a sampling-state slot with a token in flight"
+                held = slot_of[id(seq)] = (seq, self._free_slots.pop())
+                new.append(held)
+            m_slot[i] = held[1]
+        if new:
+            self.sampling_state.init_slots([sl for _, sl in new], [q.params for q, _ in new],
+                                           [q.prompt_token_ids for q, _ in new], [q.output_token_ids for q, _ in new])
 
     @torch.inference_mode()
     def launch(self, rows) -> StepHandle:
@@ -310,24 +391,32 @@ class BucketedGraphRunner:
         b = self.padded_size(n)
         slot = self._slot
         self._slot ^= 1
-        words, width = self._prepare(rows, b, slot)
-        graph = self.graphs.get(b) if self.use_cuda_graph else None
         cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if cuda:
             start_ev, end_ev = self._events[slot]
             start_ev.record()
+        words, width, features = self._prepare(rows, b, slot)  # may queue sampling-state writes
+        if self.use_cuda_graph:
+            graph = (self.feature_graphs if features else self.graphs).get(b)
+        else:
+            graph = None
         self.packed[:words].copy_(self._host_packed[slot][:words], non_blocking=True)
-        info = StepInfo(n, b, graph is not None, time.perf_counter() - t0)
+        info = StepInfo(n, b, graph is not None, features, time.perf_counter() - t0)
         t_launch = time.perf_counter()
         if graph is not None:
             # NOTE: columns >= width of the static block tables may hold stale ids from earlier steps.
             # They are valid block ids, and every kernel masks positions >= context length.
             graph.replay()
         else:
-            self._forward(b, width)
+            self._forward(b, width, features)
         info.launch_s = time.perf_counter() - t_launch
         self._host_out[slot, :n].copy_(self.out_tokens[:n], non_blocking=True)
+        if features:
+            out = self.step_out
+            self._host_lp[slot, :n].copy_(out.logprob[:n], non_blocking=True)
+            self._host_top_ids[slot, :n].copy_(out.top_ids[:n], non_blocking=True)
+            self._host_top_lp[slot, :n].copy_(out.top_logprobs[:n], non_blocking=True)
         if cuda:
             end_ev.record()
         handle = StepHandle(self, slot, info, start_ev, end_ev, t0)

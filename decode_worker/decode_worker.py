@@ -144,6 +144,7 @@ class DecodeWorker:
         if not all(-(2**63) <= x < 2**63 for x in (p.top_k, *p.stop_token_ids)):
             # Checked here, not in the loop: an int64 overflow there would fail every request.
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
+        p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
         if self.spec.blocks_for_tokens(n + req.params.max_tokens) > self.blocks.capacity:
             raise InvalidRequestError("request does not fit in the decode worker's KV cache even alone", "max_tokens")
         return Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
@@ -426,8 +427,9 @@ class DecodeWorker:
         """Reads a launched step's tokens (waits for that step only) and applies them."""
         tokens = launched.handle.tokens()
         t0 = time.perf_counter()
+        logprobs = launched.handle.logprobs()
         with self._lock:
-            deltas = self.scheduler.on_step_output(launched.batch, tokens)
+            deltas = self.scheduler.on_step_output(launched.batch, tokens, logprobs)
         info = launched.handle.info
         self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0,
                                 launched.batch.step)
@@ -447,7 +449,7 @@ class DecodeWorker:
             self._expected.pop(rid, None)
             ok = a.error is None and a.header is not None and a.header.ok
             first = a.header.first_token if ok else None
-            d = self.scheduler.on_arrival(rid, first, ok, a.error)
+            d = self.scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
             if d is not None:
                 deltas.append(d)
         return deltas
@@ -461,7 +463,16 @@ class DecodeWorker:
             return []
         tokens = sum(len(c.token_ids) for _, c in chunks)
         start = self._prefill_timer.start()
-        logits = self.prefill_runner.prefill([c for _, c in chunks])
+        # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
+        wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
+                 if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
+        if any(w is not None for w in wants):
+            logits, prompt_lps = self.prefill_runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+            for (seq, _), lps in zip(chunks, prompt_lps):
+                if lps is not None:
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
+        else:
+            logits = self.prefill_runner.prefill([c for _, c in chunks])
         self._prefill_timer.stop(start, tokens)
         self.prefill_tokens_total += tokens
         # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
@@ -471,9 +482,15 @@ class DecodeWorker:
             return []
         rows = [i for i, (s, _) in enumerate(chunks) if s in done]
         # NOTE: syncs; the local prefill is eager anyway.
-        tokens = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
-                               [s.num_tokens for s in done])
-        return [self.scheduler.on_prefill_token(s, t) for s, t in zip(done, tokens)]
+        tokens, logprobs = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
+                                         [s.num_tokens for s in done], [s.prompt_token_ids for s in done],
+                                         [s.output_token_ids for s in done])
+        deltas = []
+        for s, t, lp in zip(done, tokens, logprobs):
+            prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
+            deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None
+                                                          else None))
+        return deltas
 
     def _fail_all(self, error: str, lost: bool = False) -> None:
         with self._lock:

@@ -29,18 +29,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.chunked_prefill import fcfs_chunks
+from cluster.logprobs import PrefillLogprobs, TokenLogprobs
 from cluster.messages import TokenDelta
 from cluster.model_runner import PrefillChunk
 from cluster.sequence import Sequence, SequenceStatus
 from decode_worker.block_manager import BlockManager
-
-
-def _delta(request_id: str, token_ids: tuple[int, ...], finish_reason: str | None) -> TokenDelta:
-    """TokenDelta without the frozen dataclass __init__ (object.__setattr__ per field): this runs
-    once per row per step on the loop thread, where it was a third of the output processing."""
-    d = object.__new__(TokenDelta)
-    d.__dict__.update(request_id=request_id, token_ids=token_ids, finish_reason=finish_reason, error=None)
-    return d
 
 
 @dataclass(slots=True)
@@ -73,8 +66,8 @@ class DecodeScheduler:
         self.waiting: deque[Sequence] = deque()  # local prefill (new or preempted)
         self.running: list[Sequence] = []
         # request_id -> (step, row) of each of its tokens still on the device, oldest first.
+        # (Its last entry is also the last step that includes the request: what its blocks wait for.)
         self._pending: dict[str, deque[tuple[int, int]]] = {}
-        self._last_step: dict[str, int] = {}  # request_id -> last step that included it
         self.completed_step = -1  # every step <= this one has finished on the device
         self.num_preemptions = 0
 
@@ -103,9 +96,10 @@ class DecodeScheduler:
         self.waiting.append(seq)
         return True
 
-    def on_arrival(self, request_id: str, first_token: int | None, ok: bool, error: str | None = None) -> TokenDelta | None:
-        """A transfer finished. Returns the delta to publish (first token, or an error), or None if the
-        request was aborted meanwhile (its blocks go back to the pool now)."""
+    def on_arrival(self, request_id: str, first_token: int | None, ok: bool, error: str | None = None,
+                   logprobs: PrefillLogprobs | None = None) -> TokenDelta | None:
+        """A transfer finished. Returns the delta to publish (first token with the prefill's logprobs,
+        or an error), or None if the request was aborted meanwhile (its blocks go back to the pool now)."""
         if self.blocks.release_transfer(request_id):
             return None  # aborted while the transfer was in flight
         seq = self.waiting_for_kv.pop(request_id, None)
@@ -125,7 +119,9 @@ class DecodeScheduler:
             self._finish(seq)
         else:
             self.running.append(seq)
-        return TokenDelta(request_id, (first_token,), reason)
+        first = logprobs.first if logprobs is not None else None
+        return TokenDelta(request_id, (first_token,), reason, None, None if first is None else (first,),
+                          logprobs.prompt if logprobs is not None else None)
 
     def abort(self, request_id: str, transfer_pending: bool) -> bool:
         """Drops a request. transfer_pending: a transport may still write its reserved blocks."""
@@ -167,7 +163,8 @@ class DecodeScheduler:
                 done.append(seq)
         return done
 
-    def on_prefill_token(self, seq: Sequence, token: int) -> TokenDelta:
+    def on_prefill_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None,
+                         prompt_logprobs: tuple | None = None) -> TokenDelta:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         reason = seq.append_token(token)
@@ -175,7 +172,8 @@ class DecodeScheduler:
             self._finish(seq)
         else:
             self.running.append(seq)
-        return TokenDelta(seq.request_id, (token,), reason)
+        return TokenDelta(seq.request_id, (token,), reason, None, None if logprobs is None else (logprobs,),
+                          prompt_logprobs)
 
     # -- decode -----------------------------------------------------------------------------------
     def _input_of(self, seq: Sequence) -> tuple[int, int, int]:
@@ -197,43 +195,48 @@ class DecodeScheduler:
         """The rows of decode step `step`. pipeline_busy: a step is in flight whose results aren't
         processed yet. Grows block tables; on a short pool returns needs_drain or preempts."""
         batch = DecodeBatch(step, [])
+        rows = batch.rows
         bsz, max_len, pending_of = self.blocks.block_size, self.max_model_len, self._pending
-        # One pass over the running set (this is the per-step host path: keep it flat).
-        plan = []  # (seq, token, prev_row, position, extra blocks)
+        # One pass over the running set (this is the per-step host path: keep it flat); the rows whose
+        # tables must grow are remembered and grown once the whole need is known to fit.
+        grow = []  # (row index, extra blocks)
         need = 0
         for seq in self.running:
             pending = pending_of.get(seq.request_id)
             n_pending = len(pending) if pending else 0
-            n_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            n_out = len(seq.output_token_ids)
+            n_tokens = len(seq.prompt_token_ids) + n_out
             # The token in flight already reaches max_tokens (or the context limit): nothing to run.
-            if len(seq.output_token_ids) + n_pending >= seq.params.max_tokens or n_tokens + n_pending >= max_len:
+            if n_out + n_pending >= seq.params.max_tokens or n_tokens + n_pending >= max_len:
                 continue
             if n_pending:
                 # NOTE: only the latest step's output is on the device, so the token in flight must be
                 # from the step just before this one; the worker's loop keeps at most one step unread.
-                token, prev_row, pos = 0, pending[-1][1], n_tokens - 1 + n_pending
+                pos = n_tokens - 1 + n_pending
+                rows.append(DecodeRow(seq, 0, pending[-1][1], pos))
             else:
-                token, prev_row, pos = seq.last_token_id, -1, n_tokens - 1
+                pos = n_tokens - 1
+                rows.append(DecodeRow(seq, seq.last_token_id, -1, pos))
             extra = pos // bsz + 1 - len(seq.block_table)
             if extra > 0:
                 need += extra
-            plan.append((seq, token, prev_row, pos, extra))
+                grow.append((len(rows) - 1, extra))
         if need > self.blocks.num_free:
             if pipeline_busy:
+                batch.rows = []
                 batch.needs_drain = True
                 return batch
             # Preempt the newest until the rest fit (the engine's policy; recomputed later).
-            while plan and need > self.blocks.num_free:
-                victim, *_, extra = plan.pop()
-                need -= max(extra, 0)
-                self._preempt(victim)
-                batch.preempted.append(victim)
-        rows = batch.rows
-        for seq, token, prev_row, pos, extra in plan:
-            if extra > 0:
-                ok = self.blocks.grow(seq.block_table, pos + 1)
-                assert ok, "blocks were counted above"
-            rows.append(DecodeRow(seq, token, prev_row, pos))
+            while rows and need > self.blocks.num_free:
+                victim = rows.pop()
+                if grow and grow[-1][0] == len(rows):
+                    need -= grow.pop()[1]
+                self._preempt(victim.seq)
+                batch.preempted.append(victim.seq)
+        for i, _ in grow:
+            r = rows[i]
+            ok = self.blocks.grow(r.seq.block_table, r.position + 1)
+            assert ok, "blocks were counted above"
         return batch
 
     def steps_abandoned(self, last_step: int) -> None:
@@ -244,24 +247,34 @@ class DecodeScheduler:
         self.blocks.step_completed(last_step)
 
     def on_step_launched(self, batch: DecodeBatch) -> None:
+        step, pending_of = batch.step, self._pending
         for i, r in enumerate(batch.rows):
-            self._pending.setdefault(r.seq.request_id, deque()).append((batch.step, i))
-            self._last_step[r.seq.request_id] = batch.step
+            rid = r.seq.request_id
+            pending = pending_of.get(rid)
+            if pending is None:
+                pending_of[rid] = deque(((step, i),))
+            else:
+                pending.append((step, i))
 
-    def on_step_output(self, batch: DecodeBatch, tokens: list[int]) -> list[TokenDelta]:
-        """Step `batch.step` completed with these sampled tokens (row order). Returns what to publish."""
-        self.completed_step = max(self.completed_step, batch.step)
+    def on_step_output(self, batch: DecodeBatch, tokens: list[int], logprobs=None) -> list[TokenDelta]:
+        """Step `batch.step` completed with these sampled tokens (row order), and for a features step
+        `logprobs` = (logprob [n], top ids [n][K], top logprobs [n][K]) host lists. Returns what to
+        publish."""
+        step = batch.step
+        self.completed_step = max(self.completed_step, step)
+        pending_of, running = self._pending, SequenceStatus.RUNNING
         bsz = self.blocks.block_size
         deltas = []
-        for row, tok in zip(batch.rows, tokens):
+        for i, row in enumerate(batch.rows):
             seq = row.seq
             rid = seq.request_id
-            pending = self._pending.get(rid)
-            if not pending or pending[0][0] != batch.step:
+            pending = pending_of.get(rid)
+            if not pending or pending[0][0] != step:
                 continue  # finished, aborted or preempted after this step was launched
             pending.popleft()
-            if seq.status is not SequenceStatus.RUNNING or seq.finish_reason is not None:
+            if seq.status is not running or seq.finish_reason is not None:
                 continue  # finished, aborted or preempted after this step was launched
+            tok = tokens[i]
             reason = seq.append_token(tok)
             seq.num_cached_tokens = row.position + 1
             if seq.num_cached_tokens % bsz == 0:  # this step filled a block
@@ -269,8 +282,13 @@ class DecodeScheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq)
-            deltas.append(_delta(rid, (tok,), reason))
-        self.blocks.step_completed(batch.step)
+            d = TokenDelta(rid, (tok,), reason)
+            if logprobs is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                lp, ids, top = logprobs
+                d.logprobs = (TokenLogprobs(lp[i], tuple(ids[i][:k]), tuple(top[i][:k])),)
+            deltas.append(d)
+        self.blocks.step_completed(step)
         return deltas
 
     def _preempt(self, seq: Sequence) -> None:
@@ -294,13 +312,13 @@ class DecodeScheduler:
         return bool(self.waiting) and bool(self.waiting[0].block_table)
 
     def _release(self, seq: Sequence) -> None:
-        last = self._last_step.pop(seq.request_id, -1)
+        pending = self._pending.pop(seq.request_id, None)
+        last = pending[-1][0] if pending else -1  # no step in flight includes it: free now
         self.blocks.free_after_step(seq.block_table, last, self.completed_step)
         seq.block_table = []
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
-        self._pending.pop(seq.request_id, None)
         self._release(seq)
 
     def check_blocks(self) -> None:

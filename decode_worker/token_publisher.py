@@ -34,11 +34,12 @@ _SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (
 
 
 class _Outgoing:
-    __slots__ = ("reply_to", "detok")
+    __slots__ = ("reply_to", "detok", "prompt")
 
-    def __init__(self, reply_to: str | None, detok: IncrementalDetokenizer):
+    def __init__(self, reply_to: str | None, detok: IncrementalDetokenizer, prompt: tuple[int, ...] | None):
         self.reply_to = reply_to
         self.detok = detok
+        self.prompt = prompt  # kept only when prompt logprobs are asked for
 
 
 class TokenPublisher:
@@ -52,6 +53,7 @@ class TokenPublisher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._local: deque = deque(maxlen=keep_local)
         self._local_cv = threading.Condition()
+        self._token_strings: dict[int, str] = {}  # id -> its string in logprobs (publisher thread only)
         self.sent = 0  # frames sent to gateways
         self.dropped = 0  # frames a gateway could not take (gone)
         self._thread = threading.Thread(target=self._run, name="decode-token-publisher", daemon=True)
@@ -62,7 +64,8 @@ class TokenPublisher:
         """Before the request can produce a token (reserve / submit_local)."""
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
                                        resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars)
-        self._requests[req.request_id] = _Outgoing(req.reply_to, detok)
+        prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None else None
+        self._requests[req.request_id] = _Outgoing(req.reply_to, detok, prompt)
 
     def forget(self, request_id: str) -> None:
         """A registered request that will produce nothing (not placed here after all)."""
@@ -92,7 +95,10 @@ class TokenPublisher:
             return None  # ended here already (stop string), or never ours (an abort after the end)
         tokens, finish, detok = d.token_ids, d.finish_reason, out.detok
         stopped = False
-        for i, tok in enumerate(tokens):
+        # The loop's "stop" is a stop token (stop_token_ids or EOS; stop strings end here): it stays in
+        # token_ids and its logprobs, but its text is not output (as vLLM).
+        text_tokens = len(tokens) - 1 if finish == "stop" else len(tokens)
+        for i, tok in enumerate(tokens[:text_tokens]):
             detok.add(tok)
             if detok.stopped:
                 tokens, finish, stopped = tokens[: i + 1], "stop", True
@@ -102,7 +108,32 @@ class TokenPublisher:
             del self._requests[d.request_id]
         if stopped and d.finish_reason is None and self.on_stop is not None:
             self.on_stop(d.request_id)  # the loop still runs it: drop it there, free its blocks
-        return out.reply_to, make_delta(d.request_id, tokens, text, finish, d.error)
+        logprobs = None
+        if d.logprobs is not None or d.prompt_logprobs is not None:
+            logprobs = self._logprobs(tokens, d.logprobs or (), d.prompt_logprobs, out.prompt)
+        return out.reply_to, make_delta(d.request_id, tokens, text, finish, d.error, logprobs)
+
+    def _string(self, token_id: int) -> str:
+        s = self._token_strings.get(token_id)
+        if s is None:
+            s = self._token_strings[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    def _position(self, token_id: int, lp):
+        from cluster.stream_messages import PositionLogprobs
+
+        return PositionLogprobs(token_id, self._string(token_id), lp.logprob, lp.top_ids,
+                                tuple(self._string(t) for t in lp.top_ids), lp.top_logprobs)
+
+    def _logprobs(self, tokens, token_lps, prompt_lps, prompt):
+        """TokenLogprobs (ids) -> DeltaLogprobs (with strings), for the tokens that go out."""
+        from cluster.stream_messages import DeltaLogprobs
+
+        toks = tuple(self._position(t, lp) for t, lp in zip(tokens, token_lps))
+        pr = None
+        if prompt_lps is not None and prompt is not None:
+            pr = tuple(None if lp is None else self._position(t, lp) for t, lp in zip(prompt, prompt_lps))
+        return DeltaLogprobs(toks, pr)
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.

@@ -7,7 +7,9 @@ the median step time, tokens/s and the memory floor: (weights + KV bytes read pe
 device-to-device copy bandwidth measured in the same run. Graph rows (`mode: "graph"`, the default
 serving path) carry `kernels_per_step`: the kernel nodes of that bucket's captured graph. Also:
 padding waste per bucket policy, capture time and memory per bucket, kernel launches per step
-(torch.profiler), the cost of sampled and top-k/top-p batches against greedy ones, host time per step
+(torch.profiler), the cost of sampled and top-k/top-p batches against greedy ones, a mixed batch with
+penalties and logprobs (`mode: "graph-features"`, every other row; `features_overhead` is its step
+time over the plain graph row's), host time per step
 (schedule + prepare + launch + process + publish) and how much the overlap hides, and optionally the
 same step through torch.compile.
 
@@ -75,6 +77,15 @@ SHAPES = {
 # Sampling parameters of the three kinds of batch the sampler handles (one graph serves all).
 SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.8),
             "filtered": dict(temperature=0.8, top_k=50, top_p=0.9)}
+# `mode: "graph-features"`: a mixed batch, every other row with penalties and logprobs (the decode
+# graph's features variant runs for the whole batch), the others plain sampling.
+FEATURES = dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, logprobs=5)
+
+
+def row_params(sampling: str, i: int) -> dict:
+    if sampling == "features":
+        return FEATURES if i % 2 == 0 else SAMPLING["sample"]
+    return SAMPLING[sampling]
 
 
 def hf_config_dict(name: str) -> dict:
@@ -146,18 +157,20 @@ class Bench:
     def kv_bytes_per_step(self, bs: int) -> int:
         return bs * PROMPT_LEN * self.arch.kv_bytes_per_token(2)
 
-    def new_scheduler(self, bs: int, params: SamplingParams) -> DecodeScheduler:
+    def new_scheduler(self, bs: int, sampling: str) -> DecodeScheduler:
         sched = DecodeScheduler(BlockManager(self.spec.num_blocks, BLOCK_SIZE), MAX_NUM_SEQS, 4096, MAX_MODEL_LEN)
         for i in range(bs):
-            s = Sequence(f"r{i}", [1] * PROMPT_LEN, params, seed=i, eos_token_ids=self.arch.eos_token_ids)
+            params = SamplingParams(max_tokens=10_000, ignore_eos=True, **row_params(sampling, i))
+            # Varied prompt tokens: the penalties see a real token history.
+            s = Sequence(f"r{i}", [(7 * k + i) % self.arch.vocab_size for k in range(PROMPT_LEN)], params, seed=i,
+                         eos_token_ids=self.arch.eos_token_ids)
             assert sched.reserve(s) is not None
             sched.on_arrival(s.request_id, 7, ok=True)
         return sched
 
     def run_loop(self, runner: BucketedGraphRunner, bs: int, steps: int, overlap: bool, sampling: str = "greedy"):
         """The worker's loop body. Returns per-step wall, device and host times (seconds)."""
-        params = SamplingParams(max_tokens=10_000, ignore_eos=True, **SAMPLING[sampling])
-        sched = self.new_scheduler(bs, params)
+        sched = self.new_scheduler(bs, sampling)
         inflight = None
         walls, gpus, hosts = [], [], []
         self.parts = {"prepare": [], "launch": [], "process": [], "encode": []}
@@ -180,7 +193,7 @@ class Bench:
             for b, h, host_pre in pending:
                 toks = h.tokens()  # waits for that step only
                 t1 = time.perf_counter()
-                deltas = sched.on_step_output(b, toks)
+                deltas = sched.on_step_output(b, toks, h.logprobs())
                 tb = TokenBatch("bench", b.step, tuple(deltas))  # what the loop thread hands the publisher
                 t2 = time.perf_counter()
                 msgpack_encode(tb)  # done on the publisher thread in the worker, timed apart
@@ -405,6 +418,27 @@ def main():
                 result["sampler_variants"].append({"model": name, "batch_size": bs, "variant": kind,
                                                    "gpu_step_ms": median(gpus) * 1e3})
                 log(f"  bs={bs:3d} {kind:8s} batch: gpu {median(gpus) * 1e3:.3f} ms")
+        # The features variant's cost: the same batch sizes as the plain graph rows, half the rows with
+        # penalties and logprobs; `features_overhead` compares with the plain graph row of that size.
+        for bs in batch_sizes:
+            try:
+                walls, gpus, hosts = bench.run_loop(bench.graph, bs, steps, overlap=True, sampling="features")
+                step_ms = median(walls) * 1e3
+                plain = next((r for r in result["rows"] if r["model"] == name and r["batch_size"] == bs
+                              and r["mode"] == "graph"), None)
+                floor_ms = (bench.weight_bytes + bench.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
+                row = {"model": name, "batch_size": bs, "mode": "graph-features", "step_ms": step_ms,
+                       "gpu_step_ms": median(gpus) * 1e3, "floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms,
+                       "host_us": median(hosts) * 1e6,
+                       "tokens_per_s": bs / (step_ms / 1e3), "features_rows": (bs + 1) // 2, "features": FEATURES,
+                       "features_overhead": step_ms / plain["step_ms"] if plain else None}
+                result["rows"].append(row)
+                log(f"  bs={bs:3d} graph-features step {step_ms:7.3f} ms (gpu {row['gpu_step_ms']:.3f}) host "
+                    f"{row['host_us']:.0f} us" + (f", x{row['features_overhead']:.2f} the plain step" if plain else ""))
+            except Exception as e:  # noqa: BLE001 - keep the other measurements
+                traceback.print_exc()
+                result["errors"].append(f"{name} bs={bs} graph-features: {e!r}")
+        save()
         save()
         if not args.no_hf and device == "cuda":
             try:
@@ -468,7 +502,7 @@ def plot(result: dict, path: Path) -> None:
     models = sorted({r["model"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
-        for mode, style in (("graph", "o-"), ("eager", "s--"), ("hf", "^:")):
+        for mode, style in (("graph", "o-"), ("graph-features", "d-."), ("eager", "s--"), ("hf", "^:")):
             rows = sorted((r for r in result["rows"] if r["model"] == name and r["mode"] == mode),
                           key=lambda r: r["batch_size"])
             if rows:

@@ -27,7 +27,9 @@ import torch
 from cluster.block_hash import BlockHash, prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
+from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
+from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
@@ -52,6 +54,7 @@ class _Job:
     hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
     cached_tokens: int = 0  # prompt tokens found in this worker's cache
     aborted: bool = False
+    prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
 
     @property
     def prompt(self):
@@ -143,6 +146,12 @@ class PrefillWorker:
             # The cache-hit rule leaves the last prompt token to compute, so its block is always sent.
             fut.set_result(self._failed(task, 0.0, f"reservation skips {task.reservation.num_cached_blocks} "
                                                    f"blocks of a {n}-token prompt"))
+            self._spawn_abort(task)
+            return fut
+        try:
+            task.request.params.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
+        except InvalidRequestError as e:
+            fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut
         job = _Job(task, fut, time.perf_counter())
@@ -243,7 +252,8 @@ class PrefillWorker:
     def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
         def admit(job: _Job) -> bool:
             if not job.blocks:
-                got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes)
+                got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes,
+                                                     lookup=job.task.request.params.reads_prefix_cache)
                 if got is None:
                     return False
                 job.blocks, job.cached_tokens = got
@@ -266,7 +276,17 @@ class PrefillWorker:
         try:
             tokens_in_pass = sum(len(c.token_ids) for _, c in chunks)
             start = self._timer.start()
-            logits = self.runner.prefill([c for _, c in chunks])
+            # Prompt logprobs need every position's logits (such a request skipped the prefix cache:
+            # SamplingParams.reads_prefix_cache), gathered chunk by chunk.
+            wants = [(job.prompt, job.task.request.params.prompt_logprobs)
+                     if job.task.request.params.prompt_logprobs is not None else None for job, _ in chunks]
+            if any(w is not None for w in wants):
+                logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+                for (job, _), lps in zip(chunks, prompt_lps):
+                    if lps is not None:
+                        job.prompt_logprobs = (job.prompt_logprobs or []) + lps
+            else:
+                logits = self.runner.prefill([c for _, c in chunks])
             self._shipment = None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now, while we sample
@@ -280,7 +300,8 @@ class PrefillWorker:
                     self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
                     if job.done_tokens == len(job.prompt):
                         done.append((i, job))
-            tokens = self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done else []  # syncs: KV is complete
+            tokens, logprobs = (self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done
+                                else ([], []))  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
             if shipment is not None:
@@ -298,13 +319,16 @@ class PrefillWorker:
                     job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
                     self._spawn_abort(job.task)
             return True
-        first = {}
+        first, lps = {}, {}
         with self._cv:
-            for (_, job), tok in zip(done, tokens):
+            for (_, job), tok, lp in zip(done, tokens, logprobs):
                 self._waiting.remove(job)
                 first[job.request_id] = None if job.aborted else tok
+                plp = job.prompt_logprobs
+                if not job.aborted and (lp is not None or plp is not None):
+                    lps[job.request_id] = PrefillLogprobs(lp, None if plp is None else tuple(plp))
         if shipment is not None:
-            shipment.commit(first)
+            shipment.commit(first, lps)
         for _, job in done:
             tok = first[job.request_id]
             if shipment is None:
@@ -333,11 +357,12 @@ class PrefillWorker:
             self._sending += 1
         shipment.futures[job.request_id].add_done_callback(lambda f: self._sent(job, f, first_token, done_at, error))
 
-    def _sample(self, logits: torch.Tensor, jobs: list[_Job]) -> list[int]:
-        """The first token sits at position len(prompt): the same draw the engine would make."""
+    def _sample(self, logits: torch.Tensor, jobs: list[_Job]):
+        """The first token sits at position len(prompt): the same draw the engine would make.
+        -> (tokens, per job its logprobs or None)."""
         reqs = [j.task.request for j in jobs]
         return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                             [len(r.prompt_token_ids) for r in reqs])
+                             [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs])
 
     # -- transfer and completion ----------------------------------------------------------------
     def _sent(self, job: _Job, fut, first_token: int, prefill_done: float, error: str | None) -> None:

@@ -35,15 +35,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
 from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import StreamDelta
-from cluster.tokenizer import encode_chat, encode_prompt
+from cluster.stream_messages import DeltaLogprobs, StreamDelta
+from cluster.tokenizer import encode_bad_words, encode_chat, encode_prompt
 from router.admission import NoHealthyWorkerError, OverloadedError
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse,
-    ModelCard, ModelList, UsageInfo,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, UsageInfo,
+    VersionResponse,
 )
+from router.openai_logprobs import CompletionLogprobsBuilder, PromptStart, chat_logprobs
 from router.router import DrainingError
 from router.router_client import RouterClient
 from router.router_messages import Drain, PrefillDone, RequestFailed
@@ -61,6 +63,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     token_timeout_s: float = 600.0  # no token for this long: the request fails (a stuck worker)
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
 
 
 class APIError(Exception):
@@ -75,8 +78,14 @@ class GenerationError(Exception):
     """A worker failed the request after it was admitted (HTTP 500 / an error event in the stream)."""
 
 
+def _printable(s: str | None) -> str | None:
+    # A message or param may quote what the client sent: a lone surrogate in it could not be encoded
+    # as UTF-8 JSON (a 500 instead of the error). Escaped, it can.
+    return s if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(e: APIError) -> JSONResponse:
-    body = ErrorResponse.of(e.message, e.type, e.param, e.code).model_dump()
+    body = ErrorResponse.of(_printable(e.message), e.type, _printable(e.param), e.code).model_dump()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
@@ -113,6 +122,7 @@ class Generation:
         self.worker_request_id = req.request_id  # changes when a worker's death moves the request
         self.arrival = req.arrival_time
         self.mailbox = mailbox
+        self.params = req.params
         self.prompt_tokens = len(req.prompt_token_ids)
         self.generated: list[int] = []  # every token id the client got (what a migration resumes from)
         self.emitted_chars = 0  # ... and how many characters of text
@@ -122,14 +132,12 @@ class Generation:
         self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
         self.prefilled = asyncio.Event()
         self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
+        self.admitted = False  # the router took it (a refused one is counted as rejected, not here)
+        self.prompt_logprobs: tuple | None = None  # from the first delta, when asked (prompt_logprobs)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.generated)
-
-    @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     async def settle(self, timeout_s: float = 5.0) -> None:
         """Waits for PrefillDone, which says how much of the prompt was cached (the usage's
@@ -140,8 +148,9 @@ class Generation:
         except asyncio.TimeoutError:
             pass
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yields (new text, finish reason or None); the last piece carries the finish reason."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, DeltaLogprobs | None]]:
+        """Yields (new text, finish reason or None, the new tokens' logprobs or None); the last piece
+        carries the finish reason. A piece may have logprobs and no text (held-back bytes)."""
         gw, m = self.gw, self.gw.metrics
         last = None
         abort = True  # unless a worker itself finished the request
@@ -158,24 +167,27 @@ class Generation:
                         m.itl.observe(now - last)
                     last = now
                     self.generated.extend(d.token_ids)
-                text, finish = d.text, d.finish_reason
+                text, finish, logprobs = d.text, d.finish_reason, d.logprobs
+                if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
                 if finish == "error" or d.error is not None:
                     if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
                         end = ("error", d.error)
                     else:
                         end = await self._recover(d.error or "the decode worker failed the request")
                     if end is None:  # placed again: the tokens read with the failure still go out
-                        if text:
+                        if text or (logprobs is not None and logprobs.tokens):
                             self.emitted_chars += len(text)
-                            yield text, None
+                            yield text, None, logprobs
                         continue
                     finish, error = end
                     if finish == "error":
+                        self.finish_reason = "error"
                         raise GenerationError(error or "the decode worker failed the request")
-                if text or finish is not None:
+                if text or finish is not None or (logprobs is not None and logprobs.tokens):
                     self.emitted_chars += len(text)
                     self.finish_reason = finish
-                    yield text, finish
+                    yield text, finish, logprobs
                 if finish is not None:  # the worker (or the router) finished it: nothing to abort
                     abort = False
                     m.e2e.observe(time.time() - self.arrival)
@@ -243,6 +255,12 @@ class Gateway:
         """The request is over for this gateway (safe to call twice)."""
         if self.active.pop(gen.request_id, None) is None:
             return
+        if abort and gen.admitted:
+            # Cancelled (the client left, a sibling choice failed, drain) or failed: counted here, once,
+            # with the tokens it streamed; a request a worker finished was counted by pieces().
+            self.metrics.finished("error" if gen.finish_reason == "error" else "abort", gen.prompt_tokens,
+                                  gen.completion_tokens)
+            self.metrics.generation_tokens.inc(gen.completion_tokens)
         self.token_stream.unregister(gen.worker_request_id)
         self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
 
@@ -312,18 +330,35 @@ class Gateway:
         st = self.client.state
         return st.kv_capacity_tokens if st is not None else 0
 
-    def _params(self, body, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
+    def _params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        bias = ()
+        if body.logit_bias:
+            try:
+                bias = {int(k): v for k, v in body.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
+            bad_words_token_ids=encode_bad_words(self.tokenizer, body.bad_words) if body.bad_words else (),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
+        params.check_token_ids(self.cfg.vocab_size or len(self.tokenizer))
+        return params
 
-    async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+    async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                               seed: int | None = None) -> Generation:
+        """`seed`: the sampling seed if not params.seed (choice i of a seeded request: seed + i)."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
                               reply_to=self.token_stream.address)
         mailbox = self.token_stream.register(request_id)  # before the router places it
@@ -331,6 +366,7 @@ class Gateway:
         self.active[request_id] = gen
         try:
             await self.client.submit(req)
+            gen.admitted = True
         except BaseException:
             # Refused (nothing to undo), or the client left while it was being placed: the router
             # undoes whatever placement it made.
@@ -345,41 +381,158 @@ class Gateway:
         return await self._serve(_CHAT, body, request)
 
     async def _serve(self, api: "_Endpoint", body, request: Request) -> Response:
-        """Both endpoints: checks, tokenize, admit and place, then stream SSE events or collect."""
+        """Both endpoints: checks, tokenize, admit and place every choice, then stream SSE events or
+        collect. A request's choices are independent generations (one per prompt and per n): choice
+        `p * n + i` is prompt p's i-th, sampled with seed + i when the request has a seed (as vLLM),
+        so it equals the single request with that seed."""
         self._check_accepting()
         self._check_model(body.model)
         body.check_unsupported()
-        ids = api.prompt_ids(self, body)
-        max_tokens = api.max_tokens(self, body, ids)
-        params = self._params(body, max_tokens)
+        prompts = [(p, api.encode(self, p)) for p in api.prompts(body)]
+        num_logprobs = api.num_logprobs(body)
+        echo = api.echo(body)
         rid = f"{api.id_prefix}-{uuid.uuid4().hex}"
-        gen = await _unless_gone(request, self.start_generation(rid, ids, params), lambda g: self.end(g, abort=True))
-        if gen is None:
+        single = len(prompts) * body.n == 1
+
+        async def place_all() -> list[_Choice]:
+            choices: list[_Choice] = []
+            try:
+                for p, (prompt, ids) in enumerate(prompts):
+                    params = self._params(body, api.max_tokens(self, body, ids), num_logprobs,
+                                          num_logprobs if echo else None)
+                    echo_text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else None
+                    for i in range(body.n):
+                        index = p * body.n + i
+                        seed = None if body.seed is None else (body.seed + i) % 2**63
+                        gen = await self.start_generation(rid if single else f"{rid}-{index}", ids, params, seed)
+                        choices.append(_Choice(index, gen, ids, echo_text, self.tokenizer))
+            except BaseException:
+                for c in choices:  # a later choice refused (429, ...) or the client left: none of them runs
+                    self.end(c.gen, abort=True)
+                raise
+            return choices
+
+        def end_all(choices: list[_Choice]) -> None:
+            for c in choices:
+                self.end(c.gen, abort=True)  # a no-op for a choice that finished
+
+        choices = await _unless_gone(request, place_all(), end_all)
+        if choices is None:
             return Response(status_code=499)  # the client left while its request waited for a worker
         if body.stream:
             # The request is let go however the stream ends, even when the client left before the
             # body iterator ever started (then Generation.pieces() never runs its cleanup).
-            return _sse(self._events(api, gen, rid, body), on_close=lambda: self.end(gen, abort=True))
+            return _sse(self._events(api, choices, rid, body), on_close=lambda: end_all(choices))
 
         async def collect():
-            text = "".join([t async for t, _ in gen.pieces()])
-            await gen.settle()
-            return api.response(rid, body, text, gen)
+            tasks = [asyncio.ensure_future(c.collect()) for c in choices]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:  # one failed (or the client left): the others stop too, and abort
+                for t in tasks:
+                    t.cancel()
+            return api.response(rid, body, choices, results, await _usage(choices))
         return await _unless_disconnected(request, collect())
 
-    async def _events(self, api: "_Endpoint", gen: Generation, rid: str, body) -> AsyncIterator[str]:
+    async def _events(self, api: "_Endpoint", choices: list["_Choice"], rid: str, body) -> AsyncIterator[str]:
         fmt = api.chunks(rid, body, int(time.time()))
         try:
-            for event in fmt.opening():
-                yield event
-            async for text, finish in gen.pieces():
-                yield fmt.piece(text, finish)
+            for c in choices:
+                for event in fmt.opening(c.index):
+                    yield event
+            if len(choices) == 1:  # the common case: no task, no queue
+                c = choices[0]
+                async for text, finish, positions in c.pieces():
+                    yield fmt.piece(c.index, text, finish, positions)
+            else:
+                async for index, (text, finish, positions) in _merged(choices):
+                    yield fmt.piece(index, text, finish, positions)
             if body.include_usage:
-                await gen.settle()
-                yield fmt.usage(gen.usage)
+                yield fmt.usage(await _usage(choices))
         except GenerationError as e:
             yield _event(ErrorResponse.of(str(e), "internal_error", code=500).model_dump_json())
         yield "data: [DONE]\n\n"
+
+
+class _Choice:
+    """One choice of a response: its generation, and what echo puts before its text."""
+
+    def __init__(self, index: int, gen: Generation, prompt_ids: list[int], echo: str | None, tokenizer):
+        self.index = index
+        self.gen = gen
+        self.prompt_ids = prompt_ids
+        self.echo = echo  # the prompt's text (echo), else None
+        self.tokenizer = tokenizer
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list]]:
+        """(text, finish reason or None, logprob positions of the piece's tokens); with echo, the first
+        piece starts with the prompt's text and (when logprobs are asked) the prompt's logprobs."""
+        first = self.echo is not None
+        async for text, finish, lp in self.gen.pieces():
+            positions = list(lp.tokens) if lp is not None else []
+            if first:
+                first = False
+                text = self.echo + text
+                if self.gen.params.prompt_logprobs is not None:
+                    positions = self._prompt_positions() + positions
+            yield text, finish, positions
+
+    def _prompt_positions(self) -> list:
+        prompt = self.gen.prompt_logprobs
+        if prompt is None or len(prompt) < len(self.prompt_ids):
+            raise GenerationError("the worker sent no prompt logprobs")
+        # The first prompt token has no logprob (nothing precedes it): its string only.
+        return [PromptStart(self.tokenizer.decode([self.prompt_ids[0]]))] + list(prompt[1:len(self.prompt_ids)])
+
+    async def collect(self) -> tuple[str, list]:
+        text, positions = [], []
+        async for t, _, lp in self.pieces():
+            text.append(t)
+            positions.extend(lp)
+        return "".join(text), positions
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, tuple]]:
+    """Every choice's pieces as they come, tagged with the choice's index. Cancelling the consumer
+    (the client left) cancels every reader, whose cleanup aborts its generation."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def read(c: _Choice):
+        try:
+            async for piece in c.pieces():
+                queue.put_nowait((c.index, piece))
+        except BaseException as e:  # GenerationError, or cancelled: the consumer re-raises the first
+            queue.put_nowait((c.index, e))
+            return
+        queue.put_nowait((c.index, done))
+
+    tasks = [asyncio.ensure_future(read(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _usage(choices: list[_Choice]) -> UsageInfo:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice; the
+    cached prompt tokens as the prompt's first choice found them (once its PrefillDone arrived)."""
+    await asyncio.gather(*(c.gen.settle() for c in choices))
+    prompts: dict[int, tuple[int, int]] = {}
+    for c in choices:
+        prompts.setdefault(id(c.prompt_ids), (len(c.prompt_ids), min(c.gen.cached_tokens, len(c.prompt_ids))))
+    return UsageInfo.of(sum(n for n, _ in prompts.values()), sum(c.gen.completion_tokens for c in choices),
+                        sum(k for _, k in prompts.values()))
 
 
 class _Endpoint:
@@ -387,13 +540,25 @@ class _Endpoint:
 
     id_prefix: str
 
-    def prompt_ids(self, gw: Gateway, body) -> list[int]:
+    def prompts(self, body) -> list:
+        """The request's prompts, each as the client sent it."""
+        raise NotImplementedError
+
+    def encode(self, gw: Gateway, prompt) -> list[int]:
         raise NotImplementedError
 
     def max_tokens(self, gw: Gateway, body, ids: list[int]) -> int:
         raise NotImplementedError
 
-    def response(self, rid: str, body, text: str, gen: Generation):
+    def num_logprobs(self, body) -> int | None:
+        """SamplingParams.logprobs for this body (None: no logprobs)."""
+        raise NotImplementedError
+
+    def echo(self, body) -> bool:
+        return False
+
+    def response(self, rid: str, body, choices: list[_Choice], results: list[tuple[str, list]], usage: UsageInfo):
+        """results: each choice's (text, logprob positions; empty unless asked)."""
         raise NotImplementedError
 
     def chunks(self, rid: str, body, created: int) -> "_ChunkFormat":
@@ -401,10 +566,11 @@ class _Endpoint:
 
 
 class _ChunkFormat:
-    def opening(self) -> list[str]:
+    def opening(self, index: int) -> list[str]:
         return []
 
-    def piece(self, text: str, finish: str | None) -> str:
+    def piece(self, index: int, text: str, finish: str | None, positions) -> str:
+        """positions: the logprobs of this piece's tokens (empty unless asked)."""
         raise NotImplementedError
 
     def usage(self, usage: UsageInfo) -> str:
@@ -414,15 +580,27 @@ class _ChunkFormat:
 class _CompletionsEndpoint(_Endpoint):
     id_prefix = "cmpl"
 
-    def prompt_ids(self, gw, body: CompletionRequest) -> list[int]:
-        return encode_prompt(gw.tokenizer, body.single_prompt())
+    def prompts(self, body: CompletionRequest) -> list:
+        return body.prompts()
+
+    def encode(self, gw, prompt) -> list[int]:
+        return encode_prompt(gw.tokenizer, prompt)
 
     def max_tokens(self, gw, body: CompletionRequest, ids) -> int:
         return body.max_tokens if body.max_tokens is not None else gw.cfg.default_max_tokens
 
-    def response(self, rid, body, text, gen):
-        return CompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            CompletionChoice(text=text, finish_reason=gen.finish_reason)])
+    def num_logprobs(self, body: CompletionRequest) -> int | None:
+        return body.logprobs
+
+    def echo(self, body: CompletionRequest) -> bool:
+        return bool(body.echo)
+
+    def response(self, rid, body, choices, results, usage):
+        out = []
+        for c, (text, positions) in zip(choices, results):
+            logprobs = CompletionLogprobsBuilder(body.logprobs).add(positions) if body.logprobs is not None else None
+            out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.gen.finish_reason))
+        return CompletionResponse(id=rid, model=body.model, usage=usage, choices=out)
 
     def chunks(self, rid, body, created):
         return _CompletionChunks(rid, body, created)
@@ -432,13 +610,21 @@ class _CompletionChunks(_ChunkFormat):
     def __init__(self, rid: str, body: CompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
         # Hot path (one event per token per request): the chunk's fixed parts are encoded once and
-        # only text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
+        # only index, text and finish_reason are serialised per event (~1 us instead of ~12 through pydantic).
         self.head = (f'data: {{"id":{json.dumps(rid)},"object":"text_completion","created":{created},'
-                     f'"model":{json.dumps(body.model)},"choices":[{{"index":0,"text":')
+                     f'"model":{json.dumps(body.model)},"choices":[{{"index":')
         self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
+        self.logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice (text offsets go on)
 
-    def piece(self, text, finish):
-        return f'{self.head}{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)}}}]{self.tail}'
+    def piece(self, index, text, finish, positions):
+        lp = "null"
+        if self.body.logprobs is not None:
+            builder = self.logprobs.get(index)
+            if builder is None:
+                builder = self.logprobs[index] = CompletionLogprobsBuilder(self.body.logprobs)
+            lp = builder.add(positions).model_dump_json()
+        return (f'{self.head}{index},"text":{json.dumps(text)},"logprobs":{lp},'
+                f'"finish_reason":{json.dumps(finish)}}}]{self.tail}')
 
     def usage(self, usage):
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
@@ -448,8 +634,11 @@ class _CompletionChunks(_ChunkFormat):
 class _ChatEndpoint(_Endpoint):
     id_prefix = "chatcmpl"
 
-    def prompt_ids(self, gw, body: ChatCompletionRequest) -> list[int]:
-        return encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+    def prompts(self, body: ChatCompletionRequest) -> list:
+        return [body.messages]
+
+    def encode(self, gw, messages) -> list[int]:
+        return encode_chat(gw.tokenizer, [m.as_template_dict() for m in messages])
 
     def max_tokens(self, gw, body: ChatCompletionRequest, ids) -> int:
         max_tokens = body.requested_max_tokens
@@ -458,9 +647,16 @@ class _ChatEndpoint(_Endpoint):
             max_tokens = max(1, room)
         return max_tokens
 
-    def response(self, rid, body, text, gen):
-        return ChatCompletionResponse(id=rid, model=body.model, usage=gen.usage, choices=[
-            ChatChoice(message=ChatResponseMessage(content=text), finish_reason=gen.finish_reason)])
+    def num_logprobs(self, body: ChatCompletionRequest) -> int | None:
+        return body.num_logprobs
+
+    def response(self, rid, body, choices, results, usage):
+        out = []
+        for c, (text, positions) in zip(choices, results):
+            logprobs = chat_logprobs(positions, body.num_logprobs) if body.num_logprobs is not None else None
+            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=text), logprobs=logprobs,
+                                  finish_reason=c.gen.finish_reason))
+        return ChatCompletionResponse(id=rid, model=body.model, usage=usage, choices=out)
 
     def chunks(self, rid, body, created):
         return _ChatChunks(rid, body, created)
@@ -470,25 +666,28 @@ class _ChatChunks(_ChunkFormat):
     def __init__(self, rid: str, body: ChatCompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
 
-    def _chunk(self, delta: DeltaMessage, finish: str | None) -> str:
+    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=()) -> str:
+        logprobs = None
+        if self.body.num_logprobs is not None and positions:
+            logprobs = chat_logprobs(positions, self.body.num_logprobs)
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model,
-                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+                                choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                                         finish_reason=finish)])
         d = c.model_dump(exclude_none=True)
         d["choices"][0]["finish_reason"] = finish  # always present, null until the end
         if self.body.include_usage:
             d["usage"] = None
         return _event(json.dumps(d, separators=(",", ":")))
 
-    def opening(self):
-        return [self._chunk(DeltaMessage(role="assistant", content=""), None)]
+    def opening(self, index):
+        return [self._chunk(index, DeltaMessage(role="assistant", content=""), None)]
 
-    def piece(self, text, finish):
-        return self._chunk(DeltaMessage(content=text) if text else DeltaMessage(), finish)
+    def piece(self, index, text, finish, positions):
+        return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
 
     def usage(self, usage):
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
         return _event(c.model_dump_json())
-
 
 _COMPLETIONS, _CHAT = _CompletionsEndpoint(), _ChatEndpoint()
 
@@ -568,8 +767,12 @@ def check_api_key(authorization: str, key: str) -> bool:
     return hmac.compare_digest(given.strip().encode(), key.encode())
 
 
+# Paths behind the API key; /health, /ready, /metrics, /version and the schema stay open for probes.
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/stats")
+
+
 class APIKeyAuth:
-    """ASGI middleware: every /v1 request without the API key gets 401 before anything reads its
+    """ASGI middleware: every request to KEYED_PATHS without the API key gets 401 before anything reads its
     body, so an unauthenticated client learns nothing from validation (not even that its JSON is
     invalid) and never costs a parse. The outermost middleware: before the body-size limit too."""
 
@@ -579,7 +782,7 @@ class APIKeyAuth:
         self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send):
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.key and scope["type"] == "http" and scope["path"].startswith(KEYED_PATHS):
             auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not check_api_key(auth.decode("latin-1"), self.key):
                 self.on_refused()
@@ -629,6 +832,15 @@ class BodySizeLimit:
         await resp(scope, receive, send)
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pdserve")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout): the package's own
+        return "0.1.0+source"
+
+
 def build_app(gw: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -638,7 +850,9 @@ def build_app(gw: Gateway) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is generated from the request models (router/openai_protocol.py); /docs renders it.
+    app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.add_middleware(BodySizeLimit, max_bytes=gw.cfg.max_body_bytes)
     app.add_middleware(APIKeyAuth, key=gw.cfg.api_key, on_refused=lambda: gw.metrics.rejected(401))  # outermost
 
@@ -686,6 +900,11 @@ def build_app(gw: Gateway) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)])
 
+    @v1.get("/models/{model_id:path}")  # a served name may contain '/'
+    async def model(model_id: str) -> ModelCard:
+        gw._check_model(model_id)
+        return ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)
+
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await gw.completion(body, request)
@@ -695,6 +914,42 @@ def build_app(gw: Gateway) -> FastAPI:
         return await gw.chat(body, request)
 
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints (at the root, as vLLM serves them), behind the key (KEYED_PATHS).
+    keyed = APIRouter()
+
+    @keyed.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        if body.model is not None:
+            gw._check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            ids = encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+        else:
+            ids = list(gw.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        return TokenizeResponse(count=len(ids), max_model_len=gw.cfg.max_model_len, tokens=ids)
+
+    @keyed.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        if body.model is not None:
+            gw._check_model(body.model)
+        vocab = gw.cfg.vocab_size or len(gw.tokenizer)
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise InvalidRequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=gw.tokenizer.decode(body.tokens))
+
+    @keyed.get("/stats")
+    async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):
+        """Decode steps (batch size, bucket, padding, step time) and request timings recorded since
+        `cursor` (at most `limit`), with the cursor to ask from next: built by the router, so the
+        poll costs this event loop one frame in and one out."""
+        return Response(await gw.client.query("stats", cursor, limit), media_type="application/json")
+
+    app.include_router(keyed)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
 
     @app.get("/health")
     async def health():
@@ -709,13 +964,6 @@ def build_app(gw: Gateway) -> FastAPI:
         ok = gw.ready
         body = {"ready": ok, "draining": True} if gw.draining else {"ready": ok}
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/stats")
-    async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):
-        """Decode steps (batch size, bucket, padding, step time) and request timings recorded since
-        `cursor` (at most `limit`), with the cursor to ask from next: built by the router, so the
-        poll costs this event loop one frame in and one out."""
-        return Response(await gw.client.query("stats", cursor, limit), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics():

@@ -116,6 +116,12 @@ class RouterMetrics(_Metrics):
                              registry=r).labels(self.model_name)
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "KV-cache usage of a decode worker (1 = full).",
                                m + ["worker_id"], registry=r)
+        self.kv_usage_total = Gauge("pdserve:kv_cache_usage_perc_cluster",
+                                    "KV-cache usage over every healthy decode worker: used / total blocks.", m,
+                                    registry=r).labels(self.model_name)
+        self._kv_blocks: dict[str, tuple[int, int]] = {}  # decode worker -> (used, total) last polled
+        self.preemptions = self._counter("num_preemptions", "Decode requests preempted (KV recomputed later).")
+        self._preempt_seen: dict[str, int] = {}  # decode worker -> its preemptions total last polled
         self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
                               m + ["worker_id", "role"], registry=r)
         self._pass_cost = Gauge(
@@ -150,8 +156,17 @@ class RouterMetrics(_Metrics):
         if not healthy:
             # A dead worker's last KV usage is no measurement: the series goes until it answers again.
             self._remove(self._kv_usage, worker_id)
+            self._kv_blocks.pop(worker_id, None)
         elif stats is not None and role == "decode" and stats.total_blocks > 0:
             self._kv_usage.labels(self.model_name, worker_id).set(1.0 - stats.free_blocks / stats.total_blocks)
+            self._kv_blocks[worker_id] = (stats.total_blocks - stats.free_blocks, stats.total_blocks)
+        self._set_kv_usage_total()
+        if stats is not None and role == "decode" and "preemptions" in stats.extra:
+            # Totals since the worker started: the counter advances by the difference (by the whole
+            # total when it went down: a new worker under the same id).
+            n, seen = stats.extra["preemptions"], self._preempt_seen.get(worker_id, 0)
+            self.preemptions.inc(max(0, n - seen if n >= seen else n))
+            self._preempt_seen[worker_id] = n
         if healthy and stats is not None:
             for kind, rate in (("prefill", stats.prefill_rate), ("decode", stats.decode_rate)):
                 if rate is not None:
@@ -164,6 +179,8 @@ class RouterMetrics(_Metrics):
     def forget_worker(self, worker_id: str, role: str) -> None:
         """A worker taken out of service (a role switch): its series go."""
         self._remove(self._kv_usage, worker_id)
+        self._kv_blocks.pop(worker_id, None)
+        self._set_kv_usage_total()
         self._remove(self._healthy, worker_id, role)
         for kind in ("prefill", "decode"):
             for term in ("overhead", "per_unit"):
@@ -174,6 +191,11 @@ class RouterMetrics(_Metrics):
             q = sum(x[1] for x in self._prefix_seen.values() if x[0] == role)
             h = sum(x[2] for x in self._prefix_seen.values() if x[0] == role)
             self._prefix_hit_rate.labels(self.model_name, role).set(h / q if q else 0.0)
+
+    def _set_kv_usage_total(self) -> None:
+        used = sum(u for u, _ in self._kv_blocks.values())
+        total = sum(t for _, t in self._kv_blocks.values())
+        self.kv_usage_total.set(used / total if total else 0.0)
 
     def _remove(self, metric, *labels: str) -> None:
         try:

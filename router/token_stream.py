@@ -18,7 +18,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from cluster.stream_messages import StreamDelta, decode_stream_batch
+from cluster.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,20 @@ class TokenMailbox:
         tokens, text = [], []
         end = None
         n = 0
+        logprobs = None
         for d in self.pending:
             n += 1
             tokens.extend(d.token_ids)
             text.append(d.text)
+            if d.logprobs is not None:
+                logprobs = d.logprobs if logprobs is None else DeltaLogprobs(
+                    logprobs.tokens + d.logprobs.tokens, logprobs.prompt if logprobs.prompt is not None else d.logprobs.prompt)
             if d.finish_reason is not None or d.error is not None:
                 end = d
                 break
         del self.pending[:n]
         return StreamDelta(first.request_id, tuple(tokens), "".join(text),
-                           end.finish_reason if end else None, end.error if end else None)
+                           end.finish_reason if end else None, end.error if end else None, logprobs)
 
 
 class TokenStreamReceiver:

@@ -125,6 +125,7 @@ def serve(spec: APIServerSpec) -> None:
 
     import uvicorn
 
+    from cluster.model.config import ModelArchConfig
     from cluster.tokenizer import load_tokenizer
     from router.gateway import Gateway, GatewayConfig, build_app
     from router.metrics import GatewayMetrics
@@ -136,7 +137,8 @@ def serve(spec: APIServerSpec) -> None:
     client = RouterClient(spec.router_address, spec.gateway_id, tokens.address)
     gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,
                                api_key=spec.api_key, max_body_bytes=spec.max_body_bytes,
-                               token_timeout_s=spec.token_timeout_s),
+                               token_timeout_s=spec.token_timeout_s,
+                               vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size),
                  load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
 
     class DrainingServer(uvicorn.Server):

@@ -114,12 +114,17 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def kept_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[B, V] bool: the top-k / top-p set of each row of temperature-scaled logits.
+def kept_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                log_min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] bool: the top-k / top-p / min-p set of each row of temperature-scaled logits.
 
     Tokens are ranked by (logit descending, token id ascending). A token is kept iff fewer than top_k
-    tokens rank before it (top_k <= 0: no limit) and the probability mass ranked before it is below
-    top_p (the smallest prefix reaching top_p; the first token is always kept)."""
+    tokens rank before it (top_k <= 0: no limit), the probability mass ranked before it is below
+    top_p (the smallest prefix reaching top_p; the first token is always kept), and its scaled logit
+    is at least the row's maximum + log(min_p) (its probability at least min_p times the top one's;
+    log_min_p = -inf: off). The three are one prefix of the ranking each, so the set is their
+    intersection whatever the order: min_p is unchanged by renormalisation, so this is also min_p
+    applied after top-k/top-p (Hugging Face's order). top-p counts the mass of the whole row."""
     vocab = scaled.shape[-1]
     s, order = scaled.sort(dim=-1, descending=True, stable=True)
     e = torch.exp(s - s[:, :1])
@@ -127,6 +132,8 @@ def kept_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     total = e.sum(dim=-1, keepdim=True)
     ranks = torch.arange(vocab, device=scaled.device)[None, :]
     keep = ((top_k <= 0)[:, None] | (ranks < top_k[:, None])) & ((top_p >= 1)[:, None] | (before < top_p[:, None] * total))
+    if log_min_p is not None:
+        keep &= s >= s[:, :1] + log_min_p[:, None]
     return torch.empty_like(keep).scatter_(-1, order, keep)
 
 
@@ -137,7 +144,8 @@ def sample(
     top_p: torch.Tensor,  # [B] float32
     seeds: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B]: position of the token being sampled
-    filtered: bool | None = None,  # some row uses top-k/top-p; None: find out (a host sync on CUDA)
+    filtered: bool | None = None,  # some row filters; None: find out (a host sync on CUDA)
+    log_min_p: torch.Tensor | None = None,  # [B] float32, log(min_p); -inf or None: off
 ) -> torch.Tensor:  # [B] int64
     """Greedy rows take the argmax. Sampled rows take argmax(logits / T + Gumbel) over their kept set:
     the Gumbel-max trick (an exponential race), which draws exactly from softmax(logits / T) restricted
@@ -148,10 +156,88 @@ def sample(
     scaled = x / temp[:, None]
     score = scaled - torch.log(-torch.log(uniform_noise(seeds, positions, x.shape[-1])))
     if filtered is None:
-        filtered = bool((top_k > 0).any() or (top_p < 1).any())
+        filtered = bool((top_k > 0).any() or (top_p < 1).any()
+                        or (log_min_p is not None and (log_min_p > float("-inf")).any()))
     if filtered:
-        score = score.masked_fill(~kept_tokens(scaled, top_k, top_p), float("-inf"))
+        score = score.masked_fill(~kept_tokens(scaled, top_k, top_p, log_min_p), float("-inf"))
     return torch.where(temperature == 0, greedy, score.argmax(dim=-1))
+
+
+# -- logits processing (cluster/kernels/logits_processing.py) -------------------------------------
+# Per row whose slot >= 0, in vLLM's order: tokens outside allowed_token_ids -> -inf; logit_bias
+# added; repetition penalty (tokens of the prompt or generated: x / r if x > 0 else x * r); then
+# x - frequency * count - presence * (count > 0) over generated tokens; the last token of each bad
+# word whose other tokens were the last ones generated -> -inf. Rows without a slot: float32 copy.
+
+def _unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, W] int32 bitmasks -> [n, vocab] bool."""
+    t = torch.arange(vocab, device=bits.device)
+    return ((bits[:, t >> 5] >> (t & 31)) & 1).bool()
+
+
+def _penalise(x, counts, in_prompt, fp, on):
+    """Repetition, then frequency and presence penalties, where `on`; each op rounds like the kernel's."""
+    rep, freq, pres = fp[..., 0], fp[..., 1], fp[..., 2]
+    seen = (counts > 0) | in_prompt
+    y = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    y = y - freq * counts.float() - pres * (counts > 0).float()
+    return torch.where(on, y, x)
+
+
+def process_logits(logits: torch.Tensor, row_slots: torch.Tensor, state, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] float32 processed logits (see above); `state` is a cluster.sampling_state.SamplingState."""
+    from cluster.sampling_state import ALLOWED, FLAGS, NUM_BAD, NUM_BIAS, NUM_GENERATED, PENALTIES
+
+    raw = logits.float()
+    x = raw.clone()
+    vocab = x.shape[1]
+    rows = torch.nonzero(row_slots >= 0).flatten()
+    if len(rows):
+        s = row_slots[rows].long()
+        ip, fp = state.iparams[s], state.fparams[s]
+        flags = ip[:, FLAGS]
+        allowed = ~((flags & ALLOWED) > 0)[:, None] | _unpack_bits(state.allowed[s], vocab)
+        base = torch.where(allowed, raw[rows], float("-inf"))
+        counts = state.counts[s]
+        in_prompt = _unpack_bits(state.prompt[s], vocab)
+        pen = ((flags & PENALTIES) > 0)[:, None]
+        y = _penalise(base, counts, in_prompt, fp[:, None, :], pen)
+        for i in range(len(rows)):  # sparse parts: logit_bias entries, then bad words
+            nb = int(ip[i, NUM_BIAS])
+            if nb:
+                ids = state.bias_ids[s[i], :nb].long()
+                b = base[i, ids] + state.bias_vals[s[i], :nb]
+                y[i, ids] = _penalise(b, counts[i, ids], in_prompt[i, ids], fp[i], pen[i])
+            n_gen, hist = int(ip[i, NUM_GENERATED]), state.history[s[i]].tolist()
+            for j in range(int(ip[i, NUM_BAD])):
+                length = int(state.bad_len[s[i], j])
+                word = state.bad_ids[s[i], j, :length].tolist()
+                prefix = word[:-1]
+                if n_gen >= len(prefix) and (not prefix or hist[len(hist) - len(prefix):] == prefix):
+                    y[i, word[-1]] = float("-inf")
+        x[rows] = y
+    return x if out is None else out.copy_(x)
+
+
+def update_sampling_state(row_slots: torch.Tensor, tokens: torch.Tensor, state) -> None:
+    """After a draw: each row with a slot counts its token and appends it to the slot's history."""
+    from cluster.sampling_state import NUM_GENERATED
+
+    rows = torch.nonzero(row_slots >= 0).flatten()
+    if not len(rows):
+        return
+    s, t = row_slots[rows].long(), tokens[rows].long()
+    state.counts[s, t] += 1
+    state.history[s] = torch.cat([state.history[s, 1:], t[:, None].to(state.history.dtype)], dim=1)
+    state.iparams[s, NUM_GENERATED] += 1
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """log_softmax of the logits as given (the model's distribution), in float32: the logprob of each
+    row's token, and the k largest with their ids -> ([B] float32, [B, k] int64, [B, k] float32)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], torch.zeros(lp.shape[0], 0, dtype=torch.int64, device=lp.device))
+    return lp.gather(1, tokens.long()[:, None])[:, 0], top_ids, top_lp
 
 
 # -- a decode step's inputs from the packed per-step buffer -------------------------------------

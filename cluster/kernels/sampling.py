@@ -1,4 +1,4 @@
-"""Sampling from logits in two Triton kernels: greedy, temperature, top-k and top-p, seeded per row.
+"""Sampling from logits in two Triton kernels: greedy, temperature, top-k, top-p and min-p, seeded per row.
 
 Must equal `cluster.kernels.reference.sample` (same hash, same kept set, same Gumbel-max draw); the
 two agree token for token except where float rounding decides a near tie.
@@ -6,17 +6,24 @@ two agree token for token except where float rounding decides a near tie.
 1. `_first_pass_kernel`, one program per (row, chunk of CHUNK tokens), reading the logits once (any
    float dtype, converted in registers): greedy rows, the chunk's argmax; sampled rows, the chunk's
    argmax of logits / T + Gumbel noise (hashed from (seed, position, token id) on the fly: no [B, V]
-   noise tensor), plus the chunk's max and softmax denominator. Chunks keep small batches parallel.
+   noise tensor), plus the chunk's max and softmax denominator. Rows that filter (top-k, top-p or
+   min-p) also count their chunk's tokens in NBINS bins of width 1/8 below the chunk's max, on a grid
+   shared by every chunk (bin edges are multiples of 1/8), in a second loop over the chunk (in cache).
 2. `_finish_kernel`, one program per row, combines the chunks (the first of equal maxima wins, as in
-   an argmax) and, for rows with top-k/top-p, finds the winner within the kept set without a sort:
-   the kept set is a prefix of the tokens ranked by (logit descending, id ascending), and the answer
-   is the Gumbel winner within it. While the current candidate w is outside the kept set (top_k or
-   more tokens, or top_p of the mass, rank before it), nothing ranked at or after w is kept either,
-   so the search narrows to the tokens ranked before w: one pass counts them and sums their mass
-   (the test for w) and finds their own Gumbel winner (the next candidate). The first candidate is
-   kept with probability >= top_p, so top-p alone takes one more pass, rarely two. With top-k the
-   same passes also bracket the k-th largest value between pivots, so that on flat rows (where the
-   first winner is rarely in the top k) candidates soon come only from the few tokens above it.
+   an argmax). A filtering row adds up its chunks' histograms on the common grid; from the counts
+   alone (mass bounded per bin by count * exp(bin edge - max)) it finds the bins whose tokens are
+   surely kept (few enough tokens and little enough mass before the bin's end, above the min-p
+   line) and the first bin whose tokens are surely not. The kept set is a prefix of the tokens ranked
+   by (logit descending, id ascending), so the answer is the Gumbel winner within it:
+   - the first pass's winner, if it lies in a surely kept bin (it wins over every token, kept or not);
+   - else one pass over the row draws the Gumbel winner among the candidates (tokens above the first
+     surely cut bin), skipping tiles with no candidate; if it lies in a surely kept bin, done;
+   - else (it lies in one of the few uncertain bins) exact checks: count the tokens ranked before it
+     and their mass; while it is not kept, the next candidate is the Gumbel winner among the tokens
+     ranked before it (tiles below the candidate skipped). A row of NaN or infinite logits stops on its
+     first candidate rather than loop inside the graph.
+   So a filtered row costs one extra pass over its chunk (cached) in the first kernel and at most one
+   pass (usually over a few tiles) in the finish, plus exact checks only in the rare uncertain case.
 
 Everything is per row, with a fixed tiling: a row samples the same token in any batch. No host sync.
 """
@@ -31,7 +38,10 @@ from cluster.kernels.reference import GOLDEN32, MIX_MUL1, MIX_MUL2, POSITION_MUL
 
 BLOCK = 2048  # tokens a program reads per iteration
 CHUNK = 8192  # tokens of a row per first-pass program (16 chunks for a 128k vocabulary)
-FINISH_BLOCK = 1024  # the finish kernel's tiles: [tokens, 16 pivots] compares must stay in registers
+FINISH_BLOCK = 2048  # the finish kernel's tiles
+NBINS = 255  # histogram bins of width 1/8 below a chunk's max (bin NBINS: everything lower)
+BINS_PER_UNIT = 8.0
+GRID_LIMIT = 4194304.0  # |max| * 8 beyond this: bins lose integer precision; the row takes the exact path
 _GOLDEN = tl.constexpr(GOLDEN32)
 _POS_MUL = tl.constexpr(POSITION_MUL)
 _MUL1 = tl.constexpr(MIX_MUL1)
@@ -55,35 +65,6 @@ def _gumbel(key, offs):
 
 
 @triton.jit
-def _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes, BLOCK: tl.constexpr, NT: tl.constexpr,
-                PIVOTS: tl.constexpr, CANDIDATE: tl.constexpr):
-    """One pass over a row: how many tokens rank before w and their mass; with PIVOTS, how many lie
-    above each of NT pivots spread over [lo, hi); with CANDIDATE, the Gumbel winner among the tokens
-    ranked before w and above lo (the next candidate)."""
-    count = 0
-    mass = 0.0
-    above = tl.zeros([NT], tl.int32)
-    pivots = lo + (hi - lo) * (tl.arange(0, NT).to(tl.float32) / NT)
-    best = float("-inf")
-    nxt = w
-    for start in range(0, V, BLOCK):
-        offs = start + lanes
-        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
-        before = (x > xw) | ((x == xw) & (offs < w))
-        count += tl.sum(before.to(tl.int32), 0)
-        mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
-        if PIVOTS:
-            above += tl.sum((x[:, None] > pivots[None, :]).to(tl.int32), 0)
-        if CANDIDATE:
-            s = tl.where(before & (x > lo), x + _gumbel(key, offs), float("-inf"))
-            bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
-            take = bm > best
-            nxt = tl.where(take, start + bi, nxt)
-            best = tl.where(take, bm, best)
-    return count, mass, above, pivots, nxt
-
-
-@triton.jit
 def _row_key(Seeds, Pos, row):
     seed = tl.load(Seeds + row).to(tl.int64)
     pos = tl.load(Pos + row).to(tl.int64)
@@ -93,9 +74,26 @@ def _row_key(Seeds, Pos, row):
 
 
 @triton.jit
+def _bin_of(x, top, NBINS: tl.constexpr):
+    """Bin of scaled logits x below grid point `top` (= floor(max * 8)), as float in [0, NBINS]:
+    bin j holds floor(x * 8) == top - j; NBINS holds everything lower (and -inf, NaN)."""
+    b = top - tl.floor(x * 8.0)
+    return tl.where(b < NBINS, b, NBINS)
+
+
+@triton.jit
+def _filters(TopK, TopP, LogMinP, row, V):
+    top_k = tl.load(TopK + row).to(tl.int32)
+    top_p = tl.load(TopP + row)
+    log_min_p = tl.load(LogMinP + row)
+    limit = tl.where(top_k > 0, top_k, V + 1)
+    return limit, top_p, log_min_p, (limit < V) | (top_p < 1.0) | (log_min_p > float("-inf"))
+
+
+@triton.jit
 def _first_pass_kernel(
-    Logits, stride_row, Temp, Seeds, Pos, PartF, PartI, V,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    Logits, stride_row, Temp, TopK, TopP, LogMinP, Seeds, Pos, PartF, PartI, Hist, V,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr, NBP: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -108,6 +106,8 @@ def _first_pass_kernel(
     w = lo
     m = float("-inf")
     z = 0.0
+    top = float("nan")  # grid point of the chunk's max (filtering rows only)
+    out = (row * num_chunks + chunk) * 4
     if temp == 0.0:
         for start in range(lo, lo + CHUNK, BLOCK):
             offs = start + lanes
@@ -127,26 +127,73 @@ def _first_pass_kernel(
             w = tl.where(take, start + bi, w)
             best = tl.where(take, bm, best)
             m_new = tl.maximum(m, tl.max(x, 0))
-            # (A chunk past the vocabulary's end keeps m = -inf and z = 0: guard exp(-inf - -inf).)
+            # (A chunk of -inf keeps m = -inf and z = 0: guard exp(-inf - -inf).)
             z = z * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-    out = (row * num_chunks + chunk) * 3
+        _, _, _, filtering = _filters(TopK, TopP, LogMinP, row, V)
+        if filtering:
+            grid_ok = tl.abs(m * 8.0) < 4194304.0  # False for +-inf and NaN too
+            top = tl.where(grid_ok, tl.floor(m * 8.0), float("nan"))
+            hist = tl.zeros([NBP], tl.int32)
+            if grid_ok:
+                for start in range(lo, lo + CHUNK, BLOCK):
+                    offs = start + lanes
+                    x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+                    if _bin_of(tl.max(x, 0), top, NBINS) < NBINS:  # a tile entirely below the range adds nothing
+                        b = _bin_of(x, top, NBINS)
+                        hist += tl.histogram(b.to(tl.int32), NBP, mask=b < NBINS)
+            tl.store(Hist + (row * num_chunks + chunk) * NBP + tl.arange(0, NBP), hist)
     tl.store(PartF + out, best)
     tl.store(PartF + out + 1, m)
     tl.store(PartF + out + 2, z)
+    tl.store(PartF + out + 3, top)
     tl.store(PartI + row * num_chunks + chunk, w)
 
 
 @triton.jit
+def _draw_pass(base, V, temp, key, lanes, cut, top, w, xw, RANKED_BEFORE: tl.constexpr, COUNT: tl.constexpr,
+               m, BLOCK: tl.constexpr, NBINS: tl.constexpr):
+    """One pass over a row. Candidates: tokens whose bin is < cut (RANKED_BEFORE: ranked before w,
+    i.e. (x, -id) > (xw, -w), instead). Returns the candidates' Gumbel winner (w if none) and, with
+    COUNT, how many tokens rank before w and their mass exp(x - m). Tiles without a candidate are
+    skipped (their tokens rank after w, so they count nothing either)."""
+    count = 0
+    mass = 0.0
+    best = float("-inf")
+    nxt = w
+    for start in range(0, V, BLOCK):
+        offs = start + lanes
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp
+        tmax = tl.max(x, 0)
+        if RANKED_BEFORE:
+            live = tmax >= xw
+        else:
+            live = _bin_of(tmax, top, NBINS) < cut
+        if live:
+            if RANKED_BEFORE:
+                cand = (x > xw) | ((x == xw) & (offs < w))
+            else:
+                cand = _bin_of(x, top, NBINS) < cut
+            if COUNT:
+                count += tl.sum(cand.to(tl.int32), 0)
+                mass += tl.sum(tl.where(cand, tl.exp(x - m), 0.0), 0)
+            s = tl.where(cand, x + _gumbel(key, offs), float("-inf"))
+            bm, bi = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = bm > best
+            nxt = tl.where(take, start + bi, nxt)
+            best = tl.where(take, bm, best)
+    return nxt, count, mass
+
+
+@triton.jit
 def _finish_kernel(
-    Logits, stride_row, Temp, TopK, TopP, Seeds, Pos, PartF, PartI, Out, V, num_chunks,
-    CP: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, CUT: tl.constexpr, FEW: tl.constexpr,
-    MAX_SEARCH: tl.constexpr,
+    Logits, stride_row, Temp, TopK, TopP, LogMinP, Seeds, Pos, PartF, PartI, Hist, Out, V, num_chunks,
+    CP: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr, NBP: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.arange(0, CP)
     ok = c < num_chunks
-    part = (row * num_chunks + c) * 3
+    part = (row * num_chunks + c) * 4
     best = tl.load(PartF + part, mask=ok, other=float("-inf"))
     m_c = tl.load(PartF + part + 1, mask=ok, other=float("-inf"))
     z_c = tl.load(PartF + part + 2, mask=ok, other=0.0)
@@ -155,59 +202,56 @@ def _finish_kernel(
     m = tl.max(m_c, 0)  # -inf for greedy rows (their first pass skips it): keep exp() finite
     z = tl.sum(tl.where(m_c == float("-inf"), 0.0, z_c * tl.exp(m_c - tl.where(m == float("-inf"), 0.0, m))), 0)
     temp = tl.load(Temp + row)
-    top_k = tl.load(TopK + row).to(tl.int32)
-    top_p = tl.load(TopP + row)
-    limit = tl.where(top_k > 0, top_k, V + 1)
-    mass_limit = top_p * z
-    use_k = limit < V
-    if (temp != 0.0) & (use_k | (top_p < 1.0)):
+    limit, top_p, log_min_p, filtering = _filters(TopK, TopP, LogMinP, row, V)
+    if (temp != 0.0) & filtering:
         base = Logits + row.to(tl.int64) * stride_row
         lanes = tl.arange(0, BLOCK)
         key = _row_key(Seeds, Pos, row)
-        # Check the winner; with top-k, also bracket the k-th largest value between lo and hi
-        # (count(x > lo) >= k > count(x > hi)) by NT pivots a pass, until at most FEW tokens lie
-        # between: tokens at or below lo rank k-th or later, so candidates come from above lo.
-        # lo starts at m - CUT: tokens that low never win (Gumbel noise of a 24-bit uniform lies in
-        # [-2.85, 17.33], so the top token's score beats theirs) whether kept or not.
+        mass_limit = tl.where(top_p < 1.0, top_p * z, float("inf"))  # inf: no top-p
+        thr = m + log_min_p
+        # The row's histogram on the common grid: chunk c's bin j is the row's bin j + (top - top_c).
+        top_c = tl.load(PartF + part + 3, mask=ok, other=float("-inf"))
+        grid_ok = tl.sum((ok & (top_c != top_c)).to(tl.int32), 0) == 0  # no chunk without a grid (NaN)
+        top = tl.max(tl.where(ok, top_c, float("-inf")), 0)
+        j = tl.arange(0, NBP)
+        hist = tl.zeros([NBP], tl.int32)
+        for ci in range(0, num_chunks):
+            t_ci = tl.load(PartF + (row * num_chunks + ci) * 4 + 3)
+            src = j - (top - t_ci).to(tl.int32)
+            hist += tl.load(Hist + (row * num_chunks + ci) * NBP + src, mask=(src >= 0) & (src < NBINS) & (j < NBINS),
+                            other=0)
+        below = V - tl.sum(hist, 0)  # the last bin: everything under the grid
+        hist = tl.where(j == NBINS, below, hist)
+        lo_edge = tl.where(j < NBINS, (top - j) * 0.125, float("-inf"))
+        hi_edge = tl.minimum((top - j + 1) * 0.125, m)
+        cnt = tl.cumsum(hist, 0)
+        m_lo = tl.cumsum(hist.to(tl.float32) * tl.exp(lo_edge - m), 0)
+        m_hi = tl.cumsum(hist.to(tl.float32) * tl.exp(hi_edge - m), 0)
+        sure = (j <= NBINS) & (cnt <= limit) & (m_hi <= mass_limit) & (lo_edge >= thr)
+        cut_bin = (j <= NBINS) & ((cnt - hist >= limit) | (m_lo - hist.to(tl.float32) * tl.exp(lo_edge - m) >= mass_limit) | (hi_edge <= thr))
+        n_sure = tl.sum(sure.to(tl.int32), 0)  # both are prefixes of the bins: their lengths
+        n_cand = NBINS + 1 - tl.sum(cut_bin.to(tl.int32), 0)
+        if grid_ok == 0:  # no usable grid (huge or non-finite logits): every token a candidate, none sure
+            n_sure = 0
+            n_cand = NBINS + 1
         xw = tl.load(base + w).to(tl.float32) / temp  # the same op as in the tiles: bit-identical
-        lo = m - CUT
-        hi = m
-        n_lo = V + 1  # count(x > lo), not measured yet
-        n_hi = 0  # count(x > m)
-        passes = 0
-        kept = w < 0
-        go = w >= 0
-        while go:
-            if use_k:
-                count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
-                                                              BLOCK, NT, True, False)
-            else:
-                count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
-                                                              BLOCK, NT, False, False)
-            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit))
-            ge = above >= limit  # pivots[0] == lo
-            some = tl.max(ge.to(tl.int32), 0) > 0
-            new_lo = tl.max(tl.where(ge, pivots, lo), 0)
-            new_n_lo = tl.where(some, tl.min(tl.where(ge, above, V + 1), 0), tl.max(above, 0))
-            new_hi = tl.min(tl.where(ge, hi, pivots), 0)
-            new_n_hi = tl.max(tl.where(ge, n_hi, above), 0)
-            lo = tl.where(use_k, new_lo, lo)
-            hi = tl.where(use_k & some, new_hi, hi)
-            n_lo = tl.where(use_k, new_n_lo, n_lo)
-            n_hi = tl.where(use_k & some, new_n_hi, n_hi)
-            passes += 1
-            go = (kept == 0) & use_k & (n_lo >= limit) & (n_lo - n_hi > FEW) & (passes < MAX_SEARCH)
-        # Narrow to the tokens ranked before the candidate (and above lo) until it is kept.
-        searching = kept == 0
-        while searching:
-            count, mass, above, pivots, nxt = _check_pass(base, V, temp, m, w, xw, lo, hi, key, lanes,
-                                                          BLOCK, NT, False, True)
-            # No candidate left (only with NaN or infinite logits; with finite ones the top token is
-            # always kept): stop on w rather than loop forever inside the graph.
-            kept = (count < limit) & ((top_p >= 1.0) | (mass < mass_limit)) | (nxt == w)
-            w = tl.where(kept, w, nxt)
-            xw = tl.load(base + w).to(tl.float32) / temp
-            searching = kept == 0
+        bw = _bin_of(xw, top, NBINS)
+        if bw >= n_sure:
+            if bw >= n_cand:
+                # Surely cut: draw again among the candidates (a superset of the kept set). (A first-pass
+                # winner among the candidates is already their winner: no pass for it.)
+                w, _, _ = _draw_pass(base, V, temp, key, lanes, n_cand, top, w, xw, False, False, m, BLOCK, NBINS)
+                xw = tl.load(base + w).to(tl.float32) / temp
+            searching = _bin_of(xw, top, NBINS) >= n_sure
+            while searching:
+                # Exact: is w kept? If not, the next candidate is the winner among those ranked before it.
+                nxt, count, mass = _draw_pass(base, V, temp, key, lanes, n_cand, top, w, xw, True, True, m,
+                                              BLOCK, NBINS)
+                kept = (count < limit) & (mass < mass_limit) & (xw >= thr)
+                kept = kept | (nxt == w)  # no candidate left: only with NaN or infinite logits
+                w = tl.where(kept, w, nxt)
+                xw = tl.load(base + w).to(tl.float32) / temp
+                searching = kept == 0
     tl.store(Out + row, w.to(tl.int64))
 
 
@@ -219,6 +263,7 @@ def sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     out: torch.Tensor | None = None,
+    log_min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same arguments and result as the reference (less its `filtered` hint: the kernel decides per row)."""
     b, vocab = logits.shape
@@ -227,12 +272,17 @@ def sample(
     out = torch.empty(b, dtype=torch.int64, device=logits.device) if out is None else out
     if b == 0:
         return out
+    if log_min_p is None:
+        log_min_p = torch.full((b,), float("-inf"), dtype=torch.float32, device=logits.device)
     chunks = triton.cdiv(vocab, CHUNK)
-    part_f = torch.empty(b, chunks, 3, dtype=torch.float32, device=logits.device)
+    nbp = triton.next_power_of_2(NBINS + 1)
+    part_f = torch.empty(b, chunks, 4, dtype=torch.float32, device=logits.device)
     part_i = torch.empty(b, chunks, dtype=torch.int32, device=logits.device)
-    _first_pass_kernel[(b, chunks)](logits, logits.stride(0), temperature, seeds, positions, part_f, part_i, vocab,
-                                    CHUNK=CHUNK, BLOCK=BLOCK, num_warps=8)
-    _finish_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, seeds, positions, part_f, part_i, out,
-                         vocab, chunks, CP=max(2, triton.next_power_of_2(chunks)), BLOCK=FINISH_BLOCK, NT=16, CUT=24.0,
-                         FEW=64, MAX_SEARCH=4, num_warps=8)
+    hist = torch.empty(b, chunks, nbp, dtype=torch.int32, device=logits.device)
+    _first_pass_kernel[(b, chunks)](logits, logits.stride(0), temperature, top_k, top_p, log_min_p, seeds, positions,
+                                    part_f, part_i, hist, vocab, CHUNK=CHUNK, BLOCK=BLOCK, NBINS=NBINS, NBP=nbp,
+                                    num_warps=8)
+    _finish_kernel[(b,)](logits, logits.stride(0), temperature, top_k, top_p, log_min_p, seeds, positions, part_f,
+                         part_i, hist, out, vocab, chunks, CP=max(2, triton.next_power_of_2(chunks)),
+                         BLOCK=FINISH_BLOCK, NBINS=NBINS, NBP=nbp, num_warps=8)
     return out

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 class DecodeStepLayout:
     """Offsets (in int32 words) of the fields of a step padded to `rows` rows in the packed buffer.
 
-    seeds are int64 (two words per row, first so that they are 8-byte aligned); temperature and top_p
-    are float32 bit patterns; the block tables come last, `width` words per row."""
+    seeds are int64 (two words per row, first so that they are 8-byte aligned); temperature, top_p
+    and log_min_p are float32 bit patterns; `slot` is the row's sequence's sampling-state slot (-1:
+    none, cluster.sampling_state); the block tables come last, `width` words per row."""
 
     rows: int
 
@@ -32,24 +33,32 @@ class DecodeStepLayout:
         return 4 * self.rows
 
     @property
-    def host_ids(self) -> int:
+    def log_min_p(self) -> int:
         return 5 * self.rows
 
     @property
-    def prev_row(self) -> int:
+    def slot(self) -> int:
         return 6 * self.rows
 
     @property
-    def positions(self) -> int:
+    def host_ids(self) -> int:
         return 7 * self.rows
 
     @property
-    def width(self) -> int:
+    def prev_row(self) -> int:
         return 8 * self.rows
 
     @property
+    def positions(self) -> int:
+        return 9 * self.rows
+
+    @property
+    def width(self) -> int:
+        return 10 * self.rows
+
+    @property
     def tables(self) -> int:
-        return 8 * self.rows + 1
+        return 10 * self.rows + 1
 
     def words(self, width: int) -> int:
         return self.tables + self.rows * width

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVHeader, Reservation
 
 
@@ -73,9 +74,11 @@ class Shipment(ABC):
     def kv_done(self) -> None: ...
 
     @abstractmethod
-    def commit(self, first_tokens: Mapping[str, int | None]) -> None:
+    def commit(self, first_tokens: Mapping[str, int | None],
+               logprobs: Mapping[str, PrefillLogprobs] | None = None) -> None:
         """first_tokens[request_id]: the sampled token, or None (the prompt failed or was aborted:
-        its decode side frees the blocks). Missing ids count as None."""
+        its decode side frees the blocks). Missing ids count as None. logprobs[request_id]: the first
+        token's and the prompt's, for the requests that ask (they reach the decode side's KVHeader)."""
 
 
 class KVSender(ABC):
@@ -105,7 +108,8 @@ class KVSender(ABC):
             return TransferStats(0, 0.0)
         sh = self.begin([KVSend(reservation, header.num_tokens, tuple(src_block_ids))], layerwise=False)
         sh.kv_done()
-        sh.commit({header.request_id: header.first_token})
+        sh.commit({header.request_id: header.first_token},
+                  {header.request_id: header.logprobs} if header.logprobs is not None else None)
         return sh.futures[header.request_id].result(timeout=timeout_s)
 
     def close(self) -> None:

@@ -26,6 +26,8 @@ from typing import Union
 import msgspec
 import zmq
 
+from cluster.logprobs import PrefillLogprobs
+
 log = logging.getLogger(__name__)
 
 _MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
@@ -52,6 +54,7 @@ class Commit(msgspec.Struct, tag="c"):
     tokens: list[int]  # first token per item (-1 where it failed)
     ok: list[bool]
     event: int = -1  # same-GPU: the doorbell event recorded after the payload
+    logprobs: list[PrefillLogprobs | None] = []  # per item, when its request asks (else empty)
 
 
 class Abort(msgspec.Struct, tag="a"):

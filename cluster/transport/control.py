@@ -67,6 +67,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
 from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message, Outbox
@@ -166,6 +167,7 @@ class _InBundle:
     committed: bool = False
     tokens: list[int] = field(default_factory=list)
     oks: list[bool] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # per item: PrefillLogprobs or None (empty: none asked)
     failed: str | None = None
     payload: Any = None
 
@@ -194,13 +196,14 @@ class _Shipment(Shipment):
             self.t._issue_through(b, None, ready)
             self.t._seal(b)
 
-    def commit(self, first_tokens: Mapping[str, int | None]) -> None:
+    def commit(self, first_tokens: Mapping[str, int | None],
+               logprobs: Mapping[str, PrefillLogprobs] | None = None) -> None:
         if self._committed:
             raise RuntimeError("shipment committed twice")
         self.kv_done()
         self._committed = True
         for b in self.bundles:
-            self.t._commit(b, first_tokens)
+            self.t._commit(b, first_tokens, logprobs or {})
 
 
 class ControlledTransport(KVTransport):
@@ -651,10 +654,12 @@ class ControlledTransport(KVTransport):
             b.completion = ReadyCompletion()
             self._mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}")
 
-    def _commit(self, b: _OutBundle, first_tokens: Mapping[str, int | None]) -> None:
+    def _commit(self, b: _OutBundle, first_tokens: Mapping[str, int | None],
+                logprobs: Mapping[str, PrefillLogprobs]) -> None:
         toks = [first_tokens.get(s.reservation.request_id) for s in b.sends]
+        lps = [logprobs.get(s.reservation.request_id) for s in b.sends] if logprobs else []
         msg = Commit(self.worker_id, b.id, [-1 if t is None else int(t) for t in toks], [t is not None for t in toks],
-                     b.commit_event)
+                     b.commit_event, lps if any(lp is not None for lp in lps) else [])
         if b.pair.dead is None:
             try:
                 b.pair.outbox.send(msg)
@@ -761,7 +766,8 @@ class ControlledTransport(KVTransport):
             n = len(b.items[k].src)
             header = None
             if b.committed:
-                header = KVHeader(res.request_id, res.transfer_seq, b.num_tokens[k], b.tokens[k], ok=b.oks[k])
+                header = KVHeader(res.request_id, res.transfer_seq, b.num_tokens[k], b.tokens[k], ok=b.oks[k],
+                                  logprobs=b.logprobs[k] if b.logprobs else None)
             why = err or (None if header.ok else "prefill aborted or failed")
             if why is None:
                 out.append(KVArrival(res, header, self._record("recv", res.request_id, n * self.bytes_per_block, seconds,
@@ -877,11 +883,12 @@ class ControlledTransport(KVTransport):
     def _on_commit(self, pair: Pair, m: Commit) -> None:
         with self._lock:
             b = next((x for x in pair.bundles if x.id == m.b), None)
-        if b is None or len(m.tokens) != len(b.expects) or len(m.ok) != len(b.expects):
+        if (b is None or len(m.tokens) != len(b.expects) or len(m.ok) != len(b.expects)
+                or len(m.logprobs) not in (0, len(b.expects))):
             raise RuntimeError(f"commit of bundle {m.b} that is not in flight (or not of its size)")
         self._payload_commit(pair, b, m)
         with self._lock:
-            b.tokens, b.oks, b.committed = list(m.tokens), list(m.ok), True
+            b.tokens, b.oks, b.logprobs, b.committed = list(m.tokens), list(m.ok), list(m.logprobs), True
         self._wake()
 
     def _on_abort(self, pair: Pair, m: Abort) -> None:

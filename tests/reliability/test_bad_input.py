@@ -61,10 +61,16 @@ NAMED_CASES = {
     "bad role": ("/v1/chat/completions", ok_chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
     "empty prompt": ("/v1/completions", ok_completion(prompt=""), 400),
     "token id out of vocab": ("/v1/completions", ok_completion(prompt=[1, 2, 10**6]), 400),
-    "batched prompts": ("/v1/completions", ok_completion(prompt=["a", "b"]), 400),
+    "batched prompts over the choice limit": ("/v1/completions", ok_completion(prompt=["a", "b", "c"], n=50), 400),
+    "a lone surrogate in the prompt": ("/v1/completions", ok_completion(prompt="a\ud800"), 400),
+    "a lone surrogate in the model": ("/v1/completions", ok_completion(model="\udfff"), 400),
+    "a lone surrogate in a message": ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": "\ud800"}]), 400),
+    "tools": ("/v1/chat/completions", ok_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    "response_format json_object": ("/v1/chat/completions", ok_chat(response_format={"type": "json_object"}), 400),
     "thousands of stop strings": ("/v1/completions", ok_completion(stop=[f"s{i}" for i in range(5000)]), 400),
     "a very long stop string": ("/v1/completions", ok_completion(stop=["x" * 5000]), 400),
-    "n=2": ("/v1/completions", ok_completion(n=2), 400),
+    "n=0": ("/v1/completions", ok_completion(n=0), 400),
+    "n=129": ("/v1/completions", ok_completion(n=129), 400),
     "missing model": ("/v1/completions", {"prompt": "hi"}, 400),
     "body is a list": ("/v1/completions", [1, 2, 3], 400),
 }
@@ -202,9 +208,10 @@ def _app_routes():
 
 
 def test_every_v1_route_needs_the_key(cluster):
-    """Every /v1 route of the app (enumerated, so a new one can't slip through) answers 401 with an
-    OpenAI error body without the key, with a wrong one (same length, one character off) or with a
-    non-Bearer scheme; /health, /ready and /metrics stay open for probes."""
+    """Every /v1 route of the app and the tokenizer and stats routes (enumerated, so a new one can't
+    slip through) answer 401 with an OpenAI error body without the key, with a wrong one (same
+    length, one character off) or with a non-Bearer scheme; /health, /ready, /metrics, /version and
+    the schema stay open."""
     from fastapi.routing import APIRoute
 
     def api_routes(routes):
@@ -215,9 +222,13 @@ def test_every_v1_route_needs_the_key(cluster):
             if inner is not None:
                 yield from api_routes(inner.routes)
 
-    routes = [(m, r.path) for r in api_routes(_app_routes()) if r.path.startswith("/v1") for m in r.methods]
-    assert {p for _, p in routes} >= {"/v1/models", "/v1/completions", "/v1/chat/completions"}
-    bodies = {"/v1/completions": ok_completion(), "/v1/chat/completions": ok_chat()}
+    keyed = ("/v1", "/tokenize", "/detokenize", "/stats")
+    routes = [(m, r.path.replace("{model_id:path}", MODEL).replace("{model_id}", MODEL))
+              for r in api_routes(_app_routes()) if r.path.startswith(keyed) for m in r.methods]
+    assert {p for _, p in routes} >= {"/v1/models", f"/v1/models/{MODEL}", "/v1/completions", "/v1/chat/completions",
+                                      "/tokenize", "/detokenize", "/stats"}
+    bodies = {"/v1/completions": ok_completion(), "/v1/chat/completions": ok_chat(),
+              "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
     wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
     for method, path in routes:
         for headers in ({}, {"Authorization": f"Bearer {wrong}"}, {"Authorization": f"Basic {KEY}"},
@@ -228,7 +239,7 @@ def test_every_v1_route_needs_the_key(cluster):
         r = httpx.request(method, f"{cluster.url}{path}", json=bodies.get(path), timeout=30,
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, (method, path, r.text[:200])
-    for path in ("/health", "/ready", "/metrics"):
+    for path in ("/health", "/ready", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(f"{cluster.url}{path}", timeout=30).status_code == 200
 
 
@@ -240,3 +251,91 @@ def test_no_key_is_401_before_any_body_validation(cluster, raw):
         r = httpx.post(f"{cluster.url}{path}", content=raw, timeout=30, headers={"Content-Type": "application/json"})
         assert r.status_code == 401 and is_openai_error(r), (path, raw[:20], r.status_code, r.text[:200])
         assert r.json()["error"]["type"] == "authentication_error"
+
+
+# -- fuzz from the served OpenAPI schema ----------------------------------------------------------
+OPENAPI_EXAMPLES = 120
+
+
+def from_schema(schema: dict, components: dict, depth: int = 0):
+    """A hypothesis strategy of JSON values valid for `schema`, the subset of JSON Schema FastAPI
+    writes from pydantic models ($ref, anyOf, type, properties/required, items, enum/const, bounds),
+    mixed at every level with `anything` (a wrong value for that field) a quarter of the time."""
+    if "$ref" in schema:
+        return from_schema(components[schema["$ref"].rsplit("/", 1)[1]], components, depth)
+    if "anyOf" in schema:
+        return st.one_of(*(from_schema(s, components, depth) for s in schema["anyOf"]))
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    t = schema.get("type")
+    if t == "object" and "properties" in schema and depth < 4:
+        props = {k: st.one_of(from_schema(v, components, depth + 1), anything) if depth == 0 else
+                 from_schema(v, components, depth + 1) for k, v in schema["properties"].items()}
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
+                                     optional={k: v for k, v in props.items() if k not in required})
+    if t == "object":
+        values = from_schema(schema.get("additionalProperties") or {}, components, depth + 1)
+        return st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 600).map(str)), values, max_size=3)
+    if t == "array":
+        return st.lists(from_schema(schema.get("items", {}), components, depth + 1), max_size=4)
+    if t == "integer":
+        lo, hi = schema.get("minimum"), schema.get("maximum", schema.get("exclusiveMaximum"))
+        return st.one_of(st.integers(-3, 600), st.integers(min_value=lo, max_value=hi))
+    if t == "number":
+        return st.one_of(st.floats(-3, 3), st.floats(allow_nan=False), st.integers(-3, 3))
+    if t == "string":
+        # Any Unicode, lone surrogates included (the JSON encoder writes them as \udXXX escapes).
+        return st.one_of(st.text(max_size=12), st.text(st.characters(codec=None, categories=["Cs", "Ll"]), max_size=3),
+                         st.just(MODEL))
+    if t == "boolean":
+        return st.booleans()
+    if t == "null":
+        return st.none()
+    return anything
+
+
+def _openapi_bodies(spec: dict):
+    """(path, body) strategies for every POST operation with a JSON body, built from /openapi.json
+    itself: neither what the schema says is valid nor a schema-shaped body with a wrong field may
+    ever be a 5xx."""
+    out = {}
+    for path, ops in sorted(spec["paths"].items()):
+        body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if body is not None:
+            out[path] = st.tuples(st.just(path), from_schema(body["schema"], spec["components"]["schemas"]))
+    return out
+
+
+def test_fuzz_from_openapi_no_5xx(cluster, client):
+    spec = client.get("/openapi.json").json()
+    strategies = _openapi_bodies(spec)
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(strategies)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=OPENAPI_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(req=st.one_of(*strategies.values()))
+    def one(req):
+        path, body = req
+        if isinstance(body, dict):  # short generations: the fuzz is about the edge
+            for k in ("max_tokens", "max_completion_tokens"):
+                if type(body.get(k)) is int:
+                    body[k] = min(body[k], 4)
+            if type(body.get("n")) is int:
+                body["n"] = min(body["n"], 2)
+            if path.endswith("completions"):
+                body.setdefault("max_tokens", 4)
+                if "prompt" in body and isinstance(body["prompt"], list) and len(body["prompt"]) > 2:
+                    body["prompt"] = body["prompt"][:2]
+        r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        if r.status_code != 200:
+            assert is_openai_error(r), (path, body, r.text[:300])
+
+    one()
+    print(f"\nopenapi fuzz: by status {sorted(seen.items())}")
+    assert sum(seen.values()) >= OPENAPI_EXAMPLES and seen.get(200, 0) > 0
+    wait_clean(cluster)

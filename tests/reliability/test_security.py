@@ -123,12 +123,16 @@ def test_kv_control_channel_never_unpickles(tmp_path):
     tp = create_transport(spec, src, "p", "prefill")
     res = Reservation("r", "d", (3, 4), 0)
     td.expect(res, "p")
-    tp.send(res, KVHeader("r", 0, 4, 9), [5], 10.0)  # ... and a real transfer still lands
+    from cluster.logprobs import PrefillLogprobs, TokenLogprobs
+
+    lp = PrefillLogprobs(TokenLogprobs(-0.5, (9, 7), (-0.5, -1.5)), (None, TokenLogprobs(-2.0)))
+    tp.send(res, KVHeader("r", 0, 4, 9, logprobs=lp), [5], 10.0)  # ... and a real transfer still lands
     arrivals = []
     while not arrivals and time.monotonic() < deadline:
         arrivals = td.poll_arrivals()
         time.sleep(0.01)
     assert arrivals and arrivals[0].error is None and torch.equal(dst[:, :, 3], src[:, :, 5])
+    assert arrivals[0].header.first_token == 9 and arrivals[0].header.logprobs == lp  # typed, in the Commit
     push.close()
     tp.close(), td.close()
 

@@ -169,7 +169,10 @@ class FakeDecodeWorker:
             new = tuple(seq.output_token_ids[emitted:])
             done = id(seq) in finished
             if new or done:
-                deltas.append(TokenDelta(rid, new, seq.finish_reason if done else None))
+                p = seq.params
+                lps = tuple(seq.output_logprobs[emitted:]) if p.logprobs is not None else None
+                prompt_lps = tuple(seq.prompt_logprobs or ()) if p.prompt_logprobs is not None and emitted == 0 else None
+                deltas.append(TokenDelta(rid, new, seq.finish_reason if done else None, None, lps, prompt_lps))
                 self._tracked[rid] = (seq, emitted + len(new))
             if done:
                 del self._tracked[rid]

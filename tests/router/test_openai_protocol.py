@@ -10,19 +10,56 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Err
 
 
 def test_prompt_shapes():
-    assert CompletionRequest(model="m", prompt="hi").single_prompt() == "hi"
-    assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt() == [1, 2]
-    assert CompletionRequest(model="m", prompt=["hi"]).single_prompt() == "hi"
-    assert CompletionRequest(model="m", prompt=[[3, 4]]).single_prompt() == [3, 4]
-    with pytest.raises(InvalidRequestError):
-        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+    assert CompletionRequest(model="m", prompt="hi").prompts() == ["hi"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(model="m", prompt=["hi"]).prompts() == ["hi"]
+    assert CompletionRequest(model="m", prompt=[[3, 4]]).prompts() == [[3, 4]]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    with pytest.raises(InvalidRequestError) as e:  # 3 prompts x n=50 > 128 choices
+        CompletionRequest(model="m", prompt=["a", "b", "c"], n=50).check_unsupported()
+    assert e.value.param == "n"
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", "5"), ("temperature", "hot"), ("stream", 1),
-                                         ("prompt", 5), ("stop", 3), ("seed", 1.5), ("n", None)])
+                                         ("prompt", 5), ("stop", 3), ("seed", 1.5), ("n", "2"), ("prompt", None),
+                                         ("model", None)])
 def test_wrong_types_are_rejected(field, value):
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+
+
+def test_null_means_the_default():
+    nulls = {k: None for k in ("n", "stream", "echo", "stream_options", "logprobs", "max_tokens", "temperature",
+                               "stop", "seed", "ignore_eos", "min_tokens", "logit_bias", "user", "suffix",
+                               "best_of", "tools", "response_format")}
+    r = CompletionRequest.model_validate({"model": "m", "prompt": "x", **nulls})
+    r.check_unsupported()
+    assert (r.n, r.stream, r.echo, r.ignore_eos, r.min_tokens, r.logprobs) == (1, False, False, False, 0, None)
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": None}],
+                                                 "logprobs": None, "top_logprobs": None, "n": None,
+                                                 "stream": None, "tool_choice": None})
+    chat.check_unsupported()
+    assert chat.num_logprobs is None and chat.n == 1
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m\ud800", "prompt": "x"}, {"model": "m", "prompt": "a\udfff"}, {"model": "m", "prompt": ["ok", "\ud83d"]},
+    {"model": "m", "prompt": "x", "stop": ["\ud800"]}, {"model": "m", "prompt": "x", "logit_bias": {"\ud800": 1}},
+    {"model": "m", "prompt": "x", "bad_words": ["\udc00"]}, {"model": "m", "prompt": "x", "user": "\ud800"},
+])
+def test_lone_surrogates_are_rejected(body):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}],
+    [{"role": "user", "content": "hi", "name": "\udc00"}],
+])
+def test_lone_surrogates_in_messages_are_rejected(messages):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
 
 
 def test_ints_are_accepted_for_floats_and_unknown_fields_ignored():
@@ -30,13 +67,35 @@ def test_ints_are_accepted_for_floats_and_unknown_fields_ignored():
     assert r.temperature == 0.0 and r.top_p == 1.0
 
 
-@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
-                                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"best_of": 3}, "best_of"),
-                                         ({"stream_options": {"include_usage": True}}, "stream_options")])
+@pytest.mark.parametrize("extra,param", [
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"functions": []}, "functions"),
+])
 def test_unsupported_features_are_400(extra, param):
     with pytest.raises(InvalidRequestError) as e:
         CompletionRequest.model_validate({"model": "m", "prompt": "x", **extra}).check_unsupported()
     assert e.value.param == param
+
+
+def test_logprobs_fields():
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0}).check_unsupported()
+    with pytest.raises(ValidationError):  # completions' logprobs is a count, chat's a flag
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": True})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 20})
+    r.check_unsupported()
+    assert r.num_logprobs == 20
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).num_logprobs == 0
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": False}).num_logprobs is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(InvalidRequestError) as e:
+            ChatCompletionRequest.model_validate({**chat, **bad}).check_unsupported()
+        assert e.value.param == "top_logprobs"
 
 
 def test_chat_messages():
@@ -55,3 +114,9 @@ def test_stop_and_usage_and_error_shapes():
     assert UsageInfo.of(3, 4).total_tokens == 7
     body = ErrorResponse.of("bad", "invalid_request_error", "n").model_dump()
     assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted():
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 3, "best_of": 3, "echo": True, "suffix": "",
+                                      "response_format": {"type": "text"},
+                                      "use_beam_search": False}).check_unsupported()

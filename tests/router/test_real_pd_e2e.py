@@ -29,6 +29,8 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
         async with httpx.AsyncClient(base_url=real_pd_cluster.url, timeout=120) as client:
             return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
 
+    # Only this test's records: the session's cluster served other tests' requests before.
+    cursor = httpx.get(f"{real_pd_cluster.url}/stats", params={"cursor": 10**12}).json()["cursor"]
     assert asyncio.run(main()) == [r.text for r in refs]
     wait_idle(real_pd_cluster)
     text = httpx.get(f"{real_pd_cluster.url}/metrics").text
@@ -40,7 +42,7 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     assert ray.get(prefill.stats.remote()).outstanding_prefill_tokens == 0
 
     # /stats: the decode steps that ran and each request's TTFT split into its parts.
-    stats = httpx.get(f"{real_pd_cluster.url}/stats").json()
+    stats = httpx.get(f"{real_pd_cluster.url}/stats", params={"cursor": cursor}).json()
     steps = stats["decode_steps"]
     assert steps and all(s["batch_size"] >= 1 and s["step_ms"] > 0 for s in steps)
     assert all(s["padded_rows"] == (s["bucket"] - s["batch_size"] if s["bucket"] else 0) for s in steps)

@@ -15,7 +15,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cluster.attention import triton_decode
-from cluster.kernels import decode_step_inputs, prefill_attention, rmsnorm, rotary_kv, sampling, silu_mul
+from cluster.kernels import (decode_step_inputs, logits_processing, logprobs, prefill_attention, rmsnorm, rotary_kv,
+                             sampling, silu_mul)
+from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -56,13 +58,31 @@ def main():
                     stride_ot=i32, stride_oh=i32, num_tiles=i32, scratch_row=i32, scale_log2="fp32", window=i32),
                dict(G=group, D=d, PAGE=16, BLOCK_M=prefill_attention.BLOCK_M, BLOCK_N=64 if d >= 128 else 128,
                     SLIDING=sliding, IEEE=False), num_warps=8)
-    report("sampling/first_pass", sampling._first_pass_kernel,
-           dict(Logits=bf16, stride_row=i32, Temp="*fp32", Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32",
-                V=i32), dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK), num_warps=8)
-    report("sampling/finish", sampling._finish_kernel,
-           dict(Logits=bf16, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", Seeds="*i64", Pos="*i64",
-                PartF="*fp32", PartI="*i32", Out="*i64", V=i32, num_chunks=i32),
-           dict(CP=16, BLOCK=sampling.FINISH_BLOCK, NT=16, CUT=24.0, FEW=64, MAX_SEARCH=4), num_warps=8)
+    nbp = triton.next_power_of_2(sampling.NBINS + 1)
+    for dtype in (bf16, "*fp32"):  # raw logits (plain step), processed ones (features step)
+        report(f"sampling/first_pass/{dtype}", sampling._first_pass_kernel,
+               dict(Logits=dtype, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", LogMinP="*fp32",
+                    Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32", Hist="*i32", V=i32),
+               dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, NBINS=sampling.NBINS, NBP=nbp), num_warps=8)
+        report(f"sampling/finish/{dtype}", sampling._finish_kernel,
+               dict(Logits=dtype, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", LogMinP="*fp32",
+                    Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32", Hist="*i32", Out="*i64", V=i32,
+                    num_chunks=i32),
+               dict(CP=16, BLOCK=sampling.FINISH_BLOCK, NBINS=sampling.NBINS, NBP=nbp), num_warps=8)
+    report("logits_processing/process", logits_processing._process_kernel,
+           dict(Logits=bf16, stride_l=i32, Out="*fp32", stride_o=i32, RowSlot="*i32", Counts="*i32", Prompt="*i32",
+                Allowed="*i32", FParams="*fp32", IParams="*i32", BiasIds="*i32", BiasVals="*fp32", BadIds="*i32",
+                BadLen="*i32", History="*i32", V=i32, W=i32),
+           dict(CHUNK=logits_processing.CHUNK, BLOCK=logits_processing.BLOCK, NB=MAX_LOGIT_BIAS,
+                NBP=triton.next_power_of_2(MAX_LOGIT_BIAS), NBW=MAX_BAD_WORDS, LBW=MAX_BAD_WORD_TOKENS), num_warps=8)
+    report("logits_processing/update", logits_processing._update_kernel,
+           dict(RowSlot="*i32", Tokens="*i64", Counts="*i32", History="*i32", IParams="*i32", V=i32),
+           dict(LBW=MAX_BAD_WORD_TOKENS), num_warps=1)
+    report("logprobs/lse", logprobs._lse_partial_kernel, dict(Logits=bf16, stride_l=i32, Part="*fp32", V=i32),
+           dict(CHUNK=logprobs.CHUNK, BLOCK=logprobs.BLOCK), num_warps=8)
+    report("logprobs/finish", logprobs._finish_kernel,
+           dict(Logits=bf16, stride_l=i32, Part="*fp32", num_chunks=i32, Tokens="*i64", TopVals=bf16, stride_t=i32,
+                OutLp="*fp32", OutTop="*fp32", K=i32), dict(CP=16, KP=32), num_warps=1)
     report("decode_step_inputs", decode_step_inputs._decode_inputs_kernel,
            dict(Packed="*i32", OutTokens="*i64", Ids="*i64", Pos="*i64", Slots="*i64", Ctx="*i32", NextPos="*i64",
                 Tables="*i32", off_ids=i32, off_prev=i32, off_pos=i32, off_width=i32, off_tables=i32,

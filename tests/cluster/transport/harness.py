@@ -111,7 +111,7 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
             layer_done(i)
         sh.layer_done = dying_layer_done
 
-        def snooping_commit(first_tokens):
+        def snooping_commit(first_tokens, logprobs=None):
             # What the prefill computed, captured once the forward wrote it (test only).
             for s in todo:
                 src = list(s.src_block_ids)
@@ -120,7 +120,7 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
             if die_at == "commit":
                 time.sleep(0.5)  # the payload is out (gloo sends from its own threads)
                 os._exit(17)
-            commit(first_tokens)
+            commit(first_tokens, logprobs)
         sh.commit = snooping_commit
         return sh
 
