@@ -141,13 +141,10 @@ class LLMEngine:
         # Prompt logprobs on a sequence's first prefill (a recompute after preemption has sent them).
         wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
                  if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
-        if any(w is not None for w in wants):
-            logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-            for (seq, _), lps in zip(chunks, prompt_lps):
-                if lps is not None:
-                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
-        else:
-            logits = self.runner.prefill([c for _, c in chunks])
+        logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+        for (seq, _), lps in zip(chunks, prompt_lps):
+            if lps is not None:
+                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
         done_rows, done = [], []
         for i, (seq, c) in enumerate(chunks):
             seq.num_cached_tokens += len(c.token_ids)

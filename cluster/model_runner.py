@@ -91,7 +91,10 @@ class ModelRunner:
     def prefill_with_prompt_logprobs(self, chunks: Seq[PrefillChunk], wants: Seq[tuple[Seq[int], int] | None]):
         """prefill(chunks) -> (last-token logits [num_chunks, vocab], per chunk: None, or for
         wants[i] = (prompt, k) the logprobs of the prompt tokens its positions predict
-        (cluster.logprobs.prompt_logprobs), from the chunk's hidden states a slice at a time)."""
+        (cluster.logprobs.prompt_logprobs), from the chunk's hidden states a slice at a time).
+        Without any want it is prefill(chunks) and Nones."""
+        if all(w is None for w in wants):
+            return self.prefill(chunks), [None] * len(chunks)
         ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
         logits = self.model.compute_logits(hidden[last])

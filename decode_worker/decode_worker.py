@@ -466,13 +466,10 @@ class DecodeWorker:
         # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
         wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
                  if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
-        if any(w is not None for w in wants):
-            logits, prompt_lps = self.prefill_runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-            for (seq, _), lps in zip(chunks, prompt_lps):
-                if lps is not None:
-                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
-        else:
-            logits = self.prefill_runner.prefill([c for _, c in chunks])
+        logits, prompt_lps = self.prefill_runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+        for (seq, _), lps in zip(chunks, prompt_lps):
+            if lps is not None:
+                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
         self._prefill_timer.stop(start, tokens)
         self.prefill_tokens_total += tokens
         # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.

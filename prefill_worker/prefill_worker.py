@@ -280,13 +280,10 @@ class PrefillWorker:
             # SamplingParams.reads_prefix_cache), gathered chunk by chunk.
             wants = [(job.prompt, job.task.request.params.prompt_logprobs)
                      if job.task.request.params.prompt_logprobs is not None else None for job, _ in chunks]
-            if any(w is not None for w in wants):
-                logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-                for (job, _), lps in zip(chunks, prompt_lps):
-                    if lps is not None:
-                        job.prompt_logprobs = (job.prompt_logprobs or []) + lps
-            else:
-                logits = self.runner.prefill([c for _, c in chunks])
+            logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+            for (job, _), lps in zip(chunks, prompt_lps):
+                if lps is not None:
+                    job.prompt_logprobs = (job.prompt_logprobs or []) + lps
             self._shipment = None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now, while we sample
