@@ -58,11 +58,13 @@ class Fault:
     worker: str
     affected: list[str] = field(default_factory=list)  # request ids the router had on it
     back_s: float | None = None  # kill -> the router has it healthy again
+    in_transfer: int = 0  # of those, remote prefills not landed yet: KV on the wire or being computed
 
 
-def prompts(n: int) -> list[str]:
+def prompts(n: int, long_words: int = 30) -> list[str]:
     """Short prompts (prefilled on their decode worker) and long ones (prefilled remotely), alternating."""
-    return [f"Chaos {i}: " + " ".join(f"w{(i * 7 + k) % 50}" for k in range(4 if i % 2 else 30)) for i in range(n)]
+    return [f"Chaos {i}: " + " ".join(f"w{(i * 7 + k) % 50}" for k in range(4 if i % 2 else long_words))
+            for i in range(n)]
 
 
 async def _one(client: httpx.AsyncClient, i: int, prompt: str, ref: str, max_tokens: int, deadline_s: float) -> Outcome:
@@ -95,9 +97,12 @@ async def _one(client: httpx.AsyncClient, i: int, prompt: str, ref: str, max_tok
 
 
 async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: float, streams: int,
-                   max_tokens: int, deadline_s: float, seed: int = 0) -> tuple[list[Outcome], list[Fault]]:
+                   max_tokens: int, deadline_s: float, seed: int = 0,
+                   sole_decode_kills: bool = False) -> tuple[list[Outcome], list[Fault]]:
     """`streams` clients each send one greedy request after another for `duration_s` while a fault
-    is injected every `interval_s`; returns every request's outcome and every fault."""
+    is injected every `interval_s`; returns every request's outcome and every fault.
+    sole_decode_kills: a decode worker may be killed while it is the only healthy one (a 1P+1D
+    cluster on two GPUs): its requests wait for its restart, and new ones get 503 meanwhile."""
     import ray
 
     rng = random.Random(seed)
@@ -129,13 +134,16 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
                 break
             healthy_decode = [w for w in router.decode_ids if router.views[w].healthy]
             kinds = [k for k, ok in (("prefill", any(router.views[w].healthy for w in router.prefill_ids)),
-                                     ("decode", len(healthy_decode) >= 2)) if ok]
+                                     ("decode", len(healthy_decode) >= (1 if sole_decode_kills else 2))) if ok]
             if not kinds:
                 continue
             kind = rng.choice(kinds)
             ids = router.prefill_ids if kind == "prefill" else router.decode_ids
             wid = rng.choice([w for w in ids if router.views[w].healthy])
-            f = Fault(round(time.monotonic() - t0, 2), kind, wid, sorted(router.views[wid].inflight))
+            held = sorted(router.views[wid].inflight)
+            placed = [router.inflight.get(r) for r in held]
+            f = Fault(round(time.monotonic() - t0, 2), kind, wid, held,
+                      in_transfer=sum(1 for rs in placed if rs is not None and not rs.local_prefill and not rs.prefill_done))
             h = (sc.workers.prefill if kind == "prefill" else sc.workers.decode)[wid]
             old = router.incarnation(wid)
             ray.kill(h, no_restart=False)
@@ -188,6 +196,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], settle_s: float | No
         backs = [f.back_s for f in fs if f.back_s is not None]
         kinds[kind] = dict(
             injected=len(fs), requests_affected=sum(len(f.affected) for f in fs),
+            with_kv_in_flight=sum(f.in_transfer for f in fs), kills_mid_transfer=sum(f.in_transfer > 0 for f in fs),
             finished_exactly=sum(o.exact for o in affected), hung=sum(o.hung for o in affected),
             errors_returned=sum(o.error is not None for o in affected),
             not_back=sum(f.back_s is None for f in fs),
@@ -205,23 +214,27 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], settle_s: float | No
 
 
 def run(sc, engine, *, duration_s: float, interval_s: float, streams: int = 8, max_tokens: int = 24,
-        deadline_s: float = 120.0, settle_s: float = 120.0, n_prompts: int = 16, seed: int = 0) -> dict:
+        deadline_s: float = 120.0, settle_s: float = 120.0, n_prompts: int = 16, seed: int = 0,
+        long_words: int = 30, sole_decode_kills: bool = False) -> dict:
     """The whole experiment on a started cluster `sc` (ServingCluster, router in-process) against the
     reference `engine` (cluster.engine.LLMEngine on the same checkpoint)."""
     from cluster.sampling_params import SamplingParams
 
-    ps = prompts(n_prompts)
+    ps = prompts(n_prompts, long_words)
     refs = {p: r.text for p, r in zip(ps, engine.generate(
         ps, [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * len(ps)))}
     t0 = time.monotonic()
     outcomes, faults = asyncio.run(run_load(sc, refs, duration_s=duration_s, interval_s=interval_s,
-                                            streams=streams, max_tokens=max_tokens, deadline_s=deadline_s, seed=seed))
+                                            streams=streams, max_tokens=max_tokens, deadline_s=deadline_s, seed=seed,
+                                            sole_decode_kills=sole_decode_kills))
     load_s = time.monotonic() - t0
     took, held = settle(sc, settle_s)
     summary = summarize(outcomes, faults, took, held)
     bad = [asdict(o) for o in outcomes if not o.exact][:20]
     return dict(config=dict(duration_s=duration_s, interval_s=interval_s, streams=streams, max_tokens=max_tokens,
-                            deadline_s=deadline_s, seed=seed, prefill_workers=len(sc.workers.prefill),
+                            deadline_s=deadline_s, seed=seed, long_words=long_words,
+                            sole_decode_kills=sole_decode_kills, device=sc.cfg.device,
+                            kv_transport=sc.cfg.kv_transport, prefill_workers=len(sc.workers.prefill),
                             decode_workers=len(sc.workers.decode), worker_max_restarts=sc.cfg.worker_max_restarts),
                 load_s=round(load_s, 1), summary=summary, faults=[asdict(f) for f in faults], not_exact=bad)
 
@@ -237,6 +250,14 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-workers", type=int, default=2)
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    ap.add_argument("--gpus-per-worker", type=float, default=None, help="1: each worker its own GPU (KV over NCCL)")
+    ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--long-prompt-words", type=int, default=30,
+                    help="words of the long prompts (prefilled remotely; long ones ship layer-wise)")
+    ap.add_argument("--sole-decode-kills", action="store_true",
+                    help="kill a decode worker even when it is the only healthy one (1P+1D on two GPUs)")
+    ap.add_argument("--reference-device", default="cpu", help="where the reference engine runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
@@ -251,7 +272,9 @@ def main(argv=None) -> int:
 
     model = args.model or str(ensure_demo_model())
     ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    cfg = ClusterConfig(model=model, served_model_name=MODEL, port=0, device=args.device,
+    gpu = {} if args.device == "cpu" else {"gpus_per_worker": args.gpus_per_worker,
+                                             "kv_memory_fraction": args.kv_memory_fraction}
+    cfg = ClusterConfig(model=model, served_model_name=MODEL, port=0, device=args.device, dtype=args.dtype, **gpu,
                         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                         cpu_num_blocks=128, max_num_seqs=32, use_cuda_graph=args.device != "cpu",
                         stats_interval_s=0.05, cpus_per_worker=1.0, api_servers=1, ready_timeout_s=300,
@@ -260,9 +283,11 @@ def main(argv=None) -> int:
     sc = ServingCluster(cfg)
     try:
         sc.start_in_thread(timeout_s=300)
-        engine = LLMEngine(model, num_blocks=1024, max_num_seqs=64)
+        # The workers' greedy text must equal this engine's (same checkpoint and dtype).
+        engine = LLMEngine(model, num_blocks=1024, max_num_seqs=64, dtype=args.dtype, device=args.reference_device)
         result = run(sc, engine, duration_s=args.duration_s, interval_s=args.interval_s, streams=args.streams,
-                     max_tokens=args.max_tokens, deadline_s=args.deadline_s, seed=args.seed)
+                     max_tokens=args.max_tokens, deadline_s=args.deadline_s, seed=args.seed,
+                     long_words=args.long_prompt_words, sole_decode_kills=args.sole_decode_kills)
     finally:
         sc.shutdown()
         ray.shutdown()
