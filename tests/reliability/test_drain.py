@@ -44,26 +44,8 @@ def _stream(url: str, body: dict, out: dict) -> None:
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
     pytest.importorskip("decode_worker.actor")
-    env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
-         "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
-         "--served-model-name", "demo", "--drain-timeout-s", str(DRAIN_S), "--api-servers", str(api_servers)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    out_lines: list[str] = []
+    proc, url, out_lines = _serve(demo_model_dir, api_servers, DRAIN_S)
     try:
-        url = None
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out_lines.append(line)
-            m = re.search(r"serving demo at (http://\S+)/v1", line)
-            url = m.group(1) if m else None
-        assert url, "".join(out_lines)
-        threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True).start()
-
         short, long_ = {}, {}
         body = {"model": "demo", "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
         threads = [threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 40}, short)),
