@@ -3,7 +3,7 @@
     python -m loadtest.bench_gateway [--api-servers 1,2,4] [--streams 256] [--step-ms 2.5]
         [--duration 20] [--out loadtest/results/gateway_cpu.json]
 
-Everything but the model is real: the K API-server processes (cluster/app/api_server.py: uvicorn,
+Everything but the model is real: the K API-server processes (deploy/api_server.py: uvicorn,
 uvloop, httptools, the FastAPI gateway) on one shared socket, the RouterServer and Router in this
 process, and the decode worker's own TokenPublisher (detokenization, stop strings, per-gateway ZMQ
 sinks). The decode worker is a fake process that runs no model: every `--step-ms` it emits one token
@@ -198,7 +198,7 @@ def client_main(host: str, port: int, users: int, body: bytes, t_start: float, t
 
 # -- one measurement --------------------------------------------------------------------------------
 def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
-    from cluster.app.api_server import APIServerPool
+    from deploy.api_server import APIServerPool
     from router.admission import AdmissionController, AdmissionLimits
     from router.metrics import RouterMetrics
     from router.router import Router, RouterConfig, WorkerClient

@@ -265,8 +265,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster.app.config import ClusterConfig
-    from cluster.app.launch import ServingCluster
+    from deploy.config import ClusterConfig
+    from deploy.launch import ServingCluster
     from cluster.engine import LLMEngine
     from cluster.model.demo import ensure_demo_model
 

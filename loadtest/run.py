@@ -113,7 +113,7 @@ class ClusterProcess:
         # Port 0: the server binds a free port itself and prints its URL (a port picked here could be
         # taken by one of Ray's processes before the server binds it).
         self.url: str | None = None
-        cmd = [sys.executable, "-m", "cluster.app.cli", "serve"]
+        cmd = [sys.executable, "-m", "deploy.cli", "serve"]
         if args.model:
             cmd.append(args.model)
         cmd += ["--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),

@@ -54,7 +54,7 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   python -m loadtest.make_model --shape llama-1b "$MODEL_DIR"
 fi
 # shellcheck disable=SC2086
-python -m cluster.app.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1 --host 127.0.0.1 --port 0 \
+python -m deploy.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1 --host 127.0.0.1 --port 0 \
   --api-servers "$API_SERVERS" $SERVE_ARGS > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT

@@ -65,7 +65,7 @@ serve_and_bench() {  # setup-name, serve flags...
   local setup=$1; shift
   if (( $(left) < 90 )); then stamp "$setup: skipped, $(left)s left of the budget"; return; fi
   stamp "$setup: starting the server"
-  python3 -m cluster.app.cli serve $MODEL_ARG --port "$PORT" $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
+  python3 -m deploy.cli serve $MODEL_ARG --port "$PORT" $COMMON "$@" > "$OUT/serve_$setup.log" 2>&1 &
   local server=$!
   for _ in $(seq 1 600); do
     ready && break

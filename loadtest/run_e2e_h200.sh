@@ -21,7 +21,7 @@ ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.
 RAW=${RAW:-/tmp/pdserve-itl-raw}
 [ -f "$MODEL_DIR/model.safetensors" ] || python3 -m loadtest.make_model --shape "$SHAPE" --device "$GEN_DEVICE" "$MODEL_DIR" || exit 1
 # shellcheck disable=SC2086
-python3 -m cluster.app.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1 --port "$PORT" $SERVE_ARGS \
+python3 -m deploy.cli serve "$MODEL_DIR" --prefill-workers 1 --decode-workers 1 --port "$PORT" $SERVE_ARGS \
   > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT

@@ -50,7 +50,7 @@ serve_and_bench() {  # cache on|off
   local cache=$1 flag=--enable-prefix-caching
   [ "$cache" = off ] && flag=--no-enable-prefix-caching
   # shellcheck disable=SC2086
-  $PY -m cluster.app.cli serve "$MODEL_DIR" --port "$PORT" $BASE $TOPOLOGY $flag ${SERVE_ARGS:-} \
+  $PY -m deploy.cli serve "$MODEL_DIR" --port "$PORT" $BASE $TOPOLOGY $flag ${SERVE_ARGS:-} \
     > "$OUT/serve_prefix_${SETUP}_$cache.log" 2>&1 &
   local server=$!
   for _ in $(seq 1 400); do

@@ -2,7 +2,7 @@
 
 `build_app(gateway)` returns the FastAPI app; `Gateway` holds what the endpoints share (tokenizer,
 router client, token stream, metrics) and owns their start/stop through the app's lifespan. Several
-gateway processes serve one port (cluster/app/api_server.py); each has its own token sink.
+gateway processes serve one port (deploy/api_server.py); each has its own token sink.
 
 Per request the gateway tokenizes (chat template for /v1/chat/completions), resolves the sampling
 seed, and submits a `GenerateRequest` naming its token sink (`reply_to`) to the one router over its

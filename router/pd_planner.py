@@ -1,6 +1,6 @@
 """PDPlanner: how many workers of each role the cluster should have, from measured rates and the
 live request mix. Pure logic (no Ray, no clock of its own): the application layer's PlannerLoop feeds
-it observations and carries out its one-worker-at-a-time role changes (cluster/app/role_switcher.py).
+it observations and carries out its one-worker-at-a-time role changes (deploy/role_switcher.py).
 
 Model (fluid, per second). A prefill worker computes R_p prompt tokens/s (its measured pass rate,
 `WorkerStats.prefill_rate`); a decode worker sustains R_d output tokens/s (`decode_capacity`: from

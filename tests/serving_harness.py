@@ -34,8 +34,8 @@ def init_ray(num_cpus: int = 8) -> bool:
 def start_cluster(demo_model_dir, *, prefill_actor_cls=None, decode_actor_cls=None, form_transport_group=None,
                   **overrides):
     """A started cluster (in a thread of this process) that answers /ready; `sc.url` is its base URL."""
-    from cluster.app.config import ClusterConfig
-    from cluster.app.launch import ServingCluster
+    from deploy.config import ClusterConfig
+    from deploy.launch import ServingCluster
 
     cfg = ClusterConfig(**{"model": str(demo_model_dir), **CPU_DEFAULTS, **overrides})
     kwargs = dict(prefill_actor_cls=prefill_actor_cls, decode_actor_cls=decode_actor_cls)

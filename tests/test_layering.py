@@ -1,6 +1,6 @@
 """The architecture in layers that only import downwards (README, "Layout"):
 
-    application   cluster.app (config, launch, CLI)      loadtest (benchmarks, load tests)
+    application   deploy (config, launch, CLI)      loadtest (benchmarks, load tests)
     services      prefill_worker    decode_worker    router          (independent of each other)
     engine core   cluster.* (model, attention, kernels, KV cache, sampler, transport, messages)
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "loadtest")
+PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "deploy", "loadtest")
 SERVICES = ("prefill_worker", "decode_worker", "router")
 
 
@@ -26,10 +26,8 @@ def layer(module: str) -> tuple[int, str] | None:
     top = module.split(".")[0]
     if top not in PACKAGES:
         return None
-    if module == "cluster.app" or module.startswith("cluster.app."):
-        return 2, "cluster.app"
-    if top == "loadtest":
-        return 2, "loadtest"
+    if top in ("deploy", "loadtest"):
+        return 2, top
     if top == "cluster":
         return 0, "cluster"
     return 1, top
@@ -98,7 +96,7 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
 def test_serve_and_generate_do_not_import_the_load_test_tooling(argv, demo_model_dir):
     code = (
         "import sys\n"
-        "from cluster.app import cli\n"
+        "from deploy import cli\n"
         "try:\n"
         f"    cli.main({argv!r})\n"
         "except SystemExit:\n"

@@ -81,7 +81,7 @@ def test_dockerfile_installs_every_package(path):
 
 
 def test_pdserve_cluster_yaml_is_a_valid_config():
-    from cluster.app.config import ClusterConfig
+    from deploy.config import ClusterConfig
 
     cfg = ClusterConfig.load(DEPLOY / "pdserve-cluster.yaml")
     assert cfg.prefill_resources == {"prefill": 1} and cfg.decode_resources == {"decode": 1}

@@ -59,7 +59,7 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
 
         import psutil
 
-        api = [c for c in psutil.Process(proc.pid).children() if "cluster.app.api_server" in " ".join(c.cmdline())]
+        api = [c for c in psutil.Process(proc.pid).children() if "deploy.api_server" in " ".join(c.cmdline())]
         assert len(api) == api_servers
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -94,7 +94,7 @@ def _serve(demo_model_dir, api_servers: int, drain_s: float):
     """`pdserve serve` as a subprocess in its own session; returns (proc, url, output lines)."""
     env = dict(os.environ, RAY_ADDRESS="")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+        [sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
          "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
          "--served-model-name", "demo", "--drain-timeout-s", str(drain_s), "--api-servers", str(api_servers)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)

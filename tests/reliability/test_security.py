@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from cluster.errors import PdserveError
-from cluster.app.launch import rendezvous_store
+from deploy.launch import rendezvous_store
 from cluster.messages import KVHeader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def test_store_listens_on_the_internal_address_only():
 
 
 def test_config_refuses_a_wildcard_token_stream_host():
-    from cluster.app.config import ClusterConfig
+    from deploy.config import ClusterConfig
 
     for host in ("0.0.0.0", "::", "*"):
         with pytest.raises(PdserveError, match="token_stream_host"):
@@ -141,7 +141,7 @@ def test_no_pickle_on_our_sockets():
     """The modules that own a socket or the store (gateway, router, token stream and publisher, KV
     transports, messages) do not import pickle, cloudpickle or dill, nor call torch.load."""
     files = [*ROOT.glob("router/*.py"), *ROOT.glob("cluster/transport/*.py"), ROOT / "cluster/messages.py",
-             ROOT / "cluster/stream_messages.py", ROOT / "cluster/app/api_server.py",
+             ROOT / "cluster/stream_messages.py", ROOT / "deploy/api_server.py",
              ROOT / "decode_worker/token_publisher.py", ROOT / "prefill_worker/prefill_worker.py"]
     assert len(files) > 10
     bad = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill)\b|pickle\.loads?\(|torch\.load\(|"

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from cluster.app.cli import build_parser
+from deploy.cli import build_parser
 
 
 def test_serve_flags_and_help():
@@ -26,7 +26,7 @@ def test_serve_flags_and_help():
 
 def test_serve_bad_config_is_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("decode_workers: 0\n")
-    r = subprocess.run([sys.executable, "-m", "cluster.app.cli", "serve", "--config", str(tmp_path / "c.yaml")],
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--config", str(tmp_path / "c.yaml")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: invalid configuration: decode_workers")
     assert "Traceback" not in r.stderr
@@ -37,7 +37,7 @@ def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
     pytest.importorskip("decode_worker.actor")
     env = dict(os.environ, PDSERVE_API_KEY="k", RAY_ADDRESS="")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.app.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+        [sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
          "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "128",
          "--served-model-name", "demo"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

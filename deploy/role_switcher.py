@@ -12,7 +12,7 @@ holds (GPUs are fixed; the worker's placement-group bundle is reused).
 
 Every step runs on the router's event loop; the blocking Ray calls (retire, spawn) run in a thread.
 The cluster object provides `retire_worker(id) -> bundle` and `spawn_worker(role, bundle) -> (id,
-handle)` (cluster/app/launch.py's ServingCluster).
+handle)` (deploy/launch.py's ServingCluster).
 """
 
 from __future__ import annotations

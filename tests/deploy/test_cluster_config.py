@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from cluster.app.config import ClusterConfig, add_config_flags, overrides_from_args
+from deploy.config import ClusterConfig, add_config_flags, overrides_from_args
 from cluster.errors import PdserveError
 
 
@@ -56,7 +56,7 @@ def test_bad_yaml(tmp_path):
 
 
 def test_worker_config_and_gpu_shares():
-    from cluster.app.launch import gpus_per_actor
+    from deploy.launch import gpus_per_actor
 
     cfg = ClusterConfig(prefill_workers=1, decode_workers=1, num_blocks=64, max_num_seqs=8)
     w = cfg.worker_config("/m", "cuda")

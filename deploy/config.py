@@ -36,7 +36,7 @@ class ClusterConfig(BaseModel):
     """If set, /v1 requires `Authorization: Bearer <key>` (also read from PDSERVE_API_KEY)."""
     api_servers: int | None = Field(None, ge=1, le=64)
     """HTTP API-server processes sharing the port, each with its own token stream (none: a quarter of
-    the cores, 1 to 4; see cluster.app.api_server.default_api_servers)."""
+    the cores, 1 to 4; see deploy.api_server.default_api_servers)."""
     address: str | None = None
     """Ray cluster to join from one of its nodes ('auto' or 'host:6379'); none starts a local Ray instance.
     (Ray Client 'ray://' addresses are not supported: workers push tokens to this process directly.)"""

@@ -5,7 +5,7 @@ Processes:
 - this one, the launcher: the Ray driver, and the one Router (admission, placement, migration) on
   its asyncio loop, served to the gateways by a RouterServer (router/router_server.py), which also
   collects the decode workers' step records for /stats and /metrics;
-- `api_servers` gateway processes (cluster/app/api_server.py) sharing one listening socket, each
+- `api_servers` gateway processes (deploy/api_server.py) sharing one listening socket, each
   with its own token sink: decode workers send each of them only its own requests' text;
 - the Ray actors (prefill and decode workers).
 
@@ -17,7 +17,7 @@ step per graph variant; the first request then costs what the hundredth does); /
 only when the router has polled every worker and every gateway process is up. SIGTERM drains: the router refuses new requests, every gateway lets its in-flight requests finish
 (up to `drain_timeout_s`), then everything stops in order and the launcher exits 0.
 
-With `planner` on, a PlannerLoop (cluster/app/planner_loop.py) runs beside the router and moves
+With `planner` on, a PlannerLoop (deploy/planner_loop.py) runs beside the router and moves
 workers between prefill and decode on the GPUs they hold (`spawn_worker` / `retire_worker` here).
 """
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.app.config import ClusterConfig, add_config_flags, overrides_from_args
+from deploy.config import ClusterConfig, add_config_flags, overrides_from_args
 from cluster.errors import PdserveError
 
 log = logging.getLogger("pdserve.launch")
@@ -229,7 +229,7 @@ class ServingCluster:
         self.workers = _Workers()
         self.router = None  # router.router.Router, on this process's serving loop
         self.router_server = None  # router.router_server.RouterServer
-        self.api_servers = None  # cluster.app.api_server.APIServerPool
+        self.api_servers = None  # deploy.api_server.APIServerPool
         self.model_name: str | None = None
         self.url: str | None = None
         self.failure: str | None = None  # why serving stopped on its own (an API server died)
@@ -237,7 +237,7 @@ class ServingCluster:
         self._owns_ray = False
         self._kv_group = None
         self._device = "cpu"
-        self.planner = None  # cluster.app.planner_loop.PlannerLoop with `planner` on
+        self.planner = None  # deploy.planner_loop.PlannerLoop with `planner` on
         self.serving_since: float | None = None  # time.time() when the cluster became ready
         self._listen = None
         self._tmp: str | None = None
@@ -265,7 +265,7 @@ class ServingCluster:
     def _start(self) -> None:
         import ray
 
-        from cluster.app.api_server import APIServerPool, default_api_servers
+        from deploy.api_server import APIServerPool, default_api_servers
         from cluster.model.config import ModelArchConfig
         from router.admission import AdmissionController, AdmissionLimits
         from router.metrics import RouterMetrics
@@ -324,7 +324,7 @@ class ServingCluster:
         self.router.rejoin = self._rejoin_worker
         self.router_server.attach(self.router)
         if cfg.planner:
-            from cluster.app.planner_loop import PlannerLoop
+            from deploy.planner_loop import PlannerLoop
 
             self.planner = PlannerLoop.for_cluster(self, self.router, metrics)
 

@@ -3,7 +3,7 @@ import sys
 
 
 def _pdserve(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "cluster.app.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_generate_prints_one_completion_per_prompt(demo_model_dir):

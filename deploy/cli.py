@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_extra_commands(sub) -> None:
     """`serve` (the launcher) and `loadtest`. The load-test tooling (Locust, httpx, plotting) is only
     imported when `pdserve loadtest` runs: its arguments are parsed by its own parser then."""
-    from cluster.app.launch import add_serve_command
+    from deploy.launch import add_serve_command
 
     add_serve_command(sub)
     # Listed here for `pdserve --help`; main() hands its arguments to loadtest.run's own parser.

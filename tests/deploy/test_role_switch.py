@@ -56,7 +56,7 @@ def test_workers_warmed_up_before_serving(cluster):
 
 
 def test_planner_switches_a_decode_worker_to_prefill_and_serving_stays_exact(cluster, reference_engine):
-    from cluster.app.planner_loop import PlannerLoop
+    from deploy.planner_loop import PlannerLoop
     from router.pd_planner import PDPlanner, PlannerConfig
 
     sc = cluster

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from cluster.app.role_switcher import RoleSwitcher
+from deploy.role_switcher import RoleSwitcher
 from router.arrival_stats import ArrivalStats
 from router.pd_planner import PDPlanner, PlannerConfig, observe
 from router.router import Router

@@ -2,7 +2,7 @@
 
 The launcher binds the listening socket once (a port in use is a one-line error there, and port 0 is
 resolved before any child starts) and hands that same socket to K processes started as
-`python -m cluster.app.api_server`; the kernel gives each new connection to one of them, and a
+`python -m deploy.api_server`; the kernel gives each new connection to one of them, and a
 connection stays with its process for its whole life, so a request's tokens only ever go to the
 process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
 with the httptools parser and the FastAPI app of router/gateway.py, with its own token sink and its
@@ -78,7 +78,7 @@ class APIServerPool:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "PYTHONUNBUFFERED": "1"}
         for i in range(self.count):
             spec = APIServerSpec(index=i, listen_fd=fd, parent_pid=os.getpid(), **self.spec)
-            proc = subprocess.Popen([sys.executable, "-m", "cluster.app.api_server"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "deploy.api_server"], stdin=subprocess.PIPE,
                                     pass_fds=(fd,), env=env)
             proc.stdin.write(msgspec.json.encode(spec))
             proc.stdin.close()
