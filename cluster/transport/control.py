@@ -41,6 +41,13 @@ with it fails, each only once its completion says nothing can still write the bl
 Threads: (both) a heartbeat thread, which on the prefill side also watches the peers of transfers in
 flight; one waiter per pair; (decode) the control thread, which owns the inbox, posts receives and runs
 deadlines, cancels and liveness checks.
+
+The code. `ControlledTransport` (here) is what both roles share: the store and the incarnation, the
+pairs and the dead peers under one lock, liveness, marking a peer dead, the records, the threads, and
+the payload hooks a subclass implements. Like vLLM's KV connectors (one object per role, the connector
+delegating to it), it holds the side of its role: a prefill transport a `SenderSide` (sender_side.py),
+a decode transport a `ReceiverSide` (receiver_side.py) that its control thread feeds; a call of the
+other role raises. The sides import pair.py (Pair, PeerDeadError, claim keys); this file only for types.
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import itertools
 import logging
 import os
 import socket
@@ -57,26 +63,22 @@ import time
 import weakref
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import msgspec
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from cluster.logprobs import PrefillLogprobs
-from cluster.messages import KVHeader, Reservation
+from cluster.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
-from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message, Outbox
-from cluster.transport.completion import Completion, ReadyCompletion, Waiter
-from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
+from cluster.transport.channel import Commit, Hello, Inbox
+from cluster.transport.completion import Completion
+from cluster.transport.pair import Pair, PeerDeadError
+from cluster.transport.plan import ItemPlan, Launch
+from cluster.transport.receiver_side import InBundle, ReceiverSide
+from cluster.transport.sender_side import OutBundle, SenderSide
 
 log = logging.getLogger(__name__)
-
-CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 _LIVE: "weakref.WeakSet[ControlledTransport]" = weakref.WeakSet()
 
@@ -108,107 +110,12 @@ def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
 
 
-class PeerDeadError(RuntimeError):
-    """The peer shut down, stopped heart-beating, or broke the pair's channel."""
-
-
-# -- per pair and per bundle state --------------------------------------------------------------
-class Pair:
-    """One prefill-decode pair as this side sees it."""
-
-    def __init__(self, peer: str, me: str):
-        self.peer = peer
-        self.peer_inc = 0  # the peer's incarnation this pair was formed with
-        self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
-        self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
-        self.outbox: Outbox | None = None
-        self.payload: Any = None  # the subclass's per-pair state
-        self.waiter = Waiter(f"kv-wait-{me}-{peer}")
-        self.bundles: list = []  # in flight
-        self.dead: str | None = None
-
-
-@dataclass(eq=False)
-class _OutBundle:
-    id: int
-    pair: Pair
-    sends: list[KVSend]
-    futures: list[Future]
-    items: list[ItemPlan]
-    launches: list[Launch]
-    issued: int = 0
-    payload: Any = None  # the subclass's per-bundle state
-    completion: Completion | None = None
-    commit_event: int = -1
-    failed: str | None = None
-    t_kv: float = 0.0  # monotonic: the forward finished (the transfer's exposed part starts)
-    unlocked: bool = False
-
-
-@dataclass(eq=False)
-class _Expect:
-    reservation: Reservation
-    peer: str
-    deadline: float  # monotonic
-    state: str = "waiting"  # -> "claimed" (the deadline passed but the prefill had claimed it)
-    cancel: bool = False
-
-
-@dataclass(eq=False)
-class _InBundle:
-    id: int
-    pair: Pair
-    expects: list[_Expect]
-    num_tokens: list[int]
-    items: list[ItemPlan]
-    launches: list[Launch]
-    t_begin: float  # monotonic
-    completion: Completion | None = None
-    committed: bool = False
-    tokens: list[int] = field(default_factory=list)
-    oks: list[bool] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # per item: PrefillLogprobs or None (empty: none asked)
-    failed: str | None = None
-    payload: Any = None
-
-
-class _Shipment(Shipment):
-    def __init__(self, transport: "ControlledTransport"):
-        self.t = transport
-        self.futures: dict[str, Future] = {}
-        self.bundles: list[_OutBundle] = []
-        self._kv_done = self._committed = False
-
-    def layer_done(self, layer: int) -> None:
-        if self._kv_done or not any(b.issued < len(b.launches) and launch_last_layer(b.launches[b.issued]) <= layer
-                                    for b in self.bundles):
-            return  # no launch waits for this layer (not layer-wise, or already issued)
-        ready = self.t._payload_mark()
-        for b in self.bundles:
-            self.t._issue_through(b, layer, ready)
-
-    def kv_done(self) -> None:
-        if self._kv_done:
-            return
-        self._kv_done = True
-        ready = self.t._payload_mark() if self.bundles else None
-        for b in self.bundles:
-            self.t._issue_through(b, None, ready)
-            self.t._seal(b)
-
-    def commit(self, first_tokens: Mapping[str, int | None],
-               logprobs: Mapping[str, PrefillLogprobs] | None = None) -> None:
-        if self._committed:
-            raise RuntimeError("shipment committed twice")
-        self.kv_done()
-        self._committed = True
-        for b in self.bundles:
-            self.t._commit(b, first_tokens, logprobs or {})
-
-
 class ControlledTransport(KVTransport):
     """Claims, cancels, heartbeats, the push channel, deadlines, completions and metrics. Subclasses
-    implement the `_payload_*` hooks; they are called with `pair.io` held where they touch a channel."""
+    implement the `_payload_*` hooks; the sides call them with `pair.io` held where they touch a channel.
+
+    For the two sides: `lock` guards `pairs`, `dead_peers` and every bundle list; `store()` is this
+    thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
 
     def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory):
         assert role in ("prefill", "decode"), role
@@ -223,25 +130,19 @@ class ControlledTransport(KVTransport):
         self.num_layers, self.block_size = kv_cache.shape[0], kv_cache.shape[3]
         self.plane_block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
         self.bytes_per_block = 2 * self.num_layers * self.plane_block_bytes
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._dead: dict[str, str] = {}
-        self._pairs: dict[str, Pair] = {}
-        self._pair_locks: dict[str, threading.Lock] = {}
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.dead_peers: dict[str, str] = {}
+        self.pairs: dict[str, Pair] = {}
         self._liveness: dict[str, tuple[int, float]] = {}
         self._records: deque[dict] = deque(maxlen=1024)
         self._totals = {"transfers": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
-        self._bundle_ids = itertools.count()
-        # decode side
-        self._pending: dict[tuple[str, int], _Expect] = {}
-        self._arrivals: deque[KVArrival] = deque()
-        self._in_flight: list[_InBundle] = []
-        self._done_keys: deque[str] = deque()
-        self._wakeup: Callable[[], None] | None = None
-        store = self._store()
+        store = self.store()
         self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
         store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
         self._setup_payload()
+        self.sender: SenderSide | None = None
+        self.receiver: ReceiverSide | None = None
         self._inbox: Inbox | None = None
         self._control: threading.Thread | None = None
         if role == "decode":
@@ -249,14 +150,49 @@ class ControlledTransport(KVTransport):
             if spec.store_host:
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
             self._inbox = Inbox(host, f"{self.ns}/{worker_id}")
-            info = {"endpoint": self._inbox.endpoint, "layout": self._layout(), "pid": os.getpid(),
+            self.receiver = ReceiverSide(self, self._inbox)
+            info = {"endpoint": self._inbox.endpoint, "layout": self.layout(), "pid": os.getpid(),
                     "incarnation": self.incarnation, **self._payload_info()}
             store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
+        else:
+            self.sender = SenderSide(self)
         self._heartbeat = threading.Thread(target=self._beat, name=f"kv-heartbeat-{worker_id}", daemon=True)
         self._heartbeat.start()
         _LIVE.add(self)
+
+    # -- KVTransport: each call goes to the side of this transport's role -------------------------
+    def _sending(self) -> SenderSide:
+        if self.sender is None:
+            raise RuntimeError(f"the KV transport of {self.worker_id} is a {self.role} worker's: it sends no KV")
+        return self.sender
+
+    def _receiving(self) -> ReceiverSide:
+        if self.receiver is None:
+            raise RuntimeError(f"the KV transport of {self.worker_id} is a {self.role} worker's: it receives no KV")
+        return self.receiver
+
+    def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
+        return self._sending().connect(decode_worker_ids)
+
+    def begin(self, sends: Sequence[KVSend], layerwise: bool | None = None) -> Shipment:
+        return self._sending().begin(sends, layerwise)
+
+    def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:
+        self._sending().send_abort(reservation, request_id, timeout_s)
+
+    def expect(self, reservation: Reservation, prefill_worker_id: str) -> None:
+        self._receiving().expect(reservation, prefill_worker_id)
+
+    def cancel(self, reservation: Reservation, prefill_worker_id: str) -> None:
+        self._receiving().cancel(reservation, prefill_worker_id)
+
+    def poll_arrivals(self) -> list[KVArrival]:
+        return self._receiving().poll_arrivals()
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self._receiving().set_wakeup(wake)
 
     # -- payload hooks ----------------------------------------------------------------------------
     def _setup_payload(self) -> None:
@@ -284,20 +220,20 @@ class ControlledTransport(KVTransport):
         """Decode, on a hello: form the channel and take the tiny transfer."""
 
     @abstractmethod
-    def _payload_issue(self, pair: Pair, b: _OutBundle, launch: Launch, ready) -> None:
+    def _payload_issue(self, pair: Pair, b: OutBundle, launch: Launch, ready) -> None:
         """Prefill: enqueue one launch once `ready` (an event on the compute stream, or None)."""
 
     @abstractmethod
-    def _payload_seal(self, pair: Pair, b: _OutBundle) -> tuple[Completion, int]:
+    def _payload_seal(self, pair: Pair, b: OutBundle) -> tuple[Completion, int]:
         """Prefill, after the last launch: the bundle's completion, and the doorbell event the commit
         names (same-GPU; else -1)."""
 
     @abstractmethod
-    def _payload_post(self, pair: Pair, b: _InBundle) -> tuple[Completion, str | None]:
+    def _payload_post(self, pair: Pair, b: InBundle) -> tuple[Completion, str | None]:
         """Decode: post the whole bundle's receives; the completion covers whatever was posted, with
         an error if posting failed part way."""
 
-    def _payload_commit(self, pair: Pair, b: _InBundle, msg: Commit) -> None:
+    def _payload_commit(self, pair: Pair, b: InBundle, msg: Commit) -> None:
         """Decode: the commit arrived (same-GPU binds the completion event it names)."""
 
     @abstractmethod
@@ -312,46 +248,50 @@ class ControlledTransport(KVTransport):
         ev.record(torch.cuda.current_stream(self.kv_cache.device))
         return ev
 
-    # -- helpers ------------------------------------------------------------------------------------
-    def _layout(self) -> list:
+    def _on_stream(self, stream):
+        """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.kv_cache.device))
+        stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    # -- shared by both sides -----------------------------------------------------------------------
+    def layout(self) -> list:
+        """[layers, block_size, kv_heads, head_dim, dtype]: both ends of a pair must have the same."""
         c = self.kv_cache
         return [c.shape[0], c.shape[3], c.shape[4], c.shape[5], str(c.dtype).removeprefix("torch.")]
 
-    def _store(self):
+    def store(self):
+        """This thread's store client."""
         s = getattr(self._local, "store", None)
         if s is None:
             s = self._local.store = self._new_store()
         return s
 
-    def _key(self, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
-        return f"{self.ns}/x/{prefill}/{decode}.{decode_inc}/{seq}"
-
-    def _wake(self) -> None:
-        w = self._wakeup
-        if w is not None:
-            w()
-
     def _beat(self) -> None:
         store, key = self._new_store(), f"{self.ns}/hb/{self.worker_id}"
-        while not self._closed.is_set():
+        while not self.closed.is_set():
             try:
                 store.add(key, 1)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
-            if self.role == "prefill":
+            if self.sender is not None:
                 try:
-                    self._watch_outgoing(store)
+                    self.sender.watch_outgoing(store)
                 except Exception:  # noqa: BLE001
                     log.exception("watching KV transfers failed")
-            self._closed.wait(self.spec.heartbeat_s)
+            self.closed.wait(self.spec.heartbeat_s)
 
-    def _check_alive(self, store, peer: str) -> None:
-        if peer in self._dead:
-            raise PeerDeadError(f"peer {peer} is marked dead: {self._dead[peer]}")
+    def check_alive(self, store, peer: str) -> None:
+        """Raises PeerDeadError if the peer is marked dead, closed its transport, or stopped beating."""
+        if peer in self.dead_peers:
+            raise PeerDeadError(f"peer {peer} is marked dead: {self.dead_peers[peer]}")
         v, now = store.add(f"{self.ns}/hb/{peer}", 0), time.monotonic()
         if v < 0:
             raise PeerDeadError(f"peer {peer} has shut down its KV transport")
-        with self._lock:
+        with self.lock:
             last_v, since = self._liveness.get(peer, (None, now))
             if v != last_v:
                 self._liveness[peer] = (v, now)
@@ -360,38 +300,19 @@ class ControlledTransport(KVTransport):
                 raise PeerDeadError(f"peer {peer} silent for {now - since:.1f}s (no heartbeat within "
                                     f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")
 
-    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str) -> bytes | None:
-        """Connecting only (never on a transfer's path): polls until `key` exists; None at the deadline;
-        raises if the peer died meanwhile."""
-        delay, next_live = 1e-4, 0.0
-        while True:
-            if store.check([key]):
-                return store.get(key)
-            now = time.monotonic()
-            if now >= deadline:
-                return None
-            if self._closed.is_set():
-                raise RuntimeError(f"KV transport of {self.worker_id} closed while waiting for {what}")
-            if now >= next_live:
-                self._check_alive(store, peer)
-                next_live = now + self.spec.heartbeat_s
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(delay * 2, 0.05)
-
-    def _mark_dead(self, peer: str, why: str) -> None:
+    def mark_dead(self, peer: str, why: str) -> None:
         """Any thread. Fails every transfer with the peer, each once nothing can write its blocks."""
-        with self._lock:
-            if peer in self._dead:
+        with self.lock:
+            if peer in self.dead_peers:
                 return
-            self._dead[peer] = why
-            pair = self._pairs.get(peer)
+            self.dead_peers[peer] = why
+            pair = self.pairs.get(peer)
             bundles = list(pair.bundles) if pair is not None else []
         log.warning("KV transport %s: peer %s is dead: %s", self.worker_id, peer, why)
         if pair is not None:
             pair.dead = why
             for b in bundles:  # decided before the abort: a bundle already complete landed intact
-                intact = b.completion is not None and b.completion.done() and b.completion.error() is None
-                if not intact or (isinstance(b, _InBundle) and not b.committed):  # it needs its first token too
+                if not b.intact():  # (one coming in needs its first token too)
                     b.failed = f"PeerDeadError: {why}"
             with pair.io:
                 try:
@@ -401,55 +322,38 @@ class ControlledTransport(KVTransport):
             for b in bundles:
                 if b.completion is not None:
                     b.completion.abandon()
-        if self._inbox is not None:
+        if self.receiver is not None:
             self._inbox.wake()  # the control thread fails the peer's pending transfers
-        self._wake()
+            self.receiver.wake()
 
     def peer_died(self, peer: str, why: str) -> None:
         """The caller knows the peer is dead (Ray said so): fail everything with it now."""
-        self._mark_dead(peer, why)
+        self.mark_dead(peer, why)
 
-    def _forget_incarnation(self, peer: str, why: str) -> None:
+    def forget_incarnation(self, peer: str, why: str) -> None:
         """Control thread or connect(): a new incarnation of `peer` shows up. Everything with the old
         one fails now (its pair's bundles, and on the decode side the transfers it was expected to
         send: their blocks come back), then the peer counts as alive again."""
-        with self._lock:
-            known = peer in self._pairs or peer in self._dead
+        with self.lock:
+            known = peer in self.pairs or peer in self.dead_peers
         if not known:
             return
-        self._mark_dead(peer, f"peer {peer} {why}")
-        if self._inbox is not None:
-            self._fail_pending_of(peer)
-        with self._lock:
-            self._dead.pop(peer, None)
+        self.mark_dead(peer, f"peer {peer} {why}")
+        if self.receiver is not None:
+            self.receiver.fail_pending_of(peer)
+        with self.lock:
+            self.dead_peers.pop(peer, None)
             self._liveness.pop(peer, None)
-            old = self._pairs.pop(peer, None)
+            old = self.pairs.pop(peer, None)
         if old is not None:
             old.waiter.stop()
             if old.outbox is not None:
                 old.outbox.close()
 
-    def _fail_pending_of(self, peer: str) -> None:
-        """Decode side: the transfers still expected from a dead incarnation of `peer` fail now."""
-        store = self._store()
-        with self._lock:
-            due = [e for e in self._pending.values() if e.peer == peer]
-        why = self._dead.get(peer, "its incarnation ended")
-        for e in due:
-            res = e.reservation
-            key = self._key(e.peer, self.worker_id, self.incarnation, res.transfer_seq)
-            v = store.compare_set(key, "", CANCEL)
-            with self._lock:
-                if self._pending.pop((e.peer, res.transfer_seq), None) is not e:
-                    continue
-            if v != CANCEL:  # claimed by the dead incarnation: no receive was posted, nothing can land
-                self._done_keys.append(key)
-            self._record("recv", res.request_id, 0, 0.0, False, e.peer)
-            self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=f"PeerDeadError: {why}"))
-
-    def _record(self, side: str, request_id: str, nbytes: int, seconds: float, ok: bool, peer: str) -> TransferStats:
+    def record(self, side: str, request_id: str, nbytes: int, seconds: float, ok: bool, peer: str) -> TransferStats:
+        """One transfer's end on this side, counted in metrics()."""
         st = TransferStats(nbytes, seconds)
-        with self._lock:
+        with self.lock:
             self._records.append({"side": side, "peer": peer, "request_id": request_id, "bytes": nbytes,
                                   "seconds": seconds, "GBps": st.gbps, "ok": ok})
             if ok:
@@ -462,505 +366,55 @@ class ControlledTransport(KVTransport):
 
     def metrics(self) -> dict:
         """Totals plus the last transfers ({side, peer, request_id, bytes, seconds, GBps, ok})."""
-        with self._lock:
+        with self.lock:
             t = dict(self._totals)
             t["GBps"] = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] > 0 else 0.0
-            t["dead_peers"] = dict(self._dead)
+            t["dead_peers"] = dict(self.dead_peers)
             t["recent"] = list(self._records)
         return t
 
-    # -- prefill side: pairs --------------------------------------------------------------------------
-    def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
-        out = {}
-        store = self._store()
-        for peer in sorted(set(decode_worker_ids)):  # the same order everywhere: see _pair
-            t0 = time.perf_counter()
-            raw = store.get(f"{self.ns}/ctl/{peer}") if store.check([f"{self.ns}/ctl/{peer}"]) else None
-            inc = msgspec.msgpack.decode(raw).get("incarnation", 0) if raw is not None else None
-            with self._lock:
-                pair = self._pairs.get(peer)
-                # A dead peer that has not published a new incarnation stays dead (_pair raises).
-                stale = inc is not None and (pair.peer_inc != inc if pair is not None else peer in self._dead)
-            if stale:  # the decode worker restarted: form the pair with its new incarnation
-                self._forget_incarnation(peer, f"published incarnation {inc}")
-            self._pair(peer)
-            out[peer] = time.perf_counter() - t0
-        return out
-
-    def _pair(self, peer: str) -> Pair:
-        """The pair with this decode worker, formed and warmed on first use.
-
-        The decode side forms its half on our hello, from its control thread, one hello at a time; a
-        prefill forms one pair at a time. So a decode worker only ever waits for a prefill worker that
-        is forming a pair with it: no cycle, whatever the order of hellos."""
-        with self._lock:
-            pair = self._pairs.get(peer)
-            lock = self._pair_locks.setdefault(peer, threading.Lock())
-        if pair is None:
-            with lock:
-                with self._lock:
-                    pair = self._pairs.get(peer)
-                if pair is None:
-                    pair = self._open_pair(peer)
-        if pair.dead is not None:
-            raise PeerDeadError(f"peer {peer} is marked dead: {pair.dead}")
-        return pair
-
-    def _open_pair(self, peer: str) -> Pair:
-        """Any failure leaves the peer dead: its half of the channel may exist, ours never will."""
-        if peer in self._dead:
-            raise PeerDeadError(f"peer {peer} is marked dead: {self._dead[peer]}")
-        pair = Pair(peer, self.worker_id)
-        try:
-            raw = self._wait_key(self._store(), f"{self.ns}/ctl/{peer}", peer,
-                                 time.monotonic() + self.spec.transfer_timeout_s, "its KV control endpoint")
-            if raw is None:
-                raise TimeoutError(f"decode worker {peer} never published its KV control endpoint "
-                                   f"(within transfer_timeout_s={self.spec.transfer_timeout_s})")
-            info = msgspec.msgpack.decode(raw)
-            pair.peer_inc = info.get("incarnation", 0)
-            if list(info["layout"]) != self._layout():
-                raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
-                                   f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {self._layout()}")
-            pair.outbox = Outbox(info["endpoint"])
-            events = self._payload_prepare(pair, info)
-            pair.outbox.send(Hello(self.worker_id, self._layout(), events, self.incarnation))
-            with pair.io:
-                self._payload_warm(pair)
-        except Exception as e:
-            if pair.outbox is not None:
-                pair.outbox.close()
-            with self._lock:
-                self._dead.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
-            raise
-        pair.waiter.start()
-        with self._lock:
-            self._pairs[peer] = pair
-        return pair
-
-    # -- prefill side: shipments --------------------------------------------------------------------
-    def begin(self, sends: Sequence[KVSend], layerwise: bool | None = None) -> Shipment:
-        sh = _Shipment(self)
-        groups: dict[str, list[KVSend]] = {}
-        for s in sends:
-            sh.futures[s.reservation.request_id] = Future()
-            groups.setdefault(s.reservation.decode_worker_id, []).append(s)
-        store = self._store()
-        for peer in sorted(groups):  # pair locks in one order: concurrent shipments can't deadlock
-            todo = groups[peer]
-            try:
-                pair = self._pair(peer)
-            except Exception as e:  # noqa: BLE001 - the peer's transfers fail, the rest go on
-                for s in todo:
-                    self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
-                continue
-            pair.order.acquire()
-            try:
-                b = self._open_bundle(store, pair, todo, sh.futures, layerwise)
-            except Exception as e:  # noqa: BLE001 - claims may stand that the decode side never hears of
-                pair.order.release()
-                for s in todo:
-                    if not sh.futures[s.reservation.request_id].done():
-                        self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
-                self._mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}")
-                continue
-            if b is None:
-                pair.order.release()
-            else:
-                sh.bundles.append(b)
-        return sh
-
-    def _check_send(self, s: KVSend) -> None:
-        res, n = s.reservation, len(s.src_block_ids)
-        if res.decode_worker_id == self.worker_id:
-            raise ValueError("a KV transfer to itself")
-        if not 0 < n <= len(res.block_ids):
-            raise ValueError(f"{n} source blocks for a reservation of {len(res.block_ids)}")
-        if -(-s.num_tokens // self.block_size) != n:
-            raise ValueError(f"{s.num_tokens} tokens do not fill {n} blocks of {self.block_size}")
-
-    def _claim(self, store, pair: Pair, res: Reservation, value: bytes) -> None:
-        key = self._key(self.worker_id, res.decode_worker_id, pair.peer_inc, res.transfer_seq)
-        got = store.compare_set(key, "", value)
-        if got == CANCEL:
-            store.delete_key(key)
-            raise TimeoutError(f"decode worker {res.decode_worker_id} gave up on transfer {res.transfer_seq} "
-                               f"({res.request_id}) before it was sent (expect_timeout_s={self.spec.expect_timeout_s} "
-                               "or cancelled); its blocks are back in its pool")
-        if got != value:
-            raise RuntimeError(f"transfer {res.transfer_seq} to {res.decode_worker_id} was already claimed")
-
-    def _fail_send(self, fut: Future, s: KVSend, e: BaseException, peer: str) -> None:
-        self._record("send", s.reservation.request_id, 0, 0.0, False, peer)
-        fut.set_exception(e)
-
-    def _open_bundle(self, store, pair: Pair, todo: list[KVSend], futures, layerwise) -> _OutBundle | None:
-        """Under pair.order: claims, plans and announces one bundle (None if nothing was claimed)."""
-        claimed = []
-        for s in todo:
-            fut = futures[s.reservation.request_id]
-            try:
-                self._check_send(s)
-                self._claim(store, pair, s.reservation, CLAIM)
-            except Exception as e:  # noqa: BLE001
-                self._fail_send(fut, s, e, pair.peer)
-                continue
-            claimed.append(s)
-        if not claimed:
-            return None
-        lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= self.layerwise_min_tokens
-        srcs = [tuple(s.src_block_ids) for s in claimed]
-        items, launches = self._plan(srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)], lw)
-        b = _OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
-                       items, launches)
-        msg = Begin(self.worker_id, b.id, lw, fingerprint(items, launches),
-                    [(s.reservation.transfer_seq, s.reservation.request_id, s.num_tokens,
-                      np.asarray(x, dtype="<i4").tobytes()) for s, x in zip(claimed, srcs)])
-        with self._lock:
-            pair.bundles.append(b)
-        try:
-            pair.outbox.send(msg)
-        except Exception as e:  # noqa: BLE001 - the decode side never hears of these claims
-            self._mark_dead(pair.peer, f"pushing a begin failed: {e}")
-        return b
-
-    def _issue_through(self, b: _OutBundle, layer: int | None, ready) -> None:
-        """Issues b's launches whose layers are all computed (every one when layer is None)."""
-        pair = b.pair
-        while b.issued < len(b.launches) and (layer is None or launch_last_layer(b.launches[b.issued]) <= layer):
-            if pair.dead is not None or b.failed is not None:
-                b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
-                break
-            try:
-                with pair.io:
-                    self._payload_issue(pair, b, b.launches[b.issued], ready)
-            except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
-                b.failed = f"{type(e).__name__}: {e}"
-                self._mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}")
-                b.issued = len(b.launches)
-                break
-            b.issued += 1
-        if b.issued == len(b.launches) and not b.unlocked:
-            b.unlocked = True
-            pair.order.release()
-
-    def _seal(self, b: _OutBundle) -> None:
-        b.t_kv = time.monotonic()
-        try:
-            with b.pair.io:
-                b.completion, b.commit_event = self._payload_seal(b.pair, b)
-        except Exception as e:  # noqa: BLE001
-            b.failed = b.failed or f"{type(e).__name__}: {e}"
-            b.completion = ReadyCompletion()
-            self._mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}")
-
-    def _commit(self, b: _OutBundle, first_tokens: Mapping[str, int | None],
-                logprobs: Mapping[str, PrefillLogprobs]) -> None:
-        toks = [first_tokens.get(s.reservation.request_id) for s in b.sends]
-        lps = [logprobs.get(s.reservation.request_id) for s in b.sends] if logprobs else []
-        msg = Commit(self.worker_id, b.id, [-1 if t is None else int(t) for t in toks], [t is not None for t in toks],
-                     b.commit_event, lps if any(lp is not None for lp in lps) else [])
-        if b.pair.dead is None:
-            try:
-                b.pair.outbox.send(msg)
-            except Exception as e:  # noqa: BLE001
-                self._mark_dead(b.pair.peer, f"pushing a commit failed: {e}")
-        b.pair.waiter.put(b.completion, lambda: self._finish_out(b))
-
-    def _finish_out(self, b: _OutBundle) -> None:
-        """Waiter thread: this side's payload is done (or the pair died): resolve the futures."""
-        seconds = time.monotonic() - b.t_kv
-        err = b.failed or b.completion.error()
-        if err is not None:
-            self._mark_dead(b.pair.peer, f"a KV payload failed: {err}")
-        with self._lock:
-            if b in b.pair.bundles:
-                b.pair.bundles.remove(b)
-        for s, fut in zip(b.sends, b.futures):
-            rid = s.reservation.request_id
-            if err is not None:
-                self._record("send", rid, 0, seconds, False, b.pair.peer)
-                exc = PeerDeadError if "PeerDeadError" in err else RuntimeError
-                fut.set_exception(exc(f"KV transfer {s.reservation.transfer_seq} ({rid}) to {b.pair.peer} failed: {err}"))
-            else:
-                fut.set_result(self._record("send", rid, len(s.src_block_ids) * self.bytes_per_block, seconds, True,
-                                            b.pair.peer))
-
-    def _watch_outgoing(self, store) -> None:
-        """Heartbeat thread: a peer with transfers in flight must stay alive and finish them in time."""
-        now = time.monotonic()
-        with self._lock:
-            busy = [(p, list(p.bundles)) for p in self._pairs.values() if p.bundles and p.dead is None]
-        for pair, bundles in busy:
-            try:
-                self._check_alive(store, pair.peer)
-            except PeerDeadError as e:
-                self._mark_dead(pair.peer, str(e))
-                continue
-            for b in bundles:
-                if b.t_kv and b.completion is not None and not b.completion.done() \
-                        and now - b.t_kv > self.spec.transfer_timeout_s:
-                    self._mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
-                                               f"{self.spec.transfer_timeout_s}")
-                    break
-
-    def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:
-        if reservation.request_id != request_id:
-            raise ValueError(f"abort of {request_id} for the reservation of {reservation.request_id}")
-        pair = self._pair(reservation.decode_worker_id)
-        self._claim(self._store(), pair, reservation, ABORT)
-        pair.outbox.send(Abort(self.worker_id, reservation.transfer_seq, request_id))
-        self._record("send", request_id, 0, 0.0, True, pair.peer)
-
-    # -- decode side --------------------------------------------------------------------------------
-    def _on_stream(self, stream):
-        """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU)."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.kv_cache.device))
-        stack.enter_context(torch.cuda.stream(stream))
-        return stack
-
-    def set_wakeup(self, wake: Callable[[], None]) -> None:
-        self._wakeup = wake
-
-    def expect(self, reservation: Reservation, prefill_worker_id: str) -> None:
-        key = (prefill_worker_id, reservation.transfer_seq)
-        with self._lock:
-            if key in self._pending:
-                raise ValueError(f"transfer {reservation.transfer_seq} from {prefill_worker_id} is already expected")
-            self._pending[key] = _Expect(reservation, prefill_worker_id, time.monotonic() + self.spec.expect_timeout_s)
-            dead = prefill_worker_id in self._dead
-        if dead:
-            self._inbox.wake()  # fails it right away
-
-    def cancel(self, reservation: Reservation, prefill_worker_id: str) -> None:
-        with self._lock:
-            e = self._pending.get((prefill_worker_id, reservation.transfer_seq))
-            if e is None or e.reservation != reservation or e.state != "waiting":
-                return  # claimed, in flight or arrived already (it lands or fails), or never expected
-            e.cancel = True
-        self._inbox.wake()
-
-    def poll_arrivals(self) -> list[KVArrival]:
-        out: list[KVArrival] = []
-        with self._lock:
-            while self._arrivals:
-                out.append(self._arrivals.popleft())
-            done = [b for b in self._in_flight if (b.committed or b.failed) and b.completion.done()]
-            for b in done:
-                self._in_flight.remove(b)
-                b.pair.bundles.remove(b)
-        for b in done:
-            out += self._bundle_arrivals(b)
-        return out
-
-    def _bundle_arrivals(self, b: _InBundle) -> list[KVArrival]:
-        seconds = time.monotonic() - b.t_begin
-        err = b.failed or b.completion.error()
-        out = []
-        for k, e in enumerate(b.expects):
-            res = e.reservation
-            self._done_keys.append(self._key(b.pair.peer, self.worker_id, self.incarnation, res.transfer_seq))
-            n = len(b.items[k].src)
-            header = None
-            if b.committed:
-                header = KVHeader(res.request_id, res.transfer_seq, b.num_tokens[k], b.tokens[k], ok=b.oks[k],
-                                  logprobs=b.logprobs[k] if b.logprobs else None)
-            why = err or (None if header.ok else "prefill aborted or failed")
-            if why is None:
-                out.append(KVArrival(res, header, self._record("recv", res.request_id, n * self.bytes_per_block, seconds,
-                                                               True, b.pair.peer)))
-            else:
-                self._record("recv", res.request_id, 0, seconds, False, b.pair.peer)
-                out.append(KVArrival(res, header if err is None else None, TransferStats(0, seconds), error=why))
-        return out
-
-    def _arrive(self, arrival: KVArrival) -> None:
-        with self._lock:
-            self._arrivals.append(arrival)
-        self._wake()
-
+    # -- the control thread (decode) ----------------------------------------------------------------
     def _control_loop(self) -> None:
         if self.kv_cache.is_cuda:
             torch.cuda.set_device(self.kv_cache.device)
-        store = self._store()
+        receiver, store = self.receiver, self.store()
         next_live = 0.0
-        while not self._closed.is_set():
+        while not self.closed.is_set():
             try:
-                msgs = self._inbox.recv(self._next_timeout())
+                msgs = self._inbox.recv(receiver.next_timeout())
             except Exception:  # noqa: BLE001 - the inbox closed under us
-                if self._closed.is_set():
+                if self.closed.is_set():
                     return
                 raise
             for m in msgs:
                 try:
-                    self._handle(m)
+                    receiver.handle(m)
                 except Exception as e:  # noqa: BLE001 - the pair's state is unknown now
                     log.exception("KV control message %s from %s failed", type(m).__name__, m.p)
-                    self._mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}")
+                    self.mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}")
             try:
-                self._run_deadlines(store)
+                receiver.run_deadlines(store)
                 if time.monotonic() >= next_live:
-                    self._check_peers(store)
+                    receiver.watch_incoming(store)
                     next_live = time.monotonic() + self.spec.heartbeat_s
-                while self._done_keys:
-                    store.delete_key(self._done_keys.popleft())
+                receiver.forget_done_keys(store)
             except Exception:  # noqa: BLE001 - the store is gone (shutting down); retry next round
-                if self._closed.is_set():
+                if self.closed.is_set():
                     return
                 log.exception("KV control round failed")
-                self._closed.wait(self.spec.heartbeat_s)
-
-    def _next_timeout(self) -> float:
-        now = time.monotonic()
-        with self._lock:
-            soonest = min((e.deadline for e in self._pending.values()), default=now + self.spec.heartbeat_s)
-        return max(0.0, min(self.spec.heartbeat_s, soonest - now))
-
-    def _handle(self, m: Message) -> None:
-        peer = m.p
-        if isinstance(m, Hello):
-            if list(m.layout) != self._layout():
-                raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {self._layout()}")
-            self._forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
-            pair = Pair(peer, self.worker_id)
-            pair.peer_inc = m.inc
-            with pair.io:
-                self._payload_accept(pair, m)
-            pair.waiter.start()
-            with self._lock:
-                self._pairs[peer] = pair
-            return
-        with self._lock:
-            pair = self._pairs.get(peer)
-        if pair is None:
-            raise RuntimeError(f"{type(m).__name__} from {peer} before its hello")
-        if pair.dead is not None:
-            return  # everything of a dead peer has failed already; its late messages change nothing
-        if isinstance(m, Begin):
-            self._on_begin(pair, m)
-        elif isinstance(m, Commit):
-            self._on_commit(pair, m)
-        else:
-            self._on_abort(pair, m)
-
-    def _on_begin(self, pair: Pair, m: Begin) -> None:
-        peer, entries = pair.peer, m.items
-        srcs = [tuple(np.frombuffer(src, dtype="<i4").tolist()) for _, _, _, src in entries]
-        with self._lock:
-            expects = [self._pending.get((peer, seq)) for seq, *_ in entries]
-        for e, (seq, rid, ntok, _), src in zip(expects, entries, srcs):
-            if e is None or e.reservation.request_id != rid:
-                raise RuntimeError(f"begin of transfer {seq} ({rid}) that is not expected from {peer}")
-            if not 0 < len(src) <= len(e.reservation.block_ids) or -(-ntok // self.block_size) != len(src):
-                raise RuntimeError(f"transfer {seq}: {len(src)} blocks for {ntok} tokens into {len(e.reservation.block_ids)}")
-        items, launches = self._plan(srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
-                                     m.layerwise)
-        if fingerprint(items, launches) != m.fingerprint:
-            raise RuntimeError("the bundle's plan differs between prefill and decode (mismatched code?)")
-        b = _InBundle(m.b, pair, expects, [x[2] for x in entries], items, launches, time.monotonic())
-        with self._lock:
-            for e in expects:
-                del self._pending[(peer, e.reservation.transfer_seq)]
-            pair.bundles.append(b)
-            self._in_flight.append(b)
-        with pair.io:
-            b.completion, err = self._payload_post(pair, b)
-        if err is not None:
-            b.failed = f"posting receives failed: {err}"
-            self._mark_dead(peer, b.failed)
-        pair.waiter.put(b.completion, lambda: self._landed(b))
-
-    def _landed(self, b: _InBundle) -> None:
-        """Waiter thread: the bundle's payload is done; a failed one means the pair is broken."""
-        err = b.completion.error()
-        if err is not None:
-            self._mark_dead(b.pair.peer, f"a KV payload failed: {err}")
-        self._wake()
-
-    def _on_commit(self, pair: Pair, m: Commit) -> None:
-        with self._lock:
-            b = next((x for x in pair.bundles if x.id == m.b), None)
-        if (b is None or len(m.tokens) != len(b.expects) or len(m.ok) != len(b.expects)
-                or len(m.logprobs) not in (0, len(b.expects))):
-            raise RuntimeError(f"commit of bundle {m.b} that is not in flight (or not of its size)")
-        self._payload_commit(pair, b, m)
-        with self._lock:
-            b.tokens, b.oks, b.logprobs, b.committed = list(m.tokens), list(m.ok), list(m.logprobs), True
-        self._wake()
-
-    def _on_abort(self, pair: Pair, m: Abort) -> None:
-        with self._lock:
-            e = self._pending.pop((pair.peer, m.seq), None)
-        if e is None or e.reservation.request_id != m.request_id:
-            raise RuntimeError(f"abort of transfer {m.seq} ({m.request_id}) that is not expected")
-        res = e.reservation
-        self._done_keys.append(self._key(pair.peer, self.worker_id, self.incarnation, res.transfer_seq))
-        self._record("recv", res.request_id, 0, 0.0, True, pair.peer)
-        self._arrive(KVArrival(res, KVHeader(res.request_id, res.transfer_seq, 0, -1, ok=False), TransferStats(0, 0.0),
-                               error="prefill aborted or failed"))
-
-    def _run_deadlines(self, store) -> None:
-        """Control thread: expect deadlines, cancels, and the pending transfers of dead peers."""
-        now = time.monotonic()
-        with self._lock:
-            due = [e for e in self._pending.values()
-                   if e.peer in self._dead or e.deadline <= now or (e.cancel and e.state == "waiting")]
-            stalled = [b for b in self._in_flight if not b.failed and now - b.t_begin > self.spec.transfer_timeout_s
-                       and (not b.committed or not b.completion.done())]
-        for e in due:
-            res, dead = e.reservation, self._dead.get(e.peer)
-            if e.state == "claimed" and dead is None:
-                self._mark_dead(e.peer, f"transfer {res.transfer_seq} was claimed but no KV came within "
-                                        f"transfer_timeout_s={self.spec.transfer_timeout_s}")
-                dead = self._dead[e.peer]
-            key = self._key(e.peer, self.worker_id, self.incarnation, res.transfer_seq)
-            v = store.compare_set(key, "", CANCEL)
-            if v != CANCEL and dead is None:
-                with self._lock:  # claimed meanwhile: its begin (or abort) is on the way
-                    e.state, e.deadline, e.cancel = "claimed", now + self.spec.transfer_timeout_s, False
-                continue
-            with self._lock:
-                if self._pending.get((e.peer, res.transfer_seq)) is not e:
-                    continue  # its begin or abort arrived meanwhile
-                del self._pending[(e.peer, res.transfer_seq)]
-            if v != CANCEL:  # claimed by a peer now dead: no receive was posted, nothing can land
-                self._done_keys.append(key)
-            if dead is not None:
-                why = f"PeerDeadError: peer {e.peer} is marked dead: {dead}"
-            elif e.cancel:
-                why = "cancelled by the decode worker"
-            else:
-                why = f"TimeoutError: no KV from {e.peer} within expect_timeout_s={self.spec.expect_timeout_s}"
-            self._record("recv", res.request_id, 0, 0.0, False, e.peer)
-            self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=why))
-        for b in stalled:
-            self._mark_dead(b.pair.peer, f"a KV bundle was not {'done' if b.committed else 'committed'} within "
-                                         f"transfer_timeout_s={self.spec.transfer_timeout_s}")
-
-    def _check_peers(self, store) -> None:
-        with self._lock:
-            peers = {e.peer for e in self._pending.values()} | {b.pair.peer for b in self._in_flight}
-            peers -= set(self._dead)
-        for peer in sorted(peers):
-            try:
-                self._check_alive(store, peer)
-            except PeerDeadError as e:
-                self._mark_dead(peer, str(e))
+                self.closed.wait(self.spec.heartbeat_s)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._closed.is_set():
+        if self.closed.is_set():
             return
-        self._closed.set()
+        self.closed.set()
         if self._inbox is not None:
             self._inbox.wake()
             self._control.join(timeout=5)
         self._heartbeat.join(timeout=5)
-        with self._lock:
-            pairs = list(self._pairs.values())
+        with self.lock:
+            pairs = list(self.pairs.values())
         for pair in pairs:
             pair.waiter.stop()
             if pair.outbox is not None:

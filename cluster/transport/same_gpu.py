@@ -25,7 +25,8 @@ import torch
 
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import DeferredCompletion, EventCompletion, ReadyCompletion
-from cluster.transport.control import ControlledTransport, Pair
+from cluster.transport.control import ControlledTransport
+from cluster.transport.pair import Pair
 from cluster.transport.plan import ItemPlan, Launch, plan_copies
 
 _LOCAL_POOLS: dict[tuple[str, str], torch.Tensor] = {}  # (namespace, decode worker id) -> its KV cache

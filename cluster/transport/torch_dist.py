@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import EventCompletion, HostCompletion
-from cluster.transport.control import ControlledTransport, Pair, local_address_towards
+from cluster.transport.control import ControlledTransport, local_address_towards
+from cluster.transport.pair import Pair
 from cluster.transport.plan import Launch, plan_item, plan_launches
 
 _PAIR_RANK = {"prefill": 0, "decode": 1}

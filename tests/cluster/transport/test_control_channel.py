@@ -13,6 +13,7 @@ from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVSend
 from cluster.transport.channel import Abort, Begin, Inbox, Outbox
 from cluster.transport.factory import TransportSpec, create_transport, store_factory
+from cluster.transport.pair import claim_key
 
 BS = 4  # tokens per block in these caches
 
@@ -161,7 +162,7 @@ def test_prefill_abort_arrives_as_a_failed_header_and_its_claim_is_cleared():
     tp.send_abort(res, "r", 5.0)
     (a,) = _wait(td, 1)
     assert a.header is not None and not a.header.ok and a.error == "prefill aborted or failed"
-    store, key = store_factory(spec)(), f"{spec.namespace}/x/p/d/0"
+    store, key = store_factory(spec)(), claim_key(spec.namespace, "p", "d", td.incarnation, 0)
     deadline = time.monotonic() + 5
     while store.check([key]) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -197,7 +198,7 @@ def test_a_begin_nobody_expects_breaks_only_that_pair():
     tp.connect(["d"])
     res = Reservation("r", "d", (3,), 0)
     td.expect(res, "p")
-    tp._pairs["d"].outbox.send(Begin("p", 999, False, 0, [(7, "ghost", BS, b"\x01\x00\x00\x00")]))
+    tp.pairs["d"].outbox.send(Begin("p", 999, False, 0, [(7, "ghost", BS, b"\x01\x00\x00\x00")]))
     (a,) = _wait(td, 1)
     assert a.reservation == res and "protocol error" in a.error and not dst[:, :, 1:].any()
     with pytest.raises(TimeoutError, match="gave up"):
@@ -210,3 +211,24 @@ def test_a_begin_nobody_expects_breaks_only_that_pair():
     (a,) = _wait(td, 1)
     assert a.error is None and torch.equal(dst[:, :, 9], src[:, :, 2])
     tp.close(), tq.close(), td.close()
+
+
+def test_each_role_has_its_own_side_only():
+    """A prefill transport sends, a decode transport receives; a call of the other role is refused
+    with a clear error and changes nothing."""
+    spec, src, dst, tp, td = _pair("roles")
+    assert tp.sender is not None and tp.receiver is None and td.receiver is not None and td.sender is None
+    res = Reservation("r", "d", (3,), 0)
+    for call in (lambda: tp.expect(res, "p"), lambda: tp.cancel(res, "p"), tp.poll_arrivals,
+                 lambda: tp.set_wakeup(lambda: None)):
+        with pytest.raises(RuntimeError, match="prefill worker's: it receives no KV"):
+            call()
+    for call in (lambda: td.connect(["p"]), lambda: td.begin([KVSend(res, BS, (1,))]),
+                 lambda: td.send_abort(res, "r", 1.0)):
+        with pytest.raises(RuntimeError, match="decode worker's: it sends no KV"):
+            call()
+    td.expect(res, "p")  # the decode side still takes the transfer
+    tp.send(res, KVHeader("r", 0, BS, 5), [1], 5.0)
+    (a,) = _wait(td, 1)
+    assert a.error is None and torch.equal(dst[:, :, 3], src[:, :, 1])
+    tp.close(), td.close()

@@ -1,0 +1,41 @@
+"""One prefill-decode pair as either side of a ControlledTransport sees it, the error that ends it,
+and the claim entries of its transfers in the store (control.py's docstring has the whole layout).
+
+Both sides import this module and nothing above it: the sender side (sender_side.py) claims with
+CLAIM or ABORT, the receiver side (receiver_side.py) cancels with CANCEL, on the same key.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from cluster.transport.channel import Outbox
+from cluster.transport.completion import Waiter
+
+CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
+
+
+def claim_key(namespace: str, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
+    """{ns}/x/P/D.i/s: transfer s from prefill P to incarnation i of decode D. The decode incarnation
+    is part of the key, so no key of an old incarnation is ever taken for a new transfer."""
+    return f"{namespace}/x/{prefill}/{decode}.{decode_inc}/{seq}"
+
+
+class PeerDeadError(RuntimeError):
+    """The peer shut down, stopped heart-beating, or broke the pair's channel."""
+
+
+class Pair:
+    """One prefill-decode pair as this side sees it."""
+
+    def __init__(self, peer: str, me: str):
+        self.peer = peer
+        self.peer_inc = 0  # the peer's incarnation this pair was formed with
+        self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
+        self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
+        self.outbox: Outbox | None = None
+        self.payload: Any = None  # the payload subclass's per-pair state
+        self.waiter = Waiter(f"kv-wait-{me}-{peer}")
+        self.bundles: list = []  # in flight: sender_side.OutBundle or receiver_side.InBundle
+        self.dead: str | None = None

@@ -1,0 +1,323 @@
+"""The decode side of a ControlledTransport (control.py tells the whole protocol): expected transfers
+and their deadlines, cancels, this end of a pair formed on a Hello, Begin/Commit/Abort from the push
+channel, arrivals.
+
+Messages are handled on the transport's control thread, in the order the prefill peer sent them; the
+decode loop only calls expect, cancel and poll_arrivals, and none of them blocks. Ownership: an
+expected transfer's blocks stay reserved until its arrival, landed or failed. A passed deadline or a
+cancel tries compare_set("", CANCEL) on the claim key (pair.py); if the prefill claimed first, its
+Begin (or Abort) is on the way and the transfer gets transfer_timeout_s more instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cluster.messages import KVHeader, Reservation
+from cluster.transport.base import KVArrival, KVReceiver, TransferStats
+from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message
+from cluster.transport.completion import Completion
+from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key
+from cluster.transport.plan import ItemPlan, Launch, fingerprint
+
+if TYPE_CHECKING:
+    from cluster.transport.control import ControlledTransport
+
+
+@dataclass(eq=False)
+class _Expect:
+    reservation: Reservation
+    peer: str
+    deadline: float  # monotonic
+    state: str = "waiting"  # -> "claimed" (the deadline passed but the prefill had claimed it)
+    cancel: bool = False
+
+
+@dataclass(eq=False)
+class InBundle:
+    """One bundle in: the transfers a Begin announced, their plan, and what the Commit brought."""
+
+    id: int
+    pair: Pair
+    expects: list[_Expect]
+    num_tokens: list[int]
+    items: list[ItemPlan]
+    launches: list[Launch]
+    t_begin: float  # monotonic
+    completion: Completion | None = None
+    committed: bool = False
+    tokens: list[int] = field(default_factory=list)
+    oks: list[bool] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # per item: PrefillLogprobs or None (empty: none asked)
+    failed: str | None = None
+    payload: Any = None
+
+    def intact(self) -> bool:
+        """Every byte landed without error, and the first tokens came too."""
+        return (self.completion is not None and self.completion.done() and self.completion.error() is None
+                and self.committed)
+
+
+class ReceiverSide(KVReceiver):
+    """Owns what only a decode worker has: the expected transfers, the bundles in flight, the arrivals
+    and the decode loop's wake-up. Everything shared and the payload hooks are the transport's; the
+    transport's control thread calls `handle`, `run_deadlines`, `watch_incoming` and `forget_done_keys`."""
+
+    def __init__(self, transport: ControlledTransport, inbox: Inbox):
+        self.t = transport
+        self._inbox = inbox  # wake() hands the control thread work (its deadlines) at once
+        self._pending: dict[tuple[str, int], _Expect] = {}
+        self._arrivals: deque[KVArrival] = deque()
+        self._in_flight: list[InBundle] = []
+        self._done_keys: deque[str] = deque()  # claim keys to delete (the control thread does)
+        self._wakeup: Callable[[], None] | None = None
+
+    def _key(self, peer: str, seq: int) -> str:
+        return claim_key(self.t.ns, peer, self.t.worker_id, self.t.incarnation, seq)
+
+    # -- the decode loop's side -------------------------------------------------------------------------
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self._wakeup = wake
+
+    def wake(self) -> None:
+        """Any thread: poll_arrivals() may have something new."""
+        w = self._wakeup
+        if w is not None:
+            w()
+
+    def expect(self, reservation: Reservation, prefill_worker_id: str) -> None:
+        t = self.t
+        key = (prefill_worker_id, reservation.transfer_seq)
+        with t.lock:
+            if key in self._pending:
+                raise ValueError(f"transfer {reservation.transfer_seq} from {prefill_worker_id} is already expected")
+            self._pending[key] = _Expect(reservation, prefill_worker_id, time.monotonic() + t.spec.expect_timeout_s)
+            dead = prefill_worker_id in t.dead_peers
+        if dead:
+            self._inbox.wake()  # fails it right away
+
+    def cancel(self, reservation: Reservation, prefill_worker_id: str) -> None:
+        with self.t.lock:
+            e = self._pending.get((prefill_worker_id, reservation.transfer_seq))
+            if e is None or e.reservation != reservation or e.state != "waiting":
+                return  # claimed, in flight or arrived already (it lands or fails), or never expected
+            e.cancel = True
+        self._inbox.wake()
+
+    def poll_arrivals(self) -> list[KVArrival]:
+        out: list[KVArrival] = []
+        with self.t.lock:
+            while self._arrivals:
+                out.append(self._arrivals.popleft())
+            done = [b for b in self._in_flight if (b.committed or b.failed) and b.completion.done()]
+            for b in done:
+                self._in_flight.remove(b)
+                b.pair.bundles.remove(b)
+        for b in done:
+            out += self._bundle_arrivals(b)
+        return out
+
+    def _bundle_arrivals(self, b: InBundle) -> list[KVArrival]:
+        t = self.t
+        seconds = time.monotonic() - b.t_begin
+        err = b.failed or b.completion.error()
+        out = []
+        for k, e in enumerate(b.expects):
+            res = e.reservation
+            self._done_keys.append(self._key(b.pair.peer, res.transfer_seq))
+            n = len(b.items[k].src)
+            header = None
+            if b.committed:
+                header = KVHeader(res.request_id, res.transfer_seq, b.num_tokens[k], b.tokens[k], ok=b.oks[k],
+                                  logprobs=b.logprobs[k] if b.logprobs else None)
+            why = err or (None if header.ok else "prefill aborted or failed")
+            if why is None:
+                out.append(KVArrival(res, header, t.record("recv", res.request_id, n * t.bytes_per_block, seconds,
+                                                           True, b.pair.peer)))
+            else:
+                t.record("recv", res.request_id, 0, seconds, False, b.pair.peer)
+                out.append(KVArrival(res, header if err is None else None, TransferStats(0, seconds), error=why))
+        return out
+
+    def _arrive(self, arrival: KVArrival) -> None:
+        with self.t.lock:
+            self._arrivals.append(arrival)
+        self.wake()
+
+    # -- the control thread's side ----------------------------------------------------------------------
+    def next_timeout(self) -> float:
+        """How long the control thread may wait for a message: until the soonest expect deadline."""
+        heartbeat_s = self.t.spec.heartbeat_s
+        now = time.monotonic()
+        with self.t.lock:
+            soonest = min((e.deadline for e in self._pending.values()), default=now + heartbeat_s)
+        return max(0.0, min(heartbeat_s, soonest - now))
+
+    def handle(self, m: Message) -> None:
+        t, peer = self.t, m.p
+        if isinstance(m, Hello):
+            self._on_hello(m)
+            return
+        with t.lock:
+            pair = t.pairs.get(peer)
+        if pair is None:
+            raise RuntimeError(f"{type(m).__name__} from {peer} before its hello")
+        if pair.dead is not None:
+            return  # everything of a dead peer has failed already; its late messages change nothing
+        if isinstance(m, Begin):
+            self._on_begin(pair, m)
+        elif isinstance(m, Commit):
+            self._on_commit(pair, m)
+        else:
+            self._on_abort(pair, m)
+
+    def _on_hello(self, m: Hello) -> None:
+        """Forms this side's half of the pair (a prefill forms its half, then says hello)."""
+        t, peer = self.t, m.p
+        if list(m.layout) != t.layout():
+            raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {t.layout()}")
+        t.forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
+        pair = Pair(peer, t.worker_id)
+        pair.peer_inc = m.inc
+        with pair.io:
+            t._payload_accept(pair, m)
+        pair.waiter.start()
+        with t.lock:
+            t.pairs[peer] = pair
+
+    def _on_begin(self, pair: Pair, m: Begin) -> None:
+        t, peer, entries = self.t, pair.peer, m.items
+        srcs = [tuple(np.frombuffer(src, dtype="<i4").tolist()) for _, _, _, src in entries]
+        with t.lock:
+            expects = [self._pending.get((peer, seq)) for seq, *_ in entries]
+        for e, (seq, rid, ntok, _), src in zip(expects, entries, srcs):
+            if e is None or e.reservation.request_id != rid:
+                raise RuntimeError(f"begin of transfer {seq} ({rid}) that is not expected from {peer}")
+            if not 0 < len(src) <= len(e.reservation.block_ids) or -(-ntok // t.block_size) != len(src):
+                raise RuntimeError(f"transfer {seq}: {len(src)} blocks for {ntok} tokens into {len(e.reservation.block_ids)}")
+        items, launches = t._plan(srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
+                                  m.layerwise)
+        if fingerprint(items, launches) != m.fingerprint:
+            raise RuntimeError("the bundle's plan differs between prefill and decode (mismatched code?)")
+        b = InBundle(m.b, pair, expects, [x[2] for x in entries], items, launches, time.monotonic())
+        with t.lock:
+            for e in expects:
+                del self._pending[(peer, e.reservation.transfer_seq)]
+            pair.bundles.append(b)
+            self._in_flight.append(b)
+        with pair.io:
+            b.completion, err = t._payload_post(pair, b)
+        if err is not None:
+            b.failed = f"posting receives failed: {err}"
+            t.mark_dead(peer, b.failed)
+        pair.waiter.put(b.completion, lambda: self._landed(b))
+
+    def _landed(self, b: InBundle) -> None:
+        """Waiter thread: the bundle's payload is done; a failed one means the pair is broken."""
+        err = b.completion.error()
+        if err is not None:
+            self.t.mark_dead(b.pair.peer, f"a KV payload failed: {err}")
+        self.wake()
+
+    def _on_commit(self, pair: Pair, m: Commit) -> None:
+        with self.t.lock:
+            b = next((x for x in pair.bundles if x.id == m.b), None)
+        if (b is None or len(m.tokens) != len(b.expects) or len(m.ok) != len(b.expects)
+                or len(m.logprobs) not in (0, len(b.expects))):
+            raise RuntimeError(f"commit of bundle {m.b} that is not in flight (or not of its size)")
+        self.t._payload_commit(pair, b, m)
+        with self.t.lock:
+            b.tokens, b.oks, b.logprobs, b.committed = list(m.tokens), list(m.ok), list(m.logprobs), True
+        self.wake()
+
+    def _on_abort(self, pair: Pair, m: Abort) -> None:
+        with self.t.lock:
+            e = self._pending.pop((pair.peer, m.seq), None)
+        if e is None or e.reservation.request_id != m.request_id:
+            raise RuntimeError(f"abort of transfer {m.seq} ({m.request_id}) that is not expected")
+        res = e.reservation
+        self._done_keys.append(self._key(pair.peer, res.transfer_seq))
+        self.t.record("recv", res.request_id, 0, 0.0, True, pair.peer)
+        self._arrive(KVArrival(res, KVHeader(res.request_id, res.transfer_seq, 0, -1, ok=False), TransferStats(0, 0.0),
+                               error="prefill aborted or failed"))
+
+    def run_deadlines(self, store) -> None:
+        """Control thread: expect deadlines, cancels, and the pending transfers of dead peers."""
+        t, spec = self.t, self.t.spec
+        now = time.monotonic()
+        with t.lock:
+            due = [e for e in self._pending.values()
+                   if e.peer in t.dead_peers or e.deadline <= now or (e.cancel and e.state == "waiting")]
+            stalled = [b for b in self._in_flight if not b.failed and now - b.t_begin > spec.transfer_timeout_s
+                       and (not b.committed or not b.completion.done())]
+        for e in due:
+            res, dead = e.reservation, t.dead_peers.get(e.peer)
+            if e.state == "claimed" and dead is None:
+                t.mark_dead(e.peer, f"transfer {res.transfer_seq} was claimed but no KV came within "
+                                    f"transfer_timeout_s={spec.transfer_timeout_s}")
+                dead = t.dead_peers[e.peer]
+            key = self._key(e.peer, res.transfer_seq)
+            v = store.compare_set(key, "", CANCEL)
+            if v != CANCEL and dead is None:
+                with t.lock:  # claimed meanwhile: its begin (or abort) is on the way
+                    e.state, e.deadline, e.cancel = "claimed", now + spec.transfer_timeout_s, False
+                continue
+            with t.lock:
+                if self._pending.get((e.peer, res.transfer_seq)) is not e:
+                    continue  # its begin or abort arrived meanwhile
+                del self._pending[(e.peer, res.transfer_seq)]
+            if v != CANCEL:  # claimed by a peer now dead: no receive was posted, nothing can land
+                self._done_keys.append(key)
+            if dead is not None:
+                why = f"PeerDeadError: peer {e.peer} is marked dead: {dead}"
+            elif e.cancel:
+                why = "cancelled by the decode worker"
+            else:
+                why = f"TimeoutError: no KV from {e.peer} within expect_timeout_s={spec.expect_timeout_s}"
+            t.record("recv", res.request_id, 0, 0.0, False, e.peer)
+            self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=why))
+        for b in stalled:
+            t.mark_dead(b.pair.peer, f"a KV bundle was not {'done' if b.committed else 'committed'} within "
+                                     f"transfer_timeout_s={spec.transfer_timeout_s}")
+
+    def watch_incoming(self, store) -> None:
+        """Control thread, every heartbeat_s: a peer we expect KV from must stay alive."""
+        t = self.t
+        with t.lock:
+            peers = {e.peer for e in self._pending.values()} | {b.pair.peer for b in self._in_flight}
+            peers -= set(t.dead_peers)
+        for peer in sorted(peers):
+            try:
+                t.check_alive(store, peer)
+            except PeerDeadError as e:
+                t.mark_dead(peer, str(e))
+
+    def forget_done_keys(self, store) -> None:
+        """Control thread: the claim keys of transfers that arrived (or can no longer land) go."""
+        while self._done_keys:
+            store.delete_key(self._done_keys.popleft())
+
+    def fail_pending_of(self, peer: str) -> None:
+        """The transfers still expected from a dead incarnation of `peer` fail now."""
+        t = self.t
+        store = t.store()
+        with t.lock:
+            due = [e for e in self._pending.values() if e.peer == peer]
+        why = t.dead_peers.get(peer, "its incarnation ended")
+        for e in due:
+            res = e.reservation
+            key = self._key(e.peer, res.transfer_seq)
+            v = store.compare_set(key, "", CANCEL)
+            with t.lock:
+                if self._pending.pop((e.peer, res.transfer_seq), None) is not e:
+                    continue
+            if v != CANCEL:  # claimed by the dead incarnation: no receive was posted, nothing can land
+                self._done_keys.append(key)
+            t.record("recv", res.request_id, 0, 0.0, False, e.peer)
+            self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=f"PeerDeadError: {why}"))

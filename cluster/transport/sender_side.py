@@ -1,0 +1,369 @@
+"""The prefill side of a ControlledTransport (control.py tells the whole protocol): pairs formed from
+this end, claims, bundles, layer-wise launches, seal and commit, the watch over transfers in flight,
+aborts.
+
+A claim (compare_set("", CLAIM) on the transfer's claim key, pair.py) comes before any byte can reach
+the reserved blocks; a CANCEL found there means the decode side gave up first: the transfer fails with
+TimeoutError and its blocks are back in the decode pool. A bundle (what one shipment sends one decode
+peer) holds its pair's `order` lock from its begin until its last launch is issued, so a pair's
+launches go out in the order of their Begins, which is the order the decode side posts its receives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from cluster.logprobs import PrefillLogprobs
+from cluster.messages import Reservation
+from cluster.transport.base import KVSend, KVSender, Shipment
+from cluster.transport.channel import Abort, Begin, Commit, Hello, Outbox
+from cluster.transport.completion import Completion, ReadyCompletion
+from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key
+from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
+
+if TYPE_CHECKING:
+    from cluster.transport.control import ControlledTransport
+
+
+@dataclass(eq=False)
+class OutBundle:
+    """One bundle out: the transfers one shipment sends one decode peer, their plan and progress."""
+
+    id: int
+    pair: Pair
+    sends: list[KVSend]
+    futures: list[Future]
+    items: list[ItemPlan]
+    launches: list[Launch]
+    issued: int = 0
+    payload: Any = None  # the payload subclass's per-bundle state
+    completion: Completion | None = None
+    commit_event: int = -1
+    failed: str | None = None
+    t_kv: float = 0.0  # monotonic: the forward finished (the transfer's exposed part starts)
+    unlocked: bool = False
+
+    def intact(self) -> bool:
+        """This side's payload is done without error: the decode side has every byte."""
+        return self.completion is not None and self.completion.done() and self.completion.error() is None
+
+
+class _Shipment(Shipment):
+    def __init__(self, sender: SenderSide):
+        self.s = sender
+        self.futures: dict[str, Future] = {}
+        self.bundles: list[OutBundle] = []
+        self._kv_done = self._committed = False
+
+    def layer_done(self, layer: int) -> None:
+        if self._kv_done or not any(b.issued < len(b.launches) and launch_last_layer(b.launches[b.issued]) <= layer
+                                    for b in self.bundles):
+            return  # no launch waits for this layer (not layer-wise, or already issued)
+        ready = self.s.t._payload_mark()
+        for b in self.bundles:
+            self.s._issue_through(b, layer, ready)
+
+    def kv_done(self) -> None:
+        if self._kv_done:
+            return
+        self._kv_done = True
+        ready = self.s.t._payload_mark() if self.bundles else None
+        for b in self.bundles:
+            self.s._issue_through(b, None, ready)
+            self.s._seal(b)
+
+    def commit(self, first_tokens: Mapping[str, int | None],
+               logprobs: Mapping[str, PrefillLogprobs] | None = None) -> None:
+        if self._committed:
+            raise RuntimeError("shipment committed twice")
+        self.kv_done()
+        self._committed = True
+        for b in self.bundles:
+            self.s._commit(b, first_tokens, logprobs or {})
+
+
+class SenderSide(KVSender):
+    """Owns what only a prefill worker has: its pair locks and bundle ids. Everything shared (the pairs,
+    the dead peers, the lock, the store, liveness, records) and the payload hooks are the transport's."""
+
+    def __init__(self, transport: ControlledTransport):
+        self.t = transport
+        self._pair_locks: dict[str, threading.Lock] = {}
+        self._bundle_ids = itertools.count()
+
+    # -- pairs ----------------------------------------------------------------------------------------
+    def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
+        t, out = self.t, {}
+        store = t.store()
+        for peer in sorted(set(decode_worker_ids)):  # the same order everywhere: see _pair
+            t0 = time.perf_counter()
+            raw = store.get(f"{t.ns}/ctl/{peer}") if store.check([f"{t.ns}/ctl/{peer}"]) else None
+            inc = msgspec.msgpack.decode(raw).get("incarnation", 0) if raw is not None else None
+            with t.lock:
+                pair = t.pairs.get(peer)
+                # A dead peer that has not published a new incarnation stays dead (_pair raises).
+                stale = inc is not None and (pair.peer_inc != inc if pair is not None else peer in t.dead_peers)
+            if stale:  # the decode worker restarted: form the pair with its new incarnation
+                t.forget_incarnation(peer, f"published incarnation {inc}")
+            self._pair(peer)
+            out[peer] = time.perf_counter() - t0
+        return out
+
+    def _pair(self, peer: str) -> Pair:
+        """The pair with this decode worker, formed and warmed on first use.
+
+        The decode side forms its half on our hello, from its control thread, one hello at a time; a
+        prefill forms one pair at a time. So a decode worker only ever waits for a prefill worker that
+        is forming a pair with it: no cycle, whatever the order of hellos."""
+        t = self.t
+        with t.lock:
+            pair = t.pairs.get(peer)
+            lock = self._pair_locks.setdefault(peer, threading.Lock())
+        if pair is None:
+            with lock:
+                with t.lock:
+                    pair = t.pairs.get(peer)
+                if pair is None:
+                    pair = self._open_pair(peer)
+        if pair.dead is not None:
+            raise PeerDeadError(f"peer {peer} is marked dead: {pair.dead}")
+        return pair
+
+    def _open_pair(self, peer: str) -> Pair:
+        """Any failure leaves the peer dead: its half of the channel may exist, ours never will."""
+        t = self.t
+        if peer in t.dead_peers:
+            raise PeerDeadError(f"peer {peer} is marked dead: {t.dead_peers[peer]}")
+        pair = Pair(peer, t.worker_id)
+        try:
+            raw = self._wait_key(t.store(), f"{t.ns}/ctl/{peer}", peer,
+                                 time.monotonic() + t.spec.transfer_timeout_s, "its KV control endpoint")
+            if raw is None:
+                raise TimeoutError(f"decode worker {peer} never published its KV control endpoint "
+                                   f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
+            info = msgspec.msgpack.decode(raw)
+            pair.peer_inc = info.get("incarnation", 0)
+            if list(info["layout"]) != t.layout():
+                raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
+                                   f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {t.layout()}")
+            pair.outbox = Outbox(info["endpoint"])
+            events = t._payload_prepare(pair, info)
+            pair.outbox.send(Hello(t.worker_id, t.layout(), events, t.incarnation))
+            with pair.io:
+                t._payload_warm(pair)
+        except Exception as e:
+            if pair.outbox is not None:
+                pair.outbox.close()
+            with t.lock:
+                t.dead_peers.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
+            raise
+        pair.waiter.start()
+        with t.lock:
+            t.pairs[peer] = pair
+        return pair
+
+    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str) -> bytes | None:
+        """Connecting only (never on a transfer's path): polls until `key` exists; None at the deadline;
+        raises if the peer died meanwhile."""
+        t = self.t
+        delay, next_live = 1e-4, 0.0
+        while True:
+            if store.check([key]):
+                return store.get(key)
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            if t.closed.is_set():
+                raise RuntimeError(f"KV transport of {t.worker_id} closed while waiting for {what}")
+            if now >= next_live:
+                t.check_alive(store, peer)
+                next_live = now + t.spec.heartbeat_s
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(delay * 2, 0.05)
+
+    # -- shipments ------------------------------------------------------------------------------------
+    def begin(self, sends: Sequence[KVSend], layerwise: bool | None = None) -> Shipment:
+        sh = _Shipment(self)
+        groups: dict[str, list[KVSend]] = {}
+        for s in sends:
+            sh.futures[s.reservation.request_id] = Future()
+            groups.setdefault(s.reservation.decode_worker_id, []).append(s)
+        store = self.t.store()
+        for peer in sorted(groups):  # pair locks in one order: concurrent shipments can't deadlock
+            todo = groups[peer]
+            try:
+                pair = self._pair(peer)
+            except Exception as e:  # noqa: BLE001 - the peer's transfers fail, the rest go on
+                for s in todo:
+                    self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
+                continue
+            pair.order.acquire()
+            try:
+                b = self._open_bundle(store, pair, todo, sh.futures, layerwise)
+            except Exception as e:  # noqa: BLE001 - claims may stand that the decode side never hears of
+                pair.order.release()
+                for s in todo:
+                    if not sh.futures[s.reservation.request_id].done():
+                        self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
+                self.t.mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}")
+                continue
+            if b is None:
+                pair.order.release()
+            else:
+                sh.bundles.append(b)
+        return sh
+
+    def _check_send(self, s: KVSend) -> None:
+        res, n, block_size = s.reservation, len(s.src_block_ids), self.t.block_size
+        if res.decode_worker_id == self.t.worker_id:
+            raise ValueError("a KV transfer to itself")
+        if not 0 < n <= len(res.block_ids):
+            raise ValueError(f"{n} source blocks for a reservation of {len(res.block_ids)}")
+        if -(-s.num_tokens // block_size) != n:
+            raise ValueError(f"{s.num_tokens} tokens do not fill {n} blocks of {block_size}")
+
+    def _claim(self, store, pair: Pair, res: Reservation, value: bytes) -> None:
+        t = self.t
+        key = claim_key(t.ns, t.worker_id, res.decode_worker_id, pair.peer_inc, res.transfer_seq)
+        got = store.compare_set(key, "", value)
+        if got == CANCEL:
+            store.delete_key(key)
+            raise TimeoutError(f"decode worker {res.decode_worker_id} gave up on transfer {res.transfer_seq} "
+                               f"({res.request_id}) before it was sent (expect_timeout_s={t.spec.expect_timeout_s} "
+                               "or cancelled); its blocks are back in its pool")
+        if got != value:
+            raise RuntimeError(f"transfer {res.transfer_seq} to {res.decode_worker_id} was already claimed")
+
+    def _fail_send(self, fut: Future, s: KVSend, e: BaseException, peer: str) -> None:
+        self.t.record("send", s.reservation.request_id, 0, 0.0, False, peer)
+        fut.set_exception(e)
+
+    def _open_bundle(self, store, pair: Pair, todo: list[KVSend], futures, layerwise) -> OutBundle | None:
+        """Under pair.order: claims, plans and announces one bundle (None if nothing was claimed)."""
+        t = self.t
+        claimed = []
+        for s in todo:
+            fut = futures[s.reservation.request_id]
+            try:
+                self._check_send(s)
+                self._claim(store, pair, s.reservation, CLAIM)
+            except Exception as e:  # noqa: BLE001
+                self._fail_send(fut, s, e, pair.peer)
+                continue
+            claimed.append(s)
+        if not claimed:
+            return None
+        lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= t.layerwise_min_tokens
+        srcs = [tuple(s.src_block_ids) for s in claimed]
+        items, launches = t._plan(srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)], lw)
+        b = OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
+                       items, launches)
+        msg = Begin(t.worker_id, b.id, lw, fingerprint(items, launches),
+                    [(s.reservation.transfer_seq, s.reservation.request_id, s.num_tokens,
+                      np.asarray(x, dtype="<i4").tobytes()) for s, x in zip(claimed, srcs)])
+        with t.lock:
+            pair.bundles.append(b)
+        try:
+            pair.outbox.send(msg)
+        except Exception as e:  # noqa: BLE001 - the decode side never hears of these claims
+            t.mark_dead(pair.peer, f"pushing a begin failed: {e}")
+        return b
+
+    def _issue_through(self, b: OutBundle, layer: int | None, ready) -> None:
+        """Issues b's launches whose layers are all computed (every one when layer is None)."""
+        pair = b.pair
+        while b.issued < len(b.launches) and (layer is None or launch_last_layer(b.launches[b.issued]) <= layer):
+            if pair.dead is not None or b.failed is not None:
+                b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
+                break
+            try:
+                with pair.io:
+                    self.t._payload_issue(pair, b, b.launches[b.issued], ready)
+            except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
+                b.failed = f"{type(e).__name__}: {e}"
+                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}")
+                b.issued = len(b.launches)
+                break
+            b.issued += 1
+        if b.issued == len(b.launches) and not b.unlocked:
+            b.unlocked = True
+            pair.order.release()
+
+    def _seal(self, b: OutBundle) -> None:
+        b.t_kv = time.monotonic()
+        try:
+            with b.pair.io:
+                b.completion, b.commit_event = self.t._payload_seal(b.pair, b)
+        except Exception as e:  # noqa: BLE001
+            b.failed = b.failed or f"{type(e).__name__}: {e}"
+            b.completion = ReadyCompletion()
+            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}")
+
+    def _commit(self, b: OutBundle, first_tokens: Mapping[str, int | None],
+                logprobs: Mapping[str, PrefillLogprobs]) -> None:
+        toks = [first_tokens.get(s.reservation.request_id) for s in b.sends]
+        lps = [logprobs.get(s.reservation.request_id) for s in b.sends] if logprobs else []
+        msg = Commit(self.t.worker_id, b.id, [-1 if tok is None else int(tok) for tok in toks],
+                     [tok is not None for tok in toks], b.commit_event, lps if any(lp is not None for lp in lps) else [])
+        if b.pair.dead is None:
+            try:
+                b.pair.outbox.send(msg)
+            except Exception as e:  # noqa: BLE001
+                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}")
+        b.pair.waiter.put(b.completion, lambda: self._finish_out(b))
+
+    def _finish_out(self, b: OutBundle) -> None:
+        """Waiter thread: this side's payload is done (or the pair died): resolve the futures."""
+        t = self.t
+        seconds = time.monotonic() - b.t_kv
+        err = b.failed or b.completion.error()
+        if err is not None:
+            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}")
+        with t.lock:
+            if b in b.pair.bundles:
+                b.pair.bundles.remove(b)
+        for s, fut in zip(b.sends, b.futures):
+            rid = s.reservation.request_id
+            if err is not None:
+                t.record("send", rid, 0, seconds, False, b.pair.peer)
+                exc = PeerDeadError if "PeerDeadError" in err else RuntimeError
+                fut.set_exception(exc(f"KV transfer {s.reservation.transfer_seq} ({rid}) to {b.pair.peer} failed: {err}"))
+            else:
+                fut.set_result(t.record("send", rid, len(s.src_block_ids) * t.bytes_per_block, seconds, True,
+                                        b.pair.peer))
+
+    def watch_outgoing(self, store) -> None:
+        """Heartbeat thread: a peer with transfers in flight must stay alive and finish them in time."""
+        t = self.t
+        now = time.monotonic()
+        with t.lock:
+            busy = [(p, list(p.bundles)) for p in t.pairs.values() if p.bundles and p.dead is None]
+        for pair, bundles in busy:
+            try:
+                t.check_alive(store, pair.peer)
+            except PeerDeadError as e:
+                t.mark_dead(pair.peer, str(e))
+                continue
+            for b in bundles:
+                if b.t_kv and b.completion is not None and not b.completion.done() \
+                        and now - b.t_kv > t.spec.transfer_timeout_s:
+                    t.mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
+                                           f"{t.spec.transfer_timeout_s}")
+                    break
+
+    def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:
+        if reservation.request_id != request_id:
+            raise ValueError(f"abort of {request_id} for the reservation of {reservation.request_id}")
+        pair = self._pair(reservation.decode_worker_id)
+        self._claim(self.t.store(), pair, reservation, ABORT)
+        pair.outbox.send(Abort(self.t.worker_id, reservation.transfer_seq, request_id))
+        self.t.record("send", request_id, 0, 0.0, True, pair.peer)
