@@ -1,4 +1,5 @@
-from cluster.attention.backend import AttentionBackend, get_backend, register_backend
+from cluster.attention.backend import AttentionBackend
 from cluster.attention.metadata import AttentionMetadata
+from cluster.attention.registry import BACKENDS, get_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "register_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_backend"]

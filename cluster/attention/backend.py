@@ -1,4 +1,4 @@
-"""The attention backend interface and its registry.
+"""The attention backend interface (registry.py maps the backends' names to their classes).
 
 A backend attends over the paged cache. The model never sees which backend runs: it calls
 `backend.plan(meta)` once per forward pass, then `backend.forward(q, k, v, kv_layer, meta)` for every
@@ -8,7 +8,6 @@ layer, after the layer's rotary kernel has written the new tokens' K/V into thei
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
 
 import torch
 
@@ -16,7 +15,7 @@ from cluster.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
-    name: str = ""
+    name: str = ""  # its key in registry.BACKENDS
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         self.num_heads = num_heads
@@ -40,29 +39,3 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim], contiguous
         ...
-
-
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def get_backend(name: str) -> type[AttentionBackend]:
-    # Import the built-in backends lazily so that registering them has no import-order hazard.
-    import cluster.attention.torch_ref  # noqa: F401
-
-    if name == "triton":
-        try:
-            import cluster.attention.triton_decode  # noqa: F401
-        except ImportError as e:  # triton missing: the caller asked for it explicitly
-            raise ValueError(f"attention backend 'triton' is unavailable: {e}") from None
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]

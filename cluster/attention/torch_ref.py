@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cluster.attention.backend import AttentionBackend, register_backend
+from cluster.attention.backend import AttentionBackend
 from cluster.attention.metadata import AttentionMetadata
 
 
-@register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
     def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
         if meta.is_prefill:
             return self._prefill(q, k, v, kv_layer, meta)

@@ -1,4 +1,4 @@
-"""Paged decode attention in Triton, registered as attention backend "triton".
+"""Paged decode attention in Triton: attention backend "triton" (registry.py).
 
 One program handles one (sequence, kv head, split): the G query heads sharing that kv head are one
 [G, head_dim] tile (GQA costs one K/V read for G heads), and it walks its part of the sequence in
@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from cluster import kernels
-from cluster.attention.backend import register_backend
 from cluster.attention.metadata import AttentionMetadata
 from cluster.attention.torch_ref import TorchAttentionBackend
 from cluster.kernels.prefill_attention import plan_tiles, prefill_attention
@@ -177,9 +176,10 @@ def paged_decode_attention(
     return out
 
 
-@register_backend("triton")
 class TritonAttentionBackend(TorchAttentionBackend):
     """Decode through the split-K kernel, prefill through the packed paged kernel (torch's on CPU)."""
+
+    name = "triton"
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         if not meta.is_prefill or not kernels.enabled(meta.block_tables):
