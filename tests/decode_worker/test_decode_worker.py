@@ -2,20 +2,24 @@
 ModelRunner, as a prefill worker would) or is prefilled locally; outputs must equal LLMEngine's."""
 
 import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.kv_cache import KVCacheSpec
-from cluster.messages import GenerateRequest, KVHeader, ReserveRequest
-from cluster.model.loader import load_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
-from decode_worker.decode_worker import DecodeWorker
-from decode_worker.loopback_transport import LoopbackTransport
+sys.path.insert(0, str(Path(__file__).parent))
+from loopback_transport import LoopbackTransport  # noqa: E402
+
+from cluster.engine import LLMEngine  # noqa: E402
+from cluster.kv_cache import KVCacheSpec  # noqa: E402
+from cluster.messages import GenerateRequest, KVHeader, ReserveRequest  # noqa: E402
+from cluster.model.loader import load_model  # noqa: E402
+from cluster.model_runner import ModelRunner, PrefillChunk  # noqa: E402
+from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.worker_config import WorkerConfig  # noqa: E402
+from decode_worker.decode_worker import DecodeWorker  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

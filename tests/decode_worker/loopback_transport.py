@@ -1,4 +1,5 @@
-"""LoopbackTransport: a KVReceiver within one process, fed by a test through `send`.
+"""LoopbackTransport: a test double of the decode side, a KVReceiver within one process, fed by a test
+through `send` (test_decode_worker.py).
 
 The real transports (torch.distributed p2p, same-GPU IPC) live in cluster/transport/. This one keeps
 their decode-side protocol (expect before send, arrivals through poll_arrivals, failed and cancelled
