@@ -5,14 +5,18 @@
     engine core   cluster.* (model, attention, kernels, KV cache, sampler, transport, messages)
 
 Every import of every module is checked, including imports inside functions (a lazy import is still
-a dependency)."""
+a dependency). And no import cycle anywhere among our modules, lazy imports included: only an import
+under `if TYPE_CHECKING:` (types only, never run) is not an edge. `from a.b import c` is an edge to the
+module a.b.c where there is one, else to a.b; a package's __init__ counts as a module of its own."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -33,20 +37,46 @@ def layer(module: str) -> tuple[int, str] | None:
     return 1, top
 
 
-def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+class Imported(NamedTuple):
+    lineno: int
+    module: str  # `import a.b` -> a.b; `from a.b import c, d` -> a.b (relative imports resolved)
+    names: tuple[str, ...]  # what a from-import takes from it: (c, d); () for `import a.b`
+    types_only: bool  # under `if TYPE_CHECKING:`
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST, types_only: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under `node`, at module level or inside a function, class or try."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node, types_only
+    elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        for child in node.body:
+            yield from _import_nodes(child, True)
+        for child in node.orelse:
+            yield from _import_nodes(child, types_only)
+    else:
+        for child in ast.iter_child_nodes(node):
+            yield from _import_nodes(child, types_only)
+
+
+def imports_of(path: Path, module: str) -> list[Imported]:
     tree = ast.parse(path.read_text(), str(path))
     pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node in ast.walk(tree):
+    for node, types_only in _import_nodes(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this module's package
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            out.append((node.lineno, name))
+            out += [Imported(node.lineno, a.name, (), types_only) for a in node.names]
+            continue
+        if node.level:  # relative: resolve against this module's package
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+            name = ".".join(base + ([node.module] if node.module else []))
+        else:
+            name = node.module or ""
+        out.append(Imported(node.lineno, name, tuple(a.name for a in node.names), types_only))
     return out
 
 
@@ -62,7 +92,7 @@ def violations() -> list[str]:
     bad = []
     for path, module in modules():
         src = layer(module)
-        for lineno, target in imports_of(path, module):
+        for lineno, target, _, _ in imports_of(path, module):
             dst = layer(target)
             if dst is None or dst[1] == src[1]:
                 continue
@@ -71,6 +101,74 @@ def violations() -> list[str]:
                 kind = "sideways" if dst[0] == src[0] else "upward"
                 bad.append(f"{path.relative_to(ROOT)}:{lineno}: {module} ({src[1]}) imports {target} ({dst[1]}): {kind}")
     return bad
+
+
+def import_graph() -> dict[str, list[tuple[str, str]]]:
+    """module -> [(module it imports, "path:line")], among our modules; types-only imports left out."""
+    found = {module: path for path, module in modules()}
+    graph: dict[str, list[tuple[str, str]]] = {m: [] for m in found}
+    for module, path in found.items():
+        for imp in imports_of(path, module):
+            if imp.types_only:
+                continue
+            where = f"{path.relative_to(ROOT)}:{imp.lineno}"
+            targets = [f"{imp.module}.{n}" if f"{imp.module}.{n}" in found else imp.module for n in imp.names]
+            for target in dict.fromkeys(targets or [imp.module]):
+                if target in found and target != module:
+                    graph[module].append((target, where))
+    return graph
+
+
+def import_cycles() -> list[str]:
+    """One line per set of modules that import one another in a ring (a strongly connected component
+    of the import graph), with one such ring spelled out import by import."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w, _ in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in components:
+        start, inside = component[0], set(component)
+        came: dict[str, tuple[str, str]] = {}  # module -> (who imports it on the way, where)
+        frontier = [start]
+        while start not in came:  # breadth first from start back to it, inside the component
+            reached = []
+            for v in frontier:
+                for w, where in graph[v]:
+                    if w in inside and w not in came:
+                        came[w] = (v, where)
+                        reached.append(w)
+            frontier = reached
+        ring, v = [], start
+        while True:
+            prev, where = came[v]
+            ring.append(f"{prev} imports {v} ({where})")
+            v = prev
+            if v == start:
+                break
+        out.append(f"cycle among {component}: " + ", ".join(reversed(ring)))
+    return out
 
 
 def test_imports_only_go_down():
@@ -90,6 +188,32 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     found = violations()
     assert any("cluster.model.bad" in v and "upward" in v for v in found), found
     assert any("router.bad" in v and "sideways" in v for v in found), found
+
+
+def test_no_import_cycle():
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_catches_a_planted_cycle_but_not_a_types_only_import(tmp_path, monkeypatch):
+    """A ring through a lazy import is reported; the same import under `if TYPE_CHECKING:` is not."""
+    pkg = tmp_path / "cluster" / "ring"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cluster.ring import b\n")
+    (pkg / "b.py").write_text("from cluster.ring.c import C\n")
+    (pkg / "c.py").write_text("class C:\n    def f(self):\n        from cluster.ring.a import x\n")
+    (pkg / "typed.py").write_text("from cluster.ring.hint import H\n")
+    (pkg / "hint.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                 "    from cluster.ring.typed import T\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (found,) = import_cycles()
+    assert found.startswith("cycle among ['cluster.ring.a', 'cluster.ring.b', 'cluster.ring.c']: "), found
+    assert "cluster.ring.a imports cluster.ring.b (cluster/ring/a.py:1)" in found, found
+    assert "cluster.ring.b imports cluster.ring.c (cluster/ring/b.py:1)" in found, found
+    assert "cluster.ring.c imports cluster.ring.a (cluster/ring/c.py:3)" in found, found
+    (pkg / "hint.py").write_text("from cluster.ring.typed import T\n")  # the same import, run this time
+    assert any("cluster.ring.hint" in c and "cluster.ring.typed" in c for c in import_cycles())
 
 
 @pytest.mark.parametrize("argv", [["serve", "--help"], ["generate", "--max-tokens", "2", "--ignore-eos", "Hi"]])
