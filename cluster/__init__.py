@@ -1,2 +1,3 @@
-"""pdserve: disaggregated prefill/decode serving. `cluster` holds what every worker shares: config,
-model, KV layout, sampling, transport and the launcher."""
+"""pdserve: disaggregated prefill/decode serving. `cluster` is the engine core every worker shares:
+config, model, KV layout, sampling, transport, the request limits. It imports nothing above it (the
+launcher is the application layer, deploy/)."""

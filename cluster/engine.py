@@ -21,11 +21,11 @@ from cluster.block_hash import prefix_cache_salt
 from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
@@ -73,7 +73,7 @@ class LLMEngine:
                                                 enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_model_len = self.arch.max_position_embeddings
+        self.max_model_len = served_max_model_len(None, self.arch.max_position_embeddings)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -83,12 +83,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         ids = encode_prompt(self.tokenizer, prompt)
         params.check_token_ids(self.arch.vocab_size)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
-                f"length of {self.max_model_len}", "max_tokens")
-        if self.spec.blocks_for_tokens(len(ids) + params.max_tokens) > self.allocator.capacity:
-            raise InvalidRequestError("request does not fit in the KV cache even alone", "max_tokens")
+        check_request_fits(len(ids), params.max_tokens, self.max_model_len, block_size=self.spec.block_size,
+                           kv_blocks=self.allocator.capacity, holder="the engine")
         seq = Sequence(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=ids,

@@ -13,6 +13,10 @@ Step t+1 is launched before step t's tokens are read: its rows that continue fro
 input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
 short lock: reserve(), submit_local(), abort(), stats(), step_metrics().
+
+A request is refused (400) by the one fit rule, cluster.request_limits (its context length is the
+served max_model_len, its KV this worker's pool). Before serving, warmup() runs DecodeWorkerWarmup
+(decode_worker/warmup.py) beside the idle loop.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ import random
 import threading
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from cluster.block_hash import prefix_cache_salt
-from cluster.block_pool import PrefixCacheStats
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
@@ -37,17 +40,18 @@ from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
-from cluster.warmup import WARMUP_PARAMS, prefill_shapes, warm_prefill
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
 from decode_worker.metrics import StepMetrics, StepRecord
 from decode_worker.scheduler import DecodeBatch, DecodeScheduler
 from decode_worker.token_publisher import TokenPublisher
+from decode_worker.warmup import DecodeWorkerWarmup
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class DecodeWorker:
         self.model = model
         self.arch: ModelArchConfig = model.cfg
         self.dtype = next(model.parameters()).dtype if cfg.dtype is None else resolve_dtype(cfg.dtype)
-        self.max_model_len = min(cfg.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
+        self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
 
         num_blocks = kv_pool_blocks(cfg, self.arch, self.dtype, self.device)
         self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, num_blocks, self.dtype)
@@ -137,16 +141,13 @@ class DecodeWorker:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("empty prompt", "prompt")
-        if n + req.params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
-                                      f"the decode worker's max_model_len of {self.max_model_len}", "max_tokens")
         p = req.params
+        check_request_fits(n, p.max_tokens, self.max_model_len, block_size=self.spec.block_size,
+                           kv_blocks=self.blocks.capacity, holder=f"decode worker {self.worker_id}")
         if not all(-(2**63) <= x < 2**63 for x in (p.top_k, *p.stop_token_ids)):
             # Checked here, not in the loop: an int64 overflow there would fail every request.
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
-        if self.spec.blocks_for_tokens(n + req.params.max_tokens) > self.blocks.capacity:
-            raise InvalidRequestError("request does not fit in the decode worker's KV cache even alone", "max_tokens")
         return Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                         seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
 
@@ -263,78 +264,10 @@ class DecodeWorker:
 
     def warmup(self, timeout_s: float = 600.0) -> dict:
         """Before the worker serves (the launcher calls it before /ready): every prefill shape class
-        through the local-prefill runner, twice (cluster.warmup), then synthetic requests through the
-        real path (submit_local -> chunked local prefill -> decode steps), one per sampler variant,
-        with a prompt longer than the chunk cap while another request decodes, so that the capped
-        interleaving, the first-token sampler and a decode step of every graph variant have all run.
-        Their tokens are not published. Seeds the measured rates; returns what ran."""
-        t0 = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        with self._lock:
-            if self.scheduler.num_seqs:
-                raise RuntimeError("warmup() must run before the worker serves")
-            self._warming = True
-        ids: list[str] = []
-        try:
-            def blocks_for(n: int):
-                with self._lock:
-                    pool, need = self.blocks.allocator, self.blocks.blocks_for_tokens(n)
-                    return pool.allocate(need) if pool.can_allocate(need) else None
-
-            def release(table):
-                with self._lock:
-                    self.blocks.free_now(table)
-
-            def timed(fn, tokens):
-                start = self._prefill_timer.start()
-                out = fn()
-                self._prefill_timer.stop(start, tokens)
-                return out
-
-            shapes = prefill_shapes(self.cfg.max_prefill_tokens, self.max_model_len, cuda)
-            # The loop holds the lock while it prefills; these passes run beside an idle loop.
-            passes = warm_prefill(self.prefill_runner, shapes, blocks_for, release, self.arch.vocab_size, timed)
-            long_prompt = min(self.chunk_tokens + 16, self.max_model_len - 64) if cuda else min(24, self.chunk_tokens + 8)
-            prompts = [8] + [max(2, long_prompt)] * len(WARMUP_PARAMS)
-            params = [replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
-            for i, (n, p) in enumerate(zip(prompts, params)):
-                rid = f"__warmup-{self.worker_id}-{i}"
-                # Distinct prompts: none may find another's blocks in the prefix cache and skip the path.
-                req = GenerateRequest(rid, tuple((11 + 17 * k + 101 * i) % self.arch.vocab_size for k in range(n)),
-                                      p, i, 0.0)
-                if self.submit_local(req) is not None:
-                    ids.append(rid)
-                if i == 0:  # let the short one start decoding, so the long ones prefill beside it
-                    self._wait_until(lambda: any(x.request_id == rid for x in self.scheduler.running)
-                                     or not self._known(rid), t0 + timeout_s)
-            self._wait_until(lambda: not any(self._known(r) for r in ids), t0 + timeout_s)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-        finally:
-            with self._lock:
-                self._outbox.clear()
-                self._last_step_info = (0.0, 0, 0, -1)  # no warm-up step record goes out
-                self._warming = False
-            for r in ids:  # their last deltas were not published: nothing ends their publisher state
-                self.publisher.forget(r)
-        self._prefill_timer.harvest()
-        self.metrics = StepMetrics()  # what the benchmarks read is serving only
-        self.blocks.allocator.stats = PrefixCacheStats()  # so are the prefix-cache counters
-        self.prefill_tokens_total = 0
-        self.local_prefill_log.clear()
-        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
-                            "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
+        and synthetic requests through the serving path (decode_worker/warmup.py); nothing is
+        published. Seeds the measured rates; returns what ran."""
+        self.warmup_info = DecodeWorkerWarmup(self, timeout_s).run()
         return self.warmup_info
-
-    def _wait_until(self, cond, deadline: float) -> None:
-        while True:
-            with self._lock:
-                if cond():
-                    return
-            if time.perf_counter() > deadline:
-                raise TimeoutError("decode worker warm-up did not finish in time")
-            self._wake.set()
-            time.sleep(0.002)
 
     def poll_token_batches(self, timeout: float = 0.0) -> list:
         """The StreamBatches of requests without a reply_to so far (tests and in-process use)."""

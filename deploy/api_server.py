@@ -15,6 +15,7 @@ SIGINT, and stops by itself if the launcher goes away (its parent pid changes).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -25,8 +26,17 @@ import threading
 import time
 
 import msgspec
+import uvicorn
 
 from cluster.errors import PdserveError
+from cluster.model.config import ModelArchConfig
+from cluster.tokenizer import load_tokenizer
+from router.gateway import Gateway, build_app
+from router.gateway_config import GatewayConfig
+from router.metrics import GatewayMetrics
+from router.router_client import RouterClient
+from router.router_messages import Drain
+from router.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")
 
@@ -121,18 +131,6 @@ def _watch_parent(parent_pid: int, server) -> None:
 
 
 def serve(spec: APIServerSpec) -> None:
-    import asyncio
-
-    import uvicorn
-
-    from cluster.model.config import ModelArchConfig
-    from cluster.tokenizer import load_tokenizer
-    from router.gateway import Gateway, GatewayConfig, build_app
-    from router.metrics import GatewayMetrics
-    from router.router_client import RouterClient
-    from router.router_messages import Drain
-    from router.token_stream import TokenStreamReceiver
-
     tokens = TokenStreamReceiver(spec.sink_host, token_timeout_s=spec.token_timeout_s)
     client = RouterClient(spec.router_address, spec.gateway_id, tokens.address)
     gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,

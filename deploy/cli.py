@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from cluster.errors import PdserveError
+from cluster.sampling_params import SamplingParams
+from deploy.config import ClusterConfig, add_config_flags, overrides_from_args
+
+SERVE_DESCRIPTION = ("`pdserve serve`: starts (or joins) Ray, places the workers, forms the KV transfer group, "
+                     "runs the router, and starts the API-server processes that serve the OpenAI-compatible HTTP API.")
 
 
+# The commands' imports are lazy: each loads torch (and the model code) only when it runs, so that
+# `pdserve --help` and `pdserve serve --help` answer at once.
 def _cmd_demo_model(args) -> None:
     from cluster.model.demo import write_demo_model
 
@@ -16,7 +24,6 @@ def _cmd_demo_model(args) -> None:
 
 def _cmd_generate(args) -> None:
     from cluster.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
 
     prompts = args.prompts or []
     if not prompts:
@@ -60,15 +67,34 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_extra_commands(sub) -> None:
     """`serve` (the launcher) and `loadtest`. The load-test tooling (Locust, httpx, plotting) is only
     imported when `pdserve loadtest` runs: its arguments are parsed by its own parser then."""
-    from deploy.launch import add_serve_command
-
     add_serve_command(sub)
     # Listed here for `pdserve --help`; main() hands its arguments to loadtest.run's own parser.
     sub.add_parser("loadtest", add_help=False,
                    help="Locust load test: ITL per decode batch size (pdserve loadtest --help)")
 
 
+def add_serve_command(sub) -> None:
+    """`pdserve serve`: one flag per ClusterConfig field (deploy/config.py)."""
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (prefill/decode on Ray)",
+                       description=SERVE_DESCRIPTION)
+    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory (default: the demo model)")
+    s.add_argument("--config", default=None, help="YAML file with any of the settings below (flags win)")
+    add_config_flags(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    cfg = ClusterConfig.load(args.config, overrides_from_args(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Lazy: the serving cluster imports Ray, torch, the workers and the router; `pdserve --help`,
+    # `serve --help`, `generate` and `demo-model` must not pay for them (tests/deploy/test_cli.py).
+    from deploy.serving_cluster import ServingCluster
+
+    ServingCluster(cfg).serve_forever()
+
+
 def _loadtest(argv: list[str]) -> int:
+    # Lazy: only `pdserve loadtest` loads Locust, gevent and plotting (tests/test_layering.py).
     from loadtest.run import main as loadtest_main
 
     return loadtest_main(argv, prog="pdserve loadtest")

@@ -2,22 +2,83 @@
 
 Every field is both a YAML key (`decode_workers: 2`) and a flag (`--decode-workers 2`); the flags
 are generated from the fields, so the two can't drift apart. Flags override the YAML file, which
-overrides the defaults. Workers get a frozen `WorkerConfig` built from it (`worker_config`).
+overrides the defaults. Each component gets its own frozen config built from it
+(deploy/component_configs.py: WorkerConfig, RouterConfig, AdmissionLimits, the API servers' spec).
+
+A setting a component has takes its default from that component's config (`_default`), so a default
+lives in one place; where the deployment deliberately serves with another value than the component's
+own default, the field says so (`DEPLOY_CHOICES`, checked by tests/cluster/test_single_source_rules.py).
+The component configs import nothing heavy: `pdserve serve --help` loads neither Ray nor torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.errors import PdserveError
 from cluster.worker_config import WorkerConfig
+from router.admission import AdmissionLimits
+from router.gateway_config import GatewayConfig
+from router.pd_planner import PlannerConfig
+from router.router_config import RouterConfig
+
+
+def _default(component: type, name: str) -> Any:
+    """The default of the dataclass field `name` of a component's config."""
+    field = {f.name: f for f in dataclasses.fields(component)}[name]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    raise TypeError(f"{component.__name__}.{name} has no default")
+
+
+# ClusterConfig field -> (component config, its field), for every setting ClusterConfig passes on
+# unchanged and takes its default from.
+COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
+    **{n: (WorkerConfig, n) for n in (
+        "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
+        "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed")},
+    **{n: (RouterConfig, n) for n in (
+        "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
+        "prefill_timeout_s", "reserve_wait_s", "migration_wait_s", "migrate_on_worker_death", "prefill_policy",
+        "decode_policy")},
+    **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "max_inflight_tokens", "retry_after_s")},
+    **{n: (GatewayConfig, n) for n in ("api_key", "max_body_bytes", "token_timeout_s")},
+    "planner_hysteresis": (PlannerConfig, "hysteresis"),
+    "planner_confirmations": (PlannerConfig, "confirmations"),
+    "planner_min_dwell_s": (PlannerConfig, "min_dwell_s"),
+    "planner_tpot_target_s": (PlannerConfig, "tpot_target_s"),
+}
+
+# Where the deployment serves with another value than the component's own default, on purpose:
+# ClusterConfig field -> (component config, its field, why).
+DEPLOY_CHOICES: dict[str, tuple[type, str, str]] = {
+    "max_prefill_queue_s": (AdmissionLimits, "max_prefill_queue_s", "the component has no limit (inf) unless "
+                            "given one; a served cluster answers 429 past 5 s of prefill queue"),
+    "planner_min_prefill_workers": (PlannerConfig, "min_prefill", "the planner may remove every prefill worker; "
+                                    "the launcher keeps one (the KV transport group is formed at start)"),
+    "worker_max_restarts": (RouterConfig, "workers_restart", "Ray restarts dead workers in a served cluster "
+                            "(3 times); the router alone does not assume it"),
+    "device": (WorkerConfig, "device", "'auto' is resolved per actor (cuda when it holds a GPU); a worker is "
+               "given the resolved device"),
+}
+
+
+def _d(name: str) -> Any:
+    """ClusterConfig's default for `name`: the component's (COMPONENT_DEFAULTS)."""
+    return _default(*COMPONENT_DEFAULTS[name])
 
 
 class ClusterConfig(BaseModel):
@@ -32,7 +93,7 @@ class ClusterConfig(BaseModel):
     """Interface the HTTP gateway listens on (0.0.0.0 for all)."""
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port (0: any free port)."""
-    api_key: str | None = None
+    api_key: str | None = _d("api_key")
     """If set, /v1 requires `Authorization: Bearer <key>` (also read from PDSERVE_API_KEY)."""
     api_servers: int | None = Field(None, ge=1, le=64)
     """HTTP API-server processes sharing the port, each with its own token stream (none: a quarter of
@@ -61,23 +122,23 @@ class ClusterConfig(BaseModel):
     """How long workers may take to load the model and answer their first stats call."""
 
     # -- the engine inside each worker (WorkerConfig) -----------------------------------------------
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] | None = _d("dtype")
     """Weights and KV dtype (default: the checkpoint's)."""
-    attention_backend: str = "torch"
+    attention_backend: str = _d("attention_backend")
     """Attention backend registered in cluster.attention."""
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: int = Field(_d("block_size"), ge=1, le=1024)
     """Tokens per KV block (a power of two)."""
-    num_blocks: int | None = Field(None, ge=2)
+    num_blocks: int | None = Field(_d("num_blocks"), ge=2)
     """KV blocks per worker; none: sized from kv_memory_fraction on GPU, cpu_num_blocks on CPU."""
-    kv_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    kv_memory_fraction: float = Field(_d("kv_memory_fraction"), gt=0.0, le=1.0)
     """Fraction of the GPU memory left after the weights that the KV cache takes."""
-    cpu_num_blocks: int = Field(512, ge=2)
+    cpu_num_blocks: int = Field(_d("cpu_num_blocks"), ge=2)
     """KV blocks per worker on CPU."""
-    max_num_seqs: int = Field(128, ge=1)
+    max_num_seqs: int = Field(_d("max_num_seqs"), ge=1)
     """Most sequences a decode worker runs at once."""
-    max_prefill_tokens: int = Field(4096, ge=1)
+    max_prefill_tokens: int = Field(_d("max_prefill_tokens"), ge=1)
     """Token budget of one prefill step."""
-    local_prefill_chunk_tokens: int = Field(256, ge=1)
+    local_prefill_chunk_tokens: int = Field(_d("local_prefill_chunk_tokens"), ge=1)
     """Most prompt tokens a decode worker prefills locally between two decode steps while requests are
     decoding on it (the rest of a long prompt goes in later chunks, each followed by a decode step).
     256 tokens of the 8B shape take ~5.7 ms on an H200 (42-46k prompt tokens/s measured,
@@ -86,67 +147,67 @@ class ClusterConfig(BaseModel):
     warmup: bool = True
     """Warm every worker up before /ready: each prefill shape class (twice; the second run seeds the
     measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
-    max_model_len: int | None = Field(None, ge=2)
+    max_model_len: int | None = Field(_d("max_model_len"), ge=2)
     """Context length (default: the model's max_position_embeddings)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = _d("enable_prefix_caching")
     """Keep freed full KV blocks findable by their content on every worker, so a prompt's cached prefix
     is neither recomputed nor sent again (vLLM's automatic prefix caching)."""
-    graph_buckets: str | tuple[int, ...] = "vllm"
+    graph_buckets: str | tuple[int, ...] = _d("graph_buckets")
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
-    use_cuda_graph: bool = True
+    use_cuda_graph: bool = _d("use_cuda_graph")
     """Replay decode steps as CUDA graphs (GPU only)."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(_d("seed"), ge=0)
     """Seed of the workers' engines."""
 
     # -- router: admission and placement -------------------------------------------------------------
-    prefill_placement: Literal["adaptive", "static"] = "adaptive"
+    prefill_placement: Literal["adaptive", "static"] = _d("prefill_placement")
     """Where prompts are prefilled. 'adaptive': on the chosen decode worker when that is cheaper than the
     prefill pool (its queue over its measured rate, the prompt's own prefill and KV transfer) counting
     the stall it adds to the requests decoding there; else on a prefill worker. 'static': on the decode
     worker only at or below local_prefill_threshold tokens."""
-    local_prefill_threshold: int = Field(0, ge=0)
+    local_prefill_threshold: int = Field(_d("local_prefill_threshold"), ge=0)
     """Prompts of at most this many tokens are always prefilled on their decode worker (both modes; 0: none
     by length alone)."""
-    itl_cost_weight: float = Field(20.0, ge=0.0)
+    itl_cost_weight: float = Field(_d("itl_cost_weight"), ge=0.0)
     """Adaptive placement: how many seconds of TTFT one second added to the running requests' time per
     output token is worth (20 = the ratio of the usual SLOs, 1 s TTFT to 50 ms TPOT)."""
     max_prefill_queue_s: float = Field(5.0, gt=0.0)
     """A request gets 429 when every prefill path (each prefill worker, each decode worker's local queue)
     would make it wait longer than this before its prefill starts (queued tokens over measured rates)."""
-    prefill_policy: str = "least_outstanding_tokens"
+    prefill_policy: str = _d("prefill_policy")
     """Prefill placement policy (router.placement.PREFILL_POLICIES)."""
-    decode_policy: str = "least_loaded"
+    decode_policy: str = _d("decode_policy")
     """Decode placement policy (router.placement.DECODE_POLICIES)."""
-    max_waiting_requests: int = Field(256, ge=1)
+    max_waiting_requests: int = Field(_d("max_waiting_requests"), ge=1)
     """Admitted requests without a first token yet; beyond it, HTTP 429."""
-    max_inflight_tokens: int = Field(1 << 20, ge=1)
+    max_inflight_tokens: int = Field(_d("max_inflight_tokens"), ge=1)
     """Sum of prompt + max_tokens over unfinished requests; beyond it, HTTP 429."""
-    retry_after_s: int = Field(1, ge=0)
+    retry_after_s: int = Field(_d("retry_after_s"), ge=0)
     """Retry-After sent with a 429."""
-    reserve_wait_s: float = Field(2.0, ge=0.0)
+    reserve_wait_s: float = Field(_d("reserve_wait_s"), ge=0.0)
     """How long a request waits for a decode worker with room before a 429."""
-    migration_wait_s: float = Field(60.0, ge=0.0)
+    migration_wait_s: float = Field(_d("migration_wait_s"), ge=0.0)
     """How long a request moved off a dead worker may wait for a decode worker with room (the dead
     worker's transfers may hold blocks a moment more) before it ends with an error event."""
     worker_max_restarts: int = Field(3, ge=-1)
     """How many times Ray restarts a prefill or decode worker's actor that died (-1: always; 0: a dead
     worker stays out). A restarted worker rejoins the KV transport, warms up and is placed on again;
     migrated requests wait for it (up to migration_wait_s) while no decode worker is healthy."""
-    migrate_on_worker_death: bool = True
+    migrate_on_worker_death: bool = _d("migrate_on_worker_death")
     """A dead worker's requests are placed again elsewhere (prompt + tokens so far; the stream goes on);
     off: they end with an error event."""
-    stats_interval_s: float = Field(0.1, gt=0.0)
+    stats_interval_s: float = Field(_d("stats_interval_s"), gt=0.0)
     """How often the router polls every worker's stats."""
-    call_timeout_s: float = Field(30.0, gt=0.0)
+    call_timeout_s: float = Field(_d("call_timeout_s"), gt=0.0)
     """Timeout of the router's control calls to workers (reserve, stats, abort)."""
-    prefill_timeout_s: float = Field(600.0, gt=0.0)
+    prefill_timeout_s: float = Field(_d("prefill_timeout_s"), gt=0.0)
     """Timeout of one prefill (queue + compute + KV transfer)."""
-    token_timeout_s: float = Field(600.0, gt=0.0)
+    token_timeout_s: float = Field(_d("token_timeout_s"), gt=0.0)
     """A request that gets no token for this long fails."""
     drain_timeout_s: float = Field(30.0, ge=0.0)
     """On SIGTERM: new requests get 503 and /ready turns false at once; in-flight requests may finish
     for up to this long, then the server stops (a second SIGTERM stops it at once)."""
-    max_body_bytes: int = Field(4 << 20, ge=1024)
+    max_body_bytes: int = Field(_d("max_body_bytes"), ge=1024)
     """Largest accepted HTTP request body."""
     token_stream_host: str | None = None
     """Address the decode workers push to: every API server's token sink and the router's step-record
@@ -165,16 +226,16 @@ class ClusterConfig(BaseModel):
     """How often the planner looks at the measured rates and the request mix."""
     planner_window_s: float = Field(60.0, gt=0.0)
     """The request mix (arrival rate, prompt and output lengths) is measured over this window."""
-    planner_min_dwell_s: float = Field(120.0, ge=0.0)
+    planner_min_dwell_s: float = Field(_d("planner_min_dwell_s"), ge=0.0)
     """Least time between two role switches."""
-    planner_hysteresis: float = Field(0.25, ge=0.0, lt=1.0)
+    planner_hysteresis: float = Field(_d("planner_hysteresis"), ge=0.0, lt=1.0)
     """Switch only when the better split lowers the bottleneck utilisation by this fraction."""
-    planner_confirmations: int = Field(3, ge=1)
+    planner_confirmations: int = Field(_d("planner_confirmations"), ge=1)
     """Consecutive evaluations that must agree before a switch."""
     planner_min_prefill_workers: int = Field(1, ge=0)
     """The planner keeps at least this many prefill workers (adaptive placement already prefills on
     decode workers when the prefill pool is the slower path)."""
-    planner_tpot_target_s: float = Field(0.05, gt=0.0)
+    planner_tpot_target_s: float = Field(_d("planner_tpot_target_s"), gt=0.0)
     """Decode capacity is counted at the batch whose measured step time meets this."""
     planner_drain_timeout_s: float = Field(60.0, ge=0.0)
     """How long a worker being switched may finish what it holds; what is left then migrates."""
@@ -235,6 +296,8 @@ class ClusterConfig(BaseModel):
     @field_validator("prefill_policy")
     @classmethod
     def _prefill_policy(cls, v: str) -> str:
+        # Lazy: the policies' module imports torch (through cluster.messages); `serve --help` reads
+        # this class without validating anything.
         from router.placement import PREFILL_POLICIES
 
         if v not in PREFILL_POLICIES.names():
@@ -244,7 +307,7 @@ class ClusterConfig(BaseModel):
     @field_validator("decode_policy")
     @classmethod
     def _decode_policy(cls, v: str) -> str:
-        from router.placement import DECODE_POLICIES
+        from router.placement import DECODE_POLICIES  # lazy: see _prefill_policy
 
         if v not in DECODE_POLICIES.names():
             raise ValueError(f"unknown decode policy {v!r}; choose from {DECODE_POLICIES.names()}")
@@ -267,8 +330,6 @@ class ClusterConfig(BaseModel):
     def load(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> "ClusterConfig":
         """Defaults < YAML file < environment (PDSERVE_API_KEY) < explicit overrides (the flags)."""
-        import os
-
         data: dict[str, Any] = {}
         if yaml_path is not None:
             data.update(read_yaml(yaml_path))
@@ -281,23 +342,8 @@ class ClusterConfig(BaseModel):
         except ValidationError as e:
             raise PdserveError(_one_line(e)) from None
 
-    def worker_config(self, model_dir: str, device: str, gpu_share: float = 1.0) -> WorkerConfig:
-        """gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU)."""
-        return WorkerConfig(
-            model_dir=model_dir, dtype=self.dtype, device=device, attention_backend=self.attention_backend,
-            block_size=self.block_size, num_blocks=self.num_blocks, kv_memory_fraction=self.kv_memory_fraction,
-            gpu_share=gpu_share,
-            cpu_num_blocks=self.cpu_num_blocks, max_num_seqs=self.max_num_seqs,
-            max_prefill_tokens=self.max_prefill_tokens, local_prefill_chunk_tokens=self.local_prefill_chunk_tokens,
-            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-            graph_buckets=self.graph_buckets, use_cuda_graph=self.use_cuda_graph,
-            seed=self.seed,
-        )
-
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text())

@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     import ray
 
     from deploy.config import ClusterConfig
-    from deploy.launch import ServingCluster
+    from deploy.serving_cluster import ServingCluster
     from cluster.engine import LLMEngine
     from cluster.model.demo import ensure_demo_model
 

@@ -11,6 +11,9 @@ Prefix caching: a prompt starts after its leading blocks found in this worker's 
 pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
 and stay cached after the send, until evicted. Only the blocks the decode worker lacks are sent: the
 reservation says how many leading blocks it already holds (`Reservation.num_cached_blocks`).
+
+A prompt that cannot fit (cluster.request_limits: the served context length, this worker's pool)
+fails at submit(), and its decode worker is told at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.warmup import prefill_shapes, warm_prefill
@@ -85,8 +89,7 @@ class PrefillWorker:
         self.transport = transport
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
-        self.max_model_len = min(cfg.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
+        self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
         # Measured cost of a packed prefill (per token + per pass), reported in stats().
         self.rate_meter = PassRateMeter()
         self._timer = DevicePassTimer(self.rate_meter, self.device)
@@ -138,8 +141,14 @@ class PrefillWorker:
         (ok=False with `error` if the prefill, the transfer or an abort stopped it)."""
         fut: Future = Future()
         n = len(task.request.prompt_token_ids)
-        if n == 0 or self.spec.blocks_for_tokens(n) > self.allocator.capacity:
-            fut.set_result(self._failed(task, 0.0, f"prompt of {n} tokens does not fit this prefill worker"))
+        try:
+            if n == 0:
+                raise InvalidRequestError("empty prompt", "prompt")
+            # Only the prompt's KV is ever held here: max_tokens 0.
+            check_request_fits(n, 0, self.max_model_len, block_size=self.spec.block_size,
+                               kv_blocks=self.allocator.capacity, holder=f"prefill worker {self.worker_id}")
+        except InvalidRequestError as e:
+            fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut
         if task.reservation.num_cached_blocks * self.spec.block_size >= n:

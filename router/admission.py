@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cluster.errors import CapacityError, InvalidRequestError, PdserveError
-from router.placement import WorkerView
+from cluster.request_limits import check_request_fits
+
+if TYPE_CHECKING:  # annotations only: AdmissionLimits stays importable without torch (deploy/config.py)
+    from router.placement import WorkerView
 
 
 class OverloadedError(CapacityError):
@@ -77,12 +81,7 @@ class AdmissionController:
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """Request-only checks (no cluster state): 400 when it can never run."""
-        n = self.limits.max_model_len
-        if prompt_len + max_tokens > n:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {n} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        check_request_fits(prompt_len, max_tokens, self.limits.max_model_len)
 
     def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView],
               prefill_wait_s: float = 0.0, cached_blocks: dict[str, int] | None = None) -> None:
@@ -95,11 +94,8 @@ class AdmissionController:
         healthy = [v for v in decode_views if v.healthy]
         if not healthy:
             raise NoHealthyWorkerError("no healthy decode worker is available")
-        largest = max(v.total_blocks for v in healthy)
-        if self.blocks_for(prompt_len + max_tokens) > largest:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) does not fit in the KV cache of "
-                f"any decode worker ({largest * self.limits.block_size} tokens)", "max_tokens")
+        check_request_fits(prompt_len, max_tokens, self.limits.max_model_len, block_size=self.limits.block_size,
+                           kv_blocks=max(v.total_blocks for v in healthy), holder="any decode worker")
         lim = self.limits
         if self.num_waiting >= lim.max_waiting_requests:
             raise OverloadedError(f"too many waiting requests ({self.num_waiting}); retry later", lim.retry_after_s)

@@ -23,7 +23,6 @@ import random
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -38,6 +37,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.stream_messages import DeltaLogprobs, StreamDelta
 from cluster.tokenizer import encode_bad_words, encode_chat, encode_prompt
 from router.admission import NoHealthyWorkerError, OverloadedError
+from router.gateway_config import GatewayConfig
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -53,17 +53,6 @@ from router.step_stats import DEFAULT_LIMIT, MAX_LIMIT
 from router.token_stream import TokenMailbox, TokenStreamReceiver
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    model_name: str
-    max_model_len: int
-    api_key: str | None = None
-    max_body_bytes: int = 4 << 20
-    token_timeout_s: float = 600.0  # no token for this long: the request fails (a stuck worker)
-    default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
-    vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
 
 
 class APIError(Exception):

@@ -27,10 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import median
+from typing import TYPE_CHECKING
 
 from cluster.pass_rate import PassRate
 from router.arrival_stats import ArrivalMix
-from router.placement import WorkerView
+
+if TYPE_CHECKING:  # annotations only: PlannerConfig stays importable without torch (deploy/config.py)
+    from router.placement import WorkerView
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def start_cluster(demo_model_dir, *, prefill_actor_cls=None, decode_actor_cls=No
                   **overrides):
     """A started cluster (in a thread of this process) that answers /ready; `sc.url` is its base URL."""
     from deploy.config import ClusterConfig
-    from deploy.launch import ServingCluster
+    from deploy.serving_cluster import ServingCluster
 
     cfg = ClusterConfig(**{"model": str(demo_model_dir), **CPU_DEFAULTS, **overrides})
     kwargs = dict(prefill_actor_cls=prefill_actor_cls, decode_actor_cls=decode_actor_cls)

@@ -1,6 +1,7 @@
 """Rules that several components apply must come from one function: first-token sampling, FCFS
-prefill chunking and KV pool sizing. Each test runs every user of a rule on the same input and
-demands the same answer, so a private copy that drifts fails here."""
+prefill chunking, KV pool sizing, the served context length, "does this request fit", and the
+defaults a component shares with ClusterConfig. Each test runs every user of a rule on the same input
+and demands the same answer, so a private copy that drifts fails here."""
 
 from __future__ import annotations
 
@@ -148,3 +149,151 @@ def test_kv_pool_sizing_rule():
     assert 2 * shared < whole
     assert kv_pool_blocks(WorkerConfig(model_dir="x", num_blocks=7), arch, torch.bfloat16, torch.device("cuda")) == 7
     assert kv_pool_blocks(WorkerConfig(model_dir="x", cpu_num_blocks=33), arch, torch.bfloat16, torch.device("cpu")) == 33
+
+
+# -- the served context length and "does this request fit" (cluster.request_limits) ---------------
+def test_served_max_model_len_is_one_rule(demo_model_dir):
+    """The decode worker, the prefill worker and the engine serve the context length the rule gives
+    (the launcher's, which the router admits with, is the same call: no other module clamps)."""
+    from cluster.request_limits import served_max_model_len
+    from prefill_worker.prefill_worker import PrefillWorker
+
+    arch = ModelArchConfig.from_dir(demo_model_dir)
+    mpe = arch.max_position_embeddings
+    for configured in (None, 300, mpe + 1000):
+        cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=16, max_model_len=configured,
+                           use_cuda_graph=False, max_num_seqs=4)
+        want = served_max_model_len(configured, mpe)
+        assert PrefillWorker("p0", cfg).max_model_len == want
+        d = DecodeWorker("d0", cfg, capture_progress=False, start=False)
+        assert d.max_model_len == want and d.scheduler.max_model_len == want
+        d.shutdown()
+    assert LLMEngine(demo_model_dir, num_blocks=16).max_model_len == served_max_model_len(None, mpe)
+
+
+def test_no_module_clamps_the_context_length_itself():
+    """A private `min(... max_position_embeddings ...)` anywhere in the serving code is a second copy."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for top in ("cluster", "prefill_worker", "decode_worker", "router", "deploy"):
+        for path in (root / top).rglob("*.py"):
+            if path.relative_to(root).as_posix() == "cluster/request_limits.py":
+                continue
+            src = path.read_text()
+            for node in ast.walk(ast.parse(src)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max")
+                        and "max_position_embeddings" in ast.get_source_segment(src, node)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found
+
+
+def _verdict(fn) -> str | None:
+    """None if `fn()` accepts the request, else the 400's param."""
+    from cluster.errors import InvalidRequestError
+
+    try:
+        fn()
+    except InvalidRequestError as e:
+        return e.param
+    return None
+
+
+@pytest.mark.parametrize("max_model_len,num_blocks", [(4096, 9), (200, 64)], ids=["kv-bound", "context-bound"])
+def test_request_fit_is_one_rule(demo_model_dir, max_model_len, num_blocks):
+    """Admission (against the largest decode worker), the decode worker, the engine and the prefill
+    worker (the prompt alone) accept and refuse the same requests as cluster.request_limits says, at
+    the edges of the context length and of the KV pool."""
+    from cluster.messages import PrefillTask, Reservation, WorkerStats
+    from cluster.request_limits import check_request_fits
+    from prefill_worker.prefill_worker import PrefillWorker
+    from router.admission import AdmissionController, AdmissionLimits
+    from router.placement import WorkerView
+
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=num_blocks, max_model_len=max_model_len,
+                       use_cuda_graph=False, max_num_seqs=4)
+    decode = DecodeWorker("d0", cfg, capture_progress=False, start=False)
+    prefill = PrefillWorker("p0", cfg)
+    engine = LLMEngine(demo_model_dir, num_blocks=num_blocks)
+    bs, cap = cfg.block_size, decode.blocks.capacity
+    assert prefill.allocator.capacity == engine.allocator.capacity == cap
+    view = WorkerView("d0", "decode", WorkerStats("d0", "decode", True, cap, cap, 0))
+    view.healthy = True
+    admission = AdmissionController(AdmissionLimits(max_model_len=decode.max_model_len, block_size=bs))
+    edge = min(decode.max_model_len, cap * bs)
+    # (prompt, max_tokens) at each edge; a prompt of `edge` tokens fits a prefill worker alone.
+    cases = [(edge - 10, 10), (edge - 10, 11), (edge - 1, 1), (edge, 1), (edge + 1, 1), (10, 5)]
+    try:
+        for i, (n, m) in enumerate(cases):
+            ids = [(5 + k) % 500 for k in range(n)]
+            params = SamplingParams(max_tokens=m)
+            rule = _verdict(lambda: check_request_fits(n, m, decode.max_model_len, block_size=bs, kv_blocks=cap))
+            assert _verdict(lambda: admission.admit(f"a{i}", n, m, [view])) == rule, (n, m)
+            req = GenerateRequest(f"r{i}", tuple(ids), params, 0, 0.0)
+            assert _verdict(lambda: decode._make_sequence(req)) == rule, (n, m)
+            if engine.max_model_len == decode.max_model_len:
+                assert _verdict(lambda: engine.add_request(ids, params)) == rule, (n, m)
+            prompt_rule = _verdict(lambda: check_request_fits(n, 0, decode.max_model_len, block_size=bs, kv_blocks=cap))
+            fut = prefill.submit(PrefillTask(req, Reservation(req.request_id, "d0", (), 0)))
+            assert (fut.done() and not fut.result().ok) == (prompt_rule is not None), (n, m)
+            admission.release(f"a{i}")
+    finally:
+        decode.shutdown()
+
+
+# -- defaults a component shares with ClusterConfig (deploy/config.py) -----------------------------
+def _defaults(component) -> dict:
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(component) if f.default is not dataclasses.MISSING}
+
+
+def test_cluster_config_takes_every_shared_default_from_its_component():
+    """Every ClusterConfig setting a component also has is either taken from the component's config
+    (same default) or a declared deployment choice (another default, on purpose)."""
+    import dataclasses
+
+    from deploy.config import COMPONENT_DEFAULTS, DEPLOY_CHOICES, ClusterConfig
+    from router.admission import AdmissionLimits
+    from router.gateway_config import GatewayConfig
+    from router.pd_planner import PlannerConfig
+    from router.router_config import RouterConfig
+
+    fields = ClusterConfig.model_fields
+    for name, (component, cname) in COMPONENT_DEFAULTS.items():
+        assert fields[name].default == _defaults(component)[cname], (name, component.__name__)
+    for name, (component, cname, why) in DEPLOY_CHOICES.items():
+        assert name in fields and cname in _defaults(component) and why, name
+        assert name not in COMPONENT_DEFAULTS
+    # A component setting ClusterConfig repeats under the same name must be one of the two.
+    components = (WorkerConfig, RouterConfig, AdmissionLimits, GatewayConfig, PlannerConfig)
+    same_name = {n for c in components for n in _defaults(c) if n in fields}
+    declared = set(COMPONENT_DEFAULTS) | set(DEPLOY_CHOICES)
+    assert same_name <= declared, same_name - declared
+    assert {f.name for f in dataclasses.fields(WorkerConfig)} - declared == {"model_dir", "gpu_share"}  # the launcher's
+
+
+def test_default_cluster_config_builds_each_component_with_its_own_defaults():
+    """The mapping (deploy/component_configs.py) carries values and decides none: from a default
+    ClusterConfig every component gets its own defaults, except the declared deployment choices."""
+    from dataclasses import replace
+
+    from deploy.api_server import APIServerSpec
+    from deploy.component_configs import admission_limits, api_server_settings, router_config, worker_config
+    from deploy.config import ClusterConfig
+    from router.admission import AdmissionLimits
+    from router.gateway_config import GatewayConfig
+    from router.router_config import RouterConfig
+
+    cfg = ClusterConfig()
+    assert worker_config(cfg, "/m", "cpu") == WorkerConfig(model_dir="/m")
+    assert router_config(cfg) == replace(RouterConfig(), workers_restart=True)
+    assert admission_limits(cfg, 512) == AdmissionLimits(max_model_len=512, block_size=16, max_prefill_queue_s=5.0)
+    spec = APIServerSpec(index=0, listen_fd=3, parent_pid=1, **api_server_settings(
+        cfg, router_address="ipc://r", model_dir="/m", served_model_name="m", max_model_len=512, sink_host="h",
+        log_level="INFO"))
+    gateway = GatewayConfig(model_name="m", max_model_len=512)
+    assert (spec.api_key, spec.max_body_bytes, spec.token_timeout_s) == \
+        (gateway.api_key, gateway.max_body_bytes, gateway.token_timeout_s)

@@ -199,7 +199,7 @@ def test_reserve_returns_none_when_kv_does_not_fit(demo_model_dir):
         p = SamplingParams(max_tokens=4, **GREEDY)
         assert pre.reserve(worker, "a", prompts(4, [100])[0], p) is not None  # 7 blocks
         assert pre.reserve(worker, "b", prompts(4, [40])[0], p) is None
-        with pytest.raises(Exception, match="even alone"):
+        with pytest.raises(Exception, match="does not fit in the KV cache of decode worker d0"):
             pre.reserve(worker, "c", prompts(4, [200])[0], p)
     finally:
         worker.shutdown()

@@ -24,3 +24,30 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("error: ") and msg in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _modules_after(argv: list[str]) -> set[str]:
+    code = (
+        "import sys\n"
+        "from deploy import cli\n"
+        "try:\n"
+        f"    cli.main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return set(r.stdout.rsplit("MODULES ", 1)[1].split())
+
+
+def test_help_loads_neither_ray_nor_torch():
+    """`pdserve serve --help` reads ClusterConfig (and the component configs it takes its defaults
+    from) only: the serving cluster, Ray and torch are imported when `serve` runs."""
+    loaded = _modules_after(["serve", "--help"])
+    assert not loaded & {"ray", "torch", "fastapi", "uvicorn", "loadtest", "decode_worker", "prefill_worker"}, loaded
+
+
+def test_generate_does_not_load_ray(demo_model_dir):
+    loaded = _modules_after(["generate", "--model", str(demo_model_dir), "--max-tokens", "2", "--ignore-eos", "Hi"])
+    assert "torch" in loaded and not loaded & {"ray", "fastapi", "loadtest"}, loaded

@@ -53,16 +53,3 @@ def test_bad_yaml(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(PdserveError, match="mapping"):
         ClusterConfig.load(tmp_path / "list.yaml")
-
-
-def test_worker_config_and_gpu_shares():
-    from deploy.launch import gpus_per_actor
-
-    cfg = ClusterConfig(prefill_workers=1, decode_workers=1, num_blocks=64, max_num_seqs=8)
-    w = cfg.worker_config("/m", "cuda")
-    assert (w.model_dir, w.device, w.num_blocks, w.max_num_seqs) == ("/m", "cuda", 64, 8)
-    assert gpus_per_actor(cfg, 0) == 0.0
-    assert gpus_per_actor(cfg, 1) == 0.5  # one prefill + one decode share the GPU
-    assert gpus_per_actor(cfg, 2) == 1.0
-    assert gpus_per_actor(ClusterConfig(prefill_workers=2, decode_workers=3), 2) == pytest.approx(1 / 3)
-    assert gpus_per_actor(ClusterConfig(gpus_per_worker=0.25), 8) == 0.25

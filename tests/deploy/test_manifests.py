@@ -81,10 +81,11 @@ def test_dockerfile_installs_every_package(path):
 
 
 def test_pdserve_cluster_yaml_is_a_valid_config():
+    from deploy.component_configs import worker_config
     from deploy.config import ClusterConfig
 
     cfg = ClusterConfig.load(DEPLOY / "pdserve-cluster.yaml")
     assert cfg.prefill_resources == {"prefill": 1} and cfg.decode_resources == {"decode": 1}
     assert cfg.kv_store_port == 29600
-    wcfg = cfg.worker_config("/models/m", "cuda")
+    wcfg = worker_config(cfg, "/models/m", "cuda")
     assert wcfg.attention_backend == "triton"

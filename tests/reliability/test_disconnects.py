@@ -21,7 +21,7 @@ CONCURRENCY = 12
 def cluster(ray_module, demo_model_dir, request):
     # One prefill worker (KV over the real gloo transport) and two decode workers; short prompts are
     # prefilled on the decode worker, so both paths see disconnects; one API server, then two.
-    from deploy.launch import form_kv_transport_group
+    from deploy.kv_transport_group import form_kv_transport_group
 
     before = {}
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from cluster.errors import PdserveError
-from deploy.launch import rendezvous_store
+from deploy.kv_transport_group import rendezvous_store
 from cluster.messages import KVHeader
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,21 @@
+"""GatewayConfig: the OpenAI gateway's frozen settings (router/gateway.py).
+
+Its own module, importing nothing, so that the application's ClusterConfig (deploy/config.py) takes
+the gateway's defaults from here without importing FastAPI and the router (Ray): `pdserve serve
+--help` stays light, and a default lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    token_timeout_s: float = 600.0  # no token for this long: the request fails (a stuck worker)
+    default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
