@@ -268,6 +268,7 @@ class ServingCluster:
         from deploy.api_server import APIServerPool, default_api_servers
         from cluster.model.config import ModelArchConfig
         from router.admission import AdmissionController, AdmissionLimits
+        from router.arrival_stats import ArrivalStats
         from router.metrics import RouterMetrics
         from router.router import Router, RouterConfig, WorkerClient
         from router.router_server import RouterServer
@@ -320,6 +321,8 @@ class ServingCluster:
                 decode_policy=cfg.decode_policy,
             ),
             metrics,
+            # The P:D planner reads the request mix over its own window.
+            arrivals=ArrivalStats(window_s=cfg.planner_window_s) if cfg.planner else None,
         )
         self.router.rejoin = self._rejoin_worker
         self.router_server.attach(self.router)

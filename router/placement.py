@@ -3,8 +3,8 @@
 Policies are small classes behind two registries, so a deployment picks them by name in its
 config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded`). They rank the
 router's `WorkerView`s (polled `WorkerStats` corrected by what the router itself placed and released
-since the poll);
-the router walks the ranking and falls back to the next worker when one refuses.
+since the poll); the router's PlacementWalk (router/placement_walk.py) walks the ranking and falls
+back to the next worker when one refuses.
 
 The `prefix_aware` policies also weigh what each worker already caches of the prompt
 (router.kv_index, fed by the workers' block events): Dynamo's KV-router trade-off of cache overlap
@@ -284,3 +284,24 @@ class DecodeRoundRobin(DecodePolicy):
             return []
         k = next(self._next) % len(fits)
         return fits[k:] + fits[:k]
+
+
+# -- a router's pair of policies -------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlacementPolicies:
+    """The prefill and decode policies a router ranks by, created from their config names; those
+    that rank by cache overlap are bound to the router's index of the workers' cached blocks."""
+
+    prefill: PrefillPolicy
+    decode: DecodePolicy
+    indexed_roles: frozenset[str]  # roles whose block events the router polls into the index
+
+    @classmethod
+    def create(cls, prefill: str, decode: str, kv_index: KVBlockIndex) -> "PlacementPolicies":
+        policies = {"prefill": PREFILL_POLICIES.create(prefill), "decode": DECODE_POLICIES.create(decode)}
+        indexed = set()
+        for role, policy in policies.items():
+            if isinstance(policy, UsesKVIndex):
+                policy.bind_kv_index(kv_index)
+                indexed.add(role)
+        return cls(policies["prefill"], policies["decode"], frozenset(indexed))
