@@ -1,5 +1,6 @@
 """DecodeWorkerActor: the Ray face of DecodeWorker. Every method returns at once; the decode loop
 runs on the worker's own thread, and tokens leave through the ZMQ token sink, never through Ray.
+Its methods are the decode worker interface, cluster.worker_api.DecodeWorkerAPI (documented there).
 
 The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, stats_sink)`;
 tokens go to the gateway each request names (`GenerateRequest.reply_to`), step records to `stats_sink`.
@@ -10,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
+
+if TYPE_CHECKING:
+    from cluster.transport.factory import TransportSpec
 
 
 class DecodeWorkerActor:
@@ -68,7 +73,7 @@ class DecodeWorkerActor:
     def step_metrics(self) -> dict:
         return self.worker.step_metrics()
 
-    def init_transport(self, spec) -> None:
+    def init_transport(self, spec: TransportSpec) -> None:
         """Builds the KV transport over this worker's cache; from then on reserve() expects transfers.
         Once per incarnation (see PrefillWorkerActor.init_transport): a second call keeps it."""
         from cluster.transport.factory import create_transport

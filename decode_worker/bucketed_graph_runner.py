@@ -1,8 +1,10 @@
 """BucketedGraphRunner: one decode step = one host-to-device copy of the live batch, replay a CUDA graph.
 
 - Buckets come from a policy ("vllm", "pow2" or explicit sizes). A batch of n rows runs in the
-  smallest bucket >= n; rows n..bucket are padding that point at NULL_BLOCK (position 0, context
-  length 1, slot 0 of block 0), so their K/V writes land in the reserved block and nowhere else.
+  smallest bucket >= n (cluster.graph_buckets: the one bucket rule, which the router's placement
+  reads too, over the buckets this runner reports); rows n..bucket are padding that point at
+  NULL_BLOCK (position 0, context length 1, slot 0 of block 0), so their K/V writes land in the
+  reserved block and nowhere else.
 - One packed int32 buffer per step (cluster.kernels.step_layout.DecodeStepLayout): sampling
   parameters, input ids, previous-row indices, positions and the block tables at the step's width,
   back to back. The host fills a pinned staging copy and sends it with one non-blocking copy; inside
@@ -38,6 +40,7 @@ import torch
 
 from cluster import kernels
 from cluster.attention import AttentionMetadata
+from cluster.graph_buckets import bucket_sizes, padded_size
 from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
@@ -46,40 +49,6 @@ from cluster.sampling_params import MAX_LOGPROBS
 from cluster.sampling_state import SamplingState
 
 _INT32_MAX = 2**31 - 1
-
-
-def bucket_sizes(policy: str | Seq[int], max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture, ascending, none above max_num_seqs."""
-    if isinstance(policy, str):
-        if policy == "vllm":
-            sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_num_seqs + 1, 16))
-        elif policy == "pow2":
-            sizes = [1 << i for i in range(max_num_seqs.bit_length())]
-        else:
-            raise ValueError(f"unknown graph bucket policy {policy!r}: use 'vllm', 'pow2' or a list of sizes")
-        sizes = [s for s in sizes if s <= max_num_seqs]
-        if sizes[-1] != max_num_seqs:
-            sizes.append(max_num_seqs)  # so that no batch the scheduler can form runs eagerly
-    else:
-        sizes = sorted({int(s) for s in policy})
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"graph buckets must be positive batch sizes, got {list(policy)}")
-        sizes = [s for s in sizes if s <= max_num_seqs] or [max_num_seqs]
-    return sizes
-
-
-def bucket_for(sizes: Seq[int], n: int) -> int | None:
-    """Smallest bucket holding n rows, or None if n exceeds the largest."""
-    for s in sizes:
-        if s >= n:
-            return s
-    return None
-
-
-def padding_waste(sizes: Seq[int], batch_sizes: Seq[int]) -> float:
-    """Fraction of computed rows that are padding over a mix of batch sizes (eager batches pad none)."""
-    padded = sum((bucket_for(sizes, n) or n) for n in batch_sizes)
-    return (padded - sum(batch_sizes)) / padded if padded else 0.0
 
 
 @dataclass
@@ -281,7 +250,8 @@ class BucketedGraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     def padded_size(self, n: int) -> int:
-        return bucket_for(self.buckets, n) or n
+        """Rows a batch of n computes (cluster.graph_buckets: the rule the router's placement reads)."""
+        return padded_size(self.buckets, n)
 
     def _prepare(self, rows, b: int, slot: int) -> tuple[int, int, bool]:
         """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width,

@@ -2,8 +2,9 @@
 decisions with the RoleSwitcher, one worker at a time.
 
 Every `interval_s`: observe (the router's views of its workers: measured rates; its ArrivalStats:
-the request mix) -> PDPlanner.decide -> if it asks for a change, switch the least busy healthy
-worker of the role that shrinks (fewest requests placed on it) and tell the planner when done.
+the request mix, over the `planner_window_s` window the launcher creates the router with) ->
+PDPlanner.decide -> if it asks for a change, switch the least busy healthy worker of the role that
+shrinks (fewest requests placed on it) and tell the planner when done.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import time
 
 from deploy.role_switcher import RoleSwitcher
-from router.arrival_stats import ArrivalStats
 from router.pd_planner import PDPlanner, PlannerConfig, observe
 from router.router import Router
 
@@ -34,7 +34,6 @@ class PlannerLoop:
     @classmethod
     def for_cluster(cls, cluster, router: Router, metrics=None) -> "PlannerLoop":
         c = cluster.cfg
-        router.arrivals = ArrivalStats(window_s=c.planner_window_s)
         planner = PDPlanner(PlannerConfig(
             min_prefill=c.planner_min_prefill_workers, hysteresis=c.planner_hysteresis,
             confirmations=c.planner_confirmations, min_dwell_s=c.planner_min_dwell_s,

@@ -12,7 +12,7 @@ holds (GPUs are fixed; the worker's placement-group bundle is reused).
 
 Every step runs on the router's event loop; the blocking Ray calls (retire, spawn) run in a thread.
 The cluster object provides `retire_worker(id) -> bundle` and `spawn_worker(role, bundle) -> (id,
-handle)` (deploy/launch.py's ServingCluster).
+handle)` (deploy/serving_cluster.py's ServingCluster).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import asyncio
 import logging
 import time
 
-from router.router import Router, WorkerClient
+from router.router import Router
+from router.worker_client import WorkerClient
 
 log = logging.getLogger("pdserve.role_switch")
 
@@ -35,17 +36,14 @@ class RoleSwitcher:
     async def switch(self, worker_id: str, to_role: str) -> str:
         """Returns the id of the worker now serving as `to_role` on worker_id's GPU."""
         router = self.router
-        v = router.views[worker_id]
-        if v.role == to_role:
+        role = router.view(worker_id).role
+        if role == to_role:
             raise ValueError(f"{worker_id} already is a {to_role} worker")
-        if v.role == "decode" and sum(x.healthy and not x.draining for x in router.decode_views()) < 2:
+        if role == "decode" and sum(x.healthy and not x.draining for x in router.decode_views()) < 2:
             raise ValueError("switching the last decode worker would leave nothing to decode on")
         t0 = time.monotonic()
         router.drain_worker(worker_id)
-        deadline = t0 + self.drain_timeout_s
-        while v.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = len(v.inflight)
+        left = await router.wait_drained(worker_id, self.drain_timeout_s)
         router.remove_worker(worker_id)
         bundle = await asyncio.to_thread(self.cluster.retire_worker, worker_id)
         new_id, handle = await asyncio.to_thread(self.cluster.spawn_worker, to_role, bundle)

@@ -56,6 +56,7 @@ from deploy.planner_loop import PlannerLoop
 from deploy.ray_runtime import RAY_STOP_BUDGET_S, gcs_gone, init_ray, kill_children, run_within
 from deploy.ray_workers import RayWorkers
 from router.admission import AdmissionController
+from router.arrival_stats import ArrivalStats
 from router.metrics import RouterMetrics
 from router.router import Router, WorkerClient
 from router.router_server import RouterServer
@@ -143,6 +144,8 @@ class ServingCluster:
             AdmissionController(admission_limits(cfg, max_model_len)),
             router_config(cfg),
             metrics,
+            # The P:D planner reads the request mix over its own window.
+            arrivals=ArrivalStats(window_s=cfg.planner_window_s) if cfg.planner else None,
         )
         self.router.rejoin = workers.rejoin
         self.router_server.attach(self.router)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.graph_buckets import bucket_sizes, padding_waste
 from cluster.kv_cache import KVCacheSpec
 from cluster.messages import TokenBatch
 from cluster.model.config import ModelArchConfig
@@ -41,7 +42,7 @@ from cluster.model.loader import random_model
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence
 from decode_worker.block_manager import BlockManager
-from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_sizes, padding_waste
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler
 
 

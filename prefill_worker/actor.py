@@ -6,7 +6,8 @@
     ray.get([w.connect_transport.remote(decode_ids) for w in prefill_workers])  # before /ready
     result = await w.submit.remote(task)                      # -> PrefillResult
 
-Only small typed messages cross Ray; the KV goes through the transport.
+Only small typed messages cross Ray; the KV goes through the transport. Its methods are the prefill
+worker interface, cluster.worker_api.PrefillWorkerAPI (documented there).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class PrefillWorkerActor:
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))
 
-    def abort(self, request_id: str) -> bool:
-        return self.worker.abort(request_id)
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
 
     def peer_died(self, peer: str, why: str) -> None:
         """A decode peer is dead (the router heard it from Ray): transfers to it fail now."""

@@ -1,22 +1,27 @@
-"""AdmissionController: whether a request may enter the cluster now.
+"""AdmissionController: whether a request may enter the cluster now, and every refusal the router
+answers a request with. Each outcome is one method here (the HTTP mapping of the errors is the
+gateway's):
 
-Rules, in order:
-1. 400 when the request can never run: prompt + max_tokens beyond the model's context, or more KV
-   blocks than the largest decode worker has in all.
-2. 503 when no decode worker is healthy.
-3. 429 (with Retry-After) when the router already holds `max_waiting_requests` requests that have
+1. 400 when the request can never run (`check_request`): prompt + max_tokens beyond the model's
+   context, or more KV blocks than the largest decode worker has in all.
+2. 503 while the server drains (`check_open`: SIGTERM, RouterServer.drain), before anything else.
+3. 503 when no decode worker is healthy (`check_healthy`).
+4. 429 (with Retry-After) when the router already holds `max_waiting_requests` requests that have
    no first token yet, or when admitting would exceed `max_inflight_tokens` (prompt + max_tokens of
    every admitted, unfinished request).
-4. 429 from the workers' state (`CapacityShortError`): no healthy decode worker has room for the
+5. 429 from the workers' state (`CapacityShortError`): no healthy decode worker has room for the
    prompt (plus the first decode slot) right now, or every prefill path (each prefill worker, each
    decode worker's local queue) would make the prompt wait more than `max_prefill_queue_s` before its
    prefill starts. Both read the router's WorkerViews, which count the router's own placements and
    releases since the last poll; before it answers 429 on these grounds the router re-polls the
    workers (waiting a fraction of a second at most) and asks once more.
+6. 429 once an admitted request has waited `reserve_wait_s` (a migration: `migration_wait_s`) for a
+   decode worker that takes it (`check_placement_wait`: the router's placement walk retries until
+   then, router/placement_walk.py).
 
-An admitted request holds a ticket until the gateway releases it (finished, failed, aborted or its
-client gone), so the counters can't leak; `mark_running` moves it from waiting to running at its
-first token.
+`admit` applies 1, 3, 4 and 5. An admitted request holds a ticket until the gateway releases it
+(finished, failed, aborted or its client gone), so the counters can't leak; `mark_running` moves it
+from waiting to running at its first token.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class NoHealthyWorkerError(PdserveError):
     """HTTP 503: no worker can serve the request at all."""
 
 
+class DrainingError(NoHealthyWorkerError):
+    """HTTP 503: the server drains (SIGTERM) and takes no new request."""
+
+
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_model_len: int
@@ -71,6 +80,7 @@ class AdmissionController:
         self._tickets: dict[str, _Ticket] = {}
         self.num_waiting = 0
         self.inflight_tokens = 0
+        self.draining = False  # set on SIGTERM: new requests are refused (503)
 
     @property
     def num_admitted(self) -> int:
@@ -83,6 +93,24 @@ class AdmissionController:
         """Request-only checks (no cluster state): 400 when it can never run."""
         check_request_fits(prompt_len, max_tokens, self.limits.max_model_len)
 
+    def check_open(self) -> None:
+        """503 while the server drains."""
+        if self.draining:
+            raise DrainingError("the server is shutting down; retry on another replica")
+
+    def check_healthy(self, decode_views: list[WorkerView]) -> list[WorkerView]:
+        """503 when no decode worker is healthy; else the healthy ones."""
+        healthy = [v for v in decode_views if v.healthy]
+        if not healthy:
+            raise NoHealthyWorkerError("no healthy decode worker is available")
+        return healthy
+
+    def check_placement_wait(self, waited_s: float, wait_s: float) -> None:
+        """429 once a placement has waited `wait_s` for a decode worker that takes the request."""
+        if waited_s >= wait_s:
+            raise OverloadedError(f"no decode worker could take the request within {wait_s:g}s; retry later",
+                                  self.limits.retry_after_s)
+
     def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView],
               prefill_wait_s: float = 0.0, cached_blocks: dict[str, int] | None = None) -> None:
         """prefill_wait_s: the shortest expected wait before a prompt placed now starts its prefill
@@ -91,9 +119,7 @@ class AdmissionController:
         self.check_request(prompt_len, max_tokens)
         if request_id in self._tickets:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
-        healthy = [v for v in decode_views if v.healthy]
-        if not healthy:
-            raise NoHealthyWorkerError("no healthy decode worker is available")
+        healthy = self.check_healthy(decode_views)
         check_request_fits(prompt_len, max_tokens, self.limits.max_model_len, block_size=self.limits.block_size,
                            kv_blocks=max(v.total_blocks for v in healthy), holder="any decode worker")
         lim = self.limits

@@ -3,8 +3,8 @@
 Policies are small classes behind two registries, so a deployment picks them by name in its
 config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded`). They rank the
 router's `WorkerView`s (polled `WorkerStats` corrected by what the router itself placed and released
-since the poll);
-the router walks the ranking and falls back to the next worker when one refuses.
+since the poll); the router's PlacementWalk (router/placement_walk.py) walks the ranking and falls
+back to the next worker when one refuses.
 
 The `prefix_aware` policies also weigh what each worker already caches of the prompt
 (router.kv_index, fed by the workers' block events): Dynamo's KV-router trade-off of cache overlap
@@ -13,7 +13,6 @@ against load.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
 from abc import ABC, abstractmethod
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
 from cluster.block_hash import BlockHash
+from cluster.graph_buckets import padding_fraction
 from cluster.messages import GenerateRequest, WorkerStats
 from router.kv_index import KVBlockIndex
 
@@ -140,17 +140,6 @@ class WorkerView:
         self.released = [(t, b) for t, b in self.released if t > issued_at]
 
 
-def padding_waste(batch_size: int, buckets: tuple[int, ...]) -> float:
-    """Fraction of a replayed graph spent on padded rows at this batch size (0 when it fits exactly
-    or when the batch is beyond the largest bucket and runs eagerly)."""
-    if batch_size <= 0 or not buckets:
-        return 0.0
-    i = bisect.bisect_left(buckets, batch_size)
-    if i == len(buckets):
-        return 0.0
-    return (buckets[i] - batch_size) / buckets[i]
-
-
 class UsesKVIndex:
     """A policy that ranks by cache overlap: the router binds its index of the workers' cached blocks
     (and only then polls the workers' block events)."""
@@ -237,7 +226,8 @@ class LeastLoadedDecode(DecodePolicy):
     (`load_quantum`), so that near-equal workers tie; the tie goes to the worker whose new batch
     size pads least to its next graph bucket, then to more free blocks, then to the worker that was
     given fewer requests so far (equal idle workers alternate instead of one taking everything).
-    Buckets and batch limit are each worker's own (`WorkerStats.graph_buckets`, `max_num_seqs`)."""
+    Buckets and batch limit are each worker's own (`WorkerStats.graph_buckets`, `max_num_seqs`); the
+    padding is cluster.graph_buckets' rule, the one the worker's graph runner pads by."""
 
     def __init__(self, load_quantum: float = 0.05):
         self.load_quantum = load_quantum
@@ -250,7 +240,7 @@ class LeastLoadedDecode(DecodePolicy):
     def _key(self, v: WorkerView, blocks_needed: int, cost: float | None = None):
         """cost: what is quantized and compared first (default: the load after placing)."""
         cost = self.load_after(v, blocks_needed) if cost is None else cost
-        return (int(cost / self.load_quantum), padding_waste(v.running + 1, v.stats.graph_buckets), -v.free_blocks,
+        return (int(cost / self.load_quantum), padding_fraction(v.stats.graph_buckets, v.running + 1), -v.free_blocks,
                 v.placed_total, v.worker_id)
 
     def rank(self, views, request, blocks_needed):
@@ -294,3 +284,24 @@ class DecodeRoundRobin(DecodePolicy):
             return []
         k = next(self._next) % len(fits)
         return fits[k:] + fits[:k]
+
+
+# -- a router's pair of policies -------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlacementPolicies:
+    """The prefill and decode policies a router ranks by, created from their config names; those
+    that rank by cache overlap are bound to the router's index of the workers' cached blocks."""
+
+    prefill: PrefillPolicy
+    decode: DecodePolicy
+    indexed_roles: frozenset[str]  # roles whose block events the router polls into the index
+
+    @classmethod
+    def create(cls, prefill: str, decode: str, kv_index: KVBlockIndex) -> "PlacementPolicies":
+        policies = {"prefill": PREFILL_POLICIES.create(prefill), "decode": DECODE_POLICIES.create(decode)}
+        indexed = set()
+        for role, policy in policies.items():
+            if isinstance(policy, UsesKVIndex):
+                policy.bind_kv_index(kv_index)
+                indexed.add(role)
+        return cls(policies["prefill"], policies["decode"], frozenset(indexed))

@@ -1,7 +1,7 @@
 """Rules that several components apply must come from one function: first-token sampling, FCFS
-prefill chunking, KV pool sizing, the served context length, "does this request fit", and the
-defaults a component shares with ClusterConfig. Each test runs every user of a rule on the same input
-and demands the same answer, so a private copy that drifts fails here."""
+prefill chunking, KV pool sizing, the served context length, "does this request fit", the graph-bucket
+rule, and the defaults a component shares with ClusterConfig. Each test runs every user of a rule on
+the same input and demands the same answer, so a private copy that drifts fails here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.engine import LLMEngine
 from cluster.kv_cache import DeviceMemory, KVCacheSpec, kv_pool_blocks
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
@@ -297,3 +297,51 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
     gateway = GatewayConfig(model_name="m", max_model_len=512)
     assert (spec.api_key, spec.max_body_bytes, spec.token_timeout_s) == \
         (gateway.api_key, gateway.max_body_bytes, gateway.token_timeout_s)
+
+
+def test_graph_bucket_rule_is_the_runners_and_the_routers(demo_model_dir):
+    """The router's placement judges the padding a new request would cause on a decode worker by the
+    buckets the worker reports (WorkerStats.graph_buckets: those its runner captured) and by the
+    bucket rule of cluster.graph_buckets, which the runner pads every step by."""
+    from cluster import graph_buckets
+    from cluster.kv_cache import KVCacheSpec
+    from cluster.model.loader import load_model
+    from cluster.model_runner import ModelRunner
+    from decode_worker import bucketed_graph_runner
+    from decode_worker.bucketed_graph_runner import BucketedGraphRunner
+    from decode_worker.scheduler import DecodeRow
+    from router import placement
+    from router.placement import LeastLoadedDecode, WorkerView
+
+    # One function each, imported, not copied.
+    assert placement.padding_fraction is graph_buckets.padding_fraction
+    assert bucketed_graph_runner.padded_size is graph_buckets.padded_size
+    assert bucketed_graph_runner.bucket_sizes is graph_buckets.bucket_sizes
+
+    # The worker reports what its runner captured.
+    worker = DecodeWorker("d0", WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=8,
+                                             graph_buckets=(5, 3)))
+    try:
+        reported = worker.stats().graph_buckets
+        assert reported == tuple(worker.graph_runner.buckets) == (3, 5)
+    finally:
+        worker.shutdown()
+
+    # Every batch size: the rows the runner really computes == what placement reads off the reported buckets.
+    model = load_model(demo_model_dir, dtype="float32")
+    spec = KVCacheSpec.for_model(model.cfg, 16, 16, torch.float32)
+    runner = ModelRunner(model, spec, "cpu")
+    gr = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=8, max_blocks_per_seq=2, buckets=(5, 3))
+    policy = LeastLoadedDecode()
+    for n in range(1, 9):
+        seqs = [Sequence(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0), seed=0) for i in range(n)]
+        for i, s in enumerate(seqs):
+            s.block_table = [1 + i]
+        h = gr.launch([DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in seqs])
+        h.tokens()
+        computed = h.info.bucket
+        assert computed == graph_buckets.padded_size(reported, n) == (3 if n <= 3 else 5 if n <= 5 else n)
+        # Placement's tie-break for a worker running n - 1 requests (the new one makes n).
+        v = WorkerView("d0", "decode", WorkerStats("d0", "decode", True, 100, 100, n - 1, graph_buckets=reported,
+                                                   max_num_seqs=8))
+        assert policy._key(v, 1)[1] == pytest.approx((computed - n) / computed)

@@ -1,4 +1,5 @@
-"""Bucket choice and padding. On CPU the runner runs eagerly with the same padding as the graphs."""
+"""Padding (the bucket rule itself: tests/cluster/test_graph_buckets.py). On CPU the runner runs eagerly
+with the same padding as the graphs."""
 
 import random
 
@@ -10,28 +11,8 @@ from cluster.model.loader import load_model
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence
-from decode_worker.bucketed_graph_runner import BucketedGraphRunner, bucket_for, bucket_sizes, padding_waste
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeRow
-
-
-def test_bucket_policies():
-    v = bucket_sizes("vllm", 512)
-    assert v[:5] == [1, 2, 4, 8, 16] and 248 in v and 256 in v and 272 in v and v[-1] == 512
-    assert all(b - a == 8 for a, b in zip(v[3:], v[4:]) if b <= 256)
-    assert bucket_sizes("vllm", 100)[-2:] == [96, 100]  # capped, and max_num_seqs itself is a bucket
-    assert bucket_sizes("pow2", 64) == [1, 2, 4, 8, 16, 32, 64]
-    assert bucket_sizes("pow2", 48) == [1, 2, 4, 8, 16, 32, 48]
-    assert bucket_sizes((4, 1, 300), 256) == [1, 4]
-    with pytest.raises(ValueError):
-        bucket_sizes("nope", 8)
-    assert bucket_for([1, 2, 4, 8], 3) == 4 and bucket_for([1, 2, 4, 8], 9) is None
-
-
-def test_padding_waste_of_the_default_policy_is_under_4_percent():
-    mix = list(range(1, 257))
-    assert padding_waste(bucket_sizes("vllm", 256), mix) <= 0.04
-    assert padding_waste(bucket_sizes("pow2", 256), mix) > 0.2
-    assert padding_waste([1, 2, 3], [5, 6]) == 0.0  # above the largest bucket: eager, unpadded
 
 
 @pytest.fixture(scope="module")

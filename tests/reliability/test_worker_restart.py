@@ -86,7 +86,7 @@ def test_restarted_decode_worker_rejoins(cluster, reference_engine):
     def kill():
         victim["id"] = _busiest(cluster, "decode")
         victim["held"] = len(router.views[victim["id"]].inflight)
-        victim["inc"] = router._incarnations[victim["id"]]
+        victim["inc"] = router.incarnation(victim["id"])
         _restart(cluster, victim["id"])
 
     out = asyncio.run(_run_and_kill(cluster, prompts, n, kill, when=lambda k: k >= 150))

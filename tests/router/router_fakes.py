@@ -9,6 +9,9 @@ are exercised against real block accounting. `FakePrefillWorker` waits `prefill_
 its decode worker that the KV landed (the decode engine recomputes the prompt itself).
 
 They work as Ray actors (the launcher wraps them with ray.remote) and as plain objects.
+
+`StubWorker` has no model at all: stats it is told to report, placements it records. The unit tests
+of the router's parts (health, placement walk, migration) run on it.
 """
 
 from __future__ import annotations
@@ -232,6 +235,64 @@ class FakePrefillWorker:
 
     def shutdown(self) -> None:
         pass
+
+
+class StubWorker:
+    """A worker of either role with no model: answers the worker interface the router uses from
+    fields a test sets, and records every call."""
+
+    def __init__(self, worker_id: str, role: str, free_blocks: int = 100, total_blocks: int = 100):
+        self.worker_id, self.role = worker_id, role
+        self.free_blocks, self.total_blocks = free_blocks, total_blocks
+        self.incarnation = "i0"
+        self.healthy = True
+        self.fail: BaseException | None = None  # raised by every call (a dead or hung worker)
+        self.refuse = False  # reserve / submit_local answer None (full)
+        self.prefill_ok = True
+        self.lost_ids: set[str] = set()
+        self.prefill_rate = self.decode_rate = None  # cluster.pass_rate.PassRate, as measured
+        self.calls: list[tuple] = []
+
+    def _called(self, *call) -> None:
+        self.calls.append(call)
+        if self.fail is not None:
+            raise self.fail
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def stats(self) -> WorkerStats:
+        self._called("stats")
+        return WorkerStats(self.worker_id, self.role, self.healthy, self.free_blocks, self.total_blocks,
+                           max_num_seqs=8, extra={"incarnation": self.incarnation}, prefill_rate=self.prefill_rate,
+                           decode_rate=self.decode_rate)
+
+    def reserve(self, rr: ReserveRequest) -> Reservation | None:
+        self._called("reserve", rr.request.request_id, rr.prefill_worker_id)
+        if self.refuse:
+            return None
+        return Reservation(rr.request.request_id, self.worker_id, (1, 2), len(self.calls))
+
+    def submit_local(self, req: GenerateRequest) -> int | None:
+        self._called("submit_local", req)
+        return None if self.refuse else 0
+
+    async def submit(self, task: PrefillTask) -> PrefillResult:
+        self._called("submit", task.request.request_id)
+        rid = task.request.request_id
+        if not self.prefill_ok:
+            return PrefillResult(rid, -1, 0.0, 0.0, 0.0, 0, ok=False, error="prefill broke")
+        return PrefillResult(rid, 7, 0.0, 0.001, 0.0, 0)
+
+    def abort(self, request_id: str) -> None:
+        self._called("abort", request_id)
+
+    def peer_died(self, peer: str, why: str) -> None:
+        self._called("peer_died", peer)
+
+    def lost(self, request_id: str) -> bool:
+        self._called("lost", request_id)
+        return request_id in self.lost_ids
 
 
 def fake_transport_group(prefill: dict, decode: dict, cfg, **_) -> None:

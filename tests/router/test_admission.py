@@ -100,3 +100,30 @@ def test_duplicate_request_id_is_400():
     ac.admit("a", 1, 1, [view()])
     with pytest.raises(InvalidRequestError):
         ac.admit("a", 1, 1, [view()])
+
+
+def test_draining_is_503_before_anything_else():
+    from router.admission import DrainingError
+
+    ac = controller()
+    ac.check_open()
+    ac.draining = True
+    with pytest.raises(DrainingError) as e:
+        ac.check_open()
+    assert isinstance(e.value, NoHealthyWorkerError) and "shutting down" in str(e.value)
+
+
+def test_no_healthy_decode_worker_is_503_and_the_healthy_ones_are_named():
+    ac = controller()
+    up, down = view("d0"), view("d1", healthy=False)
+    assert ac.check_healthy([up, down]) == [up]
+    with pytest.raises(NoHealthyWorkerError, match="no healthy decode worker"):
+        ac.check_healthy([down])
+
+
+def test_a_placement_that_waited_its_time_is_429():
+    ac = controller()
+    ac.check_placement_wait(1.99, 2.0)
+    with pytest.raises(OverloadedError) as e:
+        ac.check_placement_wait(2.0, 2.0)
+    assert e.value.retry_after_s == 3 and "within 2s" in str(e.value)

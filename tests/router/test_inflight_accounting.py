@@ -19,7 +19,9 @@ from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits
 from router.metrics import RouterMetrics
-from router.router import Router, RouterConfig, WorkerClient
+from router.router import Router
+from router.router_config import RouterConfig
+from router.worker_client import WorkerClient
 from router_fakes import FakeDecodeWorker, FakePrefillWorker
 
 STALE = dict(stats_interval_s=30.0, reserve_wait_s=0.5)
@@ -106,10 +108,10 @@ def test_an_idle_server_with_stale_stats_never_answers_429(demo_model_dir):
             rs = await router.submit(req(f"big{i}", n=150, max_tokens=2))  # 10 of the 11 blocks
             if i == 0:
                 await router.poll_once()  # a poll while it runs: the stats now say "1 free block"
-                polls = router._fresh_as_of
+                polls = router.health.fresh_as_of
             await _finished(d, rs.request_id)
             router.finish(rs.request_id, generated=2)  # what the gateway's Finish says
-        assert router._fresh_as_of == polls  # no re-poll was needed: the release was counted
+        assert router.health.fresh_as_of == polls  # no re-poll was needed: the release was counted
         # Blocks freed behind the router's back (an abort straight on the worker): the polled stats
         # say full, admission re-polls once before answering and then admits.
         d.set_step_delay(0.5)  # it stays while we look
@@ -120,7 +122,7 @@ def test_an_idle_server_with_stale_stats_never_answers_429(demo_model_dir):
         router.inflight.pop("held")
         router.admission.release("held")
         rs2 = await router.submit(req("after", n=150, max_tokens=2))
-        assert rs2.decode_worker_id == "decode-0" and router._fresh_as_of > polls
+        assert rs2.decode_worker_id == "decode-0" and router.health.fresh_as_of > polls
         router.finish("after", abort=True)
         await router.stop()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.graph_buckets import bucket_sizes, padding_fraction
 from cluster.messages import GenerateRequest, WorkerStats
 from cluster.sampling_params import SamplingParams
-from decode_worker.bucketed_graph_runner import bucket_sizes
-from router.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView, padding_waste
+from router.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView
 
 REQ = GenerateRequest("r", (1, 2, 3), SamplingParams(), 0, 0.0)
 
@@ -55,7 +55,7 @@ def test_decode_tie_broken_by_least_graph_padding():
     # Same coarse load; one more request makes d0's batch 9 (pads to 16) and d1's 16 (no padding).
     views = [dview("d0", running=8, buckets=buckets, max_num_seqs=256),
              dview("d1", running=15, buckets=buckets, max_num_seqs=256)]
-    assert padding_waste(9, buckets) > padding_waste(16, buckets) == 0.0
+    assert padding_fraction(buckets, 9) > padding_fraction(buckets, 16) == 0.0
     assert d.rank(views, REQ, 1)[0].worker_id == "d1"
 
 
@@ -77,9 +77,9 @@ def test_each_worker_is_judged_by_its_own_buckets():
     # Explicit buckets (3, 5): batch 4 pads to 5 on d0; d1 captured (4,), so batch 4 pads nothing.
     d = LeastLoadedDecode(load_quantum=1.0)
     views = [dview("d0", running=3, buckets=(3, 5)), dview("d1", running=3, buckets=(4,))]
-    assert padding_waste(4, (3, 5)) > 0 and padding_waste(4, (4,)) == 0.0
+    assert padding_fraction((3, 5), 4) > 0 and padding_fraction((4,), 4) == 0.0
     assert d.rank(views, REQ, 1)[0].worker_id == "d1"
-    assert padding_waste(6, (3, 5)) == 0.0  # beyond the largest bucket: eager, no padding
+    assert padding_fraction((3, 5), 6) == 0.0  # beyond the largest bucket: eager, no padding
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from router.admission import AdmissionController, AdmissionLimits
-from router.router import Router, RouterConfig, WorkerClient
+from router.router import Router
+from router.router_config import RouterConfig
+from router.worker_client import WorkerClient
 
 
 @pytest.fixture(scope="module")

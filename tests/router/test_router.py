@@ -1,4 +1,6 @@
-"""Router with in-process worker doubles (no Ray): placement, reserve retries, aborts, health."""
+"""Router with in-process worker doubles (no Ray): placement, reserve retries, aborts, health, and
+the membership API the application layer uses (role switches, the planner's request mix, drain).
+Its parts on their own: test_placement_walk.py, test_worker_health.py, test_migrator.py."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError
-from router.router import Router, RouterConfig, WorkerClient
+from router.router import Router
+from router.router_config import RouterConfig
 from router.token_stream import TokenStreamReceiver
-from router_fakes import FakeDecodeWorker, FakePrefillWorker
+from router.worker_client import WorkerClient
+from router_fakes import FakeDecodeWorker, FakePrefillWorker, StubWorker
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +189,93 @@ def test_router_learns_graph_buckets_from_the_decode_worker(demo_model_dir):
         assert worker.graph_runner.padded_size(4) == 5 and worker.graph_runner.padded_size(6) == 6
     finally:
         worker.shutdown()
+
+
+def _stub_router(prefill=(), decode=(), **kw) -> Router:
+    return Router([WorkerClient(w.worker_id, "prefill", w) for w in prefill],
+                  [WorkerClient(w.worker_id, "decode", w) for w in decode],
+                  AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                  RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1, **kw))
+
+
+def test_membership_a_worker_joins_drains_and_leaves():
+    async def main():
+        d0, d1, p0 = StubWorker("d0", "decode"), StubWorker("d1", "decode"), StubWorker("p0", "prefill")
+        router = _stub_router(decode=[d0])
+        await router.start()
+        await router.add_worker(WorkerClient("d1", "decode", d1))
+        assert router.view("d1").healthy and router.decode_ids == ["d0", "d1"]  # polled as it joined
+        await router.add_worker(WorkerClient("p0", "prefill", p0))
+        assert [v.worker_id for v in router.prefill_views()] == ["p0"]
+        rs = await router.submit(req("a"))
+        held = rs.decode_worker_id
+        router.drain_worker(held)
+        assert await router.wait_drained(held, 0.05) == 1  # still running it
+        rs2 = await router.submit(req("b"))
+        assert rs2.decode_worker_id != held  # a draining worker takes nothing new
+        router.finish("a")
+        assert await router.wait_drained(held, 1.0) == 0
+        router.remove_worker(held)
+        assert held not in router.views and held not in router.decode_ids and router.incarnation(held) is None
+        with pytest.raises(ValueError, match="at least one decode worker"):
+            router.remove_worker(router.decode_ids[0])
+        with pytest.raises(KeyError):
+            router.view(held)
+        router.finish("b", abort=True)
+        await router.stop()
+    asyncio.run(main())
+
+
+def test_removing_a_worker_fails_over_what_it_still_holds():
+    async def main():
+        failed = []
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        router = _stub_router(decode=[d0, d1])
+        router.notify = lambda rs, error: failed.append((rs.request_id, error))  # set late, as RouterServer does
+        await router.start()
+        rs = await router.submit(req("a"))
+        assert rs.decode_worker_id == "d0"
+        router.remove_worker("d0")
+        assert failed == [("a", "decode worker d0 was taken out of service")] and rs.lost
+        router.finish("a", abort=True)
+        await router.stop()
+    asyncio.run(main())
+
+
+def test_the_request_mix_is_the_arrival_stats_given():
+    from router.arrival_stats import ArrivalStats
+
+    async def main():
+        arrivals = ArrivalStats(window_s=5.0)
+        d0 = StubWorker("d0", "decode")
+        router = Router([], [WorkerClient("d0", "decode", d0)],
+                        AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16)),
+                        RouterConfig(stats_interval_s=0.01), arrivals=arrivals)
+        assert router.arrivals is arrivals
+        await router.start()
+        await router.submit(req("a", n=7, max_tokens=3))
+        router.finish("a", generated=2)
+        mix = arrivals.mix()
+        assert (mix.arrivals, mix.mean_prompt_tokens, mix.mean_output_tokens) == (1, 7.0, 2.0)
+        assert mix.window_s <= 5.0  # the window it was given
+        await router.stop()
+    asyncio.run(main())
+
+
+def test_draining_refuses_new_requests_with_503_and_a_new_config_reaches_every_part():
+    from dataclasses import replace
+
+    from router.admission import DrainingError
+
+    async def main():
+        router = _stub_router(decode=[StubWorker("d0", "decode")])
+        await router.start()
+        router.draining = True  # what RouterServer.drain does
+        assert router.admission.draining
+        with pytest.raises(DrainingError):
+            await router.submit(req("a"))
+        assert router.arrivals.mix().arrivals == 0  # a refusal while draining is no demand
+        router.cfg = replace(router.cfg, migrate_on_worker_death=False)
+        assert router.health.cfg is router.walk.cfg is router.migrator.cfg is router.cfg
+        await router.stop()
+    asyncio.run(main())

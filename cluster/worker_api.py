@@ -1,0 +1,113 @@
+"""The worker interface: every method a prefill or decode worker offers the router and the launcher.
+
+Both Ray actors implement it (decode_worker/actor.py: DecodeWorkerActor, prefill_worker/actor.py:
+PrefillWorkerActor; tests/cluster/test_worker_api.py checks every signature against these Protocols).
+The router calls the workers through router.worker_client.WorkerClient, whose methods are these,
+awaitable and under a per-call timeout; the launcher calls them on the Ray handles
+(`handle.warmup.remote()`). A method is called by name nowhere.
+
+Over Ray every call is asynchronous whatever the method: an `async def` here is a method the actor
+runs on its own event loop (many in flight at once), a plain `def` one the actor runs in turn. Only
+the messages of cluster/messages.py (and plain values) cross.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from cluster.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
+                              WorkerStats)
+
+if TYPE_CHECKING:  # torch behind it: the API-server processes import this module without it
+    from cluster.transport.factory import TransportSpec
+
+
+class WorkerAPI(Protocol):
+    """What workers of both roles offer."""
+
+    def stats(self) -> WorkerStats:
+        """Load, capacity and measured rates (`extra["incarnation"]`: new on every restart of the
+        actor's process). The router polls it; a call that fails counts against the worker's health."""
+        ...
+
+    def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
+        """The prefix cache's block changes since (epoch, seq) (router.kv_index)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Drops the request if the worker holds it (its KV blocks go back to the pool); unknown ids
+        are ignored."""
+        ...
+
+    def peer_died(self, peer: str, why: str) -> None:
+        """A worker of the other role died: KV transfers with it end now (the router heard it from Ray
+        before the transport's heartbeat would tell)."""
+        ...
+
+    def init_transport(self, spec: TransportSpec) -> None:
+        """Joins the cluster's KV transport (once per incarnation: a second call keeps it)."""
+        ...
+
+    def check_blocks(self) -> None:
+        """Raises if the KV block accounting is inconsistent (tests and the chaos run call it)."""
+        ...
+
+    def transfer_metrics(self) -> dict:
+        """The KV transport's counters and recent transfers ({} without a transport)."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+class DecodeWorkerAPI(WorkerAPI, Protocol):
+    """A decode worker: holds KV for prompts prefilled elsewhere, or prefills them itself."""
+
+    def ready(self) -> bool:
+        """Returns once the model is loaded and the graphs are captured."""
+        ...
+
+    def warmup(self) -> dict:
+        """Before serving: prefill shapes, the local-prefill path and a decode step of every graph
+        variant."""
+        ...
+
+    def reserve(self, req: ReserveRequest) -> Reservation | None:
+        """Holds KV blocks for the prompt, which `req.prefill_worker_id` will compute and send; None
+        when the worker has no room now."""
+        ...
+
+    def submit_local(self, req: GenerateRequest) -> int | None:
+        """Takes the request with its prompt prefilled here (in chunks between decode steps): the
+        prompt tokens found in the prefix cache, or None when the worker has no room now."""
+        ...
+
+    def lost(self, request_id: str) -> bool:
+        """Whether the worker dropped the request through a failure of its own (its loop failed), so
+        that the router moves it like a dead worker's."""
+        ...
+
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection for the reliability tests."""
+        ...
+
+    def step_metrics(self) -> dict:
+        """The decode loop's per-step counters and histograms."""
+        ...
+
+
+class PrefillWorkerAPI(WorkerAPI, Protocol):
+    """A prefill worker: computes prompts and ships their KV into decode workers' reserved blocks."""
+
+    def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
+        """Forms and warms the KV channel to every decode worker (seconds each)."""
+        ...
+
+    async def warmup(self) -> dict:
+        """Before serving: every prefill shape class."""
+        ...
+
+    async def submit(self, task: PrefillTask) -> PrefillResult:
+        """Computes the prompt, ships its KV into `task.reservation`'s blocks, returns the first token
+        and the timings (a prompt it cannot run, or whose transfer failed: ok=False and `error`)."""
+        ...
