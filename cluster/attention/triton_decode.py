@@ -47,7 +47,7 @@ def _decode_split_kernel(
     stride_ot, stride_oh,
     scale, v_scale, window,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,9 +75,11 @@ def _decode_split_kernel(
         valid = offs < s_hi
         blk = tl.load(BT + b * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
         kv_off = blk[:, None] * stride_kb + (offs % PAGE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        # An e4m3 cache widens exactly to q's dtype here (a no-op for a cache in q's dtype).
-        k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
-        v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
+        k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:  # e4m3 widens exactly to q's dtype (constexpr: the bf16 kernel is unchanged, no spills)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -94,12 +96,16 @@ def _decode_split_kernel(
         m = m_new
 
     if NUM_SPLITS == 1:  # the whole context in one program: write the normalised output directly
-        out = acc / l[:, None] * v_scale
+        out = acc / l[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=g_ok[:, None])
     else:  # an empty split stores lse = -inf and weighs nothing in the merge
         lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
-        out = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         tl.store(MidO + base[:, None] * D + d[None, :], out, mask=g_ok[:, None])
         tl.store(MidLse + base, lse, mask=g_ok)
@@ -175,6 +181,7 @@ def paged_decode_attention(
         scale * k_scale, float(v_scale), sliding_window or 0,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         # 8 warps at head_dim 128: with 4 the [BLOCK, 128] K/V tiles spill (sm_90 resource report).
         num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )

@@ -155,3 +155,19 @@ def test_broken_fp8_checkpoints_are_named(ct_dynamic, tmp_path):
     d = variant("lmhead", lambda t, c: c["quantization_config"].__setitem__("ignore", []))
     with pytest.raises(ModelLoadError, match="quantized lm_head"):
         load_model(d)
+
+
+def test_random_fp8_model_draws_the_bf16_models_weights():
+    """Benchmarks compare bf16 and FP8 models of one shape: the FP8 one quantizes the very same draws."""
+    from cluster.model.config import ModelArchConfig
+    from cluster.model.loader import random_model
+
+    arch = ModelArchConfig.from_dict({"model_type": "llama", "vocab_size": 96, "hidden_size": 64,
+                                      "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "max_position_embeddings": 64})
+    ref = random_model(arch, torch.float32, "cpu", seed=5)
+    fp8 = random_model(arch, torch.float32, "cpu", seed=5, quantization="fp8")
+    for (name, a), (_, b) in zip(ref.named_modules(), fp8.named_modules()):
+        if isinstance(b, torch.nn.Module) and hasattr(b, "method"):
+            torch.testing.assert_close(_ours(b, (0, b.output_size)), a.weight, rtol=2**-4, atol=0)
+    assert torch.equal(ref.lm_head.weight, fp8.lm_head.weight) and torch.equal(ref.norm.weight, fp8.norm.weight)
