@@ -84,3 +84,58 @@ def test_quantize_per_token_matches_reference(dtype, static):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     if static:  # values past the static scale's range saturate at +-448, never NaN
         assert not torch.isnan(got_q.float()).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])  # the 8B linears
+@pytest.mark.parametrize("m", [1, 8, 33, 64, 256])
+def test_fp8_gemm_llama_shapes_on_gpu(m, n, k):
+    gen = torch.Generator().manual_seed(m + n)
+    w, s = _weights(n, k, None, gen, "cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    want = reference.fp8_linear_weight_only(x, w, s, None)
+    got = fp8_gemm(x, w, s, None, None, make_locks(n, "cuda"))
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True])
+def test_w8a8_scaled_mm_matches_reference_on_gpu(static):
+    from cluster.model.linear import fp8_linear_w8a8
+
+    gen = torch.Generator().manual_seed(1)
+    w, s = _weights(6144, 4096, None, gen, "cuda")
+    x = torch.randn(300, 4096, generator=gen).to("cuda", torch.bfloat16)
+    b = (torch.randn(6144, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    scale = torch.tensor([x.abs().max().item() / 448], device="cuda") if static else None
+    want = reference.fp8_linear_w8a8(x, w, s, b, scale)
+    got = fp8_linear_w8a8(x, w, s, b, scale)
+    # FP8 tensor cores accumulate in reduced precision; bias added after the bf16 rounding.
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_both_fp8_paths_replay_in_a_cuda_graph():
+    """Weight-only split-K (its locks reset themselves between replays) and W8A8, captured once and
+    replayed on new inputs: the same results as eager calls."""
+    from cluster.model.linear import fp8_linear_w8a8, fp8_linear_weight_only
+
+    gen = torch.Generator().manual_seed(2)
+    w, s = _weights(4096, 14336, None, gen, "cuda")
+    locks = make_locks(4096, "cuda")
+    small = torch.randn(4, 14336, generator=gen).to("cuda", torch.bfloat16)
+    large = torch.randn(128, 14336, generator=gen).to("cuda", torch.bfloat16)
+    fp8_linear_weight_only(small, w, s, None, None, locks)  # compile outside the capture
+    fp8_linear_w8a8(large, w, s, None)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_small = fp8_linear_weight_only(small, w, s, None, None, locks)
+        out_large = fp8_linear_w8a8(large, w, s, None)
+    for _ in range(3):
+        small.copy_(torch.randn(small.shape, generator=gen).to("cuda", torch.bfloat16))
+        large.copy_(torch.randn(large.shape, generator=gen).to("cuda", torch.bfloat16))
+        g.replay()
+        torch.testing.assert_close(out_small, fp8_linear_weight_only(small, w, s, None, None, locks), rtol=0, atol=0)
+        torch.testing.assert_close(out_large, fp8_linear_w8a8(large, w, s, None), rtol=0, atol=0)
+    assert int(locks.abs().sum()) == 0
