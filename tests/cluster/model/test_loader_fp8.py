@@ -15,11 +15,10 @@ from cluster.kernels.reference import fp8_dequantize_weight
 from cluster.model.linear import Fp8LinearMethod, UnquantizedLinearMethod
 from cluster.model.loader import load_model
 
-pytest.importorskip("compressed_tensors")
-
 
 @pytest.fixture(scope="module")
 def ct_dynamic(demo_model_dir, tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
     return write_compressed_tensors(demo_model_dir, tmp_path_factory.mktemp("ct_dyn"), "FP8_DYNAMIC")
 
 
@@ -73,6 +72,7 @@ def test_compressed_tensors_fp8_dynamic_loads_as_written(ct_dynamic):
 
 
 def test_static_per_tensor_with_kv_scales(demo_model_dir, tmp_path):
+    pytest.importorskip("compressed_tensors")
     kv_scales = {i: (0.05 * (i + 1), 0.02 * (i + 1)) for i in range(4)}
     d = write_compressed_tensors(demo_model_dir, tmp_path / "ct", "FP8", kv_scales=kv_scales)
     model = load_model(d)
@@ -90,6 +90,7 @@ def test_static_per_tensor_with_kv_scales(demo_model_dir, tmp_path):
 
 
 def test_weight_only_and_block_compressed_tensors(demo_model_dir, block_shape_dir, tmp_path):
+    pytest.importorskip("compressed_tensors")
     wo = load_model(write_compressed_tensors(demo_model_dir, tmp_path / "wo", "FP8_DYNAMIC", weights_only=True))
     assert wo.layers[0].mlp.gate_up_proj.method.scheme.activations == "none"
     # 128 x 128 blocks over the demo's 64-row k/v parts would straddle two parts of one fused matmul.
