@@ -21,7 +21,7 @@ from cluster.block_hash import prefix_cache_salt
 from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model_runner import ModelRunner, PrefillChunk
@@ -56,6 +56,8 @@ class LLMEngine:
         max_prefill_tokens: int = 2048,
         attention_backend: str = "torch",
         enable_prefix_caching: bool = True,
+        quantization: str | None = None,  # "fp8": quantize a float checkpoint at load (FP8 checkpoints: None)
+        kv_cache_dtype: str = "auto",  # "fp8": an e4m3 KV cache
     ):
         if model_dir is None:
             from cluster.model.demo import ensure_demo_model
@@ -64,12 +66,15 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.arch = ModelArchConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, dtype=dtype, device=device, attention_backend=attention_backend)
+        self.model = load_model(self.model_dir, dtype=dtype, device=device, attention_backend=attention_backend,
+                                quantization=quantization)
         self.dtype = resolve_dtype(dtype or self.arch.dtype)
-        self.spec = KVCacheSpec.for_model(self.arch, block_size, num_blocks, self.dtype)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.spec = KVCacheSpec.for_model(self.arch, block_size, num_blocks, kv_dtype)
         self.runner = ModelRunner(self.model, self.spec, device)
+        numerics = kv_numerics_tag(self.dtype, self.model.quant.tag, kv_dtype)  # FP8 computes other KV
         self.allocator = PrefixCachingBlockPool(num_blocks, block_size,
-                                                prefix_cache_salt(self.model_dir, str(self.dtype), block_size),
+                                                prefix_cache_salt(self.model_dir, numerics, block_size),
                                                 enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens

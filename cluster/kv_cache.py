@@ -1,5 +1,10 @@
 """The paged KV cache's layout: one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim].
 
+The cache's dtype is the model's activation dtype, or float8_e4m3fn with `--kv-cache-dtype fp8`
+(`resolve_kv_cache_dtype`, the one place the name is read): one byte an element, so twice the blocks
+per GB and half the bytes per transferred block. Each attention layer then stores K / k_scale and
+V / v_scale (cluster.model.llama.Attention).
+
 Block 0 is reserved (NULL_BLOCK): the allocator never hands it out, padded rows of a graph-replayed
 batch point their block tables and slot mappings at it, so their writes land nowhere that matters.
 """
@@ -17,6 +22,31 @@ if TYPE_CHECKING:
     from cluster.worker_config import WorkerConfig
 
 NULL_BLOCK = 0
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def resolve_kv_cache_dtype(name: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: "auto" (None) is the model's dtype; "fp8" / "fp8_e4m3" is e4m3 (vLLM's names)."""
+    from cluster.errors import ModelLoadError
+    from cluster.model.quantization import KV_CACHE_DTYPES
+
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return model_dtype
+    if name in KV_CACHE_DTYPES:
+        return FP8_KV_DTYPE
+    raise ModelLoadError(f"unsupported kv_cache_dtype {name!r}; supported: {KV_CACHE_DTYPES}")
+
+
+def kv_numerics_tag(model_dtype: torch.dtype, quant_tag: str, kv_dtype: torch.dtype) -> str:
+    """What the K/V a worker computes depends on, for the prefix-cache salt (cluster.block_hash): the
+    activation dtype, the weights' quantization (QuantConfig.tag) and the cache dtype. Workers that
+    exchange KV must agree on it. Unquantized with a cache in the model's dtype: str(model_dtype), as
+    before FP8 existed."""
+    if quant_tag == "none" and kv_dtype == model_dtype:
+        return str(model_dtype)
+    return f"{model_dtype}|weights={quant_tag}|kv={kv_dtype}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +94,7 @@ def device_memory(device: torch.device) -> DeviceMemory:
 
 
 def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                   memory: DeviceMemory | None = None) -> int:
+                   memory: DeviceMemory | None = None, kv_dtype: torch.dtype | None = None) -> int:
     """THE KV pool sizing rule, for prefill and decode workers alike (call it after the weights load).
 
     - `cfg.num_blocks` if set; on CPU `cfg.cpu_num_blocks`.
@@ -73,7 +103,8 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
       times `kv_memory_fraction`; never more than what is actually free. Counting the share from the
       total, not from free memory, keeps actors that start at the same time on one GPU from each
       taking the whole of it.
-    Returns blocks including the reserved NULL_BLOCK."""
+    `dtype` is the activations' (the headroom), `kv_dtype` the cache's (None: the same; FP8: one byte
+    an element, twice the blocks). Returns blocks including the reserved NULL_BLOCK."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if device.type != "cuda":
@@ -88,7 +119,7 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
     mine = int(mem.total * min(1.0, cfg.gpu_share)) - mem.reserved_here
     budget = int((min(mine, mem.free) - headroom) * cfg.kv_memory_fraction)
-    return max(2, blocks_that_fit(arch, cfg.block_size, dtype, budget) + 1)
+    return max(2, blocks_that_fit(arch, cfg.block_size, kv_dtype or dtype, budget) + 1)
 
 
 def blocks_that_fit(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

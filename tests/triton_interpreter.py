@@ -35,7 +35,50 @@ def use_interpreter_without_cuda() -> bool:
     patched._pdserve_patched = True
     interp._patch_lang_tensor = patched
     interp.np = _numpy_with_total_nanarg()
+    interp._convert_float = _exact_fp8_conversions(interp._convert_float, interp.tl)
+    interp.InterpreterBuilder.create_dot = _bf16_dot(interp.InterpreterBuilder.create_dot, interp)
     return True
+
+
+def _bf16_dot(create_dot, interp):
+    """The interpreter holds bfloat16 as uint16 bit patterns and matmuls those as integers; widen
+    bfloat16 operands to float32 first (exact), as the tensor cores do."""
+    import numpy as np
+
+    tl = interp.tl
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a, b = (interp.TensorHandle(interp._convert_float(t.data, tl.bfloat16, tl.float32, None).view(np.float32),
+                                        tl.float32) if t.dtype.scalar == tl.bfloat16 else t for t in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    return dot
+
+
+def _exact_fp8_conversions(convert, tl):
+    """The interpreter's float -> float8e4nv conversion drops the carry of a rounded-up mantissa (126 ->
+    64 instead of 128) and rounds half away from zero; the GPU's cvt.rn.satfinite rounds to nearest
+    even, as torch does. Conversions to and from e4m3 go through torch here; the rest as before."""
+    import numpy as np
+
+    widths = {tl.float32: (torch.float32, np.float32), tl.bfloat16: (torch.bfloat16, np.uint16),
+              tl.float16: (torch.float16, np.float16)}
+
+    def exact(data, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype) or not {input_dtype, output_dtype} - {tl.float8e4nv} <= set(
+                widths):
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        if input_dtype == tl.float8e4nv:
+            src = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            out = src.to(widths[output_dtype][0])
+            return out.view(torch.uint16).numpy() if output_dtype == tl.bfloat16 else out.numpy()
+        arr = np.ascontiguousarray(data)
+        src = torch.from_numpy(arr.view(np.uint16).copy()).view(torch.bfloat16) if input_dtype == tl.bfloat16 \
+            else torch.from_numpy(arr.copy())
+        return src.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+    return exact
 
 
 def _numpy_with_total_nanarg():

@@ -37,5 +37,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        k_scale: float = 1.0,  # an FP8 kv_layer holds K / k_scale and V / v_scale; else unused
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim], contiguous
         ...

@@ -10,7 +10,11 @@ partial output and its log-sum-exp; a second kernel merges them. The split count
 batch shape (host-static, so a captured graph keeps it); the part length is computed in the kernel
 from the row's context length, so it adapts to the context without recapture.
 
-Sliding window: only the last `window` positions are read. Prefill runs the packed paged kernel of
+Sliding window: only the last `window` positions are read.
+
+FP8 KV cache: K/V tiles are widened from e4m3 to q's dtype in registers (exact); k_scale is folded into
+the score scale and v_scale applied to the normalised output (both linear), so the cache is read at one
+byte an element and dequantized for free (`reference.kv_dequantize` in the torch reference). Prefill runs the packed paged kernel of
 cluster/kernels/prefill_attention.py (one launch per layer for the whole batch); on CPU, where Triton
 only has its interpreter, the torch reference's prefill.
 """
@@ -40,9 +44,9 @@ def _decode_split_kernel(
     stride_bt,
     stride_mb, stride_mh, stride_ms,
     stride_ot, stride_oh,
-    scale, window,
+    scale, v_scale, window,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,6 +76,9 @@ def _decode_split_kernel(
         kv_off = blk[:, None] * stride_kb + (offs % PAGE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
         k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:  # e4m3 widens exactly to q's dtype (constexpr: the bf16 kernel is unchanged, no spills)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -89,11 +96,15 @@ def _decode_split_kernel(
 
     if NUM_SPLITS == 1:  # the whole context in one program: write the normalised output directly
         out = acc / l[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=g_ok[:, None])
     else:  # an empty split stores lse = -inf and weighs nothing in the merge
         lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         tl.store(MidO + base[:, None] * D + d[None, :], out, mask=g_ok[:, None])
         tl.store(MidLse + base, lse, mask=g_ok)
@@ -142,8 +153,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,  # an e4m3 cache's scales (ignored for a cache in another dtype)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     bsz, num_heads, head_dim = q.shape
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     _, page, kv_heads, _ = k_cache.shape
     assert k_cache.stride(3) == 1 and q.stride(2) == 1 and head_dim & (head_dim - 1) == 0
     group = num_heads // kv_heads
@@ -162,9 +177,10 @@ def paged_decode_attention(
         block_tables.stride(0),
         *ms,
         out.stride(0), out.stride(1),
-        scale, sliding_window or 0,
+        scale * k_scale, float(v_scale), sliding_window or 0,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         # 8 warps at head_dim 128: with 4 the [BLOCK, 128] K/V tiles spill (sm_90 resource report).
         num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
@@ -187,12 +203,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return dataclasses.replace(meta, prefill_plan=plan_tiles(meta.query_lens, meta.context_lens_host,
                                                                    meta.block_tables.device))
 
-    def forward(self, q, k, v, kv_layer, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_layer, meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0):
         if not meta.is_prefill:
             return paged_decode_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens,
-                                          self.scale, self.sliding_window)
+                                          self.scale, self.sliding_window, k_scale=k_scale, v_scale=v_scale)
         if meta.prefill_plan is None:
-            return self._prefill(q, k, v, kv_layer, meta)
+            return self._prefill(q, k, v, kv_layer, meta, k_scale, v_scale)
         cu_query_lens, tiles = meta.prefill_plan
         return prefill_attention(q, kv_layer[0], kv_layer[1], meta.block_tables, meta.context_lens, cu_query_lens,
-                                 tiles, self.scale, self.sliding_window)
+                                 tiles, self.scale, self.sliding_window, k_scale=k_scale, v_scale=v_scale)

@@ -1,7 +1,7 @@
 """The forward pass's fused kernels and the sampler: Triton on CUDA, their torch references elsewhere.
 
 One file per kernel (`rmsnorm`, `rotary_kv`, `silu_mul`, `prefill_attention`, `sampling`,
-`logits_processing`, `logprobs`, `decode_step_inputs`): the Triton kernel, its launcher, and a docstring naming its reference in
+`logits_processing`, `logprobs`, `decode_step_inputs`, `fp8_gemm`, `fp8_quant`): the Triton kernel, its launcher, and a docstring naming its reference in
 `reference.py`. The functions below pick one per call: the kernel for CUDA tensors, the reference
 otherwise (CPU, and machines without triton). Tests force either with `use_kernels(True/False)`; on
 CPU the kernels then run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
@@ -70,10 +70,12 @@ def fused_add_rms_norm(x, residual, weight, eps):
     return (_k().fused_add_rms_norm if enabled(x) else reference.fused_add_rms_norm)(x, residual, weight, eps)
 
 
-def rotary_store_kv(qkv, positions, cos_sin, kv_layer, slot_mapping, num_heads, num_kv_heads, head_dim):
-    """Rotates q and k and writes k, v into their cache slots; returns q, k, v as [T, heads, head_dim]."""
+def rotary_store_kv(qkv, positions, cos_sin, kv_layer, slot_mapping, num_heads, num_kv_heads, head_dim,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """Rotates q and k and writes k, v into their cache slots (an FP8 cache: k / k_scale, v / v_scale);
+    returns q, k, v as [T, heads, head_dim]."""
     fn = _k().rotary_store_kv if enabled(qkv) else reference.rotary_store_kv
-    return fn(qkv, positions, cos_sin, kv_layer, slot_mapping, num_heads, num_kv_heads, head_dim)
+    return fn(qkv, positions, cos_sin, kv_layer, slot_mapping, num_heads, num_kv_heads, head_dim, k_scale, v_scale)
 
 
 def silu_and_mul(gate_up):

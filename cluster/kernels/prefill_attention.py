@@ -2,7 +2,9 @@
 in one Triton launch (flash-attention style: online softmax, bf16 tensor-core dots, fp32 accumulation).
 
 Must equal the prefill path of `cluster.attention.torch_ref.TorchAttentionBackend` (causal, GQA,
-optional sliding window), which runs one SDPA call per sequence.
+optional sliding window), which runs one SDPA call per sequence. With an FP8 (e4m3) cache the K/V tiles
+are widened to q's dtype in registers, k_scale folded into the score scale and v_scale applied to the
+output; the reference dequantizes the cache (new tokens included) in float32.
 
 Each sequence's new tokens are queries; its keys are everything in its block table up to its context
 length: earlier chunks of a long prompt, a cached prefix, and the new tokens themselves (already
@@ -60,8 +62,8 @@ def _attend(
         valid = offs < hi
         blk = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
         kv = blk[:, None] * stride_kb + (offs % PAGE)[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        k = tl.load(KC + kv, mask=valid[:, None], other=0.0)
-        v = tl.load(VC + kv, mask=valid[:, None], other=0.0)
+        k = tl.load(KC + kv, mask=valid[:, None], other=0.0).to(q.dtype)  # e4m3 -> q's dtype: exact
+        v = tl.load(VC + kv, mask=valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         else:
@@ -89,7 +91,7 @@ def _attend(
 def _prefill_attention_kernel(
     Q, KC, VC, Out, BT, CuQ, Ctx, Tiles,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh, num_tiles, scratch_row,
-    scale_log2, window,
+    scale_log2, v_scale, window,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -122,7 +124,7 @@ def _prefill_attention_kernel(
     bt_row = BT + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, KC, VC, bt_row, kv_head, k_lo, k_hi,
                             stride_kb, stride_kt, stride_kh, scale_log2, window, SLIDING, D, PAGE, BLOCK_N, IEEE)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     # Rows past the sequence's end go to scratch rows after the last token instead of being masked: a
     # masked store from the dot's register layout costs registers the tile cannot spare (spills).
     dst = tl.where(q_ok, q_begin + m_idx, scratch_row + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -140,8 +142,12 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [T + BLOCK_M, num_heads, head_dim] (scratch rows last); allocated if None
+    k_scale: float = 1.0,  # an e4m3 cache's scales (ignored for a cache in another dtype)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]: a view of out
     t, num_heads, head_dim = q.shape
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     _, page, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert head_dim & (head_dim - 1) == 0 and num_heads % kv_heads == 0
@@ -160,7 +166,7 @@ def prefill_attention(
         q, k_cache, v_cache, out, block_tables, cu_query_lens, context_lens, tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_tiles, t,
-        scale * _LOG2E, sliding_window or 0,
+        scale * k_scale * _LOG2E, float(v_scale), sliding_window or 0,
         G=num_heads // kv_heads, D=head_dim, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         SLIDING=bool(sliding_window), IEEE=ieee, num_warps=8, num_stages=3,
     )

@@ -40,9 +40,11 @@ def rotary_store_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,  # an FP8 cache stores k / k_scale, v / v_scale (kv_quantize); else unused
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotates q and k (Hugging Face's rotate_half convention) and writes k, v into their slots.
-    Returns q, k, v as [T, heads, D]."""
+    """Rotates q and k (Hugging Face's rotate_half convention) and writes k, v into their slots (an
+    FP8 cache gets kv_quantize of them). Returns q, k, v as [T, heads, D], unquantized."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(-1, num_heads, head_dim)
@@ -54,14 +56,84 @@ def rotary_store_kv(
     sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    kv_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if kv_layer.dtype == FP8:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+        for i, (x, scale) in enumerate(((k, k_scale), (v, v_scale))):
+            kv_layer[i].view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+                0, slot_mapping, kv_quantize(x, scale).view(torch.uint8))
+    else:
+        kv_layer[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_layer[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     return q, k, v
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+# -- FP8 (float8_e4m3fn): KV cache entries, activations, weights ---------------------------------
+# One rounding rule everywhere: q = e4m3(clamp(x / scale, -448, 448)), round to nearest even, in
+# float32; x ~ float32(q) * scale. The kernels (rotary_kv, fp8_quant, fp8_gemm, the attention
+# kernels) divide and clamp the same way, and multiply scales in after their float32 accumulation,
+# where these references multiply them in before it: equal up to float32 rounding.
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a dynamic scale's floor: an all-zero row quantizes to zeros
+
+
+def kv_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """An FP8 KV cache entry of x (k after rotary, or v): e4m3(clamp(x / scale))."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def kv_dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 K or V from an FP8 cache entry (any other cache dtype: x as float32, scale unused)."""
+    return x.float() * scale if x.dtype == FP8 else x.float()
+
+
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None):
+    """[M, K] activations -> (e4m3 [M, K], float32 scales [M, 1]): each row's amax / 448 (at least
+    FP8_MIN_SCALE), or the checkpoint's static per-tensor scale for every row. Must equal
+    cluster/kernels/fp8_quant.py."""
+    if static_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def fp8_dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 [N, K] from e4m3 weights and their scales: per output channel ([N]) or per block
+    ([ceil(N / bn), ceil(K / bk)])."""
+    w = weight.float()
+    if block is None:
+        return w * scale.float()[:, None]
+    n, k = w.shape
+    s = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return w * s
+
+
+def fp8_linear_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                           block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x @ dequantize(weight)^T (+ bias) in float32, rounded once to x's dtype: the weight-only path
+    (cluster/kernels/fp8_gemm.py), activations unquantized."""
+    y = x.float() @ fp8_dequantize_weight(weight, scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: activations quantized per token (or with the static input_scale), an e4m3 x e4m3 product
+    accumulated in float32, both scales applied to it, rounded once (what torch._scaled_mm computes
+    with row-wise scales). Per-channel weight scales only."""
+    xq, xs = quantize_per_token(x, input_scale)
+    y = (xq.float() @ weight.float().t()) * xs * scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 # -- SiLU and mul -------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ straight out of the QKV projection's output row (by stride: no split, no contigu
 cos/sin from the table row of its position (built once per model in the activation dtype, so no
 per-layer gather or cast), rotates q and k in place in that row, and writes k and v into the token's
 slot of the paged cache. Products and sums are rounded to the activation dtype where torch rounds
-them, so in bfloat16 it is bit-exact with the reference.
+them, so in bfloat16 it is bit-exact with the reference. An FP8 (e4m3) cache stores
+e4m3(clamp(k / k_scale, +-448)) and likewise v, `reference.kv_quantize`'s rounding.
 
 Attention then reads q from the QKV row (strided) and K/V from the cache, or the new tokens' k and v
 from the row as well.
@@ -21,8 +22,8 @@ import triton.language as tl
 @triton.jit
 def _rotary_kv_kernel(
     QKV, Pos, CosSin, KC, VC, Slots,
-    stride_t, stride_cs, stride_slot,
-    H: tl.constexpr, KH: tl.constexpr, QKP: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
+    stride_t, stride_cs, stride_slot, k_scale, v_scale,
+    H: tl.constexpr, KH: tl.constexpr, QKP: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     DT: tl.constexpr = QKV.dtype.element_ty  # round to it where torch rounds (a no-op in float32)
@@ -47,13 +48,22 @@ def _rotary_kv_kernel(
     tl.store(ptr + HALF, o2, mask=ok)
     is_k = ok & (h >= H)
     kc = KC + slot * stride_slot + (h - H) * D + d
-    tl.store(kc, o1.to(KC.dtype.element_ty), mask=is_k)
-    tl.store(kc + HALF, o2.to(KC.dtype.element_ty), mask=is_k)
+    tl.store(kc, _to_cache(o1, k_scale, KC, KV_FP8), mask=is_k)
+    tl.store(kc + HALF, _to_cache(o2, k_scale, KC, KV_FP8), mask=is_k)
 
     hv = tl.arange(0, KP)[:, None]
     dv = tl.arange(0, D)[None, :]
     v = tl.load(row + (H + KH) * D + hv * D + dv, mask=hv < KH, other=0.0)
-    tl.store(VC + slot * stride_slot + hv * D + dv, v.to(VC.dtype.element_ty), mask=hv < KH)
+    tl.store(VC + slot * stride_slot + hv * D + dv, _to_cache(v, v_scale, VC, KV_FP8), mask=hv < KH)
+
+
+@triton.jit
+def _to_cache(x, scale, Cache, KV_FP8: tl.constexpr):
+    """x in the cache's dtype; an FP8 cache gets e4m3(clamp(x / scale)) (IEEE division, as torch's)."""
+    if KV_FP8:
+        y = tl.math.div_rn(x.to(tl.float32), tl.zeros(x.shape, tl.float32) + scale)
+        return tl.minimum(tl.maximum(y, -448.0), 448.0).to(Cache.dtype.element_ty)
+    return x.to(Cache.dtype.element_ty)
 
 
 def rotary_store_kv(
@@ -65,6 +75,8 @@ def rotary_store_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same arguments and results as the reference; q and k are rotated in place inside `qkv` and the
     returned q, k, v are strided views of it."""
@@ -80,9 +92,10 @@ def rotary_store_kv(
     if t:
         _rotary_kv_kernel[(t,)](
             qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), cos_sin.stride(0), k_cache.stride(1),
+            qkv.stride(0), cos_sin.stride(0), k_cache.stride(1), float(k_scale), float(v_scale),
             H=num_heads, KH=num_kv_heads, QKP=triton.next_power_of_2(num_heads + num_kv_heads),
-            KP=triton.next_power_of_2(num_kv_heads), D=head_dim, num_warps=4,
+            KP=triton.next_power_of_2(num_kv_heads), D=head_dim, KV_FP8=kv_layer.dtype == torch.float8_e4m3fn,
+            num_warps=4,
         )
     q = qkv[:, :q_size].view(t, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)

@@ -1,7 +1,10 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each (the loader concatenates the
-checkpoint's weights). A decoder layer is a handful of kernels, as in nano-vllm and mini-sglang:
+checkpoint's weights). The decoder's linears are `cluster.model.linear.Linear`s whose method comes
+from the model's QuantConfig (unquantized, or FP8 weights); the LM head and embedding stay in the
+model's dtype. With an FP8 KV cache, each attention layer's k/v scales (1.0 unless the checkpoint
+carries them) quantize K/V on write and dequantize on read. A decoder layer is a handful of kernels, as in nano-vllm and mini-sglang:
     add+RMSNorm -> QKV matmul -> rotary + KV write -> attention -> O matmul
     -> add+RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul
 with the residual stream carried between layers beside the hidden state (each norm adds it in). On
@@ -20,14 +23,23 @@ from torch import nn
 
 from cluster import kernels
 from cluster.attention import AttentionBackend, AttentionMetadata, get_backend
+from cluster.errors import ModelLoadError
 from cluster.model.config import ModelArchConfig
+from cluster.model.linear import Fp8LinearMethod, Linear, LinearMethod, UnquantizedLinearMethod
+from cluster.model.quantization import QuantConfig
 from cluster.model.rope import RotaryEmbedding
 
 
+def linear_method(quant: QuantConfig, checkpoint_modules: list[str]) -> LinearMethod:
+    """The method of a layer fusing these checkpoint modules (Hugging Face names)."""
+    scheme = quant.scheme_for(checkpoint_modules)
+    return UnquantizedLinearMethod() if scheme is None else Fp8LinearMethod(scheme)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -38,40 +50,50 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, backend: AttentionBackend, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, backend: AttentionBackend, rope: RotaryEmbedding,
+                 dtype: torch.dtype, quant: QuantConfig):
         super().__init__()
         self.layer_idx = layer_idx
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        p = f"model.layers.{layer_idx}.self_attn."
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.attention_bias,
+                               linear_method(quant, [p + "q_proj", p + "k_proj", p + "v_proj"]), dtype, ("q", "k", "v"))
+        self.o_proj = Linear(cfg.q_size, (cfg.hidden_size,), False, linear_method(quant, [p + "o_proj"]), dtype)
         self.backend = backend
         self.rope = rope
+        # An FP8 KV cache stores k / k_scale and v / v_scale (host floats, fixed at load: kernel
+        # arguments, so a captured graph keeps them). Unused with a cache in the model's dtype.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions, x, meta: AttentionMetadata, kv_layer: torch.Tensor):
         cfg = self.cfg
         q, k, v = kernels.rotary_store_kv(self.qkv_proj(x), positions, self.rope.cos_sin, kv_layer, meta.slot_mapping,
-                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        out = self.backend.forward(q, k, v, kv_layer, meta)
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, k, v, kv_layer, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, dtype: torch.dtype, quant: QuantConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        p = f"model.layers.{layer_idx}.mlp."
+        self.gate_up_proj = Linear(cfg.hidden_size, (cfg.intermediate_size,) * 2, cfg.mlp_bias,
+                                   linear_method(quant, [p + "gate_proj", p + "up_proj"]), dtype, (0, 1))
+        self.down_proj = Linear(cfg.intermediate_size, (cfg.hidden_size,), cfg.mlp_bias,
+                                linear_method(quant, [p + "down_proj"]), dtype)
 
     def forward(self, x):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx, backend, rope):
+    def __init__(self, cfg, layer_idx, backend, rope, dtype, quant):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, backend, rope)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer_idx, backend, rope, dtype, quant)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, layer_idx, dtype, quant)
 
     def forward(self, positions, hidden, residual, meta, kv_layer):
         """(hidden, residual) -> (hidden, residual); the layer's input is their sum (residual None:
@@ -87,17 +109,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, attention_backend: str = "torch"):
+    def __init__(self, cfg: ModelArchConfig, attention_backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 quant: QuantConfig | None = None):
         super().__init__()
+        quant = quant or QuantConfig()
+        if quant.scheme_for(["lm_head"]) is not None:
+            raise ModelLoadError(f"a quantized lm_head is not supported ({quant.method}); list it in `ignore`")
         self.cfg = cfg
+        self.quant = quant
         backend = get_backend(attention_backend)(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
         self.attention_backend = backend
         rope = RotaryEmbedding(cfg)
         self.rotary = rope
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, rope) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, rope, dtype, quant) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_cache: torch.Tensor | None = None

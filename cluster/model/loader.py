@@ -1,7 +1,9 @@
 """Loads a local Hugging Face checkpoint directory into LlamaForCausalLM.
 
 Reads `config.json`, then either `model.safetensors.index.json` (sharded) or the `*.safetensors`
-files beside it, tensor by tensor, straight into the fused parameters on the target device.
+files beside it, tensor by tensor, straight into the fused parameters on the target device. Linear
+layers take their tensors (weights, biases, FP8 scales) through their own weight loaders
+(cluster.model.linear); FP8 formats are described by cluster.model.quantization.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from safetensors import safe_open
 
 from cluster.errors import ModelLoadError
 from cluster.model.config import ModelArchConfig
+from cluster.model.linear import Linear
 from cluster.model.llama import LlamaForCausalLM
+from cluster.model.quantization import QuantConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -37,23 +41,39 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
-def empty_model(cfg: ModelArchConfig, dtype: torch.dtype, device: str | torch.device, attention_backend: str = "torch"):
-    """A model with uninitialised weights on `device` (built on the meta device: no init cost)."""
+def empty_model(cfg: ModelArchConfig, dtype: torch.dtype, device: str | torch.device, attention_backend: str = "torch",
+                quant: QuantConfig | None = None) -> LlamaForCausalLM:
+    """A model with uninitialised weights on `device` (built on the meta device: no init cost). Every
+    parameter has its final dtype from construction (e4m3 weights and float32 scales for FP8 layers)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attention_backend)
-    model = model.to(dtype).to_empty(device=device)
+        model = LlamaForCausalLM(cfg, attention_backend, dtype, quant)
+    model = model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.method.init_buffers(m)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.build_tables(device, dtype)
     return model.eval().requires_grad_(False)
 
 
-def random_model(cfg, dtype, device, seed: int = 0, attention_backend: str = "torch") -> LlamaForCausalLM:
-    """Random weights on `device` (benchmarks build 1B/8B shapes this way, without a checkpoint)."""
-    model = empty_model(cfg, dtype, device, attention_backend)
+def random_model(cfg, dtype, device, seed: int = 0, attention_backend: str = "torch",
+                 quantization: str | None = None) -> LlamaForCausalLM:
+    """Random weights on `device` (benchmarks build 1B/8B shapes this way, without a checkpoint). With
+    quantization="fp8" each linear weight is drawn in `dtype` and quantized as a checkpoint tensor
+    would be at load time (the same draws as the unquantized model's)."""
+    quant = QuantConfig.online_fp8() if quantization == "fp8" else QuantConfig.from_checkpoint({}, quantization)
+    model = empty_model(cfg, dtype, device, attention_backend, quant)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        module, _, pname = name.rpartition(".")
+        if module in linears and pname in ("weight_scale", "input_scale"):
+            continue  # filled by the weight's loader (online quantization)
+        if module in linears and pname == "weight":
+            w = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+            linears[module].load("weight", w, None)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dim() == 1:
             p.normal_(0.0, 0.02, generator=gen)
@@ -82,41 +102,85 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """Loads a checkpoint; `quantization` is --quantization (None: the checkpoint's own, see
+    cluster.model.quantization). `dtype` is the activation dtype (FP8 weights keep theirs)."""
     model_dir = Path(model_dir)
     cfg = ModelArchConfig.from_dir(model_dir)
+    quant = QuantConfig.from_checkpoint(json.loads((model_dir / "config.json").read_text()), quantization,
+                                        str(model_dir / "config.json"))
     torch_dtype = resolve_dtype(dtype or cfg.dtype)
-    model = empty_model(cfg, torch_dtype, device, attention_backend)
+    model = empty_model(cfg, torch_dtype, device, attention_backend, quant)
     params = dict(model.named_parameters(remove_duplicate=False))
-    # Every (param, row-slice) that must be filled; a checkpoint that leaves one out is an error.
-    pending = _expected_slices(cfg)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    attns = {f"layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.layers)}
+    # Parameters outside the linears that must be filled; each Linear tracks its own (Linear.missing).
+    pending = {n for n in params if n.rpartition(".")[0] not in linears}
+    if cfg.tie_word_embeddings:
+        pending.discard("lm_head.weight")
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target = _map_name(name, cfg)
                 if target is None:
                     continue
-                pname, rows = target
-                if pname not in params:
+                pname, shard = target
+                module, _, leaf = pname.rpartition(".")
+                if module in linears:
+                    try:
+                        linears[module].load(leaf, f.get_tensor(name), shard)
+                    except ModelLoadError as e:
+                        raise ModelLoadError(f"tensor {name!r} in {path.name}: {e}") from None
+                elif module in attns and leaf in ("k_scale", "v_scale"):
+                    if not quant.kv_cache_scales:
+                        raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: k/v scales without "
+                                             "a kv_cache_scheme in quantization_config")
+                    setattr(attns[module], leaf, _scalar(f.get_tensor(name), name))
+                elif pname in params:
+                    dst = params[pname]
+                    tensor = f.get_tensor(name)
+                    if tuple(dst.shape) != tuple(tensor.shape):
+                        raise ModelLoadError(f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(dst.shape)}")
+                    if tensor.dtype == torch.float8_e4m3fn:
+                        raise ModelLoadError(f"tensor {name!r} in {path.name} is FP8 but its module is not "
+                                             f"quantized by the checkpoint's quantization_config")
+                    dst.copy_(tensor.to(torch_dtype))
+                    pending.discard(pname)
+                else:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}")
-                dst = params[pname]
-                tensor = f.get_tensor(name)
-                view = dst if rows is None else dst[rows[0] : rows[1]]
-                if tuple(view.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(
-                        f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
-                    )
-                view.copy_(tensor.to(torch_dtype))
-                pending.discard((pname, rows))
-    if cfg.tie_word_embeddings:
-        pending.discard(("lm_head.weight", None))
-    if pending:
-        missing = sorted(p for p, _ in pending)
+    missing = sorted(pending) + sorted(f"{m}.{p}" for m, lin in linears.items() for p, _ in lin.missing())
+    if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:5])}")
     return model
 
 
-def _map_name(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | None] | None:
+def _scalar(t: torch.Tensor, name: str) -> float:
+    if t.numel() != 1:
+        raise ModelLoadError(f"{name!r} has shape {tuple(t.shape)}, expected one value")
+    value = float(t.float().reshape(()))
+    if not value > 0 or value == float("inf"):
+        raise ModelLoadError(f"{name!r} is {value}, expected a positive finite scale")
+    return value
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+# Per-layer k/v scales of an FP8 KV cache: compressed-tensors' names, and older writers' output scales.
+_KV_SCALES = {"self_attn.k_scale": "k_scale", "self_attn.v_scale": "v_scale",
+              "self_attn.k_proj.output_scale": "k_scale", "self_attn.v_proj.output_scale": "v_scale"}
+
+
+def _map_name(name: str, cfg: ModelArchConfig) -> tuple[str, str | int | None] | None:
+    """Checkpoint tensor name -> (our parameter name, part of a fused layer), None to skip. Scale
+    tensors map like weights: q_proj.weight_scale -> (layers.i.self_attn.qkv_proj.weight_scale, "q");
+    HF fp8's weight_scale_inv is our weight_scale."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
     if name == "model.norm.weight":
@@ -129,35 +193,12 @@ def _map_name(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | N
     i, rest = m.group(1), m.group(2)
     if rest.endswith("rotary_emb.inv_freq"):
         return None
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
-        "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
-        "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
-        "mlp.gate_proj": ("mlp.gate_up_proj", (0, inter)),
-        "mlp.up_proj": ("mlp.gate_up_proj", (inter, 2 * inter)),
-    }
+    if rest in _KV_SCALES:
+        return f"layers.{i}.self_attn.{_KV_SCALES[rest]}", None
     module, _, kind = rest.rpartition(".")
-    if module in fused:
-        target, rows = fused[module]
-        return f"layers.{i}.{target}.{kind}", rows
-    return f"layers.{i}.{rest}", None
-
-
-def _expected_slices(cfg: ModelArchConfig) -> set[tuple[str, tuple[int, int] | None]]:
-    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight"]
-    if cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    for i in range(cfg.num_layers):
-        names += [f"model.layers.{i}.{n}" for n in per_layer]
-    out = set()
-    for n in names:
-        t = _map_name(n, cfg)
-        if t is not None:
-            out.add(t)
-    if cfg.tie_word_embeddings:
-        out.add(("lm_head.weight", None))
-    return out
+    if kind == "weight_scale_inv":
+        kind = "weight_scale"
+    if module in _FUSED:
+        target, shard = _FUSED[module]
+        return f"layers.{i}.{target}.{kind}", shard
+    return f"layers.{i}.{module}.{kind}", None

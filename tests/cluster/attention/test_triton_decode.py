@@ -97,3 +97,46 @@ def test_kernel_replays_in_a_cuda_graph_with_new_context_lengths():
         g.replay()
         ref = _reference(q, kv, tables, ctx_t, heads, kv_heads, head_dim, None)
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+FP8_CASES = [  # (batch, heads, kv_heads, head_dim, ctx lens, window, splits, k_scale, v_scale)
+    (3, 8, 2, 32, [1, 37, 150], None, 1, 1.0, 1.0),
+    (3, 8, 2, 32, [1, 37, 150], None, 3, 0.02, 0.3),
+    (2, 6, 1, 32, [200, 9], 40, 4, 0.5, 2.0),
+]
+
+
+@pytest.mark.parametrize("b,heads,kv_heads,head_dim,ctx,window,splits,k_scale,v_scale", FP8_CASES)
+def test_kernel_reads_an_fp8_cache_like_the_reference(b, heads, kv_heads, head_dim, ctx, window, splits, k_scale,
+                                                       v_scale):
+    """An e4m3 cache (k / k_scale, v / v_scale stored): the kernel folds the scales in, the reference
+    dequantizes; both attend over the same quantized values."""
+    from cluster.kernels.reference import kv_quantize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, kv, tables, ctx_t = _case(b, heads, kv_heads, head_dim, 16, ctx, 40, torch.float32, device, seed=splits)
+    kv8 = torch.stack([kv_quantize(kv[0] * k_scale, k_scale), kv_quantize(kv[1] * v_scale, v_scale)])
+    out = paged_decode_attention(q, kv8[0], kv8[1], tables, ctx_t, head_dim**-0.5, window, num_splits=splits,
+                                 k_scale=k_scale, v_scale=v_scale)
+    meta = AttentionMetadata(torch.zeros(b, dtype=torch.long, device=device), tables, ctx_t)
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, window)._decode(q, kv8, meta, k_scale, v_scale)
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-5
+    # And it is attention over the dequantized values, close to the unquantized one (e4m3: ~3% per value).
+    full = _reference(q, torch.stack([kv[0] * k_scale, kv[1] * v_scale]), tables, ctx_t, heads, kv_heads, head_dim,
+                      window)
+    assert ((out.float() - full).norm() / full.norm()).item() < 0.1
+
+
+@pytest.mark.gpu
+def test_fp8_cache_bf16_llama_shapes_on_gpu():
+    from cluster.kernels.reference import kv_quantize
+
+    heads, kv_heads, head_dim, b = 32, 8, 128, 16
+    ctx = [int(x) for x in torch.randint(1, 4097, (b,), generator=torch.Generator().manual_seed(b))]
+    q, kv, tables, ctx_t = _case(b, heads, kv_heads, head_dim, 16, ctx, 4096 // 16 * b + 1, torch.bfloat16, "cuda", b)
+    kv8 = torch.stack([kv_quantize(kv[0], 0.05), kv_quantize(kv[1], 0.02)])
+    out = paged_decode_attention(q, kv8[0], kv8[1], tables, ctx_t, head_dim**-0.5, k_scale=0.05, v_scale=0.02)
+    meta = AttentionMetadata(torch.zeros(b, dtype=torch.long, device="cuda"), tables, ctx_t)
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, None)._decode(q.float(), kv8, meta, 0.05, 0.02)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -15,8 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cluster.attention import triton_decode
-from cluster.kernels import (decode_step_inputs, logits_processing, logprobs, prefill_attention, rmsnorm, rotary_kv,
-                             sampling, silu_mul)
+from cluster.kernels import (decode_step_inputs, fp8_gemm, fp8_quant, logits_processing, logprobs, prefill_attention,
+                             rmsnorm, rotary_kv, sampling, silu_mul)
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -43,19 +43,21 @@ def main():
         report(f"rmsnorm/{hidden}/{res}", rmsnorm._rms_norm_kernel,
                dict(X=bf16, R=bf16, W=bf16, Out=bf16, stride_x=i32, stride_r=i32, stride_o=i32, n=i32, eps="fp32"),
                dict(HAS_RESIDUAL=res, BLOCK=hidden), num_warps=hidden // 512)
-    for heads, kv_heads, d in ((32, 8, 128), (28, 4, 128)):
-        report(f"rotary_kv/{heads}/{kv_heads}/{d}", rotary_kv._rotary_kv_kernel,
-               dict(QKV=bf16, Pos="*i64", CosSin=bf16, KC=bf16, VC=bf16, Slots="*i64", stride_t=i32, stride_cs=i32,
-                    stride_slot=i32),
+    for heads, kv_heads, d, kv in ((32, 8, 128, bf16), (28, 4, 128, bf16), (32, 8, 128, "*fp8e4nv")):
+        report(f"rotary_kv/{heads}/{kv_heads}/{d}/{kv}", rotary_kv._rotary_kv_kernel,
+               dict(QKV=bf16, Pos="*i64", CosSin=bf16, KC=kv, VC=kv, Slots="*i64", stride_t=i32, stride_cs=i32,
+                    stride_slot=i32, k_scale="fp32", v_scale="fp32"),
                dict(H=heads, KH=kv_heads, QKP=triton.next_power_of_2(heads + kv_heads),
-                    KP=triton.next_power_of_2(kv_heads), D=d), num_warps=4)
+                    KP=triton.next_power_of_2(kv_heads), D=d, KV_FP8=kv != bf16), num_warps=4)
     report("silu_mul", silu_mul._silu_mul_kernel, dict(GateUp=bf16, Out=bf16, stride_g=i32, stride_o=i32, n=i32),
            dict(BLOCK=silu_mul.BLOCK), num_warps=4)
-    for d, group, sliding in ((128, 4, False), (128, 8, True), (64, 4, False)):
-        report(f"prefill_attention/{d}/{group}/{sliding}", prefill_attention._prefill_attention_kernel,
-               dict(Q=bf16, KC=bf16, VC=bf16, Out=bf16, BT="*i64", CuQ="*i32", Ctx="*i64", Tiles="*i32",
+    for d, group, sliding, kv in ((128, 4, False, bf16), (128, 8, True, bf16), (64, 4, False, bf16),
+                                  (128, 4, False, "*fp8e4nv")):
+        report(f"prefill_attention/{d}/{group}/{sliding}/{kv}", prefill_attention._prefill_attention_kernel,
+               dict(Q=bf16, KC=kv, VC=kv, Out=bf16, BT="*i64", CuQ="*i32", Ctx="*i64", Tiles="*i32",
                     stride_qt=i32, stride_qh=i32, stride_kb=i32, stride_kt=i32, stride_kh=i32, stride_bt=i32,
-                    stride_ot=i32, stride_oh=i32, num_tiles=i32, scratch_row=i32, scale_log2="fp32", window=i32),
+                    stride_ot=i32, stride_oh=i32, num_tiles=i32, scratch_row=i32, scale_log2="fp32", v_scale="fp32",
+                    window=i32),
                dict(G=group, D=d, PAGE=16, BLOCK_M=prefill_attention.BLOCK_M, BLOCK_N=64 if d >= 128 else 128,
                     SLIDING=sliding, IEEE=False), num_warps=8)
     nbp = triton.next_power_of_2(sampling.NBINS + 1)
@@ -87,14 +89,32 @@ def main():
            dict(Packed="*i32", OutTokens="*i64", Ids="*i64", Pos="*i64", Slots="*i64", Ctx="*i32", NextPos="*i64",
                 Tables="*i32", off_ids=i32, off_prev=i32, off_pos=i32, off_width=i32, off_tables=i32,
                 stride_tables=i32, block_size=i32), dict(BLOCK=256), num_warps=1)
-    for d, splits in ((128, 32), (128, 1), (64, 32)):
-        report(f"decode_attention/{d}/{splits}", triton_decode._decode_split_kernel,
-               dict(Q=bf16, KC=bf16, VC=bf16, BT="*i32", CTX="*i32", MidO="*fp32", MidLse="*fp32", Out=bf16,
+    for d, splits, kv in ((128, 32, bf16), (128, 1, bf16), (64, 32, bf16), (128, 32, "*fp8e4nv")):
+        report(f"decode_attention/{d}/{splits}/{kv}", triton_decode._decode_split_kernel,
+               dict(Q=bf16, KC=kv, VC=kv, BT="*i32", CTX="*i32", MidO="*fp32", MidLse="*fp32", Out=bf16,
                     stride_qt=i32, stride_qh=i32, stride_kb=i32, stride_kt=i32, stride_kh=i32, stride_bt=i32,
                     stride_mb=i32, stride_mh=i32, stride_ms=i32, stride_ot=i32, stride_oh=i32, scale="fp32",
-                    window=i32),
+                    v_scale="fp32", window=i32),
                dict(G=4, GP=16, D=d, PAGE=16, BLOCK=triton_decode.BLOCK_N, NUM_SPLITS=splits, SLIDING=False,
-                    IEEE=False), num_warps=8 if d >= 128 else 4, num_stages=2)
+                    IEEE=False, KV_FP8=kv != bf16), num_warps=8 if d >= 128 else 4, num_stages=2)
+
+    # The FP8 GEMM at each tile config gemm_config picks (decode GEMV, mid-size, prefill-size M; block scales).
+    for m, n, k, block, bias in ((1, 4096, 14336, False, False), (32, 6144, 4096, False, True),
+                                 (64, 6144, 4096, False, True), (256, 28672, 4096, True, False),
+                                 (1, 4096, 4096, True, False)):
+        cfg = fp8_gemm.gemm_config(m, n, k, block, 132)
+        report(f"fp8_gemm/{m}/{n}/{k}/{block}", fp8_gemm._fp8_gemm_kernel,
+               dict(X=bf16, W="*fp8e4nv", S="*fp32", Bias=bf16, Out=bf16, Part="*fp32", Locks="*i32", M=i32, N=i32,
+                    K=i32, stride_xm=i32, stride_wn=i32, stride_om=i32, stride_s=i32, k_per_split=i32),
+               dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
+                    BLOCK_SCALED=block, SB=fp8_gemm.SCALE_BLOCK, HAS_BIAS=bias, IEEE=False),
+               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for k in (4096, 14336):
+        block = triton.next_power_of_2(k)
+        report(f"fp8_quant/{k}", fp8_quant._quant_kernel,
+               dict(X=bf16, Q="*fp8e4nv", Scale="*fp32", StaticScale="*fp32", K=i32, stride_x=i32, stride_q=i32),
+               dict(FMAX=448.0, MIN_SCALE=1.0 / (448 * 512), STATIC=False, BLOCK=block),
+               num_warps=max(1, min(16, block // 1024)))
 
 
 if __name__ == "__main__":

@@ -101,3 +101,38 @@ GPU_CASES = [
 def test_matches_reference_bf16_on_gpu(heads, kv_heads, head_dim, query_lens, cached, window):
     _check(heads, kv_heads, head_dim, query_lens, cached, window, torch.bfloat16, "cuda", seed=heads + len(query_lens),
            tol=1e-2)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.03, 0.4)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,query_lens,cached,window", [CPU_CASES[1], CPU_CASES[2]])
+def test_reads_an_fp8_cache_like_the_reference(heads, kv_heads, head_dim, query_lens, cached, window, scales):
+    """An e4m3 cache (the new tokens' K/V too): the kernel folds the scales in, the reference dequantizes."""
+    from cluster.kernels.reference import kv_quantize
+
+    dtype = torch.float32
+    q, k, v, kv, meta = _case(heads, kv_heads, head_dim, query_lens, cached, dtype, DEVICE, seed=7)
+    kv8 = torch.stack([kv_quantize(kv[0], scales[0]), kv_quantize(kv[1], scales[1])])  # NaN stays NaN
+    ref_meta = AttentionMetadata(meta.slot_mapping, meta.block_tables.to(DEVICE), meta.context_lens.to(DEVICE),
+                                 True, meta.query_lens, meta.context_lens_host)
+    want = TorchAttentionBackend(heads, kv_heads, head_dim, window)._prefill(q, k, v, kv8, ref_meta, *scales)
+    cu, tiles = plan_tiles(meta.query_lens, meta.context_lens_host, DEVICE)
+    got = prefill_attention(q, kv8[0], kv8[1], ref_meta.block_tables, ref_meta.context_lens, cu, tiles,
+                            head_dim**-0.5, window, k_scale=scales[0], v_scale=scales[1])
+    assert torch.isfinite(got).all()
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+def test_reads_an_fp8_cache_bf16_on_gpu():
+    from cluster.kernels.reference import kv_quantize
+
+    heads, kv_heads, head_dim, query_lens, cached = 32, 8, 128, [1000, 3001], [3000, 0]
+    q, k, v, kv, meta = _case(heads, kv_heads, head_dim, query_lens, cached, torch.bfloat16, "cuda", seed=11)
+    kv8 = torch.stack([kv_quantize(kv[0], 0.05), kv_quantize(kv[1], 0.02)])
+    ref_meta = AttentionMetadata(meta.slot_mapping, meta.block_tables.cuda(), meta.context_lens.cuda(),
+                                 True, meta.query_lens, meta.context_lens_host)
+    want = TorchAttentionBackend(heads, kv_heads, head_dim, None)._prefill(q, k, v, kv8, ref_meta, 0.05, 0.02)
+    cu, tiles = plan_tiles(meta.query_lens, meta.context_lens_host, "cuda")
+    got = prefill_attention(q, kv8[0], kv8[1], ref_meta.block_tables, ref_meta.context_lens, cu, tiles,
+                            head_dim**-0.5, k_scale=0.05, v_scale=0.02)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

@@ -25,18 +25,20 @@ def _table(head_dim, dtype, device):
     return rope.cos_sin
 
 
-def _check(tokens, heads, kv_heads, head_dim, dtype, device, seed):
+def _check(tokens, heads, kv_heads, head_dim, dtype, device, seed, kv_dtype=None, scales=(1.0, 1.0)):
     g = torch.Generator().manual_seed(seed)
     num_blocks, page = 2 + -(-tokens // 16) * 2, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(device=device, dtype=dtype)
     positions = torch.randint(0, 8192, (tokens,), generator=g).to(device)
     slots = (torch.randperm(num_blocks * page, generator=g)[:tokens]).to(device)
     table = _table(head_dim, dtype, device)
-    want_kv = torch.full((2, num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    want_kv = torch.full((2, num_blocks, page, kv_heads, head_dim), float("nan"), dtype=kv_dtype or dtype,
+                         device=device)
     got_kv = want_kv.clone()
-    wq, wk, wv = reference.rotary_store_kv(qkv.clone(), positions, table, want_kv, slots, heads, kv_heads, head_dim)
+    wq, wk, wv = reference.rotary_store_kv(qkv.clone(), positions, table, want_kv, slots, heads, kv_heads, head_dim,
+                                           *scales)
     buf = qkv.clone()
-    q, k, v = rotary_store_kv(buf, positions, table, got_kv, slots, heads, kv_heads, head_dim)
+    q, k, v = rotary_store_kv(buf, positions, table, got_kv, slots, heads, kv_heads, head_dim, *scales)
     assert q.data_ptr() == buf.data_ptr()  # views of the fused row, rotated in place
     # bf16: within one rounding step. The kernel rotates in float32 and rounds once; the reference rounds
     # after each bf16 op (and the interpreter truncates), so 1-ulp differences are expected (seen on H200).
@@ -47,14 +49,36 @@ def _check(tokens, heads, kv_heads, head_dim, dtype, device, seed):
     written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
     written[slots] = True
     for c in (got_kv, want_kv):  # the other slots are still poisoned
-        assert torch.isnan(c.flatten(1, 2)[:, ~written]).all()
-    torch.testing.assert_close(got_kv.flatten(1, 2)[:, written], want_kv.flatten(1, 2)[:, written], **tol)
+        assert torch.isnan(c.flatten(1, 2)[:, ~written].float()).all()
+    got_w, want_w = got_kv.flatten(1, 2)[:, written], want_kv.flatten(1, 2)[:, written]
+    if kv_dtype == torch.float8_e4m3fn:
+        # k may differ from the reference's by one activation-dtype step (above), which can move its
+        # e4m3 rounding by one e4m3 step (2**-3 relative); v is copied, so bit-exact.
+        assert not torch.isnan(got_w.float()).any()
+        assert torch.equal(got_w[1].view(torch.uint8), want_w[1].view(torch.uint8))
+        tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-3, atol=2**-9 * max(scales))
+        torch.testing.assert_close(got_w.float(), want_w.float(), **tol)
+    else:
+        torch.testing.assert_close(got_w, want_w, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 4, 16), (7, 6, 2, 32), (13, 12, 3, 16), (5, 8, 1, 32)])
 def test_matches_reference(tokens, heads, kv_heads, head_dim, dtype):
     _check(tokens, heads, kv_heads, head_dim, dtype, DEVICE, seed=tokens * heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.3, 2.5)])
+def test_fp8_cache_matches_reference(dtype, scales):
+    """An e4m3 cache holds e4m3(clamp(k / k_scale)), e4m3(clamp(v / v_scale)); q, k, v returned unquantized."""
+    _check(9, 6, 2, 32, dtype, DEVICE, seed=5, kv_dtype=torch.float8_e4m3fn, scales=scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2049])
+def test_fp8_cache_matches_reference_on_gpu(tokens):
+    _check(tokens, 32, 8, 128, torch.bfloat16, "cuda", seed=tokens, kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02))
 
 
 @pytest.mark.gpu
