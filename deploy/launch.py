@@ -3,7 +3,7 @@ router, and starts the API-server processes that serve the OpenAI-compatible HTT
 
 Processes:
 - this one, the launcher: the Ray driver, and the one Router (admission, placement, migration) on
-  its asyncio loop, served to the gateways by a RouterServer (router/router_server.py), which also
+  its asyncio loop, served to the gateways by a RouterServer (router/channel/server.py), which also
   collects the decode workers' step records for /stats and /metrics;
 - `api_servers` gateway processes (deploy/api_server.py) sharing one listening socket, each
   with its own token sink: decode workers send each of them only its own requests' text;
@@ -228,7 +228,7 @@ class ServingCluster:
         self._form_transport_group = form_transport_group
         self.workers = _Workers()
         self.router = None  # router.router.Router, on this process's serving loop
-        self.router_server = None  # router.router_server.RouterServer
+        self.router_server = None  # router.channel.server.RouterServer
         self.api_servers = None  # deploy.api_server.APIServerPool
         self.model_name: str | None = None
         self.url: str | None = None
@@ -270,7 +270,7 @@ class ServingCluster:
         from router.admission import AdmissionController, AdmissionLimits
         from router.metrics import RouterMetrics
         from router.router import Router, RouterConfig, WorkerClient
-        from router.router_server import RouterServer
+        from router.channel.server import RouterServer
 
         cfg = self.cfg
         model_dir = self._model_dir()

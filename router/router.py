@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, WorkerStats
-from router.admission import AdmissionController, CapacityShortError, NoHealthyWorkerError, OverloadedError
+from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
+from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, OverloadedError
 from router.kv_index import KVBlockIndex
 from router.local_prefill_policy import LOCAL_PREFILL_POLICIES
 from router.metrics import RouterMetrics
@@ -56,10 +57,6 @@ try:  # the router runs without Ray in unit tests; with Ray, a dead actor is rec
 except ImportError:  # pragma: no cover
     class _ActorDead(Exception):
         pass
-
-
-class DrainingError(NoHealthyWorkerError):
-    """HTTP 503: the server drains (SIGTERM) and takes no new request."""
 
 
 async def with_timeout(aw, timeout: float | None):

@@ -9,7 +9,8 @@ import pytest
 from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError
+from router.admission import AdmissionController, AdmissionLimits
+from router.errors import NoHealthyWorkerError
 from router.router import Router, RouterConfig, WorkerClient
 from router.token_stream import TokenStreamReceiver
 from router_fakes import FakeDecodeWorker, FakePrefillWorker
