@@ -33,7 +33,11 @@ from cluster.structured.grammar import GrammarBackend, GrammarMatcher
 from cluster.structured.structured_output import PARAM, StructuredOutput, TaggedJSON
 
 TAGGED_MAX_WHITESPACE = 2
-_FILL_THREADS = min(4, os.cpu_count() or 1)  # host threads filling a step's bitmasks (xgrammar's BatchGrammarMatcher)
+# A step's bitmasks are filled on several host threads (xgrammar's BatchGrammarMatcher) once there are
+# enough tokens to scan for the handoff to pay (64 rows of a 128k vocabulary: milliseconds serially);
+# fewer are filled on the caller's thread.
+_FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_BATCH_FILL_MIN_TOKENS = 1 << 20
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")  # "[15:39:30] /project/cpp/x.cc:94: "
 
 
@@ -161,7 +165,8 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor, rows: Sequence[int]) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(out, rows[0])
+        if _FILL_THREADS == 1 or len(matchers) * self.vocab_size < _BATCH_FILL_MIN_TOKENS:
+            for m, r in zip(matchers, rows):
+                m.m.fill_next_token_bitmask(out, r)
             return
         self._batch.batch_fill_next_token_bitmask([m.m for m in matchers], out, list(rows))

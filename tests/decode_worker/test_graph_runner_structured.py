@@ -35,7 +35,7 @@ def make_seqs(spec, runner, params, grammars, specs):
     seqs, blocks = [], 1
     for i, (p, so) in enumerate(zip(params, specs)):
         n = 6 + 5 * i
-        table = list(range(blocks, blocks + spec.blocks_for_tokens(n + 4)))
+        table = list(range(blocks, blocks + spec.blocks_for_tokens(n + 16)))
         blocks += len(table)
         prompt = [rng.randrange(5, 500) for _ in range(n)]
         runner.prefill([PrefillChunk(prompt, 0, table)])
@@ -117,3 +117,39 @@ def test_a_runner_without_grammar_masks_refuses_constrained_rows(setup):
                              grammar_masks=False)
     with pytest.raises(ValueError, match="grammar masks"):
         gr.launch(rows_of(seqs))
+
+
+@pytest.mark.gpu
+def test_graph_replay_masks_like_eager_on_the_gpu(demo_model_dir):
+    """The captured graphs (plain and features variants) apply the masks as the eager step does, over
+    steps whose masks change with the tokens."""
+    model = load_model(demo_model_dir, dtype="float32", device="cuda", attention_backend="triton")
+    spec = KVCacheSpec.for_model(model.cfg, 16, 256, torch.float32)
+    runner = ModelRunner(model, spec, "cuda")
+    tok = load_tokenizer(demo_model_dir)
+    grammars = GrammarCompiler(lambda: tok, model.cfg.vocab_size, model.cfg.eos_token_ids)
+    so = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"},
+                                                                        "s": {"type": "string", "maxLength": 5}},
+                                       "required": ["n", "s"]})  # longer than the 6 steps below
+    graphs = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=8, max_blocks_per_seq=16, buckets=(4, 8))
+    eager = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=8, max_blocks_per_seq=16, buckets=(4, 8),
+                                use_cuda_graph=False)
+    graphs.capture(progress=False)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=0.0, ignore_eos=True), SamplingParams(temperature=0.7, seed=4, logprobs=1)]
+    kv0 = runner.kv_cache.clone()
+    out = {}
+    for name, gr in (("graph", graphs), ("eager", eager)):
+        runner.kv_cache.copy_(kv0)
+        seqs = make_seqs(spec, runner, params, grammars, [so, so, None, so])
+        steps = []
+        for _ in range(6):
+            h = gr.launch(rows_of(seqs))
+            assert h.info.graph == (name == "graph")
+            toks = h.tokens()
+            for s, t in zip(seqs, toks):
+                assert s.append_token(t) is None
+            steps.append(toks)
+        out[name] = steps
+    assert out["graph"] == out["eager"]
+    grammars.close()
