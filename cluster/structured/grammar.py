@@ -59,6 +59,10 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
 
+    def nbytes(self, compiled: Any) -> int:
+        """Host memory a compiled grammar holds (what the compiler's cache is bounded by)."""
+        return 0
+
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor, rows: Sequence[int]) -> None:
         """matchers[i]'s allowed tokens into out[rows[i]]; a backend may do them in parallel."""
         for m, r in zip(matchers, rows):

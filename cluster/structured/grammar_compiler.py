@@ -4,8 +4,9 @@
   or grammar the backend cannot compile. Parses only (a millisecond for a 50-field schema), results
   cached by key.
 - `grammar_for(so, request_id, prior_tokens)`: a RequestGrammar whose compiled grammar comes from a
-  thread pool; compiled grammars are cached by `so.key` (LRU), so a schema every request sends is
-  compiled once per worker and later requests are ready at once.
+  thread pool; compiled grammars are cached by `so.key` (LRU, at most CACHE_ENTRIES of them and
+  CACHE_BYTES of their host memory), so a schema every request sends is compiled once per worker and
+  later requests are ready at once. A compile longer than COMPILE_TIMEOUT_S fails its request.
 - The backend itself (its tokenizer tables: a second for a 128k vocabulary, and xgrammar's import)
   is built on the pool by the first request that needs it, never on a caller's thread.
 - `on_ready` is called (on a pool thread) when a compile finishes: the decode loop wakes to schedule
@@ -27,26 +28,32 @@ from cluster.structured.request_grammar import RequestGrammar
 from cluster.structured.structured_output import PARAM, StructuredOutput
 
 COMPILE_THREADS = 2
-CACHE_ENTRIES = 512  # compiled grammars kept per worker
+CACHE_ENTRIES = 256  # compiled grammars kept per worker ...
+CACHE_BYTES = 1 << 30  # ... and the host memory they may hold (a schema over a 128k vocabulary: MBs)
+COMPILE_TIMEOUT_S = 60.0
 _CHECKED_ENTRIES = 4096
 
 
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
                  backend: str = DEFAULT_BACKEND, threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
+                 cache_bytes: int = CACHE_BYTES, compile_timeout_s: float = COMPILE_TIMEOUT_S,
                  on_ready: Callable[[], None] | None = None):
         """`load_tokenizer()` returns the HF tokenizer (called once, on the pool)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.backend_name = backend
-        self.cache_entries = cache_entries
+        self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
+        self.compile_timeout_s = compile_timeout_s
         self.on_ready = on_ready
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._backend: Future | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # bytes of the cached grammars that are compiled
+        self._cached_bytes = 0
         self._checked: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # key -> error, None: fine
         self._failed: list[tuple[str, str]] = []
         self.compiles = 0  # grammars compiled (cache misses)
@@ -77,15 +84,16 @@ class GrammarCompiler:
         generated before it came here (replayed into the matcher). Call check(so) first."""
         with self._lock:
             fut = self._cache.get(so.key)
-            if fut is not None:
-                self._cache.move_to_end(so.key)
-            else:
+            new = fut is None
+            if new:
                 backend = self._backend_future()
                 fut = self._cache[so.key] = self._executor().submit(self._compile, backend, so)
-                fut.add_done_callback(lambda f, key=so.key: self._compiled(key, f))
-                while len(self._cache) > self.cache_entries:
-                    self._cache.popitem(last=False)
-        return RequestGrammar(request_id, fut, prior_tokens, self._grammar_failed)
+            else:
+                self._cache.move_to_end(so.key)
+        if new:
+            # Outside the lock: a compile already over runs its callback here, and it takes the lock.
+            fut.add_done_callback(lambda f, key=so.key: self._compiled(key, f))
+        return RequestGrammar(request_id, fut, prior_tokens, self._grammar_failed, self.compile_timeout_s)
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, error) of the grammars that failed since the last call (cheap when none did)."""
@@ -122,16 +130,29 @@ class GrammarCompiler:
     def _compile(self, backend_future: Future, so: StructuredOutput):
         backend = backend_future.result()
         compiled = backend.compile(so)
-        self.compiles += 1
+        with self._lock:
+            self.compiles += 1
         return backend, compiled
 
     def _compiled(self, key, fut: Future) -> None:
-        if fut.exception() is not None:
-            with self._lock:  # not cached: a later request tries again
-                if self._cache.get(key) is fut:
-                    del self._cache[key]
+        with self._lock:
+            if self._cache.get(key) is fut:
+                if fut.exception() is not None:
+                    del self._cache[key]  # not cached: a later request tries again
+                else:
+                    backend, compiled = fut.result()
+                    self._sizes[key] = backend.nbytes(compiled)
+                    self._cached_bytes += self._sizes[key]
+            self._evict()
         if self.on_ready is not None:
             self.on_ready()
+
+    def _evict(self) -> None:
+        """Under the lock: drops the least recently used grammars past the cache's bounds (requests
+        holding one keep it; the next request for that key compiles it again)."""
+        while self._cache and (len(self._cache) > self.cache_entries or self._cached_bytes > self.cache_bytes):
+            key, _ = self._cache.popitem(last=False)
+            self._cached_bytes -= self._sizes.pop(key, 0)
 
     def _grammar_failed(self, g: RequestGrammar) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ grammar_compiler) and the tokens the request already generated elsewhere (a migr
 the first token a prefill worker sampled, which can arrive before the compile is done). Tokens
 accepted while compiling are kept; `ready()` (never blocks) builds the matcher once the grammar is
 compiled and replays them. Callers schedule a constrained request only when it is ready: the
-request waits for its grammar, the batch it would join does not.
+request waits for its grammar, the batch it would join does not. A compile still running after
+`timeout_s` fails the request (the pool thread finishes it; a later request finds it cached).
 
 A token the grammar refuses (it cannot happen when every token was sampled under the mask, but a
 replay over tokens from elsewhere is checked) fails the request: `error` is set, the owner is told
@@ -15,7 +16,9 @@ replay over tokens from elsewhere is checked) fails the request: `error` is set,
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
 import torch
@@ -24,12 +27,13 @@ from cluster.structured.grammar import GrammarBackend, GrammarMatcher
 
 
 class RequestGrammar:
-    __slots__ = ("request_id", "_future", "_pending", "_on_fail", "backend", "matcher", "error")
+    __slots__ = ("request_id", "_future", "_pending", "_on_fail", "_deadline", "backend", "matcher", "error")
 
     def __init__(self, request_id: str, compiled: Future, prior_tokens: Sequence[int] = (),
-                 on_fail: Callable[["RequestGrammar"], None] | None = None):
+                 on_fail: Callable[["RequestGrammar"], None] | None = None, timeout_s: float = 60.0):
         self.request_id = request_id
         self._future = compiled  # -> (backend, compiled grammar)
+        self._deadline = time.monotonic() + timeout_s
         self._pending: list[int] | None = list(prior_tokens)
         self._on_fail = on_fail
         self.backend: GrammarBackend | None = None
@@ -40,7 +44,11 @@ class RequestGrammar:
         """The matcher exists and has accepted every token so far (never blocks)."""
         if self.matcher is not None:
             return True
-        if self.error is not None or not self._future.done():
+        if self.error is not None:
+            return False
+        if not self._future.done():
+            if time.monotonic() > self._deadline:
+                self._fail("the grammar took too long to compile")
             return False
         try:
             backend, compiled = self._future.result()
@@ -60,8 +68,8 @@ class RequestGrammar:
         """Blocks until compiled (the in-process engine only); returns ready()."""
         try:
             self._future.exception(timeout)
-        except TimeoutError:
-            return False
+        except FutureTimeout:
+            pass
         return self.ready()
 
     def accept(self, token_id: int) -> bool:

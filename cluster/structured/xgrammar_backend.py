@@ -1,7 +1,8 @@
 r"""The xgrammar backend (what vLLM and SGLang default to): JSON schema, json_object, regex, choice, EBNF
 and tagged JSON (xgrammar's structural tags) for one tokenizer.
 
-Vocabulary: built from the tokenizer with every special token blanked, so that the grammar never
+Vocabulary: built from the tokenizer with every special token (the special ones of its map and every
+added token marked special: Llama 3's reserved ones, `<|python_tag|>`) blanked, so that the grammar never
 allows one (the detokenizer drops special tokens from the text: a `<s>` inside a JSON string would
 be allowed by the grammar and missing from the output); the stop tokens are the model's EOS ids,
 allowed only where the grammar is complete. Ids between the tokenizer's size and the model's vocab
@@ -135,7 +136,9 @@ class XGrammarBackend(GrammarBackend):
         for token, i in tokenizer.get_vocab().items():
             if i < vocab_size:
                 encoded[i] = token
-        for i in getattr(tokenizer, "all_special_ids", ()):
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        for i in special:
             if i < vocab_size:
                 encoded[i] = ""  # an empty token is a special one to xgrammar: never allowed
         self.info = xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size,
@@ -163,6 +166,9 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
+
+    def nbytes(self, compiled: Any) -> int:
+        return compiled.memory_size_bytes
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], out: torch.Tensor, rows: Sequence[int]) -> None:
         if _FILL_THREADS == 1 or len(matchers) * self.vocab_size < _BATCH_FILL_MIN_TOKENS:

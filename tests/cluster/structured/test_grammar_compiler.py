@@ -59,6 +59,9 @@ class GatedBackend(GrammarBackend):
     def matcher(self, compiled):
         return _CountingMatcher()
 
+    def nbytes(self, compiled):
+        return 100
+
 
 register_grammar_backend("gated", lambda: GatedBackend)
 
@@ -100,6 +103,24 @@ def test_a_replay_the_grammar_refuses_and_a_failed_compile_are_reported(gated):
     assert {rid for rid, _ in c.take_failed()} == {"r1", "r2"}
     c.grammar_for(StructuredOutput.regex("boom"), "r3").wait(10)  # a failed compile is not cached: tried again
     assert [k for k, _ in GatedBackend.compiled].count(("regex", "boom")) == 2
+
+
+def test_the_cache_is_bounded_by_bytes_and_a_slow_compile_fails_its_request():
+    GatedBackend.gate.set()
+    GatedBackend.compiled = []
+    c = GrammarCompiler(lambda: None, VOCAB, EOS, backend="gated", cache_bytes=250)
+    try:
+        for spec in ("a", "b", "c", "a"):  # 100 bytes each: the third pushes "a" out, so it compiles again
+            assert c.grammar_for(StructuredOutput.regex(spec), spec).wait(10)
+        assert [k[1] for k, _ in GatedBackend.compiled] == ["a", "b", "c", "a"]
+        GatedBackend.gate.clear()
+        c.compile_timeout_s = 0.2
+        slow = c.grammar_for(StructuredOutput.regex("slow"), "slow")
+        assert not slow.wait(0.5) and "too long" in slow.error
+        assert c.take_failed() == [("slow", slow.error)]
+    finally:
+        GatedBackend.gate.set()
+        c.close()
 
 
 def test_check_is_a_400_and_cached(gated):
