@@ -98,15 +98,16 @@ def split_choices(cfg, m: int, n: int, k: int, sms: int) -> list[int]:
     steps = -(-k // cfg.block_k)
     if -(-m // cfg.block_m) > MAX_SPLIT_M_TILES:
         return [1]
-    out = [s for s in SPLITS if s <= steps and (s == 1 or tiles * s >= sms // 2) and tiles * s <= 12 * sms]
+    # Past K / (8 M) splits the float32 partials move more bytes than the weight: never faster.
+    out = [s for s in SPLITS if s <= steps and (s == 1 or tiles * s >= sms // 2) and tiles * s <= 12 * sms
+           and (s == 1 or s <= k // (8 * m))]
     return out or [1]
 
 
 def default_split(cfg, m: int, n: int, k: int, sms: int) -> int:
-    from cluster.kernels.fp8_gemm_configs import default_config
-
-    want = default_config(m, n, k, False, False, sms).split_k
-    return min(split_choices(cfg, m, n, k, sms), key=lambda s: abs(s - want))
+    """Round one's split for a tile config: the choice nearest three programs per SM."""
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    return min(split_choices(cfg, m, n, k, sms), key=lambda s: abs(tiles * s - 3 * sms))
 
 
 # -- compiling in parallel --------------------------------------------------------------------------------
@@ -307,6 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=None, help="comma-separated M values (default: every M bucket)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
     ap.add_argument("--reps", type=int, default=7, help="graph replays per timing (the median is kept)")
+    ap.add_argument("--w8a8-min-m", type=int, default=1,
+                    help="rows below which the W8A8 paths are not candidates (keeps weight-only numerics at small "
+                         "batch; their configs are still tuned and stored)")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="past this many seconds, shapes still to come skip the split sweep (round two)")
     args = ap.parse_args(argv)
@@ -328,6 +332,8 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.rows.split(",")] if args.rows else (list(DRY_ROWS) if args.dry_run else list(M_BUCKETS))
     sms = fp8_gemm_configs.num_sms(torch.device(device))
     copy_gbps = copy_bandwidth_gbps(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the copy's buffers: room for the compile workers' contexts
     log(f"copy bandwidth {copy_gbps:.0f} GB/s, {sms} SMs, triton {triton.__version__}, torch {torch.__version__}")
 
     failed: dict = {}
@@ -351,7 +357,8 @@ def main(argv=None) -> int:
                                   t0 + args.budget_s)
                 bf16_us = time_calls_us([lambda w=w: F.linear(b.x, w) for w in b.w16], device,
                                         1 if args.dry_run else args.reps)
-                path = min(best, key=lambda p: best[p][0])
+                allowed = [p for p in best if p == "weight_only" or m >= args.w8a8_min_m]
+                path = min(allowed, key=lambda p: best[p][0])
                 if not math.isfinite(best[path][0]) or best["weight_only"][1] is None:
                     log(f"  {model} {name} M={m}: no valid weight-only config; left out of the table")
                     continue

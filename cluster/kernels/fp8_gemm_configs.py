@@ -97,6 +97,7 @@ def _table(capability: tuple[int, int]) -> dict[tuple[int, int, int], TunedEntry
     return parse_table(data)
 
 
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)  # CPU: the interpreter; no table applies
@@ -133,7 +134,10 @@ def default_config(m: int, n: int, k: int, w8a8: bool, block_scaled: bool, sms: 
         unit = SCALE_BLOCK if block_scaled else bk
         steps = -(-k // unit)
         want = -(-_TARGET_WAVES * sms // (n_tiles * m_tiles))
-        split = max(1, min(want, steps // 2 if steps >= 4 else 1))  # at least two steps per split
+        # The float32 partials (written and read back: 8 * split * M * N bytes) stay under a quarter of
+        # the weight's N * K bytes: split <= K / (32 M). At M = 1 no limit; at 64 rows, K = 4096: two.
+        traffic_cap = max(1, k // (32 * m))
+        split = max(1, min(want, traffic_cap, steps // 2 if steps >= 4 else 1))  # at least two steps per split
     return GemmConfig(bm, bn, bk, split, 4, 4)
 
 
