@@ -17,7 +17,7 @@ e4m3 bytes at HBM speed. Both kernels compute out^T = W x^T ("swap AB"): the wei
 left operand (wgmma's M = 64 weight rows per warpgroup) and the few tokens its N (padded to 16), so a
 batch of 1..64 costs the tensor cores next to nothing; what is left per weight byte is its widening.
 Triton's own e4m3 -> bf16 goes through f16 (cvt e4m3x2 -> f16x2, then a cvt f16 -> bf16 per element:
-1.5 instructions a byte, all on the conversion unit); `_widen` takes three integer ops and one
+1.5 instructions a byte, all on the conversion unit); `widen_e4m3` takes three integer ops and one
 multiply per two elements instead (2 a byte, on the integer and FMA pipes; sm_90 SASS: PRMT, SHF,
 LOP3, HMUL2 after one LDS.U16 per pair). FAST_DEQUANT is CUDA only: Triton's interpreter runs no inline
 assembly, and takes `.to()`, which is exact too.
@@ -67,8 +67,9 @@ mul.rn.f16x2 $0, t, c;
 
 
 @triton.jit
-def _widen(w, DT: tl.constexpr, FAST: tl.constexpr):
-    """e4m3 -> DT, exactly."""
+def widen_e4m3(w, DT: tl.constexpr, FAST: tl.constexpr):
+    """e4m3 -> DT, exactly (FAST: the inline-PTX trick below for bf16 / f16; CUDA only). Also the FP8 KV
+    cache's widening in cluster/attention/triton_decode.py."""
     if FAST and DT == tl.bfloat16:
         return tl.inline_asm_elementwise(_WIDEN_BF16, "=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                          is_pure=True, pack=2)
@@ -140,7 +141,7 @@ def _fp8_gemm_kernel(
             k_ok = (k + rk) < k_hi
             w = tl.load(w_ptr, mask=k_ok[None, :], other=0.0)
             x = tl.load(x_ptr, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        a = _widen(w, DT, FAST_DEQUANT)
+        a = widen_e4m3(w, DT, FAST_DEQUANT)
         if BLOCK_SCALED:  # BLOCK_K divides SB and k_per_split is a multiple of SB: one scale column a step
             s = tl.load(S + (rn_in // SB).to(tl.int64) * stride_s + k // SB)
             if IEEE:

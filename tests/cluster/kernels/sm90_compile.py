@@ -111,7 +111,7 @@ def main():
                     stride_mb=i32, stride_mh=i32, stride_ms=i32, stride_ot=i32, stride_oh=i32, scale="fp32",
                     v_scale="fp32", window=i32),
                dict(G=4, GP=16, D=d, PAGE=16, BLOCK=triton_decode.BLOCK_N, NUM_SPLITS=splits, SLIDING=False,
-                    IEEE=False, KV_FP8=kv != bf16), num_warps=8 if d >= 128 else 4, num_stages=2)
+                    IEEE=False, KV_FP8=kv != bf16, FAST_WIDEN=True), num_warps=8 if d >= 128 else 4, num_stages=2)
 
     # The FP8 GEMMs at the default config of decode GEMV, mid-size and prefill-size M (fp8_gemm_configs.py;
     # the tuned table's configs are the tuner's to check: it drops what does not compile or spills slowly).
