@@ -111,10 +111,15 @@ def default_split(cfg, m: int, n: int, k: int, sms: int) -> int:
 
 
 # -- compiling in parallel --------------------------------------------------------------------------------
+# Errors that mean the config itself cannot be built (anything else, a worker's own trouble, leaves the
+# config to the timing process, which compiles what the cache lacks).
+_CONFIG_ERRORS = ("CompilationError", "OutOfResources", "PTXASError")
+
+
 def _compile_one(path: str, cfg_json: dict) -> str | None:
     """In a worker process: one launch of the config on small inputs of the same specialization
     (multiples of 16, 16-byte aligned, M and split_k unspecialized), which compiles it into Triton's
-    disk cache. Returns an error message, or None."""
+    disk cache. Returns an error message ("ExceptionClass: first line"), or None."""
     try:
         from cluster.kernels.fp8_gemm import fp8_gemm, fp8_gemm_w8a8
         from cluster.kernels.fp8_gemm_configs import GemmConfig
@@ -136,15 +141,27 @@ def _compile_one(path: str, cfg_json: dict) -> str | None:
 
 
 def precompile(variants: list[tuple[str, object]], workers: int) -> dict[tuple[str, object], str]:
-    """Compiles every (path, config) in `workers` processes; returns the ones that failed with why."""
-    failed = {}
+    """Compiles every (path, config) in `workers` processes; returns the ones that cannot be built, with
+    why. A worker that breaks (or fails for another reason) only costs the cache entries it would have
+    written: the timing process compiles those itself."""
+    failed, other = {}, []
     ctx = multiprocessing.get_context("spawn")  # CUDA in the workers: no fork
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_compile_one, path, cfg.to_json()): (path, cfg) for path, cfg in variants}
-        for f in cf.as_completed(futures):
-            err = f.result()
-            if err is not None:
-                failed[futures[f]] = err
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            futures = {pool.submit(_compile_one, path, cfg.to_json()): (path, cfg) for path, cfg in variants}
+            for f in cf.as_completed(futures):
+                try:
+                    err = f.result()
+                except Exception as e:  # noqa: BLE001 - a broken pool: compile in the timing process
+                    err = f"worker: {type(e).__name__}: {e}"
+                if err is not None and err.startswith(_CONFIG_ERRORS):
+                    failed[futures[f]] = err
+                elif err is not None:
+                    other.append(err)
+    except Exception as e:  # noqa: BLE001
+        other.append(f"pool: {type(e).__name__}: {e}")
+    if other:
+        log(f"  {len(other)} configs left to the timing process to compile, e.g. {other[0][:200]}")
     return failed
 
 
@@ -329,7 +346,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shapes = DRY_SHAPES if args.dry_run else {m: SHAPES[m] for m in args.models.split(",")}
-    rows = [int(r) for r in args.rows.split(",")] if args.rows else (list(DRY_ROWS) if args.dry_run else list(M_BUCKETS))
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else list(DRY_ROWS if args.dry_run else M_BUCKETS)
     sms = fp8_gemm_configs.num_sms(torch.device(device))
     copy_gbps = copy_bandwidth_gbps(device)
     if device == "cuda":
@@ -406,7 +423,8 @@ def summary(entries: list[dict], rows: list[int], copy_gbps: float) -> str:
     buckets = sorted({m_bucket(m) for m in rows})
     lines = ["", f"best FP8 weight TB/s (w weight-only, t Triton W8A8, s _scaled_mm; copy {copy_gbps / 1e3:.2f} TB/s)"
                  "  | bf16 F.linear TB/s",
-             f"{'shape':22s}" + "".join(f"{'M' + str(m):>8s}" for m in buckets) + "  | " + " ".join(f"M{m}" for m in buckets)]
+             f"{'shape':22s}" + "".join(f"{'M' + str(m):>8s}" for m in buckets) + "  | "
+             + " ".join(f"M{m}" for m in buckets)]
     for key in sorted({(e["model"], e["shape"], e["N"], e["K"]) for e in entries}):
         row = {e["M"]: e for e in entries if (e["model"], e["shape"], e["N"], e["K"]) == key}
         cells = "".join(f"{row[m]['weight_TBps']:7.2f}{tag[row[m]['path']]}" if m in row else f"{'-':>8s}"

@@ -210,6 +210,11 @@ def split_plan(m: int, n: int, k: int, cfg: GemmConfig, block_scaled: bool) -> t
     return triton.cdiv(k, per), per
 
 
+def _even_k(k: int, per: int, cfg: GemmConfig) -> bool:
+    """Every step of every split a whole BLOCK_K: the loop needs no K mask."""
+    return k % cfg.block_k == 0 and per % cfg.block_k == 0
+
+
 def _workspace(m: int, n: int, split: int, cfg: GemmConfig, scale: torch.Tensor, locks: torch.Tensor | None):
     """(partials, locks) for a split-K launch. Without a split the kernel touches neither: it gets the
     scales (float32) and the locks or the scales' bits (int32) instead, the pointer types of a split
@@ -250,7 +255,7 @@ def fp8_gemm(
     _fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))](
         x, weight, scale, bias if bias is not None else out, out, part, locks,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if blocked else 0, per, split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0 and per % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=_even_k(k, per, cfg),
         BLOCK_SCALED=blocked, SB=SCALE_BLOCK, HAS_BIAS=bias is not None,
         FAST_DEQUANT=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16), IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -282,7 +287,7 @@ def fp8_gemm_w8a8(
     _fp8_w8a8_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))](
         xq, x_scale, weight, scale, bias if bias is not None else out, out, part, locks,
         m, n, k, xq.stride(0), weight.stride(0), out.stride(0), per, split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0 and per % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=_even_k(k, per, cfg),
         HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
