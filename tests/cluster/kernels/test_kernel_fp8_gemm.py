@@ -36,6 +36,16 @@ def _tol(dtype):
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
 
 
+def _w8a8_tol(dtype):
+    # Hopper's e4m3 x e4m3 tensor-core MMA does not accumulate in IEEE float32 (about 14 mantissa
+    # bits inside one MMA chain; the kernel promotes to float32 every BLOCK_K): on the GPU a float32
+    # output carries that error (seen: 5e-4..1e-3 absolute at K = 384..1024). The interpreter
+    # accumulates in float32 exactly.
+    if dtype == torch.float32 and DEVICE == "cuda":
+        return dict(rtol=4e-3, atol=4e-3)
+    return _tol(dtype)
+
+
 CASES = [  # m, n, k, block, bias, config (block_m, block_n, block_k, split_k, warps, stages)
     (1, 96, 1200, None, False, GemmConfig(16, 32, 64, 5, 4, 2)),  # split-K, ragged N and K (K % BLOCK_K != 0)
     (3, 64, 1024, None, True, GemmConfig(16, 64, 128, 8, 4, 2)),  # one step per split
@@ -75,7 +85,7 @@ def test_w8a8_matches_reference(m, n, k, block, bias, config, dtype):
     xq, xs = quantize_per_token(x)
     want = reference.fp8_linear_w8a8(x, w, s, b)
     got = fp8_gemm_w8a8(xq, xs, w, s, b, dtype, locks, config)
-    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(got, want, **_w8a8_tol(dtype))
     assert int(locks.abs().sum()) == 0
     torch.testing.assert_close(fp8_gemm_w8a8(xq, xs, w, s, b, dtype, locks, config), got, rtol=0, atol=0)
 
