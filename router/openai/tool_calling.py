@@ -15,7 +15,9 @@
 - parallel_tool_calls false: at most one call per reply. Forced calls get it from the grammar; in
   "auto" a call after the first is dropped (neither content nor a call).
 - A function's `strict`: the arguments follow its `parameters` whenever the grammar writes the call
-  (required, named); in "auto" they are what the model wrote.
+  (required, named: strict or not); "auto" has no grammar (its calls are what the model wrote), so
+  `strict: true` there is a 400 naming `tools` rather than a promise not kept; with "none" no call
+  is made and strict asks for nothing.
 - finish_reason is "tool_calls" when the reply made a call and ended by itself (a stop token); a
   reply cut by max_tokens says "length", its last call possibly incomplete.
 
@@ -67,6 +69,12 @@ class ToolCalling:
             raise InvalidRequestError(f"{what} needs the server started with --tool-call-parser", "tool_choice")
         parser = get_tool_parser(parser_name)
         if choice == "auto":
+            strict = [t.function.name for t in body.tools if t.function.strict]
+            if strict:  # the grammar writes forced calls only: an "auto" call is what the model wrote
+                raise InvalidRequestError(
+                    f"strict function tools ({', '.join(strict)}) are enforced only when tool_choice forces a "
+                    'call ("required" or a named function); with tool_choice "auto" send strict false or none',
+                    "tools")
             return cls(tools, template, "auto", parser, max_calls=max_calls)
         if isinstance(choice, NamedToolChoice):
             named = {"type": "function", "function": {"name": choice.function.name}}

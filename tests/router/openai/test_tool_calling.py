@@ -49,6 +49,10 @@ def test_which_tool_choice_is_served():
     assert named.choice == "function" and [t.begin for t in named.constraint.tagged_json().tags] == [
         '{"name": "get_time", "parameters": ']
     assert ToolCalling.of(chat(tools=[WEATHER], parallel_tool_calls=False), "hermes", True).max_calls == 1
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    forced = ToolCalling.of(chat(tools=[strict], tool_choice="required"), "hermes", False)  # the grammar keeps it
+    assert forced.constraint.tagged_json().tags[0].schema == WEATHER["function"]["parameters"]
+    assert ToolCalling.of(chat(tools=[strict], tool_choice="none"), None, False).choice == "none"  # no call: no promise
 
 
 @pytest.mark.parametrize("kw,parser,auto,param,match", [
@@ -60,6 +64,9 @@ def test_which_tool_choice_is_served():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "hermes", True,
      "tool_choice", "not among the tools"),
     ({"tools": [WEATHER, WEATHER]}, "hermes", True, "tools", "twice"),
+    # "auto" has no grammar: strict arguments cannot be promised there.
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]}, "hermes", True, "tools",
+     "enforced only when tool_choice forces a call"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "hermes", True, "tools", "letters"),
 ])
 def test_tool_refusals_name_the_field(kw, parser, auto, param, match):
