@@ -119,6 +119,8 @@ class JSONSchemaFormat(_Request):
     (OpenAI's best effort) gets the strict answer."""
 
     model_config = _NESTED
+    # name and description label the format (OpenAI requires a name); neither is rendered into the
+    # prompt (as vLLM): the output's contract is the schema alone. Checked here, used nowhere else.
     name: Annotated[Text, Field(min_length=1, max_length=64)]
     description: Text | None = None
     schema_: JSONSchema | None = Field(None, alias="schema")  # none: any JSON value
