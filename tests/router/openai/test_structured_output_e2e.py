@@ -178,3 +178,25 @@ def test_skip_special_tokens_reaches_the_detokenizer(real_pd_cluster, reference_
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             **kw, stream=True, extra_body={**ids, "skip_special_tokens": False}))
         assert streamed == kept
+
+
+def test_the_sdks_parse_helper_with_a_pydantic_model(real_pd_cluster):
+    """`client.chat.completions.parse(response_format=Model)`: the SDK sends the model's strict JSON
+    schema (json_schema, strict: true) and reads the reply back into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no", "maybe"]
+        confident: bool
+        votes: list[Literal["a", "b"]] = Field(max_length=2)
+
+    client = _client(real_pd_cluster)
+    for prompt in (LONG, SHORT):
+        for kw in SAMPLING[:2]:
+            r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                              response_format=Verdict, max_tokens=80, **kw)
+            m = r.choices[0].message
+            assert r.choices[0].finish_reason == "stop" and isinstance(m.parsed, Verdict), m
+            assert m.parsed == Verdict.model_validate_json(m.content)

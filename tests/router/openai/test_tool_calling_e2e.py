@@ -165,3 +165,27 @@ def test_tool_refusals(tool_cluster):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **{"tools": TOOLS, **kw})
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_sdks_pydantic_function_tool(tool_cluster):
+    """`openai.pydantic_function_tool(Model)` (a strict tool) through `chat.completions.parse`: a forced
+    call's arguments come back parsed into the model; with tool_choice "auto" a strict tool is a 400
+    naming tools (no grammar writes an auto call, so strictness cannot be promised there)."""
+    from pydantic import BaseModel, Field
+
+    class Add(BaseModel):
+        a: int = Field(ge=0, le=99)
+        b: int = Field(ge=0, le=99)
+
+    client = _client(tool_cluster)
+    tool = openai.pydantic_function_tool(Add)
+    assert tool["function"]["strict"] is True
+    r = client.chat.completions.parse(model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=60, temperature=0.0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0].function
+    assert call.name == "Add" and isinstance(call.parsed_arguments, Add)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool], max_tokens=4)
+    assert e.value.body["param"] == "tools" and "strict" in e.value.body["message"]
