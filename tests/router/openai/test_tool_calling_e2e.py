@@ -181,7 +181,7 @@ def test_the_sdks_pydantic_function_tool(tool_cluster):
     tool = openai.pydantic_function_tool(Add)
     assert tool["function"]["strict"] is True
     r = client.chat.completions.parse(model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required",
-                                      parallel_tool_calls=False, max_tokens=60, temperature=0.0)
+                                      parallel_tool_calls=False, max_tokens=160, temperature=0.0)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0].function
