@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ class TransportSpec:
     # worker sends layer i while layer i+1 computes (0: always; shorter ones go in one piece after it)
     staging_bytes: int = 64 << 20  # torch_dist: staging per launch and side (two slots per pair, allocated once)
     direct_min_bytes: int = 4 << 20  # torch_dist: smallest per-(layer, K/V) message worth sending in place
+    # The cluster's secret (cluster/frame_auth.py): the control channel's frames carry a MAC under it.
+    secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -16,6 +16,12 @@ from cluster.transport.completion import Waiter
 CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 
+def down_key(namespace: str, prefill: str, decode: str, decode_inc: int) -> str:
+    """{ns}/down/P/D.i: the last generation of the pair that incarnation i of D broke (a stalled or
+    failed payload): the prefill re-forms the pair once it reads it (its heartbeat thread)."""
+    return f"{namespace}/down/{prefill}/{decode}.{decode_inc}"
+
+
 def claim_key(namespace: str, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
     """{ns}/x/P/D.i/s: transfer s from prefill P to incarnation i of decode D. The decode incarnation
     is part of the key, so no key of an old incarnation is ever taken for a new transfer."""
@@ -32,6 +38,7 @@ class Pair:
     def __init__(self, peer: str, me: str):
         self.peer = peer
         self.peer_inc = 0  # the peer's incarnation this pair was formed with
+        self.gen = 0  # the pair's generation (a broken pair between the same incarnations is re-formed)
         self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
         self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
         self.outbox: Outbox | None = None
@@ -39,3 +46,4 @@ class Pair:
         self.waiter = Waiter(f"kv-wait-{me}-{peer}")
         self.bundles: list = []  # in flight: sender_side.OutBundle or receiver_side.InBundle
         self.dead: str | None = None
+        self.wedged = False  # fault "stuck_transfer" (prefill side): nothing goes out on it any more

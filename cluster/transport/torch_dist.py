@@ -28,6 +28,7 @@ receives and runs the scatters.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,11 +88,12 @@ class TorchDistTransport(ControlledTransport):
         return items, plan_launches(items, self.num_layers, self.plane_block_bytes, layerwise, self.spec.staging_bytes)
 
     # -- the pair's channel ---------------------------------------------------------------------------
-    def _form(self, peer: str, peer_inc: int) -> _Link:
-        # The rendezvous is per pair of incarnations: a restarted worker never meets its old keys.
+    def _form(self, peer: str, peer_inc: int, gen: int = 0) -> _Link:
+        # The rendezvous is per pair of incarnations and per generation of their pair: a restarted
+        # worker, or a broken pair formed anew, never meets old keys.
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
+        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/", self._new_store())
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
@@ -157,11 +159,11 @@ class TorchDistTransport(ControlledTransport):
         return []
 
     def _payload_warm(self, pair: Pair) -> None:
-        pair.payload = self._form(pair.peer, pair.peer_inc)
+        pair.payload = self._form(pair.peer, pair.peer_inc, pair.gen)
         self._warm(pair.payload, send=True)
 
     def _payload_accept(self, pair: Pair, hello) -> None:
-        pair.payload = self._form(pair.peer, pair.peer_inc)
+        pair.payload = self._form(pair.peer, pair.peer_inc, pair.gen)
         self._warm(pair.payload, send=False)
 
     def _payload_abort(self, pair: Pair) -> None:
@@ -172,6 +174,25 @@ class TorchDistTransport(ControlledTransport):
         link = pair.payload
         if link is not None and self.backend == "nccl":
             link.pg.abort()
+
+    def _payload_kill(self, pair: Pair, bundles: list) -> None:
+        """Fault injection ("transfer"): NCCL, the abort. gloo has no way to end a peer's operation in
+        flight but closing the sockets, which it does once nothing references the group any more:
+        the sends issued so far are waited for, then this side drops the group and its works, and the
+        decode side's pending receives fail at once ("Connection closed by peer")."""
+        if self.backend == "nccl":
+            self._payload_abort(pair)
+            return
+        for b in bundles:
+            if b.payload is not None:
+                for w in b.payload.works:
+                    try:
+                        w.wait()
+                    except Exception:  # noqa: BLE001 - it failed: nothing left in flight
+                        pass
+                b.payload = None
+        pair.payload = None
+        gc.collect()
 
     # -- messages -------------------------------------------------------------------------------------
     def _ids(self, b, side: str) -> dict[int, torch.Tensor]:
