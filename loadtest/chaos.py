@@ -201,9 +201,10 @@ class Injector:
             if m.get("faults_fired", 0) > before.get("faults_fired", 0) or time.monotonic() - started > 60:
                 break
             await asyncio.sleep(0.05)
-        gens = {d: p["gen"] for d, p in before.get("pairs", {}).items()}
         f = self._fault(kind, pid)
         f.extra["fired"] = m.get("faults_fired", 0) > before.get("faults_fired", 0)
+        hit = m["fired"][-1] if f.extra["fired"] else {}  # the pair it broke: {"peer", "gen"}
+        f.extra["pair"] = hit
 
         async def reformed():
             m = await self._ray(h.transfer_metrics.remote())
@@ -211,7 +212,8 @@ class Injector:
             if failed and not f.affected:
                 f.affected = sorted({re.sub(r"\.m\d+$", "", r["request_id"]) for r in m["recent"][-failed:]
                                      if not r["ok"]})
-            return failed > 0 and any(p["gen"] > gens.get(d, 0) and p["dead"] is None for d, p in m["pairs"].items())
+            pair = m["pairs"].get(hit.get("peer"))
+            return failed > 0 and pair is not None and pair["gen"] > hit["gen"] and pair["dead"] is None
         self._watch(f, reformed, started)
         return f
 
@@ -315,7 +317,8 @@ class Injector:
             async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
                 ready = await c.get("/ready")
                 metrics = (await c.get("/metrics")).text
-                probe = await c.post("/v1/completions", json={"model": MODEL, "prompt": "After: w1 w2", "max_tokens": 4})
+                probe = await c.post("/v1/completions",
+                                     json={"model": MODEL, "prompt": "After: w1 w2", "max_tokens": 4})
             gone = re.search(rf'pdserve:worker_gone\{{[^}}]*worker_id="{did}"[^}}]*\}} 1\.0', metrics) is not None
             f.extra.update(ready_status=ready.status_code, ready_body=ready.json(), metric_worker_gone=gone,
                            served_after=probe.status_code)

@@ -140,7 +140,8 @@ class RouterMetrics(_Metrics):
         self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
                               m + ["worker_id", "role"], registry=r)
         self._gone = Gauge("pdserve:worker_gone",
-                           "1 when the worker died past its restart limit (worker_max_restarts): it is not coming back.",
+                           "1 when the worker died past its restart limit (worker_max_restarts): it is not "
+                           "coming back.",
                            m + ["worker_id", "role"], registry=r)
         self._pass_cost = Gauge(
             "pdserve:worker_pass_cost_seconds",

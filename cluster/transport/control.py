@@ -139,6 +139,7 @@ class ControlledTransport(KVTransport):
         self._totals = {"transfers": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self.faults: list[tuple[str, float]] = []  # inject_fault(): armed, not fired yet
         self.faults_fired = 0
+        self.fired: deque[dict] = deque(maxlen=64)  # the faults that fired: kind, peer, pair generation
         store = self.store()
         self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
         store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
@@ -386,13 +387,16 @@ class ControlledTransport(KVTransport):
         with self.lock:
             self.faults.append((kind, seconds))
 
-    def take_fault(self, kind: str) -> float | None:
-        """The armed fault of this kind (its seconds), now disarmed; None if none."""
+    def take_fault(self, kind: str, pair: Pair | None = None) -> float | None:
+        """The armed fault of this kind (its seconds), now disarmed and recorded as fired on `pair`;
+        None if none."""
         with self.lock:
             for i, (k, sec) in enumerate(self.faults):
                 if k == kind:
                     del self.faults[i]
                     self.faults_fired += 1
+                    self.fired.append({"kind": kind, "peer": pair.peer if pair else None,
+                                       "gen": pair.gen if pair else None})
                     return sec
         return None
 
@@ -470,6 +474,7 @@ class ControlledTransport(KVTransport):
             t["dead_peers"] = dict(self.dead_peers)
             t["pairs"] = {p: {"gen": x.gen, "peer_inc": x.peer_inc, "dead": x.dead} for p, x in self.pairs.items()}
             t["faults_fired"] = self.faults_fired
+            t["fired"] = list(self.fired)
             t["recent"] = list(self._records)
         return t
 
@@ -491,7 +496,8 @@ class ControlledTransport(KVTransport):
                     receiver.handle(m)
                 except Exception as e:  # noqa: BLE001 - the pair's state is unknown now
                     log.exception("KV control message %s from %s failed", type(m).__name__, m.p)
-                    self.mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}", pair_only=True)
+                    self.mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}",
+                                   pair_only=True)
             try:
                 receiver.take_formed()
                 receiver.run_deadlines(store)

@@ -205,7 +205,7 @@ class ReceiverSide(KVReceiver):
         pair = Pair(peer, t.worker_id)
         pair.peer_inc, pair.gen = m.inc, m.gen
         errors: list = []
-        delay = t.take_fault("slow_hello")
+        delay = t.take_fault("slow_hello", pair)
 
         def form():
             try:

@@ -368,7 +368,8 @@ class SenderSide(KVSender):
                 b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
                 break
             if b.fault is None and b.issued == 0:
-                b.fault = next((k for k in ("transfer", "stuck_transfer") if self.t.take_fault(k) is not None), "")
+                b.fault = next((k for k in ("transfer", "stuck_transfer")
+                                if self.t.take_fault(k, pair) is not None), "")
             if b.fault == "stuck_transfer":
                 # Injected: the pair's channel wedges here. Nothing of this bundle, nor anything
                 # after it, goes out on the pair; its completion never comes (WedgedCompletion).
