@@ -25,8 +25,8 @@ from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Inbox, Message
 from cluster.transport.completion import Completion
-from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key
-from cluster.transport.plan import ItemPlan, Launch, fingerprint
+from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key, verdict_key
+from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -194,16 +194,26 @@ class ReceiverSide(KVReceiver):
             self._on_abort(pair, m)
 
     def _on_hello(self, m: Hello) -> None:
-        """Forms this side's half of the pair (a prefill forms its half, then says hello): a new
-        incarnation of the prefill, or a new generation of a pair that broke. On a helper thread: a
-        prefill that dies while the pair forms holds up neither this thread nor its other pairs."""
+        """Answers a prefill's hello (the verdict key: "ok", or why not), then forms this side's half
+        of the pair while the prefill forms its own: a new incarnation of the prefill, or a new
+        generation of a pair that broke. The forming is on a helper thread: a prefill that dies while
+        the pair forms holds up neither this thread nor its other pairs (take_formed)."""
         t, peer = self.t, m.p
-        if list(m.layout) != t.layout():
-            raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {t.layout()}")
-        t.forget_incarnation(peer, f"it said hello again (incarnation {m.inc}, pair generation {m.gen})")
-        self._forming.pop(peer, None)  # an earlier formation that never finished is given up
+        store = t.store()
+        key = verdict_key(t.ns, peer, m.inc, t.worker_id, t.incarnation, m.gen)
         pair = Pair(peer, t.worker_id)
         pair.peer_inc, pair.gen = m.inc, m.gen
+        try:
+            t.plan_spec.check_peer(PlanSpec.from_wire(m.layout, peer), peer)
+            t.forget_incarnation(peer, f"it said hello again (incarnation {m.inc}, pair generation {m.gen})")
+            earlier = self._forming.pop(peer, None)  # an earlier formation that never finished is given up
+            if earlier is not None:
+                t._payload_release(earlier[0])
+            t._payload_admit(pair, m)
+        except Exception as e:
+            store.set(key, f"{type(e).__name__}: {e}".encode())
+            raise
+        store.set(key, b"ok")
         errors: list = []
         delay = t.take_fault("slow_hello", pair)
 
@@ -224,7 +234,7 @@ class ReceiverSide(KVReceiver):
     def take_formed(self) -> None:
         """Control thread: pairs whose helper finished are taken in (the messages their prefill sent
         meanwhile handled now, in order); a formation that failed, or whose prefill died meanwhile,
-        leaves the peer dead (its pending transfers fail)."""
+        leaves the peer dead (its pending transfers fail) and gives its staging back."""
         t = self.t
         for peer, (pair, th, errors, queued) in list(self._forming.items()):
             dead = t.dead_peers.get(peer)
@@ -238,6 +248,7 @@ class ReceiverSide(KVReceiver):
             if dead is not None or errors:
                 why = dead or f"forming the pair failed: {type(errors[0]).__name__}: {errors[0]}"
                 log.warning("KV transport %s: the pair with %s did not form: %s", t.worker_id, peer, why)
+                t._payload_release(pair)  # (a helper still forming it ends on its own; the pair is never used)
                 with t.lock:
                     t.dead_peers.setdefault(peer, why)
                 continue
@@ -277,14 +288,14 @@ class ReceiverSide(KVReceiver):
             b.completion, err = t._payload_post(pair, b)
         if err is not None:
             b.failed = f"posting receives failed: {err}"
-            t.mark_dead(peer, b.failed, pair_only=True)
+            t.mark_dead(peer, b.failed, pair_only=True, of=pair)
         pair.waiter.put(b.completion, lambda: self._landed(b))
 
     def _landed(self, b: InBundle) -> None:
         """Waiter thread: the bundle's payload is done; a failed one means the pair is broken."""
         err = b.completion.error()
         if err is not None:
-            self.t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True)
+            self.t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
         self.wake()
 
     def _on_commit(self, pair: Pair, m: Commit) -> None:
@@ -346,7 +357,7 @@ class ReceiverSide(KVReceiver):
             self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=why))
         for b in stalled:
             t.mark_dead(b.pair.peer, f"a KV bundle was not {'done' if b.committed else 'committed'} within "
-                                     f"transfer_timeout_s={spec.transfer_timeout_s}", pair_only=True)
+                                     f"transfer_timeout_s={spec.transfer_timeout_s}", pair_only=True, of=b.pair)
 
     def watch_incoming(self, store) -> None:
         """Control thread, every heartbeat_s: a peer we expect KV from must stay alive."""

@@ -29,8 +29,8 @@ from cluster.messages import Reservation
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import Completion, ReadyCompletion
-from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key
-from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
+from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
+from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -89,7 +89,7 @@ class _Shipment(Shipment):
         self._kv_done = self._committed = False
 
     def layer_done(self, layer: int) -> None:
-        if self._kv_done or not any(b.issued < len(b.launches) and launch_last_layer(b.launches[b.issued]) <= layer
+        if self._kv_done or not any(b.issued < len(b.launches) and b.launches[b.issued].last_layer <= layer
                                     for b in self.bundles):
             return  # no launch waits for this layer (not layer-wise, or already issued)
         ready = self.s.t._payload_mark()
@@ -229,12 +229,19 @@ class SenderSide(KVSender):
                 gen = self._gens.get(peer)
                 pair.gen = 0 if gen is None or gen[0] != pair.peer_inc else gen[1] + 1
                 self._gens[peer] = (pair.peer_inc, pair.gen)
-            if list(info["layout"]) != t.layout():
-                raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
-                                   f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {t.layout()}")
+            t.plan_spec.check_peer(PlanSpec.from_wire(info["layout"], peer), peer)
             pair.outbox = Outbox(info["endpoint"], t.spec.secret)
             events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, t.layout(), events, t.incarnation, pair.gen))
+            pair.outbox.send(Hello(t.worker_id, t.plan_spec.to_wire(), events, t.incarnation, pair.gen))
+            key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)
+            verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
+                                     "its answer to our hello")
+            if verdict is None:
+                raise TimeoutError(f"decode worker {peer} did not answer our hello within "
+                                   f"transfer_timeout_s={t.spec.transfer_timeout_s}")
+            t.store().delete_key(key)
+            if verdict != b"ok":
+                raise RuntimeError(f"decode worker {peer} refused the pair: {verdict.decode(errors='replace')}")
 
             def warm():
                 with pair.io:
@@ -245,6 +252,7 @@ class SenderSide(KVSender):
         except Exception as e:
             if pair.outbox is not None:
                 pair.outbox.close()
+            t._payload_release(pair)
             with t.lock:
                 t.dead_peers.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
             raise
@@ -357,13 +365,13 @@ class SenderSide(KVSender):
         try:
             pair.outbox.send(msg)
         except Exception as e:  # noqa: BLE001 - the decode side never hears of these claims
-            t.mark_dead(pair.peer, f"pushing a begin failed: {e}", pair_only=True)
+            t.mark_dead(pair.peer, f"pushing a begin failed: {e}", pair_only=True, of=pair)
         return b
 
     def _issue_through(self, b: OutBundle, layer: int | None, ready) -> None:
         """Issues b's launches whose layers are all computed (every one when layer is None)."""
         pair = b.pair
-        while b.issued < len(b.launches) and (layer is None or launch_last_layer(b.launches[b.issued]) <= layer):
+        while b.issued < len(b.launches) and (layer is None or b.launches[b.issued].last_layer <= layer):
             if pair.dead is not None or b.failed is not None or pair.wedged:
                 b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
                 break
@@ -381,7 +389,7 @@ class SenderSide(KVSender):
                     self.t._payload_issue(pair, b, b.launches[b.issued], ready)
             except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
                 b.failed = f"{type(e).__name__}: {e}"
-                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}", pair_only=True)
+                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}", pair_only=True, of=pair)
                 b.issued = len(b.launches)
                 break
             b.issued += 1
@@ -398,16 +406,19 @@ class SenderSide(KVSender):
         t = self.t
         with t.lock:
             bundles = list(pair.bundles)
+
+        def broken() -> None:
+            try:
+                pair.outbox.send(Broken(t.worker_id, pair.gen, why))
+            except Exception:  # noqa: BLE001 - it finds out from its receives
+                pass
+            t.mark_dead(pair.peer, why, pair_only=True, of=pair)
         with pair.io:
             try:
-                t._payload_kill(pair, bundles)
+                t._payload_kill(pair, bundles, broken)
             except Exception:  # noqa: BLE001
                 log.exception("tearing down the KV channel to %s failed", pair.peer)
-        try:
-            pair.outbox.send(Broken(t.worker_id, pair.gen, why))
-        except Exception:  # noqa: BLE001 - it finds out from its receives
-            pass
-        t.mark_dead(pair.peer, why, pair_only=True)
+                broken()
 
     def _seal(self, b: OutBundle) -> None:
         b.t_kv = time.monotonic()
@@ -420,7 +431,7 @@ class SenderSide(KVSender):
         except Exception as e:  # noqa: BLE001
             b.failed = b.failed or f"{type(e).__name__}: {e}"
             b.completion = ReadyCompletion()
-            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}", pair_only=True)
+            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}", pair_only=True, of=b.pair)
 
     def _commit(self, b: OutBundle, first_tokens: Mapping[str, int | None],
                 logprobs: Mapping[str, PrefillLogprobs]) -> None:
@@ -432,7 +443,7 @@ class SenderSide(KVSender):
             try:
                 b.pair.outbox.send(msg)
             except Exception as e:  # noqa: BLE001
-                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}", pair_only=True)
+                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}", pair_only=True, of=b.pair)
         b.pair.waiter.put(b.completion, lambda: self._finish_out(b))
 
     def _finish_out(self, b: OutBundle) -> None:
@@ -441,7 +452,7 @@ class SenderSide(KVSender):
         seconds = time.monotonic() - b.t_kv
         err = b.failed or b.completion.error()
         if err is not None:
-            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True)
+            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
         with t.lock:
             if b in b.pair.bundles:
                 b.pair.bundles.remove(b)
@@ -471,7 +482,7 @@ class SenderSide(KVSender):
                 if b.t_kv and b.completion is not None and not b.completion.done() \
                         and now - b.t_kv > t.spec.transfer_timeout_s:
                     t.mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
-                                           f"{t.spec.transfer_timeout_s}", pair_only=True)
+                                           f"{t.spec.transfer_timeout_s}", pair_only=True, of=pair)
                     break
 
     def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
-from test_torch_dist import PrefillProc, _spec  # noqa: E402
+from test_torch_dist import SMALL_SLOTS, PrefillProc, _spec  # noqa: E402
 
 from cluster.transport.control import start_store  # noqa: E402
 from cluster.transport.factory import create_transport  # noqa: E402
@@ -44,7 +44,7 @@ def test_a_broken_pair_fails_its_transfer_frees_it_and_forms_again(demo_model_di
     more moves on the pair: both sides find it at transfer_timeout_s. Either way the transfer fails on
     both sides, the prefill re-forms the pair (generation 1) and the next transfers land intact."""
     timeout_s = 2.0
-    spec = _spec(store, f"pair-{fault}", layerwise_min_tokens=0, direct_min_bytes=0, transfer_timeout_s=timeout_s,
+    spec = _spec(store, f"pair-{fault}", layerwise_min_tokens=0, transfer_timeout_s=timeout_s, **SMALL_SLOTS,
                  peer_timeout_s=5.0)
     p = PrefillProc(spec, "p0", demo_model_dir, fault=fault, budget=64)
     dec = harness.DecodeSide("d0", demo_model_dir, spec, with_model=False)
