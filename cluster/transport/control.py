@@ -428,10 +428,18 @@ class ControlledTransport(KVTransport):
                     return sec
         return None
 
-    def form_interruptibly(self, peer: str, form: Callable[[], None], what: str) -> None:
+    def check_incarnation(self, store, peer: str, inc: int) -> None:
+        """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
+        one we are forming a pair with is gone; its control entry may not be replaced yet)."""
+        now = int(store.add(f"{self.ns}/inc/{peer}", 0))
+        if now > inc:
+            raise PeerDeadError(f"peer {peer} restarted (incarnation {now}) while we formed a pair with "
+                                f"incarnation {inc}")
+
+    def form_interruptibly(self, peer: str, form: Callable[[], None], what: str, inc: int | None = None) -> None:
         """Runs `form()` (a pair's payload rendezvous, which blocks until both ends joined) on a helper
         thread and returns when it did; raises PeerDeadError as soon as the peer is marked dead (the
-        router told us) or stops beating, instead of waiting out the rendezvous' own timeout. An
+        router told us), stops beating or (inc) restarts, instead of waiting out the rendezvous' own timeout. An
         abandoned formation ends on its own (it is never used)."""
         done, err = threading.Event(), []
 
@@ -451,6 +459,8 @@ class ControlledTransport(KVTransport):
                 raise PeerDeadError(f"peer {peer} died while {what}: {self.dead_peers[peer]}")
             if time.monotonic() >= next_live:
                 self.check_beating(store, peer)
+                if inc is not None:
+                    self.check_incarnation(store, peer, inc)
                 next_live = time.monotonic() + self.spec.heartbeat_s
         if err:
             raise err[0]

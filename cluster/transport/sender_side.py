@@ -235,7 +235,7 @@ class SenderSide(KVSender):
             pair.outbox.send(Hello(t.worker_id, t.plan_spec.to_wire(), events, t.incarnation, pair.gen))
             key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)
             verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
-                                     "its answer to our hello")
+                                     "its answer to our hello", inc=pair.peer_inc)
             if verdict is None:
                 raise TimeoutError(f"decode worker {peer} did not answer our hello within "
                                    f"transfer_timeout_s={t.spec.transfer_timeout_s}")
@@ -248,7 +248,7 @@ class SenderSide(KVSender):
                     t._payload_warm(pair)
             # NOTE: the rendezvous blocks until the decode side joins; a peer that dies meanwhile
             # (the router tells us, or its heartbeat stops) fails it now, not at its own timeout.
-            t.form_interruptibly(peer, warm, f"forming the KV pair with {peer}")
+            t.form_interruptibly(peer, warm, f"forming the KV pair with {peer}", inc=pair.peer_inc)
         except Exception as e:
             if pair.outbox is not None:
                 pair.outbox.close()
@@ -261,9 +261,10 @@ class SenderSide(KVSender):
             t.pairs[peer] = pair
         return pair
 
-    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str) -> bytes | None:
+    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str, inc: int | None = None) -> bytes | None:
         """Connecting only (never on a transfer's path): polls until `key` exists; None at the deadline;
-        raises if the peer died meanwhile."""
+        raises if the peer died meanwhile, or (inc) if a later incarnation than `inc` of it started:
+        our hello went to one that is gone and nobody will answer it."""
         t = self.t
         delay, next_live = 1e-4, 0.0
         while True:
@@ -276,6 +277,8 @@ class SenderSide(KVSender):
                 raise RuntimeError(f"KV transport of {t.worker_id} closed while waiting for {what}")
             if now >= next_live:
                 t.check_alive(store, peer)
+                if inc is not None:
+                    t.check_incarnation(store, peer, inc)
                 next_live = now + t.spec.heartbeat_s
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, 0.05)
