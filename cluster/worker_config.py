@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,3 +28,9 @@ class WorkerConfig:
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     seed: int = 0
+    # Decode worker: a loop that raised more often than this (each time its requests are moved) stays
+    # down, and the worker reports itself unhealthy.
+    max_loop_restarts: int = 3
+    # The cluster's secret (cluster/frame_auth.py): the frames a worker sends on the token streams and
+    # the stats sink carry a MAC under it. Drawn by the launcher, handed over through Ray; never printed.
+    cluster_secret: bytes = field(default=b"", repr=False)

@@ -389,7 +389,8 @@ class BucketedGraphRunner:
             m_slot[i] = held[1]
         if new:
             self.sampling_state.init_slots([sl for _, sl in new], [q.params for q, _ in new],
-                                           [q.prompt_token_ids for q, _ in new], [q.output_token_ids for q, _ in new])
+                                           [q.prompt_token_ids for q, _ in new],
+                                           [q.generated_token_ids for q, _ in new])
 
     @torch.inference_mode()
     def launch(self, rows) -> StepHandle:

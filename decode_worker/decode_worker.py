@@ -27,6 +27,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,8 +58,24 @@ from decode_worker.warmup import DecodeWorkerWarmup
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # the loop's nap when there is nothing to do; new work wakes it at once
-MAX_LOOP_RESTARTS = 3  # a loop that failed more often stays down: the worker reports itself unhealthy
 _LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
+
+
+@dataclass
+class TokenCountFault:
+    """Fault injection keyed on what a client has received (tests, chaos): fires once, when the first
+    matching request reaches exactly `after_tokens` tokens, counting the tokens it resumed from after a
+    migration (so a request moved at that point never fires it again). The batch carrying that token
+    is published (with none of the request's later tokens), then the fault happens before anything
+    else is: the client has exactly `after_tokens` tokens.
+
+    kind "loop": the decode loop raises (its requests are lost, the loop restarts);
+    kind "restart": the worker's state dies at once as in a crash (nothing more is published, no
+    request is failed by the worker itself) and `DecodeWorker.on_restart` brings up a new incarnation."""
+
+    kind: str
+    after_tokens: int
+    seed: int | None = None  # only the request sampled with this seed (None: any request)
 
 
 @dataclass
@@ -108,7 +125,8 @@ class DecodeWorker:
         self.chunk_tokens = max(1, min(cfg.local_prefill_chunk_tokens, cfg.max_prefill_tokens))
         self.warmup_info: dict = {}
         self._warming = False  # warm-up requests run: nothing is published
-        self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
+        self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort,
+                                        secret=cfg.cluster_secret)
         self.transport: KVReceiver | None = None
 
         self._lock = threading.RLock()  # reentrant: the loop drains under it
@@ -127,7 +145,12 @@ class DecodeWorker:
         self.error: str | None = None
         self.loop_failures = 0
         self._lost: dict[str, str] = {}  # request id -> why: dropped by a failed loop (insertion order)
-        self._fault: str | None = None  # inject_fault()
+        self._fault: str | None = None  # inject_fault(): "loop" raises at the loop's next iteration
+        self._count_fault: TokenCountFault | None = None  # inject_fault(kind, after_tokens=K)
+        self.faults_fired: list[dict] = []  # what the injected faults did (stats()["extra"])
+        # Fault "restart": called on the loop's thread once the worker's state is dead (the actor brings
+        # up a new incarnation); None: that fault is refused.
+        self.on_restart: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{worker_id}", daemon=True)
         if start:
             self._thread.start()
@@ -153,7 +176,8 @@ class DecodeWorker:
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
-                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None,
+                       resumed_tokens=req.resumed_tokens)
         if p.structured is not None:  # a bad schema is a 400 here, before anything is reserved
             self.grammars.check(p.structured)
             # A migrated request's prompt ends with the tokens it generated: its grammar replays them.
@@ -225,17 +249,36 @@ class DecodeWorker:
             t.peer_died(peer, why)
 
     def lost(self, request_id: str) -> bool:
-        """Whether a failure of this worker (not of the request: a loop exception) dropped the request:
-        the router then moves it like a dead worker's (prompt + tokens so far, same seed)."""
+        """Whether a failure of this worker or of its KV transfer (not of the request: a loop exception,
+        a broken pair) dropped the request: the router then moves it like a dead worker's (prompt +
+        tokens so far, same seed)."""
         with self._lock:
             return request_id in self._lost
 
-    def inject_fault(self, kind: str) -> None:
-        """Fault injection (chaos tests): "loop": the decode loop raises at its next iteration."""
-        if kind != "loop":
+    def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
+        """Fault injection (chaos and reliability tests). "loop": the decode loop raises at its next
+        iteration, or with `after_tokens` right after a request (the one with `seed`, else any) has
+        sent exactly that many tokens (TokenCountFault); "restart" (with `after_tokens`): the worker's
+        state dies there as in a crash and `on_restart` makes a new incarnation."""
+        if kind not in ("loop", "restart"):
             raise ValueError(f"unknown fault {kind!r}")
-        self._fault = kind
+        if after_tokens is None:
+            if kind != "loop":
+                raise ValueError(f"fault {kind!r} needs after_tokens")
+            self._fault = kind
+        else:
+            if after_tokens < 1:
+                raise ValueError("after_tokens must be >= 1")
+            if kind == "restart" and self.on_restart is None:
+                raise ValueError("this worker cannot restart in place (no on_restart)")
+            with self._lock:
+                self._count_fault = TokenCountFault(kind, after_tokens, seed)
         self._wake.set()
+
+    def clear_faults(self) -> None:
+        """Disarms what inject_fault armed and has not fired."""
+        with self._lock:
+            self._fault, self._count_fault = None, None
 
     def stats(self) -> WorkerStats:
         self._prefill_timer.harvest()
@@ -250,7 +293,9 @@ class DecodeWorker:
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
-                       "loop_failures": self.loop_failures,
+                       "loop_failures": self.loop_failures, "faults_fired": list(self.faults_fired),
+                       # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
+                       "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
                        **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
                 local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
@@ -300,8 +345,8 @@ class DecodeWorker:
     def _loop(self) -> None:
         """Runs the loop; an exception in it fails the requests it held as *lost* (the router moves
         them, like a dead worker's), settles the device and the block accounting, and starts the loop
-        again, up to MAX_LOOP_RESTARTS times; after that (or a CUDA error, which poisons the context)
-        the worker reports itself unhealthy."""
+        again, up to `cfg.max_loop_restarts` times; after that (or a CUDA error, which poisons the
+        context) the worker reports itself unhealthy."""
         while True:
             try:
                 self._run_loop()
@@ -310,12 +355,13 @@ class DecodeWorker:
                 log.exception("decode loop of %s failed", self.worker_id)
                 self.loop_failures += 1
                 why = f"decode worker {self.worker_id} failed: {type(e).__name__}: {e}"
-                recoverable = self._settle_after_failure(why) and self.loop_failures <= MAX_LOOP_RESTARTS
+                recoverable = (self._settle_after_failure(why)
+                               and self.loop_failures <= self.cfg.max_loop_restarts)
                 if not recoverable or self._stop.is_set():
                     self.error = why
                     return
                 log.warning("decode loop of %s restarted (failure %d of at most %d)", self.worker_id,
-                            self.loop_failures, MAX_LOOP_RESTARTS)
+                            self.loop_failures, self.cfg.max_loop_restarts)
 
     def _settle_after_failure(self, why: str) -> bool:
         """After a loop exception: every request here fails as lost; once the device is idle, the
@@ -363,13 +409,74 @@ class DecodeWorker:
             if inflight is not None:
                 deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
             inflight = launched
+            fired = None
+            if self._count_fault is not None and deltas:
+                deltas, fired = self._cut_at_fault(deltas)
             if deltas and not self._warming:
                 step_s, bs, bucket, step = self._last_step_info
                 self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
                 self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
                                                   step_s, bs, bucket))
+            if fired is not None:
+                if fired.kind == "restart":
+                    self._die()
+                    return
+                self._fault = "loop"  # raises at the top of the next iteration: nothing else goes out
             if inflight is None and not deltas:
                 self._wake.wait(_IDLE_WAIT_S)
+
+    def _cut_at_fault(self, deltas: list[TokenDelta]) -> tuple[list[TokenDelta], TokenCountFault | None]:
+        """The armed TokenCountFault against this iteration's deltas (loop thread, before they are
+        published): when a matching request reaches exactly `after_tokens` tokens here, its later
+        tokens in the batch are cut and the fault is returned (disarmed)."""
+        f = self._count_fault
+        with self._lock:
+            s = self.scheduler
+            seqs = {x.request_id: x for x in (*s.running, *s.waiting, *s.waiting_for_kv.values())}
+        in_batch: dict[str, int] = {}
+        for d in deltas:
+            if d.token_ids:
+                in_batch[d.request_id] = in_batch.get(d.request_id, 0) + len(d.token_ids)
+        target = None
+        for rid, n in in_batch.items():
+            seq = seqs.get(rid)  # (one that finished in this batch is not here: its end is not a fault point)
+            if seq is None or (f.seed is not None and seq.seed != f.seed):
+                continue
+            before = seq.resumed_tokens + len(seq.output_token_ids) - n  # tokens it had sent before this batch
+            if before < f.after_tokens <= before + n:
+                target, keep = rid, f.after_tokens - before
+                break
+        if target is None:
+            return deltas, None
+        out = []
+        for d in deltas:
+            if d.request_id == target and d.token_ids:
+                if keep <= 0:
+                    continue
+                if len(d.token_ids) > keep:
+                    d = TokenDelta(d.request_id, d.token_ids[:keep], None, None,
+                                   None if d.logprobs is None else d.logprobs[:keep], d.prompt_logprobs)
+                keep -= len(d.token_ids)
+            out.append(d)
+        with self._lock:
+            self._count_fault = None
+        self.faults_fired.append({"kind": f.kind, "after_tokens": f.after_tokens, "seed": f.seed,
+                                  "request_id": target, "step": self._step})
+        return out, f
+
+    def _die(self) -> None:
+        """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
+        sends what it was given so far and nothing after; the loop stops without failing any request
+        (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
+        self.publisher.halt()
+        # NOTE: the last frames are out of our sockets; the loop thread (whose life is what stats()
+        # calls healthy) lives a moment more so that they reach their gateways before the router can
+        # find the worker dead: the client has exactly `after_tokens` tokens. (In a real crash frames
+        # sent just before it may or may not arrive; the migration resumes from what the client got.)
+        time.sleep(0.2)
+        self.error = "restarting (injected fault)"
+        self._stop.set()
+        self.on_restart()
 
     def _finish(self, launched: _Launched) -> list[TokenDelta]:
         """Reads a launched step's tokens (waits for that step only) and applies them."""
@@ -399,8 +506,17 @@ class DecodeWorker:
             first = a.header.first_token if ok else None
             d = self.scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
             if d is not None:
+                if not ok:
+                    # A transfer that failed (a broken pair, a dead or stuck prefill) is the cluster's
+                    # failure, not the request's: the router moves it when its gateway asks (lost()).
+                    self._mark_lost(rid, a.error or "its KV transfer failed")
                 deltas.append(d)
         return deltas
+
+    def _mark_lost(self, request_id: str, why: str) -> None:
+        self._lost[request_id] = why
+        while len(self._lost) > _LOST_KEPT:
+            del self._lost[next(iter(self._lost))]
 
     def _fail_grammars(self) -> None:
         """Requests whose grammar failed after admission (cluster.structured) end with its error."""
@@ -438,7 +554,7 @@ class DecodeWorker:
         # NOTE: syncs; the local prefill is eager anyway.
         tokens, logprobs = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
                                          [s.num_tokens for s in done], [s.prompt_token_ids for s in done],
-                                         [s.output_token_ids for s in done], [s.grammar for s in done])
+                                         [s.generated_token_ids for s in done], [s.grammar for s in done])
         for s, t, lp in zip(done, tokens, logprobs):
             prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
             deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None

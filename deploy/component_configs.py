@@ -18,9 +18,10 @@ from router.admission import AdmissionLimits
 from router.router_config import RouterConfig
 
 
-def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: float = 1.0) -> WorkerConfig:
+def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: float = 1.0,
+                  cluster_secret: bytes = b"") -> WorkerConfig:
     """What every worker actor is started with. gpu_share: the fraction of one GPU each actor is given
-    (< 1 when actors share a GPU)."""
+    (< 1 when actors share a GPU). cluster_secret: the launcher's (cluster/frame_auth.py)."""
     return WorkerConfig(
         model_dir=model_dir, dtype=cfg.dtype, device=device, attention_backend=cfg.attention_backend,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
@@ -29,7 +30,7 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
         max_prefill_tokens=cfg.max_prefill_tokens, local_prefill_chunk_tokens=cfg.local_prefill_chunk_tokens,
         max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
         graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
-        seed=cfg.seed,
+        seed=cfg.seed, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,
     )
 
 
@@ -39,7 +40,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
         local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
         call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
         reserve_wait_s=cfg.reserve_wait_s, migration_wait_s=cfg.migration_wait_s,
-        migrate_on_worker_death=cfg.migrate_on_worker_death, workers_restart=cfg.worker_max_restarts != 0,
+        migrate_on_worker_death=cfg.migrate_on_worker_death, worker_max_restarts=cfg.worker_max_restarts,
         prefill_policy=cfg.prefill_policy,
         decode_policy=cfg.decode_policy,
     )
@@ -49,19 +50,20 @@ def admission_limits(cfg: ClusterConfig, max_model_len: int) -> AdmissionLimits:
     """max_model_len: the served one (cluster.request_limits.served_max_model_len of the model)."""
     return AdmissionLimits(
         max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
-        max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s,
-        max_prefill_queue_s=cfg.max_prefill_queue_s)
+        queue_timeout_s=cfg.queue_timeout_s, max_inflight_tokens=cfg.max_inflight_tokens,
+        retry_after_s=cfg.retry_after_s, max_prefill_queue_s=cfg.max_prefill_queue_s)
 
 
 def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: str, served_model_name: str,
-                        max_model_len: int, sink_host: str, log_level: str) -> dict[str, Any]:
+                        max_model_len: int, sink_host: str, log_level: str,
+                        cluster_secret: bytes = b"") -> dict[str, Any]:
     """The fields of deploy.api_server.APIServerSpec that every API-server process shares (each adds
     its index, the listening socket's descriptor and the launcher's pid)."""
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                 token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=sink_host,
                 tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                log_level=log_level)
+                log_level=log_level, cluster_secret=cluster_secret)
 
 
 def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:

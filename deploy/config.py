@@ -49,12 +49,13 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
     **{n: (WorkerConfig, n) for n in (
         "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
         "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
-        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed")},
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed", "max_loop_restarts")},
     **{n: (RouterConfig, n) for n in (
         "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
         "prefill_timeout_s", "reserve_wait_s", "migration_wait_s", "migrate_on_worker_death", "prefill_policy",
         "decode_policy")},
-    **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "max_inflight_tokens", "retry_after_s")},
+    **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "queue_timeout_s", "max_inflight_tokens",
+                                         "retry_after_s")},
     **{n: (GatewayConfig, n) for n in ("api_key", "max_body_bytes", "token_timeout_s", "tool_call_parser",
                                         "enable_auto_tool_choice")},
     "planner_hysteresis": (PlannerConfig, "hysteresis"),
@@ -70,7 +71,7 @@ DEPLOY_CHOICES: dict[str, tuple[type, str, str]] = {
                             "given one; a served cluster answers 429 past 5 s of prefill queue"),
     "planner_min_prefill_workers": (PlannerConfig, "min_prefill", "the planner may remove every prefill worker; "
                                     "the launcher keeps one (the KV transport group is formed at start)"),
-    "worker_max_restarts": (RouterConfig, "workers_restart", "Ray restarts dead workers in a served cluster "
+    "worker_max_restarts": (RouterConfig, "worker_max_restarts", "Ray restarts dead workers in a served cluster "
                             "(3 times); the router alone does not assume it"),
     "device": (WorkerConfig, "device", "'auto' is resolved per actor (cuda when it holds a GPU); a worker is "
                "given the resolved device"),
@@ -159,6 +160,9 @@ class ClusterConfig(BaseModel):
     """Replay decode steps as CUDA graphs (GPU only)."""
     seed: int = Field(_d("seed"), ge=0)
     """Seed of the workers' engines."""
+    max_loop_restarts: int = Field(_d("max_loop_restarts"), ge=0)
+    """A decode worker whose loop raised more often than this (each time its requests move to
+    another worker and the loop starts again) stays down and reports itself unhealthy."""
 
     # -- router: admission and placement -------------------------------------------------------------
     prefill_placement: Literal["adaptive", "static"] = _d("prefill_placement")
@@ -180,9 +184,13 @@ class ClusterConfig(BaseModel):
     decode_policy: str = _d("decode_policy")
     """Decode placement policy (router.placement.DECODE_POLICIES)."""
     max_waiting_requests: int = Field(_d("max_waiting_requests"), ge=1)
-    """Admitted requests without a first token yet; beyond it, HTTP 429."""
+    """Requests the admission queue holds while they wait for KV and prefill capacity (FCFS per API
+    server, round robin between them); beyond it, HTTP 429 with Retry-After."""
+    queue_timeout_s: float = Field(_d("queue_timeout_s"), gt=0.0)
+    """Longest wait in the admission queue: a request that has waited this long, or would (its place
+    over the measured rate of admissions), gets HTTP 429 with Retry-After."""
     max_inflight_tokens: int = Field(_d("max_inflight_tokens"), ge=1)
-    """Sum of prompt + max_tokens over unfinished requests; beyond it, HTTP 429."""
+    """Sum of prompt + max_tokens over unfinished requests; beyond it, a request waits in the queue."""
     retry_after_s: int = Field(_d("retry_after_s"), ge=0)
     """Retry-After sent with a 429."""
     reserve_wait_s: float = Field(_d("reserve_wait_s"), ge=0.0)

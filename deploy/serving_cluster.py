@@ -45,6 +45,7 @@ from typing import Any, Callable
 import ray
 
 from cluster.errors import PdserveError
+from cluster.frame_auth import new_cluster_secret
 from cluster.model.config import ModelArchConfig
 from cluster.model.demo import ensure_demo_model
 from cluster.request_limits import served_max_model_len
@@ -117,24 +118,31 @@ class ServingCluster:
         api_servers = cfg.api_servers or default_api_servers()
 
         self._owns_ray = init_ray(cfg)
-        stream_host = cfg.token_stream_host or ("127.0.0.1" if self._local_ray() else ray.util.get_node_ip_address())
+        # The cluster's internal sockets (token streams, stats sink, KV control and payload) bind the
+        # loopback when the whole cluster is this one node: nothing else on the network reaches them.
+        stream_host = cfg.token_stream_host or ("127.0.0.1" if self._one_node() else ray.util.get_node_ip_address())
+        # Their frames carry a MAC under this secret (cluster/frame_auth.py), drawn anew for each
+        # start and handed to every process of the cluster: the workers through Ray, the API servers
+        # on their stdin.
+        secret = new_cluster_secret()
         self._tmp = tempfile.mkdtemp(prefix="pdserve-")
         metrics = RouterMetrics(name)
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
-                                          gateways_expected=api_servers, block_size=cfg.block_size)
+                                          gateways_expected=api_servers, block_size=cfg.block_size, secret=secret)
         self._listen = self._listen_socket()
         metrics_dir = os.path.join(self._tmp, "metrics")
         os.mkdir(metrics_dir)
         self.api_servers = APIServerPool(api_servers, self._listen, api_server_settings(
             cfg, router_address=self.router_server.address, model_dir=str(model_dir), served_model_name=name,
             max_model_len=max_model_len, sink_host=stream_host,
-            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel())), metrics_dir)
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()), cluster_secret=secret),
+            metrics_dir)
         self.api_servers.start()  # they load the tokenizer while the workers load the model
 
         workers = self.workers
-        workers.place(str(model_dir), self.router_server.stats_sink)
+        workers.place(str(model_dir), self.router_server.stats_sink, secret)
         workers.kv_group = self._form_transport_group(workers.prefill, workers.decode, cfg, store_host=stream_host,
-                                                      device=workers.device, namespace=self.tag)
+                                                      device=workers.device, namespace=self.tag, secret=secret)
         if cfg.warmup:
             workers.warm_up(workers.handles)
 
@@ -148,6 +156,7 @@ class ServingCluster:
             arrivals=ArrivalStats(window_s=cfg.planner_window_s) if cfg.planner else None,
         )
         self.router.rejoin = workers.rejoin
+        self.router.gone_check = workers.gone
         self.router_server.attach(self.router)
         if cfg.planner:
             self.planner = PlannerLoop.for_cluster(self, self.router, metrics)
@@ -162,6 +171,11 @@ class ServingCluster:
 
     def _local_ray(self) -> bool:
         return self.cfg.address is None
+
+    def _one_node(self) -> bool:
+        """The cluster is this node alone: a local Ray, or a joined Ray cluster with one node alive.
+        (A node that joins later cannot reach loopback sockets: give such a cluster token_stream_host.)"""
+        return self._local_ray() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
     # -- role switches (the P:D planner's RoleSwitcher calls these) -------------------------------
     def retire_worker(self, worker_id: str) -> int:

@@ -38,10 +38,12 @@ class PrefillWorkerActor:
         self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
                                   send_timeout_s=spec.transfer_timeout_s)
 
-    def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
-        """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.
-        Every decode worker's init_transport must have been called (it publishes its endpoint)."""
-        return self.worker.transport.connect(decode_worker_ids)
+    async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
+        """Forms and warms the KV channel to every decode worker (seconds each); returns when done.
+        Every decode worker's init_transport must have been called (it publishes its endpoint). On a
+        thread: the actor's loop goes on answering (stats, peer_died: a peer that dies while its pair
+        forms fails that pair at once)."""
+        return await asyncio.to_thread(self.worker.transport.connect, decode_worker_ids)
 
     async def warmup(self) -> dict:
         """Before serving (the launcher calls it before /ready): every prefill shape class, twice.
@@ -73,6 +75,9 @@ class PrefillWorkerActor:
     def transfer_metrics(self) -> dict:
         t = self.worker.transport
         return t.metrics() if t is not None and hasattr(t, "metrics") else {}
+
+    def inject_transport_fault(self, kind: str, seconds: float = 0.0) -> None:
+        self.worker.transport.inject_fault(kind, seconds)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -393,8 +393,11 @@ class PrefillWorker:
         """The first token sits at position len(prompt): the same draw the engine would make.
         -> (tokens, per job its logprobs or None)."""
         reqs = [j.task.request for j in jobs]
+        # A migrated request's prompt ends with the tokens it generated before (resumed_tokens): its
+        # penalties and bad words count them as generated, as they did on its first placement.
         return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
                              [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
+                             [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
                              grammars=[j.grammar for j in jobs])
 
     # -- transfer and completion ----------------------------------------------------------------

@@ -45,6 +45,12 @@ class _Metrics:
         return Counter(f"pdserve:{name}", doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
 
+def _frames_rejected_counter(registry) -> Counter:
+    return Counter("pdserve:frames_rejected", "Frames dropped on the cluster's own sockets for a missing or bad MAC "
+                   "(not from a holder of the cluster's secret, or replayed), by channel.",
+                   ["model_name", "channel"], registry=registry)
+
+
 class GatewayMetrics(_Metrics):
     def __init__(self, model_name: str):
         super().__init__(model_name)
@@ -63,6 +69,7 @@ class GatewayMetrics(_Metrics):
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter("pdserve:request_rejected", "Requests refused, by HTTP status.",
                                  ["model_name", "status"], registry=self.registry)
+        self._frames_rejected = _frames_rejected_counter(self.registry)
 
     def finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -71,6 +78,10 @@ class GatewayMetrics(_Metrics):
 
     def rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
+
+    def frame_rejected(self, channel: str) -> None:
+        """A frame on one of the cluster's own sockets without a valid MAC (cluster/frame_auth.py)."""
+        self._frames_rejected.labels(self.model_name, channel).inc()
 
     def render(self) -> bytes:
         """Every gateway process's metrics summed (multiprocess mode), else this one's."""
@@ -112,8 +123,12 @@ class RouterMetrics(_Metrics):
         self.migrations = self._counter("request_migrations", "Requests moved to another worker after theirs died.")
         self.running = Gauge("pdserve:num_requests_running", "Requests decoding on decode workers.", m,
                              registry=r).labels(self.model_name)
-        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests admitted without a first token yet.", m,
+        self.waiting = Gauge("pdserve:num_requests_waiting",
+                             "Requests in the admission queue, waiting for KV and prefill capacity.", m,
                              registry=r).labels(self.model_name)
+        self.admission_queue_time = self._hist(
+            "request_admission_queue_time_seconds",
+            "Time a request waited in the admission queue before it was admitted (0: at once).", _LATENCY_BUCKETS)
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "KV-cache usage of a decode worker (1 = full).",
                                m + ["worker_id"], registry=r)
         self.kv_usage_total = Gauge("pdserve:kv_cache_usage_perc_cluster",
@@ -124,6 +139,10 @@ class RouterMetrics(_Metrics):
         self._preempt_seen: dict[str, int] = {}  # decode worker -> its preemptions total last polled
         self._healthy = Gauge("pdserve:worker_healthy", "1 when the worker answered its last stats poll.",
                               m + ["worker_id", "role"], registry=r)
+        self._gone = Gauge("pdserve:worker_gone",
+                           "1 when the worker died past its restart limit (worker_max_restarts): it is not "
+                           "coming back.",
+                           m + ["worker_id", "role"], registry=r)
         self._pass_cost = Gauge(
             "pdserve:worker_pass_cost_seconds",
             "A worker's measured pass cost, seconds = overhead + units x per_unit (pass=prefill: per prompt token, "
@@ -139,6 +158,8 @@ class RouterMetrics(_Metrics):
                                       "Prefix cache hits / queries since start, over all workers of a role.",
                                       m + ["role"], registry=r)
         self._prefix_seen: dict[str, tuple[str, int, int]] = {}  # worker -> (role, queries, hits) last polled
+        self._frames_rejected = _frames_rejected_counter(r)
+        self._kv_rejected_seen: dict[str, int] = {}  # decode worker -> its KV control inbox's drops last polled
 
     def observe_step(self, rec: DecodeStepRecord) -> None:
         if rec.step_time_s > 0:
@@ -147,6 +168,14 @@ class RouterMetrics(_Metrics):
             self.decode_batch_size.observe(rec.batch_size)
             if rec.bucket > 0:
                 self.graph_padding_ratio.observe(max(0, rec.bucket - rec.batch_size) / rec.bucket)
+
+    def worker_gone(self, worker_id: str, role: str, gone: bool = True) -> None:
+        self._gone.labels(self.model_name, worker_id, role).set(1.0 if gone else 0.0)
+
+    def frame_rejected(self, channel: str, n: int = 1) -> None:
+        """Frames dropped on one of the cluster's own sockets for a missing or bad MAC."""
+        if n > 0:
+            self._frames_rejected.labels(self.model_name, channel).inc(n)
 
     def prefill_placed(self, where: str, reason: str) -> None:
         self._prefill_placements.labels(self.model_name, where, reason).inc()
@@ -172,6 +201,10 @@ class RouterMetrics(_Metrics):
                 if rate is not None:
                     self._pass_cost.labels(self.model_name, worker_id, kind, "overhead").set(rate.overhead_s)
                     self._pass_cost.labels(self.model_name, worker_id, kind, "per_unit").set(rate.unit_s)
+        if stats is not None and "kv_frames_rejected" in stats.extra:
+            n, seen = stats.extra["kv_frames_rejected"], self._kv_rejected_seen.get(worker_id, 0)
+            self.frame_rejected("kv_control", n - seen if n >= seen else n)  # (less: a new incarnation)
+            self._kv_rejected_seen[worker_id] = n
         if stats is not None and "prefix_cache_queries" in stats.extra:
             self._observe_prefix_cache(worker_id, role, stats.extra["prefix_cache_queries"],
                                        stats.extra["prefix_cache_hits"])

@@ -86,7 +86,8 @@ class PlacementWalk:
         while True:
             prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
             for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
-                choice = self.prefill_choice.choose(prompt_len, d, prefill_ranked, self.cost, mean_output)
+                ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
+                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output)
                 rs.decode_worker_id = d.worker_id
                 new_blocks = need - cached.get(d.worker_id, 0)
                 if choice.local:
@@ -106,6 +107,7 @@ class PlacementWalk:
     async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
         wrid = rs.worker_request_id
         d.begin(wrid, need, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         try:
             cached = await self.workers.clients[d.worker_id].submit_local(rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
@@ -132,6 +134,7 @@ class PlacementWalk:
         wrid = rs.worker_request_id
         d.begin(wrid, need, 0)
         p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         call = asyncio.ensure_future(self.workers.clients[d.worker_id].reserve(
             ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s))
         try:
@@ -218,5 +221,10 @@ class PlacementWalk:
                     self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
+            if self.cfg.migrate_on_worker_death:
+                # Nothing was generated yet, and the prompt's computation or its KV transfer failed:
+                # a failure of the cluster, not of the request. Its gateway's Migrate places it again,
+                # not through this pair (router.migrator).
+                rs.lost = error
             self.notify(rs, error)
             self.abort_on(rs.decode_worker_id, wrid)

@@ -43,6 +43,7 @@ the copy kernel.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,11 +135,12 @@ class TorchDistTransport(ControlledTransport):
         return {"staging_bytes": self.staging.reserved, "staging_rings": self.staging.rings}
 
     # -- the pair's channel ---------------------------------------------------------------------------
-    def _form(self, peer: str, peer_inc: int, link: _Link) -> None:
-        # The rendezvous is per pair of incarnations: a restarted worker never meets its old keys.
+    def _form(self, peer: str, peer_inc: int, gen: int, link: _Link) -> None:
+        # The rendezvous is per pair of incarnations and per generation of their pair: a restarted
+        # worker, or a broken pair formed anew, never meets old keys.
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/", self._new_store())
+        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/", self._new_store())
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
@@ -175,7 +177,7 @@ class TorchDistTransport(ControlledTransport):
         """Forms the pair's channel, allocates this side's staging ring, and moves one tiny transfer
         through the real path (forms the NCCL communicator, compiles the copy kernel)."""
         link: _Link = pair.payload
-        self._form(pair.peer, pair.peer_inc, link)
+        self._form(pair.peer, pair.peer_inc, pair.gen, link)
         with self._on_stream(link.stream):  # the ring belongs to the pair stream's allocator pool
             link.ring = StagingRing(self.spec.staging_slots, self.spec.staging_bytes, self.kv_cache.device)
         self._warm(link, send)
@@ -232,6 +234,38 @@ class TorchDistTransport(ControlledTransport):
         link = pair.payload
         if link is not None and self.backend == "nccl":
             link.pg.abort()
+
+    def _payload_kill(self, pair: Pair, bundles: list, then) -> None:
+        """Fault injection ("transfer"): NCCL, the abort. gloo has no way to end a peer's operation in
+        flight but closing the sockets, which it does once nothing references the group any more: on
+        the pair's thread, in order after the launches issued so far, their sends are waited for (the
+        decode side posted those receives at the Begin), the ring is given back and the group dropped,
+        so the decode side's later receives fail at once ("Connection closed by peer"); then `then()`.
+        Launches after it fail (no ring)."""
+        if self.backend == "nccl":
+            self._payload_abort(pair)
+            then()
+            return
+        link: _Link | None = pair.payload
+
+        def kill() -> None:
+            for b in bundles:
+                io = b.payload
+                if io is None:
+                    continue
+                for w in io.works:
+                    try:
+                        w.wait()
+                    except Exception:  # noqa: BLE001 - it failed: nothing left in flight
+                        pass
+                io.works.clear()  # (the works hold the group)
+                io.error = io.error or "the pair was killed (injected fault)"
+            self._payload_release(pair)
+            if link is not None:
+                link.pg = link.ring = None
+            gc.collect()
+            then()
+        pair.waiter.put(HostCompletion(kill), _noop)
 
     def _payload_release(self, pair: Pair) -> None:
         link = pair.payload

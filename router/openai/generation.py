@@ -67,6 +67,10 @@ class Generation:
         try:
             while True:
                 d = await self.mailbox.next()
+                if d.request_id != self.worker_request_id:
+                    # A placement the request has left (a second failure notice of the worker that
+                    # failed it, queued before the move): nothing of it may reach the client.
+                    continue
                 if d.token_ids:
                     now = time.time()
                     if last is None:
@@ -81,14 +85,19 @@ class Generation:
                 if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
                     self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
                 if finish == "error" or d.error is not None:
+                    # The tokens and text read together with the failure (the mailbox merges what
+                    # arrived meanwhile) go out first, and count in what the client has *before* the
+                    # router is asked to move the request: the new worker's detokenizer resumes after
+                    # `emitted_chars` (sent after the migration, that text would come twice).
+                    if text or (logprobs is not None and logprobs.tokens):
+                        self.emitted_chars += len(text)
+                        yield text, None, logprobs
+                    text, logprobs = "", None
                     if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
                         end = ("error", d.error)
                     else:
                         end = await self._recover(d.error or "the decode worker failed the request")
-                    if end is None:  # placed again: the tokens read with the failure still go out
-                        if text or (logprobs is not None and logprobs.tokens):
-                            self.emitted_chars += len(text)
-                            yield text, None, logprobs
+                    if end is None:  # placed again: its tokens follow in the same mailbox
                         continue
                     finish, error = end
                     if finish == "error":

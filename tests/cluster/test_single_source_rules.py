@@ -272,7 +272,8 @@ def test_cluster_config_takes_every_shared_default_from_its_component():
     same_name = {n for c in components for n in _defaults(c) if n in fields}
     declared = set(COMPONENT_DEFAULTS) | set(DEPLOY_CHOICES)
     assert same_name <= declared, same_name - declared
-    assert {f.name for f in dataclasses.fields(WorkerConfig)} - declared == {"model_dir", "gpu_share"}  # the launcher's
+    assert {f.name for f in dataclasses.fields(WorkerConfig)} - declared == {"model_dir", "gpu_share",
+                                                                              "cluster_secret"}  # the launcher's
 
 
 def test_default_cluster_config_builds_each_component_with_its_own_defaults():
@@ -289,7 +290,7 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
 
     cfg = ClusterConfig()
     assert worker_config(cfg, "/m", "cpu") == WorkerConfig(model_dir="/m")
-    assert router_config(cfg) == replace(RouterConfig(), workers_restart=True)
+    assert router_config(cfg) == replace(RouterConfig(), worker_max_restarts=3)
     assert admission_limits(cfg, 512) == AdmissionLimits(max_model_len=512, block_size=16, max_prefill_queue_s=5.0)
     spec = APIServerSpec(index=0, listen_fd=3, parent_pid=1, **api_server_settings(
         cfg, router_address="ipc://r", model_dir="/m", served_model_name="m", max_model_len=512, sink_host="h",

@@ -227,6 +227,7 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     deltas of the requests that name it (reply_to), as text equal to the engine's; every step's
     record goes to the stats sink once."""
     zmq = pytest.importorskip("zmq")
+    from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
     from cluster.stream_messages import decode_step_records, decode_stream_batch
 
     ctx = zmq.Context.instance()
@@ -238,7 +239,9 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     ps = prompts(6, [15, 60, 22, 9])
     params = SamplingParams(max_tokens=12, **GREEDY)
     ref = engine.generate(ps, params)
-    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
+    secret = b"k" * 32  # every frame carries a MAC under the cluster's secret (cluster/frame_auth.py)
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4, cluster_secret=secret)
+    checks = [FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, STATS_SINK)]
     worker = DecodeWorker("d1", cfg, stats_sink=addrs[2])
     got = [Collector(worker), Collector(worker)]
     texts: dict[str, str] = {}
@@ -250,19 +253,20 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
             assert time.time() - t0 < 60
             for k in (0, 1):
                 while sinks[k].poll(10):
-                    b = decode_stream_batch(sinks[k].recv())
+                    b = decode_stream_batch(checks[k].open(sinks[k].recv_multipart()))
                     assert b.worker_id == "d1"
                     got[k].add(b)
                     for d in b.deltas:
                         texts[d.request_id] = texts.get(d.request_id, "") + d.text
         time.sleep(0.2)
         while sinks[2].poll(10):
-            records += decode_step_records(sinks[2].recv()).records
+            records += decode_step_records(checks[2].open(sinks[2].recv_multipart())).records
         for i, r in enumerate(ref):
             mine, other = got[i % 2], got[1 - i % 2]
             assert mine.tokens[f"r{i}"] == list(r.token_ids) and f"r{i}" not in other.tokens
             assert texts[f"r{i}"] == r.text
         steps = [r.step for r in records]
+        assert not any(c.rejected for c in checks)
         assert steps and steps == sorted(set(steps)) and all(r.worker_id == "d1" and r.batch_size >= 1 for r in records)
     finally:
         worker.shutdown()
@@ -337,5 +341,56 @@ def test_prefix_cache_hits_on_the_decode_worker_keep_greedy_output_exact(demo_mo
         assert ex["prefix_cache_hits"] == 2 * 5 * 16 + (len(first[0]) + 20 - 1) // 16 * 16
         col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
         worker.check_blocks()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_a_fault_after_k_tokens_fires_right_after_the_kth_token_of_its_request(demo_model_dir, k):
+    """inject_fault(kind, after_tokens=K, seed=S): the request sampled with seed S sends exactly K
+    tokens (the other running requests' tokens of that batch still go out), then the loop fails and
+    every request ends with an error, lost (the router moves them); fired once, reported in stats."""
+    ps = prompts(3, [9, 20, 14])
+    worker = make_worker(demo_model_dir, max_loop_restarts=5)
+    try:
+        col = Collector(worker)
+        worker.inject_fault("loop", after_tokens=k, seed=2)
+        for i, p in enumerate(ps):
+            req = GenerateRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=30, **GREEDY), i, 0.0)
+            assert worker.submit_local(req) is not None
+        col.wait(lambda: len(col.finish) == len(ps))
+        assert len(col.tokens["r2"]) == k
+        assert set(col.finish.values()) == {"error"} and all(worker.lost(f"r{i}") for i in range(3))
+        fired = worker.stats().extra["faults_fired"]
+        assert [(f["kind"], f["after_tokens"], f["request_id"]) for f in fired] == [("loop", k, "r2")]
+        # A migrated request resumes past K: counted with the tokens it resumed from, it never fires again.
+        worker.inject_fault("loop", after_tokens=3, seed=9)
+        p = tuple(ps[0]) + (7, 8, 9)
+        worker.submit_local(GenerateRequest("m", p, SamplingParams(max_tokens=5, **GREEDY), 9, 0.0, resumed_tokens=3))
+        col.wait(lambda: "m" in col.finish)
+        assert col.finish["m"] == "length" and len(worker.stats().extra["faults_fired"]) == 1
+        worker.clear_faults()
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+        assert worker.stats().healthy and worker.loop_failures == 1
+    finally:
+        worker.shutdown()
+
+
+def test_the_restart_fault_stops_everything_silently_and_calls_on_restart(demo_model_dir):
+    worker = make_worker(demo_model_dir)
+    restarted = []
+    try:
+        col = Collector(worker)
+        with pytest.raises(ValueError):
+            worker.inject_fault("restart", after_tokens=2)  # nobody to bring up a new incarnation
+        worker.on_restart = lambda: restarted.append(True)
+        worker.inject_fault("restart", after_tokens=2)
+        req = GenerateRequest("r", tuple(prompts(4, [10])[0]), SamplingParams(max_tokens=30, **GREEDY), 0, 0.0)
+        worker.submit_local(req)
+        col.wait(lambda: restarted)
+        time.sleep(0.3)
+        col.poll()
+        assert len(col.tokens["r"]) == 2 and "r" not in col.finish  # a crash: no error from the worker itself
+        assert not worker.stats().healthy
     finally:
         worker.shutdown()
