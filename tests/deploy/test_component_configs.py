@@ -24,7 +24,7 @@ NOT_DEFAULT = dict(
     call_timeout_s=11.0, prefill_timeout_s=12.0, reserve_wait_s=0.3, migration_wait_s=13.0,
     migrate_on_worker_death=False, prefill_policy="round_robin", decode_policy="round_robin",
     max_waiting_requests=17, queue_timeout_s=9.5, max_inflight_tokens=1234, retry_after_s=4,
-    api_key="k", max_body_bytes=2048, token_timeout_s=14.0,
+    api_key="k", max_body_bytes=2048, token_timeout_s=14.0, tool_call_parser="hermes", enable_auto_tool_choice=True,
     planner_hysteresis=0.5, planner_confirmations=5, planner_min_dwell_s=15.0, planner_tpot_target_s=0.02,
 )
 
