@@ -165,6 +165,7 @@ class OpenAIServing:
                     params = self.sampling_params(body, self.max_tokens(body, ids), num_logprobs,
                                                   num_logprobs if echo else None)
                     echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
+                    gw.metrics.prompt_placed(body.n, params.max_tokens)
                     for i in range(body.n):
                         index = p * body.n + i
                         seed = None if body.seed is None else (body.seed + i) % 2**63
@@ -195,6 +196,7 @@ class OpenAIServing:
             finally:  # one failed (or the client left): the others stop too, and abort
                 for t in tasks:
                     t.cancel()
+            observe_finished(gw, choices, body.n)
             return self.response(rid, body, choices, results, await usage(choices))
         return await unless_disconnected(request, collect())
 
@@ -211,6 +213,7 @@ class OpenAIServing:
             else:
                 async for index, (text, finish, positions) in merged(choices):
                     yield fmt.piece(index, text, finish, positions)
+            observe_finished(self.gw, choices, body.n)
             if body.include_usage:
                 yield fmt.usage(await usage(choices))
         except GenerationError as e:
@@ -248,6 +251,13 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, tuple]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def observe_finished(gw: Gateway, choices: list[Choice], n: int) -> None:
+    """Every choice finished: the most tokens any of a prompt's n choices generated (vLLM's
+    request_max_num_generation_tokens; choices p*n .. p*n+n-1 are prompt p's)."""
+    for p in range(0, len(choices), n):
+        gw.metrics.request_max_num_generation_tokens.observe(max(c.gen.completion_tokens for c in choices[p:p + n]))
 
 
 async def usage(choices: list[Choice]) -> UsageInfo:
