@@ -29,6 +29,7 @@ import msgspec
 import uvicorn
 
 from cluster.errors import PdserveError
+from cluster.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.tokenizer import load_tokenizer
 from router.channel.client import RouterClient
@@ -58,6 +59,8 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     listen_fd: int
     parent_pid: int
     log_level: str = "WARNING"
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
+    sampling_defaults: dict = {}  # cluster.generation_defaults.SamplingDefaults' fields that are set
 
     @property
     def gateway_id(self) -> str:
@@ -137,8 +140,10 @@ def serve(spec: APIServerSpec) -> None:
     gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,
                                api_key=spec.api_key, max_body_bytes=spec.max_body_bytes,
                                token_timeout_s=spec.token_timeout_s,
-                               vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size),
-                 load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
+                               vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size,
+                               sampling_defaults=SamplingDefaults(**spec.sampling_defaults)),
+                 load_tokenizer(spec.model_dir, spec.chat_template), client, tokens,
+                 GatewayMetrics(spec.served_model_name))
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, except that SIGTERM drains this process's requests before it stops, and a stop

@@ -28,7 +28,7 @@ from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Commit, Hello, Outbox
 from cluster.transport.completion import Completion, ReadyCompletion
 from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key
-from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
+from cluster.transport.plan import ItemPlan, KVNumerics, Launch, check_pair_numerics, fingerprint, launch_last_layer
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -152,6 +152,7 @@ class SenderSide(KVSender):
                                    f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
+            check_pair_numerics(t.worker_id, t.numerics, peer, KVNumerics.from_dict(info.get("numerics")))
             if list(info["layout"]) != t.layout():
                 raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
                                    f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {t.layout()}")

@@ -129,16 +129,20 @@ class OpenAIServing:
                 bias = {int(k): v for k, v in body.logit_bias.items()}
             except ValueError:
                 raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        d = gw.cfg.sampling_defaults  # the model's recommendations (--generation-config), where the body is silent
+
+        def pick(value, default, api_default):
+            return value if value is not None else (default if default is not None else api_default)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=pick(body.temperature, d.temperature, 1.0),
+            top_p=pick(body.top_p, d.top_p, 1.0),
+            top_k=pick(body.top_k, d.top_k, 0),
+            min_p=pick(body.min_p, d.min_p, 0.0),
             seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty, 1.0),
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
             bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
