@@ -14,6 +14,7 @@ request with that seed. One choice failing, or the client leaving, aborts them a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
@@ -33,6 +34,8 @@ from router.openai.streaming import DONE, event, sse, unless_disconnected, unles
 
 if TYPE_CHECKING:
     from router.openai.gateway import Gateway
+
+log = logging.getLogger(__name__)
 
 
 class Choice:
@@ -161,6 +164,8 @@ class OpenAIServing:
         echo = self.echo(body)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         single = len(prompts) * body.n == 1
+        if body.user is not None:  # what OpenAI's `user` is for: attributing a request to an end user
+            log.info("%s: user %r", rid, body.user)
 
         async def place_all() -> list[Choice]:
             choices: list[Choice] = []
