@@ -311,3 +311,13 @@ def test_generate_takes_dtype_auto_and_the_fp8_flags(demo_model_dir):
     for extra in (["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]):
         r = _pdserve(*base, *extra)
         assert r.returncode == 0 and r.stdout.strip(), (extra, r.stderr)
+
+
+def test_loadtest_writes_outside_the_installed_package(tmp_path, monkeypatch):
+    import loadtest
+    from loadtest.run import default_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    out = default_out_dir()
+    assert out.parent == tmp_path / "pdserve-loadtest" and out.name.startswith("run-")
+    assert Path(loadtest.__file__).resolve().parent not in out.parents
