@@ -6,9 +6,12 @@
 Each run: `python3 -m venv` in a new temporary folder, `git clone` of this checkout's committed HEAD
 into it, then the command from the clone's root with the venv active and nothing of this session's
 environment that would help it (PYTHONPATH, VIRTUAL_ENV, a demo model already written: PDSERVE_HOME
-points into the temporary folder). The row `{command, seconds, ok, ...}` replaces the one of the
-same command in loadtest/results/fresh_install.json. It starts Ray and servers: run it alone (on a
-shared machine under the heavy-test lock).
+points into the temporary folder). pip's download cache (~/.cache/pip) is the machine's: the row
+says whether it was empty (`pip_cache`: "cold") or held the wheels already ("warm"). The row
+`{command, seconds, ok, ...}` replaces the one of the same command and commit in
+loadtest/results/fresh_install.json (runs of other commits stay: the spread between runs is this
+shared machine's load). It starts Ray and servers: run it alone (on a shared machine
+under the heavy-test lock).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ COMMANDS = {
 def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
     command = COMMANDS[which]
     base = Path(tempfile.mkdtemp(prefix="pdserve-fresh-"))
+    pip_cache = Path.home() / ".cache" / "pip"
+    cache_state = "warm" if pip_cache.is_dir() and any(pip_cache.iterdir()) else "cold"
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PDSERVE_HOME")}
@@ -52,7 +57,7 @@ def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
     seconds = time.monotonic() - t0
     tail = log.read_text(errors="replace").splitlines()[-15:]
     row = {"command": command, "seconds": round(seconds, 1), "ok": rc == 0, "exit_code": rc, "commit": commit,
-           "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
+           "pip_cache": cache_state, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
     if not keep:
         shutil.rmtree(base, ignore_errors=True)
     else:
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     row = run(args.which, keep=args.keep)
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.is_file() else []
-    rows = [r for r in rows if r.get("command") != row["command"]] + [row]
+    rows = [r for r in rows if (r.get("command"), r.get("commit")) != (row["command"], row["commit"])] + [row]
     out.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps({k: row[k] for k in ("command", "seconds", "ok")}))
     return 0 if row["ok"] else 1
