@@ -102,7 +102,9 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
       what this process already holds (weights), less headroom for the largest step's activations,
       times `kv_memory_fraction`; never more than what is actually free. Counting the share from the
       total, not from free memory, keeps actors that start at the same time on one GPU from each
-      taking the whole of it.
+      taking the whole of it. With `cfg.gpu_memory_utilization` (vLLM's meaning: weights, activations
+      and KV together take at most that fraction of the share) the KV gets that fraction of the share
+      less the weights and the headroom, and kv_memory_fraction is not applied.
     `dtype` is the activations' (the headroom), `kv_dtype` the cache's (None: the same; FP8: one byte
     an element, twice the blocks). Returns blocks including the reserved NULL_BLOCK."""
     if cfg.num_blocks is not None:
@@ -117,8 +119,13 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     decode_act = cfg.max_num_seqs * (arch.vocab_size * 4 * elem + 4 * arch.intermediate_size * elem)
     prefill_act = cfg.max_prefill_tokens * (6 * arch.intermediate_size + 8 * arch.hidden_size) * elem
     headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
-    mine = int(mem.total * min(1.0, cfg.gpu_share)) - mem.reserved_here
-    budget = int((min(mine, mem.free) - headroom) * cfg.kv_memory_fraction)
+    share = mem.total * min(1.0, cfg.gpu_share)
+    if cfg.gpu_memory_utilization is not None:
+        mine = int(share * cfg.gpu_memory_utilization) - mem.reserved_here
+        budget = min(mine - headroom, mem.free - headroom)
+    else:
+        mine = int(share) - mem.reserved_here
+        budget = int((min(mine, mem.free) - headroom) * cfg.kv_memory_fraction)
     return max(2, blocks_that_fit(arch, cfg.block_size, kv_dtype or dtype, budget) + 1)
 
 

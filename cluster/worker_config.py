@@ -14,6 +14,9 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_memory_fraction of free GPU memory
     kv_memory_fraction: float = 0.85  # of the memory free after the weights load
+    # vLLM's --gpu-memory-utilization: the fraction of this worker's share of the GPU that weights,
+    # activations and KV may take together (None: size the KV by kv_memory_fraction instead).
+    gpu_memory_utilization: float | None = None
     gpu_share: float = 1.0  # fraction of the GPU this worker owns (< 1 when actors share one GPU)
     cpu_num_blocks: int = 512  # the pool on CPU, where free memory says little
     max_num_seqs: int = 128
@@ -28,6 +31,8 @@ class WorkerConfig:
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     seed: int = 0
+    quantization: str | None = None  # "fp8": quantize the float checkpoint's weights at load (None: as stored)
+    kv_cache_dtype: str = "auto"  # cluster.kv_cache.resolve_kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3"
     # Decode worker: a loop that raised more often than this (each time its requests are moved) stays
     # down, and the worker reports itself unhealthy.
     max_loop_restarts: int = 3

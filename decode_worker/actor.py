@@ -114,7 +114,7 @@ class DecodeWorkerActor:
         w = self.worker
         if w.transport is not None:
             return
-        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
+        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode", w.kv_numerics_info()))
 
     def transfer_metrics(self) -> dict:
         t = self.worker.transport

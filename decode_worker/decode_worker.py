@@ -33,7 +33,7 @@ import torch
 
 from cluster.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
+from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
                               WorkerStats)
 from cluster.model.config import ModelArchConfig
@@ -47,6 +47,7 @@ from cluster.sequence import Sequence
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
+from cluster.transport.plan import KVNumerics
 from cluster.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
@@ -93,14 +94,20 @@ class DecodeWorker:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         if model is None:
-            model = load_model(cfg.model_dir, dtype=cfg.dtype, device=self.device, attention_backend=cfg.attention_backend)
+            model = load_model(cfg.model_dir, dtype=cfg.dtype, device=self.device, attention_backend=cfg.attention_backend,
+                               quantization=cfg.quantization)
         self.model = model
         self.arch: ModelArchConfig = model.cfg
-        self.dtype = next(model.parameters()).dtype if cfg.dtype is None else resolve_dtype(cfg.dtype)
+        # The activation dtype: the configured one, else the embedding's (the checkpoint's torch_dtype);
+        # never the first parameter's, which FP8 weights keep in float8_e4m3fn.
+        self.dtype = resolve_dtype(cfg.dtype) if cfg.dtype else model.embed_tokens.weight.dtype
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
 
-        num_blocks = kv_pool_blocks(cfg, self.arch, self.dtype, self.device)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, num_blocks, self.dtype)
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
+        num_blocks = kv_pool_blocks(cfg, self.arch, self.dtype, self.device, kv_dtype=kv_dtype)
+        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, num_blocks, kv_dtype)
+        # What the K/V it holds depends on (PrefillWorker.kv_numerics: the same rule, so both salt alike).
+        self.kv_numerics = kv_numerics_tag(self.dtype, model.quant.tag, kv_dtype)
         # The KV pool. A transport writes arriving prompts' K/V straight into this tensor's blocks.
         self.kv_cache: torch.Tensor = self.spec.allocate(self.device)
         self.prefill_runner = ModelRunner(model, self.spec, self.device, kv_cache=self.kv_cache)
@@ -112,7 +119,7 @@ class DecodeWorker:
         self.graph_runner.capture(progress=capture_progress)
 
         self.blocks = BlockManager(num_blocks, cfg.block_size,
-                                   prefix_cache_salt(cfg.model_dir, str(self.dtype), cfg.block_size),
+                                   prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
                                    cfg.enable_prefix_caching)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
@@ -156,6 +163,10 @@ class DecodeWorker:
             self._thread.start()
 
     # -- transport --------------------------------------------------------------------------------
+    def kv_numerics_info(self) -> KVNumerics:
+        """What this cache's K/V is, for the KV transport's pair check (cluster/transport/plan.py)."""
+        return KVNumerics(str(self.spec.dtype).removeprefix("torch."), self.kv_numerics)
+
     def attach_transport(self, transport: KVReceiver) -> None:
         """Binds the KV transport (built over `self.kv_cache`); reserve() then calls its expect(). The
         transport wakes the loop when an arrival may be ready, so an idle loop notices it at once."""

@@ -29,6 +29,7 @@ import msgspec
 import uvicorn
 
 from cluster.errors import PdserveError
+from cluster.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.tokenizer import load_tokenizer
 from router.channel.client import RouterClient
@@ -61,6 +62,8 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     enable_auto_tool_choice: bool = False
     log_level: str = "WARNING"
     cluster_secret: bytes = b""  # its token sink takes frames under this MAC key only (cluster/frame_auth.py)
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
+    sampling_defaults: dict = {}  # cluster.generation_defaults.SamplingDefaults' fields that are set
 
     @property
     def gateway_id(self) -> str:
@@ -144,8 +147,9 @@ def serve(spec: APIServerSpec) -> None:
                                token_timeout_s=spec.token_timeout_s,
                                vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size,
                                tool_call_parser=spec.tool_call_parser,
-                               enable_auto_tool_choice=spec.enable_auto_tool_choice),
-                 load_tokenizer(spec.model_dir), client, tokens, metrics)
+                               enable_auto_tool_choice=spec.enable_auto_tool_choice,
+                               sampling_defaults=SamplingDefaults(**spec.sampling_defaults)),
+                 load_tokenizer(spec.model_dir, spec.chat_template), client, tokens, metrics)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, except that SIGTERM drains this process's requests before it stops, and a stop

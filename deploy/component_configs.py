@@ -29,8 +29,9 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
         cpu_num_blocks=cfg.cpu_num_blocks, max_num_seqs=cfg.max_num_seqs,
         max_prefill_tokens=cfg.max_prefill_tokens, local_prefill_chunk_tokens=cfg.local_prefill_chunk_tokens,
         max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
-        graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
-        seed=cfg.seed, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,
+        graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph and not cfg.enforce_eager,
+        seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization, quantization=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,
     )
 
 
@@ -55,15 +56,25 @@ def admission_limits(cfg: ClusterConfig, max_model_len: int) -> AdmissionLimits:
 
 
 def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: str, served_model_name: str,
-                        max_model_len: int, sink_host: str, log_level: str,
-                        cluster_secret: bytes = b"") -> dict[str, Any]:
+                        max_model_len: int, sink_host: str, log_level: str, chat_template: str | None = None,
+                        sampling_defaults: dict | None = None, cluster_secret: bytes = b"") -> dict[str, Any]:
     """The fields of deploy.api_server.APIServerSpec that every API-server process shares (each adds
-    its index, the listening socket's descriptor and the launcher's pid)."""
+    its index, the listening socket's descriptor and the launcher's pid). chat_template: the template's
+    text (deploy.preflight read it); sampling_defaults: cluster.generation_defaults.SamplingDefaults as a dict."""
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                 token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=sink_host,
                 tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                log_level=log_level, cluster_secret=cluster_secret)
+                log_level=log_level, chat_template=chat_template, sampling_defaults=sampling_defaults or {},
+                cluster_secret=cluster_secret)
+
+
+def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:
+    """The KV cache settings vllm:cache_config_info reports (router.metrics.RouterMetrics), as vLLM names them."""
+    return {"block_size": cfg.block_size, "cache_dtype": cfg.kv_cache_dtype,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else "",
+            "quantization": cfg.quantization or ""}
 
 
 def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:

@@ -9,7 +9,7 @@ Per (workload, rate) one row is written to --out (rows of the same setup, cache,
 replaced):
 - hit_rate: prompt tokens the server did not compute (`usage.prompt_tokens_details.cached_tokens`) /
   prompt tokens; theoretical_reuse: the same for a perfect cache (loadtest.prefix_workload);
-  server_hit_rate_prefill / _decode: the workers' own counters over the row (`pdserve:prefix_cache_*`
+  server_hit_rate_prefill / _decode: the workers' own counters over the row (`vllm:prefix_cache_*`
   on /metrics; a decode worker's hits are KV it did not need transferred);
 - ttft_p50_ms / ttft_p99_ms / tpot_p50_ms, client-side; goodput_rps: requests meeting both SLOs per
   second of the run (DistServe's goodput), throughput_rps: completed requests per second;
@@ -38,7 +38,7 @@ from loadtest.report import percentile
 from loadtest.server_stats import parse_counter_totals
 
 TRANSFER_BYTES = "pdserve:kv_transfer_bytes_total"
-PREFIX_QUERIES, PREFIX_HITS = "pdserve:prefix_cache_queries_total", "pdserve:prefix_cache_hits_total"
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 WORKLOADS = ("multi_turn", "few_shot")
 
 

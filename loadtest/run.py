@@ -35,6 +35,12 @@ from loadtest.report import build_rows, format_table, progress_line, target_chec
 from loadtest.server_stats import ServerStatsPoller
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def default_out_dir(now: float | None = None) -> Path:
+    """Where a run writes when --out is not given: the current directory's pdserve-loadtest/ (an
+    installed pdserve lives in site-packages, which is no place for results)."""
+    return Path.cwd() / "pdserve-loadtest" / time.strftime("run-%Y%m%d-%H%M%S", time.localtime(now))
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
@@ -70,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--processes", type=int, default=None,
                    help="Locust worker processes (default: 1 up to 16 users, else min(4, cpus / 4))")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="output directory (default: loadtest/results/run-<time>)")
+    o.add_argument("--out", default=None, help="output directory (default: ./pdserve-loadtest/run-<time>, under "
+                   "the current directory: never inside the installed package)")
     o.add_argument("--summary", default=None, help="JSON summary path (default: OUT/summary.json)")
     o.add_argument("--plot", default=None, help="PNG path (default: OUT/itl.png)")
     o.add_argument("--stats-interval", type=float, default=0.5, help="seconds between /stats polls")
@@ -200,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         raise PdserveError("--warmup must be >= 0 and shorter than --step-duration")
     stagger = min(2.0, warmup / 2) if args.start_stagger is None else args.start_stagger
     processes = args.processes or (1 if max(steps) <= 16 else max(1, min(4, (os.cpu_count() or 4) // 4)))
-    out = Path(args.out or REPO / "loadtest" / "results" / time.strftime("run-%Y%m%d-%H%M%S")).resolve()
+    out = Path(args.out or default_out_dir()).resolve()
     if out.exists():
         for stale in list(out.glob("events-*.csv")) + [out / "steps.jsonl", out / "server_steps.jsonl"]:
             stale.unlink(missing_ok=True)  # records are appended; a rerun must not mix with the last

@@ -35,7 +35,7 @@ from cluster.block_hash import BlockHash, prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
+from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
@@ -48,6 +48,7 @@ from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.structured.request_grammar import RequestGrammar
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
+from cluster.transport.plan import KVNumerics
 from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker_config import WorkerConfig
 
@@ -86,12 +87,17 @@ class PrefillWorker:
         self.arch = arch or ModelArchConfig.from_dir(cfg.model_dir)
         dtype = resolve_dtype(cfg.dtype or self.arch.dtype)
         self.model = model or load_model(cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
-                                         attention_backend=cfg.attention_backend)
+                                         attention_backend=cfg.attention_backend, quantization=cfg.quantization)
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
         self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
-                                          kv_pool_blocks(cfg, self.arch, dtype, self.device), dtype)
+                                          kv_pool_blocks(cfg, self.arch, dtype, self.device, kv_dtype=kv_dtype),
+                                          kv_dtype)
         self.runner = ModelRunner(self.model, self.spec, self.device)
+        # FP8 weights or an FP8 cache compute other K/V: the prefix-cache salt and the KV transport's
+        # pair check both take this tag (the decode workers compute the same one).
+        self.kv_numerics = kv_numerics_tag(dtype, self.model.quant.tag, kv_dtype)
         self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
-                                                prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
+                                                prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
                                                 cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
         self._computed_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.transport = transport
@@ -224,6 +230,10 @@ class PrefillWorker:
         self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "grammar_seconds": round(grammar_s, 3),
                             "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
         return self.warmup_info
+
+    def kv_numerics_info(self) -> KVNumerics:
+        """What this cache's K/V is, for the KV transport's pair check (cluster/transport/plan.py)."""
+        return KVNumerics(str(self.spec.dtype).removeprefix("torch."), self.kv_numerics)
 
     def set_transport(self, transport: KVSender, send_timeout_s: float | None = None) -> None:
         self.transport = transport

@@ -199,9 +199,7 @@ class PlacementWalk:
                 error = result.error or "prefill failed"
             elif result.transfer_s > 0:
                 self.cost.observe_transfer(len(task.request.prompt_token_ids), result.transfer_s)
-            if result.ok and self.metrics:
-                self.metrics.queue.observe(result.queue_s)
-                self.metrics.prefill.observe(result.prefill_s)
+            if result.ok and self.metrics:  # its queue and prefill phases are observed when it finishes
                 self.metrics.kv_transfer.observe(result.transfer_s)
                 self.metrics.kv_transfer_size.observe(result.transfer_bytes)
                 self.metrics.kv_transfer_bytes.inc(result.transfer_bytes)

@@ -79,7 +79,7 @@ from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, Tra
 from cluster.transport.channel import Commit, Hello, Inbox
 from cluster.transport.completion import Completion
 from cluster.transport.pair import Pair, PeerDeadError, down_key
-from cluster.transport.plan import ItemPlan, Launch, PlanSpec
+from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec
 from cluster.transport.receiver_side import InBundle, ReceiverSide
 from cluster.transport.sender_side import OutBundle, SenderSide
 
@@ -122,9 +122,12 @@ class ControlledTransport(KVTransport):
     For the two sides: `lock` guards `pairs`, `dead_peers` and every bundle list; `store()` is this
     thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
 
-    def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory):
+    def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory,
+                 numerics: KVNumerics | None = None):
+        """numerics: what the cache's K/V is (plan.KVNumerics); a pair whose two sides differ is refused."""
         assert role in ("prefill", "decode"), role
         self.spec = spec
+        self.numerics = numerics
         self.kv_cache = kv_cache
         self.worker_id = worker_id
         self.role = role
@@ -164,7 +167,8 @@ class ControlledTransport(KVTransport):
             self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret)
             self.receiver = ReceiverSide(self, self._inbox)
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
-                    "incarnation": self.incarnation, **self._payload_info()}
+                    "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
+                    **self._payload_info()}
             store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()

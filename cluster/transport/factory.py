@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.transport.base import KVTransport
+from cluster.transport.plan import KVNumerics
 
 KINDS = ("torch_dist", "same_gpu", "local")
 
@@ -73,13 +74,21 @@ def store_factory(spec: TransportSpec):
                                  timeout=timeout, use_libuv=True)
 
 
-def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str) -> KVTransport:
-    """role: "prefill" | "decode". Returns at once; a prefill worker then `connect`s its decode peers."""
+def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str,
+                     numerics: KVNumerics | None = None) -> KVTransport:
+    """role: "prefill" | "decode". Returns at once; a prefill worker then `connect`s its decode peers.
+    numerics: what the cache holds (plan.KVNumerics); None describes the cache's own dtype. An FP8
+    cache moves as its uint8 view (the payloads send bytes: gloo has no float8 type), and the pair
+    formation compares the numerics instead (plan.check_pair_numerics)."""
+    if numerics is None:
+        numerics = KVNumerics(str(kv_cache.dtype).removeprefix("torch."), str(kv_cache.dtype))
+    if kv_cache.element_size() == 1 and kv_cache.dtype != torch.uint8:
+        kv_cache = kv_cache.view(torch.uint8)  # same storage: the model's writes are what is sent
     factory = store_factory(spec)
     if spec.kind == "torch_dist":
         from cluster.transport.torch_dist import TorchDistTransport
 
-        return TorchDistTransport(spec, kv_cache, worker_id, role, factory)
+        return TorchDistTransport(spec, kv_cache, worker_id, role, factory, numerics)
     from cluster.transport.same_gpu import SameGPUTransport
 
-    return SameGPUTransport(spec, kv_cache, worker_id, role, factory)
+    return SameGPUTransport(spec, kv_cache, worker_id, role, factory, numerics)

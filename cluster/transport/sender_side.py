@@ -30,7 +30,7 @@ from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import Completion, ReadyCompletion
 from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
-from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
+from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec, check_pair_numerics, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -225,6 +225,7 @@ class SenderSide(KVSender):
                                    f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
+            check_pair_numerics(t.worker_id, t.numerics, peer, KVNumerics.from_dict(info.get("numerics")))
             with t.lock:  # a pair re-formed between the same incarnations takes the next generation
                 gen = self._gens.get(peer)
                 pair.gen = 0 if gen is None or gen[0] != pair.peer_inc else gen[1] + 1

@@ -205,11 +205,14 @@ class RouterServer:
             if task is not None:
                 task.cancel()  # the client left while the request was being placed: undo the placement
             rs = r.inflight.get(msg.request_id)
+            r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)  # first: nothing below may leak it
             if rs is not None and not msg.abort:
-                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, rs.placed_time or
-                                               rs.origin.arrival_time, msg.first_token_time, msg.finished_time,
-                                               msg.completion_tokens, rs.prefill_result, rs.local_prefill)
-            r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)
+                placed = rs.placed_time or rs.origin.arrival_time
+                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, placed, msg.first_token_time,
+                                               msg.finished_time, msg.completion_tokens, rs.prefill_result,
+                                               rs.local_prefill)
+                self.metrics.request_finished(rs.origin.arrival_time, placed, msg.first_token_time, msg.finished_time,
+                                              None if rs.local_prefill else rs.prefill_result)
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):

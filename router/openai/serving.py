@@ -20,6 +20,7 @@ request with that seed. One choice failing, or the client leaving, aborts them a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class RequestOptions:
     constraint: Constraint | None = None  # structured output (response_format, guided_*, a forced tool call)
     skip_special_tokens: bool = True
     tools: ToolCalling | None = None  # chat only
+
+log = logging.getLogger(__name__)
 
 
 class Choice:
@@ -165,16 +168,20 @@ class OpenAIServing:
                 bias = {int(k): v for k, v in body.logit_bias.items()}
             except ValueError:
                 raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        d = gw.cfg.sampling_defaults  # the model's recommendations (--generation-config), where the body is silent
+
+        def pick(value, default, api_default):
+            return value if value is not None else (default if default is not None else api_default)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=pick(body.temperature, d.temperature, 1.0),
+            top_p=pick(body.top_p, d.top_p, 1.0),
+            top_k=pick(body.top_k, d.top_k, 0),
+            min_p=pick(body.min_p, d.min_p, 0.0),
             seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty, 1.0),
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
             bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -201,6 +208,8 @@ class OpenAIServing:
         echo = self.echo(body)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         single = len(prompts) * body.n == 1
+        if body.user is not None:  # what OpenAI's `user` is for: attributing a request to an end user
+            log.info("%s: user %r", rid, body.user)
 
         async def place_all() -> list[Choice]:
             choices: list[Choice] = []
@@ -210,6 +219,7 @@ class OpenAIServing:
                     params = self.sampling_params(body, opts, max_tokens, num_logprobs,
                                                   self.prompt_logprobs(body, num_logprobs, echo, max_tokens))
                     echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
+                    gw.metrics.prompt_placed(body.n, params.max_tokens)
                     for i in range(body.n):
                         index = p * body.n + i
                         seed = None if body.seed is None else (body.seed + i) % 2**63
@@ -240,6 +250,7 @@ class OpenAIServing:
             finally:  # one failed (or the client left): the others stop too, and abort
                 for t in tasks:
                     t.cancel()
+            observe_finished(gw, choices, body.n)
             return self.response(rid, body, opts, choices, results, await usage(choices))
         return await unless_disconnected(request, collect())
 
@@ -256,6 +267,7 @@ class OpenAIServing:
             else:
                 async for index, (text, finish, positions) in merged(choices):
                     yield fmt.piece(index, text, finish, positions)
+            observe_finished(self.gw, choices, body.n)
             if body.include_usage:
                 yield fmt.usage(await usage(choices))
         except GenerationError as e:
@@ -293,6 +305,13 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, tuple]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def observe_finished(gw: Gateway, choices: list[Choice], n: int) -> None:
+    """Every choice finished: the most tokens any of a prompt's n choices generated (vLLM's
+    request_max_num_generation_tokens; choices p*n .. p*n+n-1 are prompt p's)."""
+    for p in range(0, len(choices), n):
+        gw.metrics.request_max_num_generation_tokens.observe(max(c.gen.completion_tokens for c in choices[p:p + n]))
 
 
 async def usage(choices: list[Choice]) -> UsageInfo:

@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:  # like vLLM: as much as the context (and the KV cache) leaves
             cfg = self.gw.cfg
             room = min(cfg.max_model_len, self.gw.kv_capacity_tokens() or cfg.max_model_len) - len(ids)
-            max_tokens = max(1, room)
+            max_tokens = max(1, min(room, cfg.sampling_defaults.max_tokens or room))  # the model's max_new_tokens
         return max_tokens
 
     def num_logprobs(self, body: ChatCompletionRequest) -> int | None:

@@ -252,12 +252,14 @@ def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
     httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=60)
     text = httpx.get(f"{url}/metrics").text
-    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "kv_transfer_seconds",
-                 "kv_transfer_bytes_total", "decode_batch_size", "graph_padding_ratio", "kv_cache_usage_perc",
-                 "num_requests_running", "num_requests_waiting"]:
-        assert f"pdserve:{name}" in text, name
-    assert 'pdserve:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
+    for name in ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds", "pdserve:kv_transfer_seconds",
+                 "pdserve:kv_transfer_bytes_total", "pdserve:decode_batch_size", "pdserve:graph_padding_ratio",
+                 "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"]:
+        assert name in text, name
+    assert 'vllm:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
     # Per finished request: its prompt and generated token counts (vLLM's request_*_tokens histograms).
     from cluster.tokenizer import encode_prompt, load_tokenizer
 
@@ -272,8 +274,8 @@ def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
 
 
 def _hist_count(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_count"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:{name}_count"))
 
 
 def _hist_sum(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_sum"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:{name}_sum"))
