@@ -30,7 +30,10 @@ from router.openai.serving_chat import OpenAIServingChat
 from router.openai.serving_completion import OpenAIServingCompletion
 
 MODEL = "m"
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>{{ m.content }}"
+TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}{% endif %}"
+            "{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>{{ m.content }}"
+            "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+            "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}"
             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
@@ -42,7 +45,8 @@ class StandIn:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.cfg = GatewayConfig(MODEL, 4096, vocab_size=len(tokenizer))
+        self.cfg = GatewayConfig(MODEL, 4096, vocab_size=len(tokenizer), tool_call_parser="hermes",
+                                 enable_auto_tool_choice=True)
         self.metrics = GatewayMetrics(MODEL)
         self.draining, self.ready = False, True
 
@@ -83,18 +87,20 @@ def plan(gw, model: type[BaseModel], body: dict):
     try:
         gw.check_model(req.model)
         req.check_unsupported()
+        opts = serving.options(req)
         n_lp = serving.num_logprobs(req)
         echo = serving.echo(req)
         prompts = []
         for p in serving.prompts(req):
-            ids = serving.encode(p)
-            params = serving.sampling_params(req, serving.max_tokens(req, ids), n_lp, n_lp if echo else None)
+            ids = serving.encode(p, opts)
+            mt = serving.max_tokens(req, ids)
+            params = serving.sampling_params(req, opts, mt, n_lp, serving.prompt_logprobs(req, n_lp, echo, mt))
             prompts.append((tuple(ids), params))
     except (InvalidRequestError, APIError) as e:
         return ("refused", getattr(e, "param", None))
     seeds = None if req.seed is None else [(req.seed + i) % 2**63 for i in range(req.n)]
     return {"prompts": prompts, "n": req.n, "seeds": seeds, "stream": req.stream, "usage_chunk": req.include_usage,
-            "echo": echo, "logprobs": n_lp}
+            "echo": echo, "logprobs": n_lp, "tools": opts.tools}
 
 
 CMPL = {"model": MODEL, "prompt": "Once upon a time"}
@@ -106,19 +112,34 @@ SAMPLING = {  # field: (value a, value b) whose plans differ, for both endpoints
     "frequency_penalty": (None, 0.5), "repetition_penalty": (None, 1.2), "min_p": (None, 0.1),
     "logit_bias": (None, {"3": 5.0}), "allowed_token_ids": (None, [3, 4]), "bad_words": (None, ["upon"]),
     "stream_options": ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}),
+    "skip_special_tokens": (True, False), "prompt_logprobs": (None, 2),
+    "response_format": ({"type": "text"}, {"type": "json_object"}), "guided_json": (None, {"type": "object"}),
+    "guided_regex": (None, "a+"), "guided_choice": (None, ["a", "b"]), "guided_grammar": (None, 'root ::= "a"'),
+    "structured_outputs": (None, {"regex": "a+"}),
 }
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 PROBES: dict[type, dict[str, tuple]] = {
     CompletionRequest: {**SAMPLING, "prompt": ("Once upon a time", [5, 6, 7]), "echo": (False, True),
                         "logprobs": (None, 2)},
     ChatCompletionRequest: {**SAMPLING, "messages": ([{"role": "user", "content": "Hello"}],
                                                      [{"role": "user", "content": "Bye"}]),
                             "max_completion_tokens": (5, 7), "logprobs": (False, True),
-                            "top_logprobs": ({"logprobs": True}, {"logprobs": True, "top_logprobs": 3})},
+                            "top_logprobs": ({"logprobs": True}, {"logprobs": True, "top_logprobs": 3}),
+                            "tools": (None, [TOOL]),
+                            "tool_choice": ({"tools": [TOOL], "tool_choice": "none"},
+                                            {"tools": [TOOL], "tool_choice": "required"}),
+                            "parallel_tool_calls": ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": True},
+                                                    {"tools": [TOOL], "tool_choice": "required",
+                                                     "parallel_tool_calls": False})},
 }
 MESSAGE_PROBES = {  # ChatMessage / TextContentPart / StreamOptions fields, through a chat request
     "role": ({"role": "user", "content": "x"}, {"role": "system", "content": "x"}),
     "content": ({"role": "user", "content": "x"}, {"role": "user", "content": "y"}),
     "name": ({"role": "user", "content": "x"}, {"role": "user", "content": "x", "name": "ann"}),
+    "tool_calls": ({"role": "assistant", "content": "x"}, {"role": "assistant", "content": "x", "tool_calls": [CALL]}),
+    "tool_call_id": ({"role": "tool", "content": "x", "tool_call_id": "a"},
+                     {"role": "tool", "content": "x", "tool_call_id": "b"}),
     "annotations": ({"role": "assistant", "content": "x", "annotations": []},
                     {"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}),
 }
@@ -128,18 +149,17 @@ LOGGED = {"user"}
 # Refused by a rule of their own (checked in check_unsupported), not by UNSUPPORTED_FIELDS:
 CHECKED = {CompletionRequest: {"best_of": ({"best_of": 1}, {"best_of": 3})}}
 # A value that asks for something, for every UNSUPPORTED_FIELDS entry (each must be a 400 naming it).
-ASKING = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
-          "function_call": "auto", "response_format": {"type": "json_object"}, "guided_json": {}, "guided_regex": "a",
-          "guided_choice": ["a"], "guided_grammar": "g", "structured_outputs": {"json": {}}, "use_beam_search": True,
-          "prompt_logprobs": 1, "suffix": "x", "parallel_tool_calls": True, "reasoning_effort": "low", "store": True,
-          "metadata": {"k": "v"}, "service_tier": "flex", "modalities": ["audio"], "audio": {"voice": "x"},
-          "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "tool_calls": [{"id": "1"}],
-          "tool_call_id": "1", "refusal": "no"}
-MESSAGE_UNSUPPORTED = {"tool_calls", "tool_call_id", "refusal", "function_call", "audio"}
+ASKING = {"functions": [{"name": "f"}], "function_call": "auto", "use_beam_search": True, "suffix": "x",
+          "reasoning_effort": "low", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
+          "modalities": ["audio"], "audio": {"voice": "x"}, "prediction": {"type": "content", "content": "x"},
+          "web_search_options": {}, "refusal": "no",
+          # chat only: /v1/completions refuses them (no chat template to render tools with)
+          "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+MESSAGE_UNSUPPORTED = {"refusal", "function_call", "audio"}
 
 
 def _with(base: dict, field: str, value):
-    if isinstance(value, dict) and field in ("stream_options", "top_logprobs", "best_of"):
+    if isinstance(value, dict) and field in ("stream_options", "top_logprobs", "best_of", "tool_choice", "parallel_tool_calls"):
         return {**base, **value}  # a field that only means something with another one set
     return {**base, field: value}
 
@@ -147,7 +167,7 @@ def _with(base: dict, field: str, value):
 @pytest.mark.parametrize("model,base", [(CompletionRequest, CMPL), (ChatCompletionRequest, CHAT)], ids=["completion", "chat"])
 def test_every_request_field_has_an_effect_or_a_refusal(gw, model, base):
     unaccounted = [f for f in model.model_fields
-                   if f not in PROBES[model] and f not in UNSUPPORTED_FIELDS and f not in CHECKED.get(model, {})
+                   if f not in PROBES[model] and f not in model.unsupported and f not in CHECKED.get(model, {})
                    and f not in LOGGED]
     assert not unaccounted, f"{model.__name__} fields with neither an effect probe nor a refusal: {unaccounted}"
     assert plan(gw, model, base) != plan(gw, model, {**base, "model": "x"})
@@ -155,7 +175,7 @@ def test_every_request_field_has_an_effect_or_a_refusal(gw, model, base):
         pa, pb = plan(gw, model, _with(base, field, a)), plan(gw, model, _with(base, field, b))
         assert isinstance(pa, dict), (field, pa)
         assert pa != pb, f"{model.__name__}.{field}: {a!r} and {b!r} are served alike"
-    for field in UNSUPPORTED_FIELDS:
+    for field in model.unsupported:
         if field in model.model_fields:
             assert plan(gw, model, {**base, field: ASKING[field]}) == ("refused", field), field
             assert isinstance(plan(gw, model, {**base, field: None}), dict), field  # null asks for nothing
