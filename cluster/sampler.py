@@ -36,7 +36,8 @@ from cluster.logprobs import TokenLogprobs, rows_to_logprobs
 from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 from cluster.sampling_state import SamplingState
 
-__all__ = ["SamplingTensors", "sample", "sample_step", "sample_tokens", "uniform_noise", "log_min_p"]
+__all__ = ["SamplingTensors", "StepOutputs", "features_state_bytes", "sample", "sample_step", "sample_tokens",
+           "uniform_noise", "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
@@ -97,6 +98,19 @@ class StepOutputs:
                    torch.zeros(rows, dtype=torch.float32, device=device),
                    torch.zeros(rows, MAX_LOGPROBS, dtype=torch.int64, device=device),
                    torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, device=device))
+
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+def features_state_bytes(rows: int, vocab: int) -> int:
+    """Device bytes the decode graph's features variant holds for `rows` batch rows: the per-slot
+    sampling state and the step outputs (shapes taken from the allocators themselves, on the meta
+    device). The KV pool sizing counts it (cluster.kv_cache.kv_pool_blocks)."""
+    meta = torch.device("meta")
+    return SamplingState.allocate(rows, vocab, meta).nbytes + StepOutputs.allocate(rows, vocab, meta).nbytes
 
 
 def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, row_slots: torch.Tensor,

@@ -257,9 +257,9 @@ class DecodeWorker:
     def step_metrics(self) -> dict:
         m = self.metrics.snapshot()
         gr = self.graph_runner
-        m.update(graph_buckets=list(gr.buckets), graphs_captured=gr.num_captures,
-                 capture_seconds=gr.capture_seconds, capture_bytes=gr.capture_bytes,
-                 capture_stats={str(k): v for k, v in gr.capture_stats.items()})
+        m.update(graph_buckets=list(gr.buckets), feature_graph_buckets=list(gr.feature_buckets),
+                 graphs_captured=gr.num_captures, capture_seconds=gr.capture_seconds, capture_bytes=gr.capture_bytes,
+                 capture=gr.capture_summary())
         return m
 
     def warmup(self, timeout_s: float = 600.0) -> dict:
