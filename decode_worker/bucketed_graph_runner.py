@@ -66,13 +66,19 @@ class StepInfo:
 
 
 class StepHandle:
-    """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones)."""
+    """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones).
 
-    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, t_launch: float):
+    After tokens(): `gpu_time_s`, the step on the device (its input copy, the replay, its output
+    copies; on CPU the wall time of the synchronous step), and `interval_s`, from the previous step's
+    start to this one's on the device (None for the first step)."""
+
+    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, prev_start):
         self.runner, self.slot, self.info = runner, slot, info
-        self._start_ev, self._end_ev, self._t_launch = start_ev, end_ev, t_launch
+        self._start_ev, self._end_ev, self._prev_start = start_ev, end_ev, prev_start
         self._tokens: list[int] | None = None
         self.gpu_time_s = 0.0
+        self.interval_s: float | None = None
+        self.wait_s = 0.0  # how long tokens() blocked the caller
 
     def ready(self) -> bool:
         return self._end_ev is None or self._end_ev.query()
@@ -80,8 +86,15 @@ class StepHandle:
     def tokens(self) -> list[int]:
         if self._tokens is None:
             if self._end_ev is not None:
+                t0 = time.perf_counter()
                 self._end_ev.synchronize()  # waits for this step only; later steps keep running
+                self.wait_s = time.perf_counter() - t0
                 self.gpu_time_s = self._start_ev.elapsed_time(self._end_ev) / 1e3
+                if self._prev_start is not None:
+                    try:  # both are done (the previous step's start came first on the stream)
+                        self.interval_s = self._prev_start.elapsed_time(self._start_ev) / 1e3
+                    except RuntimeError:  # recorded again by a later launch (a caller kept > 2 steps unread)
+                        self.interval_s = None
             self._tokens = self.runner._host_out[self.slot, : self.info.batch_size].tolist()
         return self._tokens
 
@@ -158,9 +171,13 @@ class BucketedGraphRunner:
         self._slot_of: dict[int, tuple] = {}  # id(sequence) -> (sequence, slot), sequences holding one
         self._free_slots = list(range(mb - 1, -1, -1))
         self._m_tables = np.full((mb, self.max_blocks), NULL_BLOCK, dtype=np.int32)
-        # Timing events per staging slot, reused (a slot is reused only after its step was read).
+        # Timing events, a ring of four (start, end) pairs, one per launch: a step's interval reads the
+        # previous launch's start event, which must not be recorded again before the step is read
+        # (steps t and t+1 are in flight while step t-1's start is still needed).
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        for _ in range(2)] if pin else []
+                        for _ in range(4)] if pin else []
+        self._launches = 0
+        self._prev_start = None  # the previous launch's start: its event on CUDA, its perf_counter() on CPU
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the plain step
         self.feature_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # feature bucket -> the features step
@@ -390,11 +407,14 @@ class BucketedGraphRunner:
         cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if cuda:
-            start_ev, end_ev = self._events[slot]
-            start_ev.record()
+            start_ev, end_ev = self._events[self._launches % len(self._events)]
+        self._launches += 1
         width, features = self._update_rows(rows)  # may queue sampling-state writes
         b = self.padded_size(n, features)
         words = self._stage(rows, b, slot, width)
+        t_step = time.perf_counter()
+        if cuda:
+            start_ev.record()  # the step on the device starts with its input copy
         if self.use_cuda_graph:
             graph = (self.feature_graphs if features else self.graphs).get(b)
         else:
@@ -417,7 +437,10 @@ class BucketedGraphRunner:
             self._host_top_lp[slot, :n].copy_(out.top_logprobs[:n], non_blocking=True)
         if cuda:
             end_ev.record()
-        handle = StepHandle(self, slot, info, start_ev, end_ev, t0)
+        handle = StepHandle(self, slot, info, start_ev, end_ev, self._prev_start if cuda else None)
         if not cuda:
-            handle.gpu_time_s = time.perf_counter() - t0  # the CPU ran the step synchronously
+            handle.gpu_time_s = time.perf_counter() - t_step  # the CPU ran the step synchronously
+            if self._prev_start is not None:
+                handle.interval_s = t_step - self._prev_start
+        self._prev_start = start_ev if cuda else t_step
         return handle

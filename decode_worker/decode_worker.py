@@ -50,6 +50,7 @@ from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
 from decode_worker.metrics import StepMetrics, StepRecord
 from decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from decode_worker.step_interval import LaunchSpan, StepIntervalClock
 from decode_worker.token_publisher import TokenPublisher
 from decode_worker.warmup import DecodeWorkerWarmup
 
@@ -65,6 +66,7 @@ class _Launched:
     batch: DecodeBatch
     handle: StepHandle
     host_s: float  # host time spent on this step before launch (schedule + prepare)
+    span: LaunchSpan  # what the loop did since the previous launch (the step's interval)
 
 
 class DecodeWorker:
@@ -118,7 +120,9 @@ class DecodeWorker:
         # the transfers that may still land
         self._outbox: list[TokenDelta] = []  # deltas from outside the loop (aborts), published next step
         self._step = 0
-        self._last_step_info = (0.0, 0, 0, -1)  # (step time, batch size, bucket, step) of the last finished step
+        # (step time, batch size, bucket, step, StepTiming) of the last finished step
+        self._last_step_info = (0.0, 0, 0, -1, None)
+        self._interval_clock = StepIntervalClock(self.device.type == "cuda")
         self._rng = random.Random(cfg.seed)
         self.error: str | None = None
         self.loop_failures = 0
@@ -343,29 +347,34 @@ class DecodeWorker:
                 if batch.rows:
                     handle = self.graph_runner.launch(batch.rows)
                     self.scheduler.on_step_launched(batch)
-                    launched = _Launched(batch, handle, time.perf_counter() - t0)
+                    launched = _Launched(batch, handle, time.perf_counter() - t0, self._interval_clock.launched())
                     self._step += 1
             if inflight is not None:
                 deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
             inflight = launched
             if deltas and not self._warming:
-                step_s, bs, bucket, step = self._last_step_info
-                self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
+                step_s, bs, bucket, step, timing = self._last_step_info
+                self._last_step_info = (0.0, 0, 0, -1, None)  # a step's record goes out once
                 self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
-                                                  step_s, bs, bucket))
+                                                  step_s, bs, bucket, timing, time.perf_counter()))
             if inflight is None and not deltas:
+                t_nap = time.perf_counter()
                 self._wake.wait(_IDLE_WAIT_S)
+                self._interval_clock.idle(time.perf_counter() - t_nap)
 
     def _finish(self, launched: _Launched) -> list[TokenDelta]:
         """Reads a launched step's tokens (waits for that step only) and applies them."""
-        tokens = launched.handle.tokens()
+        h = launched.handle
+        tokens = h.tokens()
         t0 = time.perf_counter()
-        logprobs = launched.handle.logprobs()
+        self._interval_clock.waited(h.wait_s)
+        logprobs = h.logprobs()
         with self._lock:
             deltas = self.scheduler.on_step_output(launched.batch, tokens, logprobs)
-        info = launched.handle.info
-        self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0,
-                                launched.batch.step)
+        info = h.info
+        timing = self._interval_clock.timing(launched.span, h.gpu_time_s, h.interval_s)
+        self._last_step_info = (h.gpu_time_s, info.batch_size, info.bucket if info.graph else 0, launched.batch.step,
+                                timing)
         self.step_meter.add(info.batch_size, launched.handle.gpu_time_s)
         self.metrics.record(StepRecord(
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
@@ -395,6 +404,7 @@ class DecodeWorker:
         if not chunks:
             return []
         tokens = sum(len(c.token_ids) for _, c in chunks)
+        span = self._interval_clock.prefill_start()  # the pass and its first-token draw, between two steps
         start = self._prefill_timer.start()
         # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
         wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
@@ -409,12 +419,14 @@ class DecodeWorker:
         self.local_prefill_log.append((self._step, tokens, len(self.scheduler.running)))
         done = self.scheduler.on_prefill_done(chunks)
         if not done:
+            self._interval_clock.prefill_end(span)
             return []
         rows = [i for i, (s, _) in enumerate(chunks) if s in done]
         # NOTE: syncs; the local prefill is eager anyway.
         tokens, logprobs = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
                                          [s.num_tokens for s in done], [s.prompt_token_ids for s in done],
                                          [s.output_token_ids for s in done])
+        self._interval_clock.prefill_end(span)
         deltas = []
         for s, t, lp in zip(done, tokens, logprobs):
             prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once

@@ -54,7 +54,7 @@ class _ChatChunks(ChunkFormat):
     def __init__(self, rid: str, body: ChatCompletionRequest, created: int):
         self.rid, self.body, self.created = rid, body, created
 
-    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=()) -> str:
+    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=(), usage=None) -> str:
         logprobs = None
         if self.body.num_logprobs is not None and positions:
             logprobs = chat_logprobs(positions, self.body.num_logprobs)
@@ -64,14 +64,16 @@ class _ChatChunks(ChunkFormat):
         d = c.model_dump(exclude_none=True)
         d["choices"][0]["finish_reason"] = finish  # always present, null until the end
         if self.body.include_usage:
-            d["usage"] = None
+            d["usage"] = None if usage is None else {"prompt_tokens": usage.prompt_tokens,
+                                                    "completion_tokens": usage.completion_tokens,
+                                                    "total_tokens": usage.total_tokens}
         return event(json.dumps(d, separators=(",", ":")))
 
     def opening(self, index):
         return [self._chunk(index, DeltaMessage(role="assistant", content=""), None)]
 
-    def piece(self, index, text, finish, positions):
-        return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
+    def piece(self, index, text, finish, positions, usage=None):
+        return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions, usage)
 
     def usage(self, usage):
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)
