@@ -36,8 +36,8 @@ from cluster.logprobs import TokenLogprobs, rows_to_logprobs
 from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 from cluster.sampling_state import SamplingState
 
-__all__ = ["SamplingTensors", "StepOutputs", "features_state_bytes", "sample", "sample_step", "sample_tokens",
-           "uniform_noise", "log_min_p"]
+__all__ = ["SampledTokens", "SamplingTensors", "StepOutputs", "features_state_bytes", "sample", "sample_step",
+           "sample_tokens", "sample_tokens_async", "uniform_noise", "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
@@ -127,6 +127,35 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     kernels.token_logprobs(logits, out.tokens[:b], MAX_LOGPROBS, out.logprob, out.top_ids, out.top_logprobs)
 
 
+class SampledTokens:
+    """A host-side draw queued on the device (`sample_tokens_async`): `result()` waits for the draw
+    itself only (an event after its copies to pinned memory), not for work queued after it, and
+    returns host values. On CPU the values are there already."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple | None, ks: list[int | None]):
+        self._n, self._ks = tokens.shape[0], ks
+        parts = [tokens] + (list(logprobs) if logprobs is not None else [])
+        if tokens.is_cuda:
+            # NOTE: pinned + non_blocking, then an event: nothing here waits for the device.
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(self._host, parts):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = parts, None
+        self._has_logprobs = logprobs is not None
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._event is not None:
+            self._event.synchronize()  # the draw's copies only; later work on the stream keeps running
+        tokens = self._host[0].tolist()
+        if not self._has_logprobs or all(k is None for k in self._ks):
+            return tokens, [None] * self._n
+        lp, ids, top = (h.tolist() for h in self._host[1:])
+        return tokens, rows_to_logprobs(lp, ids, top, self._ks)
+
+
 def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
                   prompts: Seq[Seq[int]] | None = None, outputs: Seq[Seq[int]] | None = None,
                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -136,13 +165,22 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
     and the tokens it generated so far `outputs[i]` (penalties and bad words read them). Every path
     that samples outside the decode worker's graph calls this, so a seeded request draws the same
     first token wherever it is prefilled; on one device it is the same function the decode graph runs.
-    Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values)."""
+    Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values);
+    `sample_tokens_async` is the same draw, read later."""
+    return sample_tokens_async(logits, params, seeds, positions, prompts, outputs).result()
+
+
+def sample_tokens_async(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
+                        prompts: Seq[Seq[int]] | None = None, outputs: Seq[Seq[int]] | None = None) -> SampledTokens:
+    """sample_tokens' draw, queued: the caller may queue more work (the next decode step) before it
+    reads the result, which then waits for the draw only."""
     n = len(params)
     dev = logits.device
     st = SamplingTensors.from_params(params, seeds, dev)
     pos = torch.tensor(positions, device=dev)
+    ks = [p.logprobs for p in params]
     if not any(p.needs_features for p in params):
-        return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist(), [None] * n
+        return SampledTokens(sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)), None, ks)
     prompts = prompts if prompts is not None else [()] * n
     outputs = outputs if outputs is not None else [()] * n
     slotted = [p.needs_features for p in params]
@@ -152,8 +190,6 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
     row_slots = torch.tensor([i if s else -1 for i, s in enumerate(slotted)], dtype=torch.int32, device=dev)
     out = StepOutputs.allocate(n, logits.shape[1], dev)
     sample_step(logits, st, pos, row_slots, state, out, update_state=False)
-    tokens = out.tokens.tolist()
-    ks = [p.logprobs for p in params]
     if all(k is None for k in ks):
-        return tokens, [None] * n
-    return tokens, rows_to_logprobs(out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist(), ks)
+        return SampledTokens(out.tokens[:n], None, ks)
+    return SampledTokens(out.tokens[:n], (out.logprob[:n], out.top_ids[:n], out.top_logprobs[:n]), ks)

@@ -79,6 +79,7 @@ class StepHandle:
         self.gpu_time_s = 0.0
         self.interval_s: float | None = None
         self.wait_s = 0.0  # how long tokens() blocked the caller
+        self.ran_in_launch_s = 0.0  # the step computed synchronously inside launch() (CPU), not the caller's work
 
     def ready(self) -> bool:
         return self._end_ev is None or self._end_ev.query()
@@ -439,7 +440,7 @@ class BucketedGraphRunner:
             end_ev.record()
         handle = StepHandle(self, slot, info, start_ev, end_ev, self._prev_start if cuda else None)
         if not cuda:
-            handle.gpu_time_s = time.perf_counter() - t_step  # the CPU ran the step synchronously
+            handle.gpu_time_s = handle.ran_in_launch_s = time.perf_counter() - t_step  # the CPU ran it synchronously
             if self._prev_start is not None:
                 handle.interval_s = t_step - self._prev_start
         self._prev_start = start_ev if cuda else t_step

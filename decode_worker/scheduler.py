@@ -308,6 +308,16 @@ class DecodeScheduler:
             if not self.blocks.allocate_prompt(seq, count=False):  # its own blocks, if still cached
                 break
 
+    def prefill_waiting_tokens(self) -> int:
+        """Prompt tokens a local prefill could compute now: of the waiting sequences holding blocks,
+        up to the first one that does not (a preempted sequence waiting for blocks ends the queue)."""
+        n = 0
+        for seq in self.waiting:
+            if not seq.block_table:
+                break
+            n += seq.num_tokens - seq.num_cached_tokens
+        return n
+
     def prefill_ready(self) -> bool:
         return bool(self.waiting) and bool(self.waiting[0].block_table)
 

@@ -69,11 +69,12 @@ class StepIntervalClock:
         """Blocked on the device (a step's tokens): its time is the step's, not the loop's."""
         self._excluded += seconds
 
-    def launched(self) -> LaunchSpan:
-        """A step was just launched: the span since the previous launch is that step's."""
+    def launched(self, ran_s: float = 0.0) -> LaunchSpan:
+        """A step was just launched: the span since the previous launch is that step's. `ran_s`: the
+        step itself ran inside the launch (CPU: synchronously), not the loop's own work."""
         now = time.perf_counter()
         span, self._span = self._span, LaunchSpan()
-        span.host_s = max(0.0, now - self._since - self._excluded)
+        span.host_s = max(0.0, now - self._since - self._excluded - ran_s)
         self._since, self._excluded = now, 0.0
         return span
 

@@ -74,6 +74,13 @@ class TokenPublisher:
     def publish(self, batch: TokenBatch) -> None:
         self._queue.put(batch)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_ready(self) -> None:
+        """Ready at construction (PublisherProcess's counterpart starts a process)."""
+
     def drain(self, timeout: float = 0.0):
         """The StreamBatches of requests without a reply_to so far (waits up to `timeout` for one)."""
         with self._local_cv:

@@ -35,14 +35,10 @@ from locust import LoadTestShape, constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadtest.records import EventWriter, append_step_log, timing_rows, token_chunks
+from loadtest.records import PROMPT_WORDS, EventWriter, append_step_log, timing_rows, token_chunks
 
 
 ERROR_BACKOFF_S = 0.5
-# Text prompts: words the demo tokenizer (trained on cluster/model/demo_corpus.txt) and any real one
-# encode as about one token each.
-PROMPT_WORDS = ("the", "sea", "a", "ship", "light", "on", "of", "wind", "and", "was", "in", "it", "to", "he",
-                "that", "with", "night", "water", "came", "over")
 
 
 class StallError(Exception):

@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Iterable
 
 EVENT_FIELDS = ("t", "step", "kind", "value")
+# Text prompts (the load test's default): words the demo tokenizer (trained on
+# cluster/model/demo_corpus.txt) and any real one encode as about one token each.
+PROMPT_WORDS = ("the", "sea", "a", "ship", "light", "on", "of", "wind", "and", "was", "in", "it", "to", "he",
+                "that", "with", "night", "water", "came", "over")
 EVENT_KINDS = ("ttft", "itl", "chunk_itl", "tpot", "e2e", "tokens", "chunks", "stall", "error")
 STEPS_FILE = "steps.jsonl"
 EVENTS_GLOB = "events-*.csv"

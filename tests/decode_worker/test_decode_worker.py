@@ -376,3 +376,42 @@ def test_step_records_say_where_each_interval_went(demo_model_dir):
         assert r.gap_s >= 0 and (r.interval_s == pytest.approx(parts, abs=1e-6) or r.gap_s == 0), r
         assert r.host_s >= 0 and r.publish_lag_s >= 0
     assert sum(r.prefill_s > 0 for r in timed) >= 1  # b's prompt, prefilled between two of a's steps
+
+
+def test_the_token_publisher_runs_in_its_own_process(demo_model_dir, engine):
+    """Detokenizing never competes with the decode loop for the interpreter: the publisher is another
+    process (its local frames and stop-string matches come back); a publisher process that died makes
+    the worker unhealthy, so the router moves its requests; nothing of it outlives the worker."""
+    from decode_worker.publisher_process import PublisherProcess
+
+    worker = make_worker(demo_model_dir)
+    pub = worker.publisher
+    assert isinstance(pub, PublisherProcess) and pub.alive and pub.proc.pid != __import__("os").getpid()
+    c = Collector(worker)
+    try:
+        p = prompts(11, [12])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("x", tuple(p), SamplingParams(max_tokens=6, **GREEDY), 0, 0.0))
+        c.wait(lambda: "x" in c.finish)
+        assert c.tokens["x"] == list(ref.token_ids) and worker.stats().healthy
+        pub.proc.kill()
+        pub.proc.wait(timeout=10)
+        assert not worker.stats().healthy
+    finally:
+        worker.shutdown()
+    assert pub.proc.poll() is not None
+
+
+def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
+    worker = make_worker(demo_model_dir, token_publisher="thread")
+    c = Collector(worker)
+    try:
+        p = prompts(12, [20])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=5, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("y", tuple(p), SamplingParams(max_tokens=5, **GREEDY), 0, 0.0))
+        c.wait(lambda: "y" in c.finish)
+        assert c.tokens["y"] == list(ref.token_ids)
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="token_publisher"):
+        make_worker(demo_model_dir, token_publisher="fibre")
