@@ -258,7 +258,7 @@ class DecodeScheduler:
 
     def on_step_output(self, batch: DecodeBatch, tokens: list[int], logprobs=None) -> list[TokenDelta]:
         """Step `batch.step` completed with these sampled tokens (row order), and for a features step
-        `logprobs` = (logprob [n], top ids [n][K], top logprobs [n][K]) host lists. Returns what to
+        `logprobs` = (logprob [n], top ids [n, K], top logprobs [n, K]) NumPy arrays. Returns what to
         publish."""
         step = batch.step
         self.completed_step = max(self.completed_step, step)
@@ -285,8 +285,8 @@ class DecodeScheduler:
             d = TokenDelta(rid, (tok,), reason)
             if logprobs is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                lp, ids, top = logprobs
-                d.logprobs = (TokenLogprobs(lp[i], tuple(ids[i][:k]), tuple(top[i][:k])),)
+                lp, ids, top = logprobs  # array-likes (NumPy views from the runner): only this row is converted
+                d.logprobs = (TokenLogprobs(float(lp[i]), tuple(ids[i][:k].tolist()), tuple(top[i][:k].tolist())),)
             deltas.append(d)
         self.blocks.step_completed(step)
         return deltas
