@@ -29,7 +29,3 @@ class WorkerConfig:
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     seed: int = 0
-    # Decode worker: its token publisher (detokenizer, stop strings, sends) runs in a process of its own
-    # ("process", the default: it never competes with the decode loop for the interpreter) or on a
-    # thread of the worker ("thread").
-    token_publisher: str = "process"

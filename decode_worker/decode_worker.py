@@ -68,11 +68,12 @@ MAX_LOOP_RESTARTS = 3  # a loop that failed more often stays down: the worker re
 _LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
 
 
-def _make_publisher(worker_id: str, cfg: WorkerConfig, stats_sink: str | None, on_stop):
-    """The worker's token publisher: in its own process (cfg.token_publisher "process"), or on a thread."""
-    if cfg.token_publisher not in ("process", "thread"):
-        raise ValueError(f"token_publisher must be 'process' or 'thread', got {cfg.token_publisher!r}")
-    if cfg.token_publisher == "process":
+def _make_publisher(worker_id: str, cfg: WorkerConfig, stats_sink: str | None, on_stop, where: str):
+    """The worker's token publisher: in a process of its own ("process", the served path: it never
+    competes with the decode loop for the interpreter), or on a thread of this one ("thread")."""
+    if where not in ("process", "thread"):
+        raise ValueError(f"token_publisher must be 'process' or 'thread', got {where!r}")
+    if where == "process":
         return PublisherProcess(worker_id, cfg.model_dir, stats_sink, on_stop=on_stop)
     return TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=on_stop)
 
@@ -93,13 +94,15 @@ class _Launched:
 
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
-                 model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True):
-        """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`."""
+                 model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
+                 token_publisher: str = "process"):
+        """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
+        `token_publisher`: "process" (the served path) or "thread" (see _make_publisher)."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
-        self.publisher = _make_publisher(worker_id, cfg, stats_sink, self.abort)
+        self.publisher = _make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
         try:
             self._setup(model, capture_progress, start)
         except BaseException:

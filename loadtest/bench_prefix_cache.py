@@ -42,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.prefix_cache_report import check_summary
 from loadtest.prefix_workload import TOKEN_HI, TOKEN_LO, WorkloadRequest, few_shot, multi_turn, theoretical_reuse
 from loadtest.report import percentile
 from loadtest.server_stats import ServerStatsPoller, parse_counter_totals, summarize_requests
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
                     {k: getattr(args, k) for k in ("sessions", "turns", "system_tokens", "few_shot_requests",
                                                     "template_tokens", "output_tokens", "block_size", "ttft_slo_s",
                                                     "tpot_slo_s")})
+                doc["checks"] = check_summary(doc["rows"])  # the targets over every row so far (met / missed)
                 print(json.dumps(row), flush=True)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -26,7 +26,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -162,7 +161,9 @@ def main(argv=None) -> int:
     levels = [int(x) for x in args.users.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ttft-", dir=out.parent))
+    work = out.parent / "ttft_raw"  # Locust's files and serve.log, when this script runs them
+    if args.start_cluster or not args.report_summary:
+        work.mkdir(exist_ok=True)
     cluster = None
     if args.start_cluster:
         from loadtest.run import ClusterProcess

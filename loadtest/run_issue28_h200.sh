@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28 on one H200 in one call (~8-9 minutes): the GPU test suite, then every measurement of the
+# Issue 28 on one H200 in one call (~8.5-9.5 minutes): the GPU test suite, then every measurement of the
 # issue, into OUT_DIR (flat), a summary table last.
 #
 #   bash loadtest/run_issue28_h200.sh OUT_DIR
@@ -16,8 +16,10 @@
 #           ITL: Locust 1..256 users on the 1B server, STEP_DURATION s a step      -> itl_h200.json
 #           TTFT: the ITL report at 1/4/16 users, a plain client, the server's own -> ttft_h200.json
 #           prefix caching on the 8B server: multi-turn, hits vs no shared block   -> prefix_cache_h200.json
-# Knobs: STEP_DURATION (20), WARMUP (7), STEPS, TESTS_TIMEOUT (260), DECODE_STEPS (24), PREFIX_SHAPE
+# Knobs: STEP_DURATION (18), WARMUP (6), STEPS, TESTS_TIMEOUT (260), DECODE_STEPS (24), PREFIX_SHAPE
 # (llama-8b), SKIP (comma-separated: tests,decode,transfer,itl,ttft,prefix).
+# The prefix server's router keeps the KV index (prefix_aware policies; one worker of each role, so
+# placement is the same): the prefill cost model then counts only the tokens each path computes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -49,10 +51,11 @@ else
   ITL_SERVE="--device cuda --dtype bfloat16 --gpus-per-worker 0.5 --kv-memory-fraction 0.12 --max-model-len 4096 \
     --max-num-seqs 256 --attention-backend triton --api-servers 4"
   PREFIX_SERVE="--device cuda --dtype bfloat16 --gpus-per-worker 0.5 --kv-memory-fraction 0.18 --max-model-len 8192 \
-    --max-num-seqs 128 --attention-backend triton --local-prefill-threshold 0 --enable-prefix-caching"
-  STEPS=${STEPS:-1,2,4,8,16,32,64,128,256}; STEP_DURATION=${STEP_DURATION:-20}; WARMUP=${WARMUP:-7}
+    --max-num-seqs 128 --attention-backend triton --local-prefill-threshold 0 --enable-prefix-caching \
+    --prefill-policy prefix_aware --decode-policy prefix_aware"
+  STEPS=${STEPS:-1,2,4,8,16,32,64,128,256}; STEP_DURATION=${STEP_DURATION:-18}; WARMUP=${WARMUP:-6}
   OUTPUT_TOKENS=256; PROCESSES=8; TTFT_USERS=1,4,16; CLIENT_SECONDS=${CLIENT_SECONDS:-6}
-  PREFIX_WORKLOAD="--sessions 16 --turns 5 --system-tokens 1500 --output-tokens 32"
+  PREFIX_WORKLOAD="--sessions 12 --turns 5 --system-tokens 1500 --output-tokens 32"
   DECODE_ARGS=(--batch-sizes 1,8,64,256 --steps "${DECODE_STEPS:-24}" --no-hf); TRANSFER_ARGS=(--sizes 128,256,1024,4096)
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 fi

@@ -403,7 +403,8 @@ def test_the_token_publisher_runs_in_its_own_process(demo_model_dir, engine):
 
 
 def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
-    worker = make_worker(demo_model_dir, token_publisher="thread")
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=8)
+    worker = DecodeWorker("d0", cfg, token_publisher="thread")
     c = Collector(worker)
     try:
         p = prompts(12, [20])[0]
@@ -414,4 +415,4 @@ def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
     finally:
         worker.shutdown()
     with pytest.raises(ValueError, match="token_publisher"):
-        make_worker(demo_model_dir, token_publisher="fibre")
+        DecodeWorker("d0", cfg, token_publisher="fibre")
