@@ -23,9 +23,17 @@
 - Sampling-state slots (cluster.sampling_state): a sequence that needs features gets a slot when it
   first appears in a step and keeps it while it appears in every step; the host writes the slot then
   (outside the graph, on the stream before the step) from the tokens it has. A sequence missing from
-  a step has left (finished, aborted, preempted: DecodeScheduler never skips a running sequence that
-  can still run), so its slot is freed; if it comes back (recomputed after preemption) it takes a slot
-  again with no token in flight, from its full history.
+  a step has left (finished, aborted, preempted: DecodeScheduler skips a running sequence that can
+  still run only for its grammar, below), so its slot is freed; if it comes back (recomputed after
+  preemption) it takes a slot again with no token in flight, from its full history.
+- Grammar masks (structured output): every graph applies `kernels.apply_token_bitmask` to the logits
+  the draw reads (after processing in the features step; logprobs stay the model's), from a static
+  [max_num_seqs, ceil(V / 32)] int32 buffer. The host fills the constrained rows' masks (their
+  grammars' next-token bitmasks, cluster.structured.fill_bitmasks) into a pinned staging slot while
+  the previous step runs, sends the first k rows with the step's other inputs, and names each row's
+  mask in the packed buffer (-1: unconstrained, whose programs return after one load). A constrained
+  row never has a token in flight (DecodeScheduler), so its mask is always its current one. A
+  sequence holding a sampling-state slot keeps it across the steps its grammar makes it skip.
 - Graphs are captured largest bucket first into one shared pool at start-up, never while serving.
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
 - Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
@@ -50,6 +58,9 @@ from cluster.model.llama import LlamaForCausalLM
 from cluster.sampler import SamplingTensors, StepOutputs, features_state_bytes, log_min_p, sample_step
 from cluster.sampling_params import MAX_LOGPROBS
 from cluster.sampling_state import SamplingState
+from cluster.sequence import SequenceStatus
+from cluster.structured.grammar import bitmask_words
+from cluster.structured.request_grammar import fill_bitmasks
 
 _INT32_MAX = 2**31 - 1
 VARIANTS = ("plain", "features")  # the captured step's variants (see the module docstring)
@@ -63,6 +74,7 @@ class StepInfo:
     features: bool  # the features variant ran (processing, state update, logprobs)
     host_prepare_s: float  # filling the staging buffer and queueing its copy
     launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
+    constrained: int = 0  # rows under a grammar mask
 
 
 class StepHandle:
@@ -121,6 +133,7 @@ class BucketedGraphRunner:
         buckets: str | Seq[int] = "vllm",
         use_cuda_graph: bool = True,
         keep_graphs: bool = False,  # keep each cudaGraph_t for inspection (kernels_per_step)
+        grammar_masks: bool = True,  # the mask kernel in every graph (False: benchmarks' baseline only)
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -132,6 +145,7 @@ class BucketedGraphRunner:
         self.feature_buckets = feature_bucket_sizes(self.buckets)
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         self.keep_graphs = keep_graphs
+        self.grammar_masks = grammar_masks
 
         dev, mb = self.device, self.max_bs
         words = DecodeStepLayout(mb).words(self.max_blocks)
@@ -150,8 +164,12 @@ class BucketedGraphRunner:
         self.step_out = StepOutputs.allocate(mb, vocab, dev)
         self.step_out.tokens = self.out_tokens
         self.features_state_bytes = features_state_bytes(mb, vocab)  # counted by the KV pool sizing
+        # Grammar masks of the step's constrained rows, compacted: row i's is token_bitmask[grammar_i].
+        mask_rows = mb if grammar_masks else 1
+        self.token_bitmask = torch.zeros(mask_rows, bitmask_words(vocab), dtype=torch.int32, device=dev)
         # Host staging, two slots (step t+1 is prepared while step t's copy may still be queued).
         pin = self.device.type == "cuda"
+        self._host_masks = torch.zeros(2, mask_rows, bitmask_words(vocab), dtype=torch.int32, pin_memory=pin)
         self._host_packed = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._np_packed = [t.numpy() for t in self._host_packed]
         self._host_out = torch.zeros(2, mb, dtype=torch.int64, pin_memory=pin)
@@ -211,10 +229,13 @@ class BucketedGraphRunner:
             seeds=p[lay.seeds : lay.seeds + 2 * b].view(torch.int64),
             log_min_p=p[lay.log_min_p : lay.log_min_p + b].view(torch.float32),
         )
+        masks = (p[lay.grammar : lay.grammar + b], self.token_bitmask) if self.grammar_masks else None
         if features:
             sample_step(logits, st, self.sample_positions[:b], p[lay.slot : lay.slot + b], self.sampling_state,
-                        self.step_out)
+                        self.step_out, bitmask=masks)
         else:
+            if masks is not None:
+                kernels.apply_token_bitmask(logits, *masks)  # in place: the plain step has no logprobs
             kernels.sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, self.sample_positions[:b],
                            out=self.out_tokens[:b], log_min_p=st.log_min_p)
 
@@ -238,6 +259,7 @@ class BucketedGraphRunner:
             self.packed.zero_()
             self.packed[lay.width] = self.max_blocks
             self.packed[lay.slot : lay.slot + b] = -1
+            self.packed[lay.grammar : lay.grammar + b] = -1
             self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
             torch.cuda.synchronize()
             # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
@@ -293,9 +315,9 @@ class BucketedGraphRunner:
         a features batch pads to the features variant's buckets."""
         return padded_size(self.feature_buckets if features else self.buckets, n)
 
-    def _update_rows(self, rows) -> tuple[int, bool]:
+    def _update_rows(self, rows) -> tuple[int, bool, list[int] | None]:
         """Brings the host mirrors up to date for `rows` (sampling-state slots too); returns (table
-        width, whether some row needs the features step).
+        width, whether some row needs the features step, the rows under a grammar mask or None).
 
         Persistent rows: a row's sampling parameters and block table live in host mirrors, rewritten
         only when another sequence takes the row or its table grew; staging (_stage) then copies the
@@ -305,12 +327,17 @@ class BucketedGraphRunner:
         m_tables, m_slot = self._m_tables, self._m_slot
         width = 1
         joined = None  # rows whose new occupant needs a sampling-state slot
+        constrained = None  # rows under a grammar
         for i, r in enumerate(rows):
             seq = r.seq
             table = seq.block_table
             nb = len(table)
             if nb > width:
                 width = nb
+            if seq.grammar is not None:
+                if constrained is None:
+                    constrained = []
+                constrained.append(i)
             # Identity, not equality: a preempted and readmitted sequence gets a new table list.
             if seq is not row_seq[i]:
                 p = seq.params
@@ -349,11 +376,12 @@ class BucketedGraphRunner:
         if joined is not None or self._slot_of:
             self._assign_slots(rows, joined or ())
         # A slot is held exactly by the present sequences that need features (_assign_slots).
-        return width, bool(self._slot_of)
+        return width, bool(self._slot_of), constrained
 
-    def _stage(self, rows, b: int, slot: int, width: int) -> int:
+    def _stage(self, rows, b: int, slot: int, width: int, constrained: list[int] | None) -> tuple[int, int]:
         """Fills host staging slot `slot` for a batch padded to b rows from the mirrors (rows past
-        len(rows) are padding there); returns the words to copy."""
+        len(rows) are padding there) and the grammar masks of the `constrained` rows; returns (the
+        words to copy, the masks to copy)."""
         n = len(rows)
         m_tables, m_slot = self._m_tables, self._m_slot
         lay = DecodeStepLayout(b)
@@ -364,6 +392,16 @@ class BucketedGraphRunner:
         buf[lay.top_k : lay.top_k + b] = self._m_top_k[:b]
         buf[lay.log_min_p : lay.log_min_p + b].view(np.float32)[:] = self._m_log_min_p[:b]
         buf[lay.slot : lay.slot + b] = m_slot[:b]
+        gbuf = buf[lay.grammar : lay.grammar + b]
+        gbuf[:] = -1
+        k = 0
+        if constrained is not None:
+            if not self.grammar_masks:
+                raise ValueError("a constrained row in a runner built without grammar masks")
+            k = len(constrained)
+            gbuf[constrained] = np.arange(k, dtype=np.int32)
+            # NOTE: this staging slot's last copy (two steps ago) was read before that step's tokens.
+            fill_bitmasks([rows[i].seq.grammar for i in constrained], self._host_masks[slot], range(k))
         ids = buf[lay.host_ids : lay.host_ids + b]
         prev = buf[lay.prev_row : lay.prev_row + b]
         pos = buf[lay.positions : lay.positions + b]
@@ -375,7 +413,7 @@ class BucketedGraphRunner:
         pos[n:] = 0
         buf[lay.width] = width
         buf[lay.tables : lay.tables + b * width].reshape(b, width)[:] = m_tables[:b, :width]
-        return lay.words(width)
+        return lay.words(width), k
 
     def _assign_slots(self, rows, joined) -> None:
         """Frees the slots of sequences that left, then gives the rows in `joined` their sequence's slot
@@ -383,8 +421,10 @@ class BucketedGraphRunner:
         m_slot, slot_of = self._m_slot, self._slot_of
         present = {id(rows[i].seq) for i in np.flatnonzero(m_slot[: len(rows)] >= 0)}
         present.update(id(rows[i].seq) for i in joined)
-        for key in [k for k in slot_of if k not in present]:
-            self._free_slots.append(slot_of.pop(key)[1])
+        for key, (seq, _) in list(slot_of.items()):
+            # A constrained sequence skips every other step while running: it keeps its slot.
+            if key not in present and not (seq.grammar is not None and seq.status is SequenceStatus.RUNNING):
+                self._free_slots.append(slot_of.pop(key)[1])
         new = []
         for i in joined:
             seq = rows[i].seq
@@ -413,9 +453,9 @@ class BucketedGraphRunner:
         if cuda:
             start_ev, end_ev = self._events[self._launches % len(self._events)]
         self._launches += 1
-        width, features = self._update_rows(rows)  # may queue sampling-state writes
+        width, features, constrained_rows = self._update_rows(rows)  # may queue sampling-state writes
         b = self.padded_size(n, features)
-        words = self._stage(rows, b, slot, width)
+        words, constrained = self._stage(rows, b, slot, width, constrained_rows)
         t_step = time.perf_counter()
         if cuda:
             start_ev.record()  # the step on the device starts with its input copy
@@ -424,7 +464,9 @@ class BucketedGraphRunner:
         else:
             graph = None
         self.packed[:words].copy_(self._host_packed[slot][:words], non_blocking=True)
-        info = StepInfo(n, b, graph is not None, features, time.perf_counter() - t0)
+        if constrained:
+            self.token_bitmask[:constrained].copy_(self._host_masks[slot][:constrained], non_blocking=True)
+        info = StepInfo(n, b, graph is not None, features, time.perf_counter() - t0, constrained=constrained)
         t_launch = time.perf_counter()
         if graph is not None:
             # NOTE: columns >= width of the static block tables may hold stale ids from earlier steps.

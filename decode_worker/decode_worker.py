@@ -48,6 +48,7 @@ from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import SampledTokens, sample_tokens_async
 from cluster.sequence import Sequence, SequenceStatus
+from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
 from cluster.worker_config import WorkerConfig
@@ -152,6 +153,9 @@ class DecodeWorker:
         self._lock = threading.RLock()  # reentrant: the loop drains under it
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Structured output: grammars compile on their own pool; a finished compile wakes the loop.
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
+                                        self.arch.eos_token_ids, on_ready=self._wake.set)
         self._transfer_seq: dict[str, int] = defaultdict(int)  # per prefill peer
         self._expected: dict[str, tuple[Reservation, str]] = {}  # request id -> (reservation, prefill peer) of
         # the transfers that may still land
@@ -189,8 +193,14 @@ class DecodeWorker:
             # Checked here, not in the loop: an int64 overflow there would fail every request.
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
-        return Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
-                        seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+        seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
+                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+        if p.structured is not None:  # a bad schema is a 400 here, before anything is reserved
+            self.grammars.check(p.structured)
+            # A migrated request's prompt ends with the tokens it generated: its grammar replays them.
+            prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
+            seq.grammar = self.grammars.grammar_for(p.structured, req.request_id, prior)
+        return seq
 
     def _known(self, request_id: str) -> bool:
         s = self.scheduler
@@ -233,12 +243,15 @@ class DecodeWorker:
         self._wake.set()
         return cached
 
-    def abort(self, request_id: str) -> None:
-        """Drops the request (the router gave up on it, or its publisher matched a stop string)."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Drops the request (the router gave up on it, or its publisher matched a stop string; with
+        `error`, it ends with that error instead)."""
         with self._lock:
             pending = self._expected.get(request_id)
             if self.scheduler.abort(request_id, transfer_pending=pending is not None):
-                self._outbox.append(TokenDelta(request_id, (), "abort"))  # ends its publisher state
+                # ends its publisher state
+                self._outbox.append(TokenDelta(request_id, (), "abort") if error is None
+                                    else TokenDelta(request_id, (), "error", error))
             if pending is not None:
                 # Unclaimed, it is cancelled now and its blocks come back with the (failed) arrival;
                 # claimed, it lands first.
@@ -322,6 +335,7 @@ class DecodeWorker:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.publisher.close()
+        self.grammars.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -376,7 +390,9 @@ class DecodeWorker:
                 deltas = self._outbox
                 self._outbox = []
                 deltas += self._take_arrivals()
-                prefill = self._start_local_prefill()  # the pass and its first-token draws, queued
+                self._fail_grammars()
+                scored, prefill = self._start_local_prefill()  # the pass and its first-token draws, queued
+                deltas += scored
                 batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
                 if batch.needs_drain:  # pool short: let every deferred free land, then preempt
                     deltas += self._finish(inflight)
@@ -441,20 +457,26 @@ class DecodeWorker:
                 deltas.append(d)
         return deltas
 
+    def _fail_grammars(self) -> None:
+        """Requests whose grammar failed after admission (cluster.structured) end with its error."""
+        for rid, error in self.grammars.take_failed():
+            self.abort(rid, error)
+
     @torch.inference_mode()
-    def _start_local_prefill(self) -> _PendingPrefill | None:
+    def _start_local_prefill(self) -> tuple[list[TokenDelta], _PendingPrefill | None]:
         """Under the lock: queues a local-prefill pass (paced while requests decode: LocalPrefillPacer)
-        and the first-token draws of the prompts it completes; nothing waits for the device."""
+        and the first-token draws of the prompts it completes; nothing waits for the device. Returns
+        the deltas of prompts it only scored (no token to draw) and the queued draws."""
         s = self.scheduler
         s.readmit_preempted()
         budget = None  # nothing decoding: the whole max_prefill_tokens, at once
         if s.running:
             budget = self.pacer.budget(self.prefill_meter.rate(), self._last_step_s)
             if not self.pacer.ready(s.prefill_waiting_tokens(), budget, self._step):
-                return None
+                return [], None
         chunks = s.schedule_prefill(budget)
         if not chunks:
-            return None
+            return [], None
         tokens = sum(len(c.token_ids) for _, c in chunks)
         span = self._interval_clock.prefill_start()  # the pass and its first-token draw, between two steps
         start = self._prefill_timer.start()
@@ -470,14 +492,19 @@ class DecodeWorker:
         # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
         self.local_prefill_log.append((self._step, tokens, len(s.running)))
         done = s.on_prefill_done(chunks)
+        scored = []
+        for q in [q for q in done if q.params.scores_prompt_only]:  # prompt scoring: no token
+            scored.append(s.on_prompt_scored(q, tuple(q.prompt_logprobs or ())))
+            done.remove(q)
         drawn = None
         if done:
             rows = [i for i, (q, _) in enumerate(chunks) if q in done]
+            # The grammar masks are filled now; each grammar advances with its token in _finish_local_prefill.
             drawn = sample_tokens_async(logits[rows], [q.params for q in done], [q.seed for q in done],
                                         [q.num_tokens for q in done], [q.prompt_token_ids for q in done],
-                                        [q.output_token_ids for q in done])
+                                        [q.output_token_ids for q in done], [q.grammar for q in done])
         self._interval_clock.prefill_end(span)
-        return _PendingPrefill(done, drawn) if done else None
+        return scored, (_PendingPrefill(done, drawn) if done else None)
 
     def _finish_local_prefill(self, pending: _PendingPrefill) -> list[TokenDelta]:
         """The first tokens of the prompts a pass completed (waits for their draw only), then, under

@@ -2,8 +2,13 @@
 
 Prefill and decode run in two processes (torch.multiprocessing spawn) sharing one TCPStore, each with
 its real transport; no Ray. The prefill side runs the served path's order (prefill_worker.py): claim
-(`begin`, before the forward), `kv_done`, the first-token draw's sync of the compute stream, `commit`,
-then the payload's future. Per path and prompt length, one row (medians):
+(`begin`, before the forward), the forward (here a wait of `lead_ms`: the 8B weights alone take 3.3 ms
+to read at the H200's 4.8 TB/s, so no real forward is shorter than the default lead; the decode side
+posts its receives meanwhile; path "nccl_cold" has no lead, its receives posted while the bytes
+wait), `kv_done`, the first-token draw's sync of the compute stream, `commit`, then the payload's
+future. Layer-wise shipping as the served path picks it (by prompt length: the transport's
+layerwise_min_tokens) unless the caller forces it (bench_nccl: off). Per path and prompt length, one
+row (medians):
   bytes, seconds       what a request's TTFT pays for the transfer: the prefill done (its compute
                        stream synced, as after the first-token draw) -> the decode process saw the
                        arrival (poll_arrivals after its wake-up); both processes read CLOCK_MONOTONIC
@@ -12,7 +17,9 @@ then the payload's future. Per path and prompt length, one row (medians):
   commit_to_arrival_s  the commit sent -> the decode side saw the arrival (the control message, the
                        completion query, the wake-up)
   kv_ready_to_arrival_s  KV ready (`kv_done`) -> the decode side saw it: the copy itself included
+                       (issue 25's transfer time)
   GBps                 bytes / kv_ready_to_arrival_s (bytes moved once)
+  layerwise, lead_ms   the shipping mode and the begin -> KV ready lead of the row
   send_s               the prefill side alone: KV ready -> its payload done (source blocks reusable)
   claim_s              the store compare-and-set that claims the transfer; the prefill worker makes it
                        before the prompt's forward, so it is not part of `seconds`
@@ -20,8 +27,9 @@ then the payload's future. Per path and prompt length, one row (medians):
   copy_kernel_GBps     same_gpu: the fused block-copy kernel alone, prefill cache -> another cache
   exact                the decode side's per-block checksums equal the prefill's
   prefill_s, ttft_transfer_share   8B prefill of that length (random weights) and seconds / (prefill + seconds)
-Paths: same_gpu (CUDA IPC + fused copy, one GPU), gloo (CPU caches), nccl (two GPUs, default plan),
-nccl_direct / nccl_staged (the plan forced to in-place messages / to staging, for comparison).
+  launches, staging_MiB the plan: messages of at most staging_MiB each (cluster/transport/plan.py)
+Paths: same_gpu (CUDA IPC + fused copy, one GPU), gloo (CPU caches), nccl (two GPUs, default staging),
+nccl_cold (no lead), nccl_slot16m / nccl_slot64m (16 / 64 MiB staging slots instead of the default).
 
     python loadtest/bench_transfer.py --out loadtest/results                 # one GPU: same_gpu
     python loadtest/bench_transfer.py --dry-run --out /tmp/x                 # CPU: gloo, tiny shape
@@ -79,12 +87,14 @@ KV_SHAPES = {
     "llama-1b": KVShape(16, 8, 64, 16, "bfloat16"),
     "tiny": KVShape(4, 2, 16, 16, "float32"),  # CPU dry runs
 }
-PATH_SPECS = {  # path -> (transport kind, backend, spec overrides)
-    "same_gpu": ("same_gpu", "gloo", {}),
-    "gloo": ("torch_dist", "gloo", {}),
-    "nccl": ("torch_dist", "nccl", {}),
-    "nccl_direct": ("torch_dist", "nccl", {"direct_min_bytes": 0}),
-    "nccl_staged": ("torch_dist", "nccl", {"direct_min_bytes": 1 << 62}),
+LEAD_S = 0.003  # begin -> KV ready (see the docstring)
+PATH_SPECS = {  # path -> (transport kind, backend, spec overrides, lead seconds)
+    "same_gpu": ("same_gpu", "gloo", {}, LEAD_S),
+    "gloo": ("torch_dist", "gloo", {}, LEAD_S),
+    "nccl": ("torch_dist", "nccl", {}, LEAD_S),
+    "nccl_cold": ("torch_dist", "nccl", {}, 0.0),
+    "nccl_slot16m": ("torch_dist", "nccl", {"staging_bytes": 16 << 20}, LEAD_S),
+    "nccl_slot64m": ("torch_dist", "nccl", {"staging_bytes": 64 << 20}, LEAD_S),
 }
 
 
@@ -166,7 +176,7 @@ def decode_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q
     t.close()
 
 
-def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q, go):
+def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, lead_s, layerwise, q, go):
     device = _device(device)
     spec = TransportSpec(**spec_d)
     nb = max(sizes) // shape.block_size + 2
@@ -183,7 +193,10 @@ def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, 
         if src.is_cuda:
             torch.cuda.synchronize()
         c0 = time.monotonic()
-        sh = t.begin([KVSend(res, n, blocks)])  # the worker claims before the forward (the served path's plan)
+        sh = t.begin([KVSend(res, n, blocks)], layerwise=layerwise)  # the worker claims before the forward
+        c1 = time.monotonic()
+        if lead_s:
+            time.sleep(lead_s)  # the forward (the decode side posts its receives meanwhile)
         t0 = time.monotonic()
         sh.kv_done()  # every layer not shipped yet goes now, while the first token is drawn
         if src.is_cuda:
@@ -193,7 +206,7 @@ def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, 
         t_commit = time.monotonic()
         st = sh.futures[res.request_id].result(timeout=120)
         t1 = time.monotonic()
-        rows.append((seq, n, rep, st.bytes, t0 - c0, t0, t1 - t0, t_done, t_commit, t1 - t_done))
+        rows.append((seq, n, rep, st.bytes, c1 - c0, t0, t1 - t0, t_done, t_commit, t1 - t_done))
     copy, kernel = {}, {}
     for n in sizes:  # the copy ceiling for the same bytes, this process, same run
         nbytes = shape.bytes_for(n)
@@ -235,16 +248,18 @@ def _time(fn, reps=20) -> float:
 
 
 def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", shape: KVShape = KV_SHAPES["llama-8b"],
-             quick: bool = False) -> dict:
-    """One path, prefill and decode in two fresh processes (devices as seen from this process)."""
-    kind, backend, extra = PATH_SPECS[path]
+             quick: bool = False, layerwise: bool | None = None) -> dict:
+    """One path, prefill and decode in two fresh processes (devices as seen from this process);
+    `layerwise` None: as the served path picks it (by prompt length)."""
+    kind, backend, extra, lead_s = PATH_SPECS[path]
     store = start_store("127.0.0.1", 0)
     spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend,
                 namespace=f"bench-{path}-{os.getpid()}-{time.monotonic_ns()}", transfer_timeout_s=60.0, **extra)
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=decode_proc, args=(spec, decode_device, shape, sizes, path, quick, q)),
-             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, q, go))]
+             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, lead_s, layerwise,
+                                                        q, go))]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -279,10 +294,12 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
         secs = sorted(landed[seq] - done for _, _, _, _, seq, done, _, _ in meas)
         ready = [landed[seq] - t0 for _, _, t0, _, seq, _, _, _ in meas]
         nbytes, sec = meas[0][0], med(secs)
+        lw = layerwise if layerwise is not None else n >= TransportSpec(**spec).layerwise_min_tokens
         row = {"path": path, "prompt_tokens": n, "bytes": nbytes, "seconds": sec,
                "served_transfer_s": med([m[7] for m in meas]),
                "commit_to_arrival_s": med([landed[m[4]] - m[6] for m in meas]),
                "kv_ready_to_arrival_s": med(ready), "GBps": nbytes / med(ready) / 1e9,
+               "layerwise": lw, "lead_ms": lead_s * 1e3, **plan_of(kind, spec, shape, n),
                "send_s": med([m[3] for m in meas]), "claim_s": med([m[1] for m in meas]),
                "p90_s": percentile(secs, 90), "copy_GBps": copy[n] / 1e9,
                "exact": psums.get(n) is not None and psums.get(n) == dsums.get(n), "reps": len(secs)}
@@ -291,6 +308,18 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
         rows.append(row)
     return {"path": path, "rows": rows, "errors": errors, "connect_s": connect_s,
             "decode_failures": dmetrics.get("failures", 0), "spec": {k: v for k, v in spec.items() if k != "store_port"}}
+
+
+def plan_of(kind: str, spec: dict, shape: KVShape, tokens: int) -> dict:
+    """The torch_dist plan of one transfer: how many launches (messages), of at most how much."""
+    if kind != "torch_dist":
+        return {}
+    from cluster.transport.plan import PlanSpec, plan_launches
+
+    staging = TransportSpec(**spec).staging_bytes
+    elem = torch.empty((), dtype=shape.torch_dtype).element_size()
+    ps = PlanSpec("torch_dist", shape.layers, shape.block_size, shape.kv_heads, shape.head_dim, shape.dtype, elem, staging)
+    return {"launches": len(plan_launches(ps, tokens // shape.block_size)), "staging_MiB": staging / (1 << 20)}
 
 
 def measure_prefill(sizes, device="cuda:0") -> dict[int, float]:
