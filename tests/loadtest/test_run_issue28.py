@@ -21,6 +21,11 @@ def test_run_issue28_dry_run(tmp_path):
     for name in FILES:
         assert (out / name).is_file(), (name, r.stdout[-3000:])
     assert all(len(p.relative_to(out).parts) <= 2 for p in out.rglob("*")), "the output is flat"
+    decode = json.loads((out / "decode_h200.json").read_text())["rows"]
+    committed = json.loads((REPO / "loadtest" / "results" / "decode_h200.json").read_text())["rows"]
+    fp8 = [r for r in committed if r.get("source") == "bench_fp8"]
+    assert fp8 and [r for r in decode if r.get("source") == "bench_fp8"] == fp8  # bench_fp8's rows kept as they are
+    assert any(r.get("source") == "bench_decode" for r in decode)
     itl = json.loads((out / "itl_h200.json").read_text())
     assert [row["batch_size"] for row in itl["rows"]] == [1, 2]
     assert all(row["server_interval_ms"] and row["server_interval_parts_ms"] for row in itl["rows"])
