@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28 on one H200 in one call (~8.5-9.5 minutes): the GPU test suite, then every measurement of the
+# Issue 28 on one H200 in one call (at most BUDGET = 575 s): the GPU test suite, then every measurement of the
 # issue, into OUT_DIR (flat), a summary table last.
 #
 #   bash loadtest/run_issue28_h200.sh OUT_DIR
@@ -16,7 +16,7 @@
 #           ITL: Locust 1..256 users on the 1B server, STEP_DURATION s a step      -> itl_h200.json
 #           TTFT: the ITL report at 1/4/16 users, a plain client, the server's own -> ttft_h200.json
 #           prefix caching on the 8B server: multi-turn, hits vs no shared block   -> prefix_cache_h200.json
-# Knobs: STEP_DURATION (18), WARMUP (6), STEPS, TESTS_TIMEOUT (260), DECODE_STEPS (24), PREFIX_SHAPE
+# Knobs: BUDGET (575), STEP_DURATION (18), WARMUP (6), STEPS, TESTS_TIMEOUT (260), DECODE_STEPS (24), PREFIX_SHAPE
 # (llama-8b), SKIP (comma-separated: tests,decode,transfer,itl,ttft,prefix).
 # The prefix server's router keeps the KV index (prefix_aware policies; one worker of each role, so
 # placement is the same): the prefill cost model then counts only the tokens each path computes.
@@ -32,6 +32,11 @@ T0=$(date +%s)
 SKIP=",${SKIP:-},"
 skip() { [[ $SKIP == *",$1,"* ]]; }
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# The whole script ends within BUDGET s (one 600 s device call): a stage gets at most its own limit
+# and never more than what is left less RESERVE s (stopping the servers, the summary). A stage cut
+# short this way leaves what it wrote so far, and the summary reports its targets as not measured.
+BUDGET=${BUDGET:-575}; RESERVE=${RESERVE:-30}
+limit() { local want=$1 left=$(( BUDGET - RESERVE - ($(date +%s) - T0) )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
 
 if [ -n "${DRY_RUN:-}" ]; then
   ITL_MODEL=$($PY -c 'from cluster.model.demo import ensure_demo_model as e; print(e())')
@@ -89,11 +94,11 @@ while time.time() < deadline:
 sys.exit(1)
 PYEOF
 }
-stop_server() {  # name: SIGTERM (pdserve drains and stops what it started), then SIGKILL after 40 s
+stop_server() {  # name: SIGTERM (pdserve drains and stops what it started), then SIGKILL after 20 s
   local pid=${PID[$1]:-}
   [ -z "$pid" ] && return 0
   kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$pid" 2>/dev/null
   unset "PID[$1]"
 }
@@ -108,26 +113,26 @@ stamp "servers starting"
 
 # -- 1. the GPU test suite ------------------------------------------------------------------------------
 if ! skip tests; then
-  timeout "${TESTS_TIMEOUT:-260}" $PY -m pytest -q -rfE -m gpu --timeout 150 -p no:cacheprovider tests \
+  timeout "$(limit "${TESTS_TIMEOUT:-260}")" $PY -m pytest -q -rfE -m gpu --timeout 150 -p no:cacheprovider tests \
     --deselect tests/cluster/kernels/test_kernels_compile_for_sm90.py::test_kernels_compile_for_sm90_without_spilling \
     > "$OUT/gpu_tests.log" 2>&1
   stamp "gpu tests exit $?: $(tail -1 "$OUT/gpu_tests.log")"
 fi
 
 # -- 2. decode steps and 3. transfers, with the servers up and idle (nothing else on the GPU) ---------
-[ $need_itl = 1 ] && { ITL_URL=$(wait_url itl 400) || stamp "the ITL server is not up"; }
-[ $need_prefix = 1 ] && [ -z "${DRY_RUN:-}" ] && { PREFIX_URL=$(wait_url prefix 400) || stamp "the prefix server is not up"; }
+[ $need_itl = 1 ] && { ITL_URL=$(wait_url itl "$(limit 400)") || stamp "the ITL server is not up"; }
+[ $need_prefix = 1 ] && [ -z "${DRY_RUN:-}" ] && { PREFIX_URL=$(wait_url prefix "$(limit 400)") || stamp "the prefix server is not up"; }
 stamp "servers ready: itl ${ITL_URL:-none}, prefix ${PREFIX_URL:-later}"
 if ! skip decode; then
   # bench_decode merges into its --out file, keeping other benchmarks' rows (bench_fp8's): start from
   # the committed file, so that OUT/decode_h200.json can replace it as it is.
   [ -f "$OUT/decode_h200.json" ] || cp loadtest/results/decode_h200.json "$OUT/decode_h200.json"
-  timeout "${DECODE_TIMEOUT:-200}" $PY -m loadtest.bench_decode "${DECODE_ARGS[@]}" --out "$OUT/decode_h200.json" \
+  timeout "$(limit "${DECODE_TIMEOUT:-200}")" $PY -m loadtest.bench_decode "${DECODE_ARGS[@]}" --out "$OUT/decode_h200.json" \
     > "$OUT/decode_h200.log" 2>&1
   stamp "bench_decode exit $?"
 fi
 if ! skip transfer; then
-  timeout "${TRANSFER_TIMEOUT:-90}" $PY loadtest/bench_transfer.py "${TRANSFER_ARGS[@]}" --no-prefill --out "$OUT" \
+  timeout "$(limit "${TRANSFER_TIMEOUT:-90}")" $PY loadtest/bench_transfer.py "${TRANSFER_ARGS[@]}" --no-prefill --out "$OUT" \
     > "$OUT/transfer_h200.log" 2>&1
   stamp "bench_transfer exit $?"
 fi
@@ -136,7 +141,7 @@ fi
 if [ $need_itl = 1 ] && [ -n "${ITL_URL:-}" ]; then
   if ! skip itl; then
     n_steps=$(echo "$STEPS" | tr ',' '\n' | wc -l)
-    timeout $(( n_steps * STEP_DURATION + 150 )) $PY -m loadtest.run --url "$ITL_URL" --steps "$STEPS" \
+    timeout "$(limit $(( n_steps * STEP_DURATION + 150 )))" $PY -m loadtest.run --url "$ITL_URL" --steps "$STEPS" \
       --step-duration "$STEP_DURATION" --warmup "$WARMUP" --prompt-tokens 128 --output-tokens "$OUTPUT_TOKENS" \
       --stall-timeout 10 --processes "$PROCESSES" --stats-interval 0.25 --out "$OUT/itl_raw" \
       --summary "$OUT/itl_h200.json" --plot "$OUT/itl_h200.png" \
@@ -147,7 +152,7 @@ if [ $need_itl = 1 ] && [ -n "${ITL_URL:-}" ]; then
   if ! skip ttft; then
     REPORT=()
     [ -f "$OUT/itl_h200.json" ] && REPORT=(--report-summary "$OUT/itl_h200.json")
-    timeout 240 $PY -m loadtest.bench_ttft --url "$ITL_URL" --users "$TTFT_USERS" "${REPORT[@]}" \
+    timeout "$(limit 240)" $PY -m loadtest.bench_ttft --url "$ITL_URL" --users "$TTFT_USERS" "${REPORT[@]}" \
       --client-seconds "$CLIENT_SECONDS" --step-duration "$STEP_DURATION" --warmup "$WARMUP" \
       --output-tokens "$OUTPUT_TOKENS" --out "$OUT/ttft_h200.json" > "$OUT/ttft_h200.log" 2>&1
     stamp "TTFT exit $?"
@@ -161,13 +166,13 @@ stop_server itl
 if [ $need_prefix = 1 ]; then
   if [ -n "${DRY_RUN:-}" ]; then
     serve prefix "$PREFIX_MODEL" llama-tiny "$PREFIX_SERVE"
-    PREFIX_URL=$(wait_url prefix 400)
+    PREFIX_URL=$(wait_url prefix "$(limit 400)")
   fi
   if [ -n "${PREFIX_URL:-}" ]; then
     rm -f "$OUT/prefix_cache_h200.json"
     for cache in on uncached; do
       # shellcheck disable=SC2086
-      timeout 200 $PY -m loadtest.bench_prefix_cache --url "$PREFIX_URL" --setup one_gpu --cache $cache \
+      timeout "$(limit 200)" $PY -m loadtest.bench_prefix_cache --url "$PREFIX_URL" --setup one_gpu --cache $cache \
         --workloads multi_turn --rates 4 $PREFIX_WORKLOAD --out "$OUT/prefix_cache_h200.json" \
         >> "$OUT/prefix_cache_h200.log" 2>&1
       stamp "prefix cache ($cache) exit $?"
