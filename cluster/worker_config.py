@@ -23,8 +23,9 @@ class WorkerConfig:
     max_prefill_tokens: int = 4096
     # Decode worker: at most this many local-prefill tokens between two decode steps while requests
     # are decoding (all of max_prefill_tokens when none is), so a long local prompt costs the running
-    # requests a bounded stall per step instead of its whole prefill at once.
-    local_prefill_chunk_tokens: int = 256
+    # requests a bounded stall per step instead of its whole prefill at once. Below it, each pass takes
+    # what costs about one decode step by the measured rates (decode_worker/local_prefill_pacer.py).
+    local_prefill_chunk_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # freed full KV blocks stay findable by content (cluster.block_pool)
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.

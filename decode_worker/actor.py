@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 
 class DecodeWorkerActor:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None):
-        # NOTE: the token publisher's thread detokenizes (Python around Rust) while the decode loop's
-        # thread prepares the next step; with the default 5 ms GIL switch interval the loop could
-        # wait that long for the GIL behind a busy publisher, past a whole decode step. This process
-        # is the actor's own, so the setting touches nothing else.
+        # NOTE: the decode loop shares this interpreter with Ray's call threads, the KV transport's
+        # control and waiter threads (the token publisher has a process of its own); with the
+        # default 5 ms GIL switch interval the loop could wait that long for the GIL behind one of
+        # them, past a whole decode step. This process is the actor's own: nothing else is touched.
         sys.setswitchinterval(0.0005)
         # A Ray restart runs this again: a new incarnation, which the router sees in stats() and has
         # rejoined (KV transport, warm-up) before it places on the worker again.

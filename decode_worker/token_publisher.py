@@ -82,6 +82,13 @@ class TokenPublisher:
         if not self._halted:
             self._queue.put(batch)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_ready(self) -> None:
+        """Ready at construction (PublisherProcess's counterpart starts a process)."""
+
     def drain(self, timeout: float = 0.0):
         """The StreamBatches of requests without a reply_to so far (waits up to `timeout` for one)."""
         with self._local_cv:
@@ -157,7 +164,7 @@ class TokenPublisher:
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
-        from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
+        from cluster.stream_messages import StepRecordBatch, StreamBatch, StreamDelta, encode
 
         socks: dict[str, tuple] = {}  # sink -> (socket, its signer)
         stats_sock = None
@@ -178,11 +185,7 @@ class TokenPublisher:
                 if batches:
                     now = time.time()
                     by_sink: dict[str | None, list] = {}
-                    records = []
                     for b in batches:
-                        if b.batch_size > 0:
-                            records.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket,
-                                                            b.step_time_s))
                         for d in b.deltas:
                             item = self._text_delta(d, StreamDelta)
                             if item is not None:
@@ -196,6 +199,7 @@ class TokenPublisher:
                                 self._local_cv.notify_all()
                         else:
                             self._send(socks, sink, encode(frame))
+                    records = self._step_records(batches, now, time.perf_counter())
                     if records and self.stats_sink is not None:
                         if stats_sock is None:
                             stats_sock = self._connect(self.stats_sink)
@@ -211,6 +215,26 @@ class TokenPublisher:
                 if s is not None:
                     # Halted: the frames queued in ZMQ reach their gateways before the close returns.
                     s.close(linger=2000 if halt else None)
+
+    @staticmethod
+    def _step_records(batches, now: float, sent_at: float) -> list:
+        """The steps' records for the stats sink; `sent_at` (perf_counter) is when their tokens went
+        out, so each record says how long the publisher held them (its lag behind the loop)."""
+        from cluster.stream_messages import DecodeStepRecord
+
+        out = []
+        for b in batches:
+            if b.batch_size <= 0:
+                continue
+            lag = max(0.0, sent_at - b.enqueued) if b.enqueued else 0.0
+            t = b.timing
+            if t is None:
+                out.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket, b.step_time_s,
+                                            publish_lag_s=lag))
+            else:
+                out.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket, b.step_time_s,
+                                            t.interval_s, t.prefill_s, t.idle_s, t.gap_s, t.host_s, lag))
+        return out
 
     @staticmethod
     def _connect(address: str):

@@ -63,13 +63,14 @@ class PlacementWalk:
         self.spawn = spawn
         self.metrics = metrics
 
-    def cached_blocks(self, req: GenerateRequest) -> dict[str, int]:
-        """The prompt's leading blocks each decode worker reported caching (empty when no policy
-        keeps the index): a worker holding them needs only the rest of the prompt's blocks free,
-        as its reservation pins the cached ones. Stale entries only cost a refused reservation."""
-        if "decode" not in self.policies.indexed_roles or self.kv_index.block_size is None:
+    def cached_blocks(self, req: GenerateRequest, role: str = "decode") -> dict[str, int]:
+        """The prompt's leading blocks each worker of `role` reported caching (empty when no policy
+        keeps the index for it): a decode worker holding them needs only the rest of the prompt's
+        blocks free, as its reservation pins the cached ones; a cached prefix is not computed again
+        (the prefill cost model). Stale entries only cost a refused reservation or a misestimate."""
+        if role not in self.policies.indexed_roles or self.kv_index.block_size is None:
             return {}
-        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.workers.ids("decode"))
+        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.workers.ids(role))
 
     async def place(self, rs: PlacedRequest, wait_s: float | None = None, wait_for_restart: bool = False) -> None:
         """Places the request, waiting up to `wait_s` (default reserve_wait_s) for a decode worker with
@@ -80,6 +81,8 @@ class PlacementWalk:
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
         cached = self.cached_blocks(req)
+        bs = self.kv_index.block_size or 0
+        cached_tokens = {w: n * bs for w, n in {**self.cached_blocks(req, "prefill"), **cached}.items()}
         wait_s = self.cfg.reserve_wait_s if wait_s is None else wait_s
         started = time.monotonic()
         mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
@@ -87,7 +90,7 @@ class PlacementWalk:
             prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
             for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
                 ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
-                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output)
+                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
                 rs.decode_worker_id = d.worker_id
                 new_blocks = need - cached.get(d.worker_id, 0)
                 if choice.local:

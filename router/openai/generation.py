@@ -60,7 +60,9 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None, DeltaLogprobs | None]]:
         """Yields (new text, finish reason or None, the new tokens' logprobs or None); the last piece
-        carries the finish reason. A piece may have logprobs and no text (held-back bytes)."""
+        carries the finish reason. One piece per delta that carries tokens, even when the detokenizer
+        held their text back (an incomplete UTF-8 character, a possible stop string): a client that
+        counts chunks or times tokens sees every token when it is made, its text arriving later."""
         gw, m = self.gw, self.gw.metrics
         last = None
         abort = True  # unless a worker itself finished the request
@@ -103,7 +105,7 @@ class Generation:
                     if finish == "error":
                         self.finish_reason = "error"
                         raise GenerationError(error or "the decode worker failed the request")
-                if text or finish is not None or (logprobs is not None and logprobs.tokens):
+                if d.token_ids or text or finish is not None or (logprobs is not None and logprobs.tokens):
                     self.emitted_chars += len(text)
                     self.finish_reason = finish
                     yield text, finish, logprobs

@@ -116,6 +116,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    # vLLM's extension: every chunk carries its choice's usage so far (completion_tokens counts the
+    # tokens streamed up to and including that chunk), so a client can time each token.
+    continuous_usage_stats: bool | None = False
 
 
 # -- structured output ------------------------------------------------------------------------------
@@ -282,6 +285,11 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

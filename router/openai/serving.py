@@ -66,9 +66,10 @@ class Choice:
         self.echo = echo  # the prompt's text (echo), else None
         self.tokenizer = tokenizer
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list]]:
-        """(text, finish reason or None, logprob positions of the piece's tokens); with echo, the first
-        piece starts with the prompt's text and (when logprobs are asked) the prompt's logprobs."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list, int]]:
+        """(text, finish reason or None, logprob positions of the piece's tokens, completion tokens so
+        far); with echo, the first piece starts with the prompt's text and (when logprobs are asked)
+        the prompt's logprobs."""
         first = self.echo is not None
         async for text, finish, lp in self.gen.pieces():
             positions = list(lp.tokens) if lp is not None else []
@@ -77,7 +78,7 @@ class Choice:
                 text = self.echo + text
                 if self.gen.params.prompt_logprobs is not None:
                     positions = self._prompt_positions() + positions
-            yield text, finish, positions
+            yield text, finish, positions, self.gen.completion_tokens
 
     def prompt_logprobs(self) -> tuple:
         """The prompt's logprobs, one per prompt token (the first None), as the worker sent them."""
@@ -92,7 +93,7 @@ class Choice:
 
     async def collect(self) -> tuple[str, list]:
         text, positions = [], []
-        async for t, _, lp in self.pieces():
+        async for t, _, lp, _ in self.pieces():
             text.append(t)
             positions.extend(lp)
         return "".join(text), positions
@@ -104,8 +105,9 @@ class ChunkFormat:
     def opening(self, index: int) -> list[str]:
         return []
 
-    def piece(self, index: int, text: str, finish: str | None, positions) -> str:
-        """positions: the logprobs of this piece's tokens (empty unless asked)."""
+    def piece(self, index: int, text: str, finish: str | None, positions, usage: UsageInfo | None = None) -> str:
+        """positions: the logprobs of this piece's tokens (empty unless asked); usage: the choice's so
+        far, with `stream_options.continuous_usage_stats` (else None)."""
         raise NotImplementedError
 
     def usage(self, usage: UsageInfo) -> str:
@@ -260,13 +262,16 @@ class OpenAIServing:
             for c in choices:
                 for ev in fmt.opening(c.index):
                     yield ev
+            prompt_len = {c.index: len(c.prompt_ids) for c in choices} if body.continuous_usage else None
             if len(choices) == 1:  # the common case: no task, no queue
                 c = choices[0]
-                async for text, finish, positions in c.pieces():
-                    yield fmt.piece(c.index, text, finish, positions)
+                async for text, finish, positions, n in c.pieces():
+                    yield fmt.piece(c.index, text, finish, positions,
+                                    UsageInfo.of(prompt_len[c.index], n) if prompt_len else None)
             else:
-                async for index, (text, finish, positions) in merged(choices):
-                    yield fmt.piece(index, text, finish, positions)
+                async for index, (text, finish, positions, n) in merged(choices):
+                    yield fmt.piece(index, text, finish, positions,
+                                    UsageInfo.of(prompt_len[index], n) if prompt_len else None)
             observe_finished(self.gw, choices, body.n)
             if body.include_usage:
                 yield fmt.usage(await usage(choices))

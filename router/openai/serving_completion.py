@@ -4,7 +4,7 @@ The endpoint's hooks of `OpenAIServing` (router/openai/serving.py): the prompts 
 the model's max_new_tokens (generation_config.json) or `default_max_tokens` (16, OpenAI's default)
 unless asked, legacy logprobs (`logprobs: N`) and echo, vLLM's prompt_logprobs (non-streamed), and
 the response and chunk shapes. A chunk is built by hand around its fixed parts: it is the hot path,
-one event per token per request.
+one event per token per request (per delta from the decode worker, even when its text is held back).
 """
 
 from __future__ import annotations
@@ -64,15 +64,18 @@ class _CompletionChunks(ChunkFormat):
         self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
         self.logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice (text offsets go on)
 
-    def piece(self, index, text, finish, positions):
+    def piece(self, index, text, finish, positions, usage=None):
         lp = "null"
         if self.body.logprobs is not None:
             builder = self.logprobs.get(index)
             if builder is None:
                 builder = self.logprobs[index] = CompletionLogprobsBuilder(self.body.logprobs)
             lp = builder.add(positions).model_dump_json()
+        tail = self.tail if usage is None else (
+            f',"usage":{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
+            f'"total_tokens":{usage.total_tokens}}}}}\n\n')
         return (f'{self.head}{index},"text":{json.dumps(text)},"logprobs":{lp},'
-                f'"finish_reason":{json.dumps(finish)}}}]{self.tail}')
+                f'"finish_reason":{json.dumps(finish)}}}]{tail}')
 
     def usage(self, usage):
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)

@@ -394,3 +394,78 @@ def test_the_restart_fault_stops_everything_silently_and_calls_on_restart(demo_m
         assert not worker.stats().healthy
     finally:
         worker.shutdown()
+def test_step_records_say_where_each_interval_went(demo_model_dir):
+    """Every step's record (to the router's stats sink) carries its interval since the previous
+    step's start and its parts: previous step + local prefill + idle + host gap = the interval; a
+    prompt prefilled between two steps shows as that interval's prefill."""
+    zmq = pytest.importorskip("zmq")
+    from cluster.stream_messages import decode_step_records
+
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
+    worker = DecodeWorker("d2", cfg, stats_sink=addr)
+    c = Collector(worker)
+    long_, short = prompts(8, [40, 120])
+    try:
+        worker.submit_local(GenerateRequest("a", tuple(long_), SamplingParams(max_tokens=40, **GREEDY), 0, 0.0))
+        c.wait(lambda: len(c.tokens.get("a", [])) >= 5)
+        worker.submit_local(GenerateRequest("b", tuple(short), SamplingParams(max_tokens=5, **GREEDY), 0, 0.0))
+        c.wait(lambda: len(c.finish) == 2)
+        time.sleep(0.2)
+        records = []
+        while sink.poll(50):
+            records += decode_step_records(sink.recv()).records
+    finally:
+        worker.shutdown()
+        sink.close()
+    by_step = {r.step: r for r in records}
+    timed = [r for r in records if r.interval_s is not None and r.step - 1 in by_step]
+    assert len(timed) >= 30
+    for r in timed:
+        prev = by_step[r.step - 1]
+        parts = prev.step_time_s + r.prefill_s + r.idle_s + r.gap_s
+        # The gap is what the other parts leave (never negative: a clamped gap means they overran it).
+        assert r.gap_s >= 0 and (r.interval_s == pytest.approx(parts, abs=1e-6) or r.gap_s == 0), r
+        assert r.host_s >= 0 and r.publish_lag_s >= 0
+    assert sum(r.prefill_s > 0 for r in timed) >= 1  # b's prompt, prefilled between two of a's steps
+
+
+def test_the_token_publisher_runs_in_its_own_process(demo_model_dir, engine):
+    """Detokenizing never competes with the decode loop for the interpreter: the publisher is another
+    process (its local frames and stop-string matches come back); a publisher process that died makes
+    the worker unhealthy, so the router moves its requests; nothing of it outlives the worker."""
+    from decode_worker.publisher_process import PublisherProcess
+
+    worker = make_worker(demo_model_dir)
+    pub = worker.publisher
+    assert isinstance(pub, PublisherProcess) and pub.alive and pub.proc.pid != __import__("os").getpid()
+    c = Collector(worker)
+    try:
+        p = prompts(11, [12])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("x", tuple(p), SamplingParams(max_tokens=6, **GREEDY), 0, 0.0))
+        c.wait(lambda: "x" in c.finish)
+        assert c.tokens["x"] == list(ref.token_ids) and worker.stats().healthy
+        pub.proc.kill()
+        pub.proc.wait(timeout=10)
+        assert not worker.stats().healthy
+    finally:
+        worker.shutdown()
+    assert pub.proc.poll() is not None
+
+
+def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=8)
+    worker = DecodeWorker("d0", cfg, token_publisher="thread")
+    c = Collector(worker)
+    try:
+        p = prompts(12, [20])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=5, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("y", tuple(p), SamplingParams(max_tokens=5, **GREEDY), 0, 0.0))
+        c.wait(lambda: "y" in c.finish)
+        assert c.tokens["y"] == list(ref.token_ids)
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="token_publisher"):
+        DecodeWorker("d0", cfg, token_publisher="fibre")

@@ -69,6 +69,28 @@ def test_streaming_completion_with_usage(fake_cluster, reference_engine):
     assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
 
 
+def test_continuous_usage_counts_every_chunks_tokens(fake_cluster, reference_engine):
+    """stream_options.continuous_usage_stats (vLLM's): each chunk carries its choice's usage so far, so
+    a client knows how many tokens each chunk brought; completions and chat alike."""
+    ref = _greedy(reference_engine, PROMPTS[3], 18, ignore_eos=True)
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[3]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}]})):
+        with httpx.stream("POST", f"{fake_cluster.url}{path}", timeout=60, json={
+                "model": MODEL, "max_tokens": 18, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **body}) as r:
+            assert r.status_code == 200, r.read()
+            events = _sse(r.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 18
+        chunks = [e for e in events[:-2] if e["choices"] and e.get("usage")]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 18 and counts[0] >= 1
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in chunks)
+        if path == "/v1/completions":
+            assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+            assert chunks[0]["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+
+
 def test_chat_plain_http_and_streaming(fake_cluster, reference_engine):
     from cluster.tokenizer import encode_chat
 
