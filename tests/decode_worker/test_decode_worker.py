@@ -399,6 +399,7 @@ def test_step_records_say_where_each_interval_went(demo_model_dir):
     step's start and its parts: previous step + local prefill + idle + host gap = the interval; a
     prompt prefilled between two steps shows as that interval's prefill."""
     zmq = pytest.importorskip("zmq")
+    from cluster.frame_auth import STATS_SINK, FrameVerifier
     from cluster.stream_messages import decode_step_records
 
     sink = zmq.Context.instance().socket(zmq.PULL)
@@ -414,8 +415,9 @@ def test_step_records_say_where_each_interval_went(demo_model_dir):
         c.wait(lambda: len(c.finish) == 2)
         time.sleep(0.2)
         records = []
+        verify = FrameVerifier(cfg.cluster_secret, STATS_SINK)  # the stats sink's frames are signed
         while sink.poll(50):
-            records += decode_step_records(sink.recv()).records
+            records += decode_step_records(verify.open(sink.recv_multipart())).records
     finally:
         worker.shutdown()
         sink.close()
