@@ -112,8 +112,11 @@ def _sinks(token_addr_q, stop, out_q) -> None:
     """The gateways' end, in its own process: counts tokens, collects the step records."""
     import zmq
 
+    from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
     from cluster.stream_messages import decode_step_records, decode_stream_batch
 
+    # The worker runs without a launcher (empty secret): its frames are still [tag, payload].
+    tok_check, st_check = FrameVerifier(b"", TOKEN_STREAM), FrameVerifier(b"", STATS_SINK)
     ctx = zmq.Context()
     tok = ctx.socket(zmq.PULL)
     st = ctx.socket(zmq.PULL)
@@ -126,13 +129,13 @@ def _sinks(token_addr_q, stop, out_q) -> None:
     while not stop.is_set():
         for sock, _ in poller.poll(50):
             if sock is tok:
-                b = decode_stream_batch(tok.recv())
+                b = decode_stream_batch(tok_check.open(tok.recv_multipart()))
                 now = time.time()
                 n = sum(len(d.token_ids) for d in b.deltas)
                 finished += sum(1 for d in b.deltas if d.finish_reason)
                 arrivals.append((now, n))
             else:
-                for r in decode_step_records(st.recv()).records:
+                for r in decode_step_records(st_check.open(st.recv_multipart())).records:
                     records.append((r.t, r.batch_size, r.step_time_s, r.interval_s, r.prefill_s, r.idle_s, r.gap_s,
                                     r.host_s, r.publish_lag_s))
     out_q.put((arrivals, finished, records))
