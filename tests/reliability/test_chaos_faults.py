@@ -1,6 +1,6 @@
 """The faults the first chaos runs did not make (issue 29 item 3), each alone in a short run of
 loadtest/chaos.py on one real cluster (1 prefill + 2 decode workers, KV over gloo with
-transfer_timeout_s = 3 s, restarts always on): greedy streams kept going while the fault is made;
+transfer_timeout_s = 6 s, restarts always on): greedy streams kept going while the fault is made;
 no request hangs, none gets a 5xx or an error event, every one equals the reference engine's text,
 the cluster is whole again (the kind's own measure), and afterwards no KV block is held anywhere.
 
@@ -26,7 +26,10 @@ import pytest
 from loadtest import chaos
 from reliability_harness import start_cluster, wait_clean
 
-TRANSFER_TIMEOUT_S = 3.0
+# Long enough that the old rejoin (held by the rendezvous with the dead peer for 2 x this) and the new
+# one (the peer's death seen, the rejoin retried at once: ~8 s on a loaded 2-core machine, whatever
+# this is) are told apart; short enough that a stuck transfer is given up within the test.
+TRANSFER_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
