@@ -189,14 +189,14 @@ def test_the_gateway_applies_the_defaults_unless_the_request_sets_them(demo_mode
     for serving, body in ((OpenAIServingCompletion, CompletionRequest(model="m", prompt="hi")),
                           (OpenAIServingChat, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}]))):
         s = serving(GW(d))
-        p = s.sampling_params(body, s.max_tokens(body, [1, 2, 3]), None, None)
+        p = s.sampling_params(body, s.options(body), s.max_tokens(body, [1, 2, 3]), None, None)
         assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, 64)
         own = body.model_copy(update=dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                                           max_tokens=5))
-        p = s.sampling_params(own, s.max_tokens(own, [1, 2, 3]), None, None)
+        p = s.sampling_params(own, s.options(own), s.max_tokens(own, [1, 2, 3]), None, None)
         assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.0, 1.0, 0, 0.0, 1.0, 5)
         plain = serving(GW(SamplingDefaults()))  # --generation-config vllm: the API's own defaults
-        p = plain.sampling_params(body, plain.max_tokens(body, [1, 2, 3]), None, None)
+        p = plain.sampling_params(body, plain.options(body), plain.max_tokens(body, [1, 2, 3]), None, None)
         assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)
         assert p.max_tokens == (16 if serving is OpenAIServingCompletion else 4096 - 3)
 

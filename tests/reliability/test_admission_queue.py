@@ -3,7 +3,7 @@ pool (1 prefill + 1 decode worker, 512 blocks of 16 tokens: five 1.5k-token prom
 
 - 16 concurrent 1.5k-token prompts all succeed (before the admission queue: 7 and 11 of them got 429
   "no decode worker has 94 free KV blocks"); the wait shows in their TTFT and in /metrics
-  (`pdserve:num_requests_waiting`, `pdserve:request_admission_queue_time_seconds`);
+  (`vllm:num_requests_waiting`, `pdserve:request_admission_queue_time_seconds`);
 - 429 with Retry-After only when the queue is full (`max_waiting_requests`) or a request's wait
   passes (or would pass) `queue_timeout_s`;
 - a request cancelled while it waits leaves nothing: not in the queue, the router, a worker or its
@@ -100,7 +100,7 @@ async def _burst(sc, prompts, sample_metrics=False):
         async def sample():
             while not done.is_set():
                 r = await c.get("/metrics")
-                waiting_seen.append(_gauge(r.text, "pdserve:num_requests_waiting"))
+                waiting_seen.append(_gauge(r.text, "vllm:num_requests_waiting"))
                 await asyncio.sleep(0.1)
         sampler = asyncio.ensure_future(sample()) if sample_metrics else None
         res = await asyncio.gather(*(_stream(c, p) for p in prompts))
