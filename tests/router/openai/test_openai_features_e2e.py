@@ -219,25 +219,31 @@ def test_tools_with_tool_choice_none_are_rendered_not_parsed(fake_cluster):
 
 def test_a_refused_choice_leaves_nothing_running(fake_cluster):
     """A request whose choices cannot all be admitted (128 x ~420 tokens: the two workers hold 2 x 4096,
-    the rest would wait in an admission queue held to 8 here) is refused whole, and the choices placed
-    before the refusal are aborted. (With the default queue of 256 they wait and are all served.)"""
+    their decoding held slow here so none finishes meanwhile, and an admission queue of 0 so that the
+    first choice that does not fit is refused at once) is refused whole, and the choices placed before
+    the refusal are aborted. (With the default queue its choices wait and are all served.)"""
     import dataclasses
+
+    import ray
 
     ac = fake_cluster.router.admission
     before = ac.limits
+    decode = list(fake_cluster.workers.decode.values())
 
     def limit(to):
         def set_():
             ac.limits = dataclasses.replace(ac.limits, max_waiting_requests=to)
         fake_cluster.call(set_)
     too_many = {"model": MODEL, "prompt": LONG, "max_tokens": 400, "n": 128, "ignore_eos": True}
-    limit(8)
+    limit(0)
+    ray.get([d.set_step_delay.remote(0.05) for d in decode])  # 400 tokens take 20 s: nothing frees meanwhile
     try:
         r = httpx.post(f"{fake_cluster.url}/v1/completions", content=json.dumps(too_many),
                        headers={"content-type": "application/json"}, timeout=120)
     finally:
+        ray.get([d.set_step_delay.remote(0.0) for d in decode])
         limit(before.max_waiting_requests)
-    assert r.status_code == 429 and "max_waiting_requests=8" in r.json()["error"]["message"], r.text[:500]
+    assert r.status_code == 429 and "max_waiting_requests=0" in r.json()["error"]["message"], r.text[:500]
     wait_clean(fake_cluster)  # fails unless every worker and the router hold nothing
     out = _client(fake_cluster).completions.create(model=MODEL, prompt=SHORT, max_tokens=2)
     assert out.choices[0].finish_reason is not None
