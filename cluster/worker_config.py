@@ -28,3 +28,6 @@ class WorkerConfig:
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     seed: int = 0
+    # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
+    # (cluster/distributed/tp_group.py). 1: the worker is this one process.
+    tensor_parallel_size: int = 1

@@ -4,6 +4,11 @@ Its methods are the decode worker interface, cluster.worker_api.DecodeWorkerAPI 
 
 The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, stats_sink)`;
 tokens go to the gateway each request names (`GenerateRequest.reply_to`), step records to `stats_sink`.
+
+Tensor parallelism (cfg.tensor_parallel_size = N > 1): this actor is rank 0. Its constructor starts
+the N - 1 followers through `rank_launcher` (deploy/ray_rank_launcher.py: actors in this worker's
+placement-group bundle, owned by this actor, so they die with it) and forms the group with them; a Ray
+restart of this actor starts a new group the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import lead_group
 from decode_worker.decode_worker import DecodeWorker
 
 if TYPE_CHECKING:
@@ -22,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class DecodeWorkerActor:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None):
+    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None, rank_launcher=None):
         # NOTE: the token publisher's thread detokenizes (Python around Rust) while the decode loop's
         # thread prepares the next step; with the default 5 ms GIL switch interval the loop could
         # wait that long for the GIL behind a busy publisher, past a whole decode step. This process
@@ -31,7 +37,13 @@ class DecodeWorkerActor:
         # A Ray restart runs this again: a new incarnation, which the router sees in stats() and has
         # rejoined (KV transport, warm-up) before it places on the worker again.
         self.incarnation = uuid.uuid4().hex
-        self.worker = DecodeWorker(worker_id, cfg, stats_sink)
+        group = None
+        if cfg.tensor_parallel_size > 1:
+            if rank_launcher is None:
+                raise ValueError(f"decode worker {worker_id} has tensor_parallel_size {cfg.tensor_parallel_size} "
+                                 "but no rank launcher to start its followers")
+            group = lead_group(cfg, rank_launcher.launch)
+        self.worker = DecodeWorker(worker_id, cfg, stats_sink, group=group)
 
     def ready(self) -> bool:
         """Returns once the model is loaded and the graphs are captured (the constructor finished)."""

@@ -14,6 +14,12 @@ input token from the device, so the host never waits for the GPU to form the nex
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
 short lock: reserve(), submit_local(), abort(), stats(), step_metrics().
 
+Tensor parallelism: with a TPGroup (`group`, this process is its rank 0), everything above runs here
+unchanged; the model is this rank's shard, and every forward (local prefill, decode step) is announced
+to the followers first (cluster/model_runner.py, bucketed_graph_runner.py; decode_worker/rank_follower.py
+runs them). A failure of the loop then takes the whole worker down (`TPGroup.fail`: the ranks may have
+run different passes), instead of restarting the loop: Ray restarts the worker, the router migrates.
+
 A request is refused (400) by the one fit rule, cluster.request_limits (its context length is the
 served max_model_len, its KV this worker's pool). Before serving, warmup() runs DecodeWorkerWarmup
 (decode_worker/warmup.py) beside the idle loop.
@@ -32,13 +38,10 @@ import torch
 
 from cluster.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
                               WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
-from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
@@ -46,6 +49,7 @@ from cluster.sequence import Sequence
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import WorkerModel
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
 from decode_worker.metrics import StepMetrics, StepRecord
@@ -69,29 +73,25 @@ class _Launched:
 
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
-                 model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True):
-        """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`."""
+                 model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
+                 group=None):
+        """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
+        `group`: the TPGroup this process leads (tensor parallelism), or None."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        if model is None:
-            model = load_model(cfg.model_dir, dtype=cfg.dtype, device=self.device, attention_backend=cfg.attention_backend)
-        self.model = model
-        self.arch: ModelArchConfig = model.cfg
-        self.dtype = next(model.parameters()).dtype if cfg.dtype is None else resolve_dtype(cfg.dtype)
+        wm = WorkerModel.load(cfg, group, model=model)
+        self.group = wm.group if group is not None and group.size > 1 else None
+        self.model = wm.model
+        self.arch: ModelArchConfig = wm.arch
+        self.dtype = wm.dtype
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
-
-        num_blocks = kv_pool_blocks(cfg, self.arch, self.dtype, self.device)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, num_blocks, self.dtype)
-        # The KV pool. A transport writes arriving prompts' K/V straight into this tensor's blocks.
-        self.kv_cache: torch.Tensor = self.spec.allocate(self.device)
-        self.prefill_runner = ModelRunner(model, self.spec, self.device, kv_cache=self.kv_cache)
-        self.graph_runner = BucketedGraphRunner(
-            model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
-            max_blocks_per_seq=self.spec.blocks_for_tokens(self.max_model_len),
-            buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
-        )
-        self.graph_runner.capture(progress=capture_progress)
+        self.spec = wm.spec
+        num_blocks = self.spec.num_blocks
+        # The KV pool (this rank's KV heads). A transport writes arriving prompts' K/V straight into its blocks.
+        self.kv_cache: torch.Tensor = wm.kv_cache
+        self.prefill_runner = wm.runner
+        self.graph_runner = BucketedGraphRunner.for_worker(wm, cfg, self.max_model_len, capture_progress)
 
         self.blocks = BlockManager(num_blocks, cfg.block_size,
                                    prefix_cache_salt(cfg.model_dir, str(self.dtype), cfg.block_size),
@@ -238,6 +238,7 @@ class DecodeWorker:
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
                        "loop_failures": self.loop_failures,
+                       **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
                        **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
                 local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
@@ -281,6 +282,8 @@ class DecodeWorker:
         self.publisher.close()
         if self.transport is not None:
             self.transport.close()
+        if self.group is not None:
+            self.group.close()
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -296,6 +299,14 @@ class DecodeWorker:
                 log.exception("decode loop of %s failed", self.worker_id)
                 self.loop_failures += 1
                 why = f"decode worker {self.worker_id} failed: {type(e).__name__}: {e}"
+                if self.group is not None:
+                    # The followers may have run passes this rank did not (or the reverse): the group
+                    # cannot go on. Its requests are lost here; the whole worker goes down (by default
+                    # its process ends, and Ray restarts it as a new group).
+                    self._fail_all(why, lost=True)
+                    self.error = why
+                    self.group.fail(why)
+                    return
                 recoverable = self._settle_after_failure(why) and self.loop_failures <= MAX_LOOP_RESTARTS
                 if not recoverable or self._stop.is_set():
                     self.error = why

@@ -32,9 +32,12 @@ def _cmd_generate(args) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device)
-    for out in engine.generate(prompts, params):
-        print(out.text)
+    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        for out in engine.generate(prompts, params):
+            print(out.text)
+    finally:
+        engine.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:i (tensor-parallel ranks take cuda:i, i+1, ...)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (one GPU each on CUDA)")
     g.set_defaults(func=_cmd_generate)
 
     _add_extra_commands(sub)

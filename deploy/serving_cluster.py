@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import ray
 
+from cluster.distributed.sharding import check_tensor_parallel
 from cluster.errors import PdserveError
 from cluster.model.config import ModelArchConfig
 from cluster.model.demo import ensure_demo_model
@@ -112,6 +113,9 @@ class ServingCluster:
         cfg = self.cfg
         model_dir = self._model_dir()
         arch = ModelArchConfig.from_dir(model_dir)
+        for role in ("prefill", "decode"):  # a model the workers cannot split fails here, before Ray starts
+            check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
+                                  f"{Path(model_dir).name} ({role}_tp)")
         max_model_len = served_max_model_len(cfg.max_model_len, arch.max_position_embeddings)
         self.model_name = name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else Path(model_dir).name)
         api_servers = cfg.api_servers or default_api_servers()

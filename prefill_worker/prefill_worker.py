@@ -14,6 +14,12 @@ reservation says how many leading blocks it already holds (`Reservation.num_cach
 
 A prompt that cannot fit (cluster.request_limits: the served context length, this worker's pool)
 fails at submit(), and its decode worker is told at once.
+
+Tensor parallelism: with a TPGroup (`group`, this process its rank 0) the model and cache are this
+rank's shard and every forward is announced to the followers first (cluster/model_runner.py;
+prefill_worker/rank_follower.py runs them), with what the pass ships so that each rank sends its own
+heads' KV. A forward that fails then takes the whole worker down (`TPGroup.fail`) instead of failing
+one batch: the ranks' collectives may no longer pair up.
 """
 
 from __future__ import annotations
@@ -31,18 +37,17 @@ from cluster.block_hash import BlockHash, prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
-from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.warmup import prefill_shapes, warm_prefill
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import WorkerModel
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +76,18 @@ class _Job:
 
 class PrefillWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, transport: KVSender | None = None,
-                 send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None):
+                 send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None, group=None):
+        """`group`: the TPGroup this process leads (tensor parallelism), or None."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.arch = arch or ModelArchConfig.from_dir(cfg.model_dir)
-        dtype = resolve_dtype(cfg.dtype or self.arch.dtype)
-        self.model = model or load_model(cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
-                                         attention_backend=cfg.attention_backend)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
-                                          kv_pool_blocks(cfg, self.arch, dtype, self.device), dtype)
-        self.runner = ModelRunner(self.model, self.spec, self.device)
+        wm = WorkerModel.load(cfg, group, model=model, arch=arch)
+        self.group = wm.group if group is not None and group.size > 1 else None
+        self.arch = wm.arch
+        dtype = wm.dtype
+        self.model = wm.model
+        self.spec = wm.spec
+        self.runner = wm.runner
         self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
                                                 prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
                                                 cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
@@ -223,7 +229,10 @@ class PrefillWorker:
         if self.warmup_info:
             extra["warmup"] = self.warmup_info
         self._timer.harvest()
-        return WorkerStats(self.worker_id, "prefill", healthy=not self._stop, free_blocks=self.allocator.num_free,
+        if self.group is not None:
+            extra["tensor_parallel"] = self.group.describe()
+        healthy = not self._stop and (self.group is None or self.group.failed is None)
+        return WorkerStats(self.worker_id, "prefill", healthy=healthy, free_blocks=self.allocator.num_free,
                            total_blocks=self.allocator.capacity, running=extra["sending"],
                            waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra,
                            prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
@@ -245,6 +254,8 @@ class PrefillWorker:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.group is not None:
+            self.group.close()
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -310,6 +321,9 @@ class PrefillWorker:
                                 else ([], []))  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
+            if self.group is not None:  # the group cannot go on (see the module docstring)
+                log.exception("prefill pass of %s failed", self.worker_id)
+                self.group.fail(f"prefill worker {self.worker_id} failed a pass: {type(e).__name__}: {e}")
             if shipment is not None:
                 shipment.commit({})  # their decode workers free the blocks once the payload drained
             with self._cv:
