@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Callable
@@ -33,10 +32,8 @@ EXIT_CODE = 75  # a rank that ends its process because its group broke
 
 def exit_process(why: str) -> None:
     """The default failure action: this rank's process ends now (Ray restarts the worker)."""
-    log.critical("tensor-parallel group broken, ending this process: %s", why)
     try:
-        sys.stderr.write(f"pdserve: tensor-parallel group broken, ending this process: {why}\n")
-        sys.stderr.flush()
+        log.critical("tensor-parallel group broken, ending this process: %s", why)
     finally:
         os._exit(EXIT_CODE)
 
