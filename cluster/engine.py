@@ -5,6 +5,12 @@ or one decode step over every running sequence; when the KV pool runs out, the n
 preempted and recomputed later. With prefix caching (the default) a prompt's leading blocks already in
 the cache are taken from it and only the rest is computed, attending to them.
 
+Structured output (params.structured): checked at add_request (a bad schema is an
+InvalidRequestError), compiled on the GrammarCompiler's pool; a prompt is prefilled once its grammar
+is ready (others go ahead; with nothing else to run the engine waits for it), and every token is
+sampled under its grammar's mask (cluster.sampler.sample_tokens). A prompt-scoring request
+(max_tokens 0) ends after its prefill with its prompt logprobs and no token.
+
 With tensor_parallel_size=N > 1 the model is split over N processes (this one is rank 0; the others
 are spawned, cluster/distributed/rank_launcher.py) that run every pass it announces (`run_engine_rank`);
 call `close()` when done with it.
@@ -35,6 +41,7 @@ from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
+from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import encode_prompt, load_tokenizer
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import join_group, lead_group, rank_config, tensor_parallel
@@ -69,6 +76,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: tuple | None = None  # one cluster.logprobs.TokenLogprobs per token, with params.logprobs
     prompt_logprobs: tuple | None = None  # one per prompt token (the first None), with params.prompt_logprobs
+    error: str | None = None  # with finish_reason "error"
 
 
 class LLMEngine:
@@ -118,6 +126,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._rng = random.Random()
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -133,6 +142,9 @@ class LLMEngine:
             eos_token_ids=self.arch.eos_token_ids,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
         )
+        if params.structured is not None:
+            self.grammars.check(params.structured)
+            seq.grammar = self.grammars.grammar_for(params.structured, seq.request_id)
         self.waiting.append(seq)
         return seq
 
@@ -142,12 +154,32 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Runs one prefill or decode step; returns the sequences that finished in it."""
+        failed = self._fail_grammars()
+        if failed:
+            return failed
         chunks = self._schedule_prefill()
         if chunks:
             return self._run_prefill(chunks)
         if self.running:
             return self._run_decode()
+        compiling = next((s for s in self.waiting if s.grammar is not None and not s.grammar.ready()), None)
+        if compiling is not None:
+            compiling.grammar.wait(timeout=1.0)  # nothing else can run: wait for its grammar
         return []
+
+    def _fail_grammars(self) -> list[Sequence]:
+        """Sequences whose grammar failed after admission end with an error."""
+        failed = {rid for rid, _ in self.grammars.take_failed()}
+        if not failed:
+            return []
+        out = [s for s in (*self.waiting, *self.running) if s.request_id in failed]
+        for seq in out:
+            seq.finish_reason, seq.error = "error", seq.grammar.error
+            (self.waiting if seq.status is SequenceStatus.WAITING else self.running).remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        return out
 
     def _schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
         planned = 0
@@ -169,8 +201,9 @@ class LLMEngine:
             planned += 1
             return True
 
-        # Prompt plus tokens kept from before a preemption.
-        return fcfs_chunks(self.waiting, self.max_prefill_tokens,
+        # Prompt plus tokens kept from before a preemption; a constrained prompt once its grammar is ready.
+        ready = (s for s in self.waiting if s.grammar is None or s.grammar.ready())
+        return fcfs_chunks(ready, self.max_prefill_tokens,
                            lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table), admit)
 
     def _run_prefill(self, chunks) -> list[Sequence]:
@@ -191,14 +224,18 @@ class LLMEngine:
                 done.append(seq)
         if not done:
             return []
-        tokens = self._sample(logits[done_rows], done)
         finished = []
-        for seq, tok in zip(done, tokens):
+        for seq in done:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if seq.append_token(tok):
+            if seq.params.scores_prompt_only:
+                seq.finish_reason = "length"  # no token: its prompt logprobs are the answer
                 finished.append(seq)
+        sampled = [(i, s) for i, s in zip(done_rows, done) if not s.params.scores_prompt_only]
+        if sampled:
+            tokens = self._sample(logits[[i for i, _ in sampled]], [s for _, s in sampled])
+            finished += [seq for (_, seq), tok in zip(sampled, tokens) if seq.append_token(tok)]
         self._retire(finished)
         return finished
 
@@ -226,7 +263,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                          [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
-                                         [s.output_token_ids for s in seqs])
+                                         [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
         for s, lp in zip(seqs, logprobs):
             if lp is not None:
                 s.output_logprobs.append(lp)
@@ -272,4 +309,5 @@ class LLMEngine:
         return CompletionOutput(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), text,
                                 seq.finish_reason or "",
                                 tuple(seq.output_logprobs) if p.logprobs is not None else None,
-                                tuple(seq.prompt_logprobs or ()) if p.prompt_logprobs is not None else None)
+                                tuple(seq.prompt_logprobs or ()) if p.prompt_logprobs is not None else None,
+                                seq.error)

@@ -1,7 +1,7 @@
 """Typed messages, one per hop: gateway -> router -> prefill -> decode -> gateway.
 
 Control messages are small frozen dataclasses. They cross Ray actor calls (Ray serialises them) or
-the gateway -> router channel (msgspec msgpack, router/router_messages.py); the token stream's own
+the gateway -> router channel (msgspec msgpack, router/channel/messages.py); the token stream's own
 messages are in cluster/stream_messages.py. No pickle on a socket of ours. The bulk KV never travels
 in a message; it goes through a KVTransport into reserved blocks.
 """

@@ -3,6 +3,9 @@
 A step, for rows that need more than the plain draw (`SamplingParams.needs_features`):
   1. logits processing (cluster.kernels.process_logits, from per-sequence state in cluster.sampling_state):
      allowed_token_ids, logit_bias, repetition / frequency / presence penalties, bad words, in float32;
+  1b. grammar masks of constrained rows (structured output: cluster.kernels.apply_token_bitmask, -inf
+     where the row's grammar bans a token), on the processed logits (or, without processing, in place
+     on the logits: any step, features or not);
   2. the draw (below) from the processed logits;
   3. the sampled tokens counted into their sequences' state (update_sampling_state);
   4. logprobs of the sampled token and the top ones under the raw logits (cluster.logprobs).
@@ -35,8 +38,11 @@ from cluster.kernels.reference import uniform_noise
 from cluster.logprobs import TokenLogprobs, rows_to_logprobs
 from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 from cluster.sampling_state import SamplingState
+from cluster.structured.grammar import bitmask_words
+from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 
-__all__ = ["SamplingTensors", "sample", "sample_step", "sample_tokens", "uniform_noise", "log_min_p"]
+__all__ = ["SamplingTensors", "grammar_bitmask", "sample", "sample_step", "sample_tokens", "uniform_noise",
+           "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
@@ -100,12 +106,16 @@ class StepOutputs:
 
 
 def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, row_slots: torch.Tensor,
-                state: SamplingState, out: StepOutputs, update_state: bool = True) -> None:
+                state: SamplingState, out: StepOutputs, update_state: bool = True,
+                bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One step with logits processing, state update and logprobs (see the module docstring); the
     function the decode graph's features variant captures and the host-side sampler calls. Rows with
-    slot -1 sample exactly as `sample` would. No host sync."""
+    slot -1 sample exactly as `sample` would. `bitmask` = (row_mask [B] int32, masks [S, W] int32):
+    grammar masks on the processed logits (logprobs stay the model's). No host sync."""
     b = logits.shape[0]
     processed = kernels.process_logits(logits, row_slots, state, out.processed[:b])
+    if bitmask is not None:
+        kernels.apply_token_bitmask(processed, *bitmask)
     kernels.sample(processed, st.temperature, st.top_k, st.top_p, st.seeds, positions, None, out.tokens[:b],
                    st.log_min_p)
     if update_state:
@@ -113,8 +123,24 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     kernels.token_logprobs(logits, out.tokens[:b], MAX_LOGPROBS, out.logprob, out.top_ids, out.top_logprobs)
 
 
+def grammar_bitmask(grammars: Seq[RequestGrammar | None], vocab_size: int, device
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row_mask [n] int32, masks [k, W] int32) on `device` for the rows with a grammar (each ready),
+    None if no row has one: the host-side counterpart of the decode step's static mask buffer."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    assert all(grammars[i].matcher is not None for i in rows), "a constrained row is sampled once its grammar is ready"
+    masks = torch.zeros(len(rows), bitmask_words(vocab_size), dtype=torch.int32)
+    fill_bitmasks([grammars[i] for i in rows], masks, range(len(rows)))
+    row_mask = torch.full((len(grammars),), -1, dtype=torch.int32)
+    row_mask[rows] = torch.arange(len(rows), dtype=torch.int32)
+    return row_mask.to(device), masks.to(device)
+
+
 def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
                   prompts: Seq[Seq[int]] | None = None, outputs: Seq[Seq[int]] | None = None,
+                  grammars: Seq[RequestGrammar | None] | None = None,
                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """THE host-side sampling rule after a prefill (a prompt's first token, or the next token of a
     recomputed sequence) and in the reference engine: row i samples the token at position
@@ -122,12 +148,17 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
     and the tokens it generated so far `outputs[i]` (penalties and bad words read them). Every path
     that samples outside the decode worker's graph calls this, so a seeded request draws the same
     first token wherever it is prefilled; on one device it is the same function the decode graph runs.
+    `grammars[i]` (structured output, ready): row i samples only tokens its grammar allows next (the
+    caller then advances it with the token, through Sequence.append_token).
     Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values)."""
     n = len(params)
     dev = logits.device
     st = SamplingTensors.from_params(params, seeds, dev)
     pos = torch.tensor(positions, device=dev)
+    masks = grammar_bitmask(grammars, logits.shape[1], dev) if grammars is not None else None
     if not any(p.needs_features for p in params):
+        if masks is not None:
+            logits = kernels.apply_token_bitmask(logits.clone(), *masks)  # the caller's logits stay as they are
         return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist(), [None] * n
     prompts = prompts if prompts is not None else [()] * n
     outputs = outputs if outputs is not None else [()] * n
@@ -137,7 +168,7 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
                                    [o if s else () for o, s in zip(outputs, slotted)], logits.shape[1], dev)
     row_slots = torch.tensor([i if s else -1 for i, s in enumerate(slotted)], dtype=torch.int32, device=dev)
     out = StepOutputs.allocate(n, logits.shape[1], dev)
-    sample_step(logits, st, pos, row_slots, state, out, update_state=False)
+    sample_step(logits, st, pos, row_slots, state, out, update_state=False, bitmask=masks)
     tokens = out.tokens.tolist()
     ks = [p.logprobs for p in params]
     if all(k is None for k in ks):

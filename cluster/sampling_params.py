@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cluster.errors import InvalidRequestError
+from cluster.structured.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -42,6 +43,7 @@ def _bias_pairs(bias) -> tuple:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # 0 only to score a prompt (prompt_logprobs set): the request ends right after its prefill.
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: disabled
@@ -64,6 +66,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # per generated token: its logprob and this many top ones (0: its own only)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    # The output must match this (JSON schema, regex, choice, grammar ...: cluster.structured); the
+    # grammar's mask is applied after logits processing, before the draw, at every token.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,8 +86,10 @@ class SamplingParams:
         def bad(msg: str, param: str):
             raise InvalidRequestError(msg, param)
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            bad("max_tokens must be >= 1 (0 only scores the prompt: with prompt logprobs)", "max_tokens")
         if not _is_number(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             bad(f"temperature must be a number in [0, 100], got {self.temperature!r}", "temperature")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -134,6 +141,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured must be a StructuredOutput", "structured_output")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Every token id the parameters name lies in the model's vocabulary (a 400 otherwise): ids
@@ -146,6 +155,11 @@ class SamplingParams:
         check((t for t, _ in self.logit_bias), "logit_bias")
         check(self.allowed_token_ids or (), "allowed_token_ids")
         check((t for w in self.bad_words_token_ids for t in w), "bad_words")
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0: prompt logprobs, no token (lm-eval's log-likelihood requests)."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

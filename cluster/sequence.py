@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.structured.request_grammar import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +37,9 @@ class Sequence:
     # With params.logprobs / prompt_logprobs (engine only; workers stream them in TokenDeltas).
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
+    # Structured output (params.structured): the grammar every token is accepted into, here.
+    grammar: RequestGrammar | None = None
+    error: str | None = None  # why it ended with finish_reason "error"
     # stop_token_ids, plus the EOS tokens unless ignore_eos: one membership test per token.
     _stops: frozenset = field(init=False, repr=False, compare=False)
 
@@ -53,9 +60,19 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token(self, token_id: int) -> str | None:
-        """Records a sampled token; returns the finish reason if the sequence must stop now."""
+        """Records a sampled token; returns the finish reason if the sequence must stop now. With a
+        grammar: the token advances it; a refused token ends the sequence with "error", a grammar
+        that accepted its stop token (complete) with "stop" (min_tokens and ignore_eos cannot extend
+        it: nothing may follow)."""
         self.output_token_ids.append(token_id)
         n, p = len(self.output_token_ids), self.params
+        g = self.grammar
+        if g is not None:
+            if not g.accept(token_id):
+                self.finish_reason, self.error = "error", g.error
+                return self.finish_reason
+            if g.is_terminated():
+                self.finish_reason = "stop"
         if token_id in self._stops and n >= p.min_tokens:
             self.finish_reason = "stop"
         if self.detokenizer is not None and self.finish_reason is None:

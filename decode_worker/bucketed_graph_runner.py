@@ -20,9 +20,17 @@
 - Sampling-state slots (cluster.sampling_state): a sequence that needs features gets a slot when it
   first appears in a step and keeps it while it appears in every step; the host writes the slot then
   (outside the graph, on the stream before the step) from the tokens it has. A sequence missing from
-  a step has left (finished, aborted, preempted: DecodeScheduler never skips a running sequence that
-  can still run), so its slot is freed; if it comes back (recomputed after preemption) it takes a slot
-  again with no token in flight, from its full history.
+  a step has left (finished, aborted, preempted: DecodeScheduler skips a running sequence that can
+  still run only for its grammar, below), so its slot is freed; if it comes back (recomputed after
+  preemption) it takes a slot again with no token in flight, from its full history.
+- Grammar masks (structured output): every graph applies `kernels.apply_token_bitmask` to the logits
+  the draw reads (after processing in the features step; logprobs stay the model's), from a static
+  [max_num_seqs, ceil(V / 32)] int32 buffer. The host fills the constrained rows' masks (their
+  grammars' next-token bitmasks, cluster.structured.fill_bitmasks) into a pinned staging slot while
+  the previous step runs, sends the first k rows with the step's other inputs, and names each row's
+  mask in the packed buffer (-1: unconstrained, whose programs return after one load). A constrained
+  row never has a token in flight (DecodeScheduler), so its mask is always its current one. A
+  sequence holding a sampling-state slot keeps it across the steps its grammar makes it skip.
 - Graphs are captured largest bucket first into one shared pool at start-up, never while serving.
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
 - Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
@@ -30,7 +38,7 @@
 - Tensor parallelism (`group`): every rank captures the same graphs (the model's all-reduces and the
   LM head's all-gather inside them). On rank 0, `launch` announces each step to the followers (a
   DecodeStep: the packed words it copies, the bucket, the width, the variant, the sampling-state slots
-  its new sequences take) before replaying; a follower's `replay_step` writes the same slots, copies the
+  its new sequences take, the constrained rows' grammar masks) before replaying; a follower's `replay_step` writes the same slots, copies the
   same words and replays the same graph. Every rank samples the same tokens (the logits are gathered
   whole on every rank, the draw is seeded), so step t+1's input ids come from each rank's own
   out_tokens and the followers never read a token.
@@ -55,6 +63,9 @@ from cluster.model.llama import LlamaForCausalLM
 from cluster.sampler import SamplingTensors, StepOutputs, log_min_p, sample_step
 from cluster.sampling_params import MAX_LOGPROBS
 from cluster.sampling_state import SamplingState
+from cluster.sequence import SequenceStatus
+from cluster.structured.grammar import bitmask_words
+from cluster.structured.request_grammar import fill_bitmasks
 
 _INT32_MAX = 2**31 - 1
 
@@ -67,6 +78,7 @@ class StepInfo:
     features: bool  # the features variant ran (processing, state update, logprobs)
     host_prepare_s: float  # filling the staging buffer and queueing its copy
     launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
+    constrained: int = 0  # rows under a grammar mask
 
 
 class StepHandle:
@@ -110,6 +122,7 @@ class BucketedGraphRunner:
         buckets: str | Seq[int] = "vllm",
         use_cuda_graph: bool = True,
         keep_graphs: bool = False,  # keep each cudaGraph_t for inspection (kernels_per_step)
+        grammar_masks: bool = True,  # the mask kernel in every graph (False: benchmarks' baseline only)
         group=None,  # this rank's TPGroup (rank 0 announces each step to the followers), or None
     ):
         self.model = model
@@ -121,6 +134,7 @@ class BucketedGraphRunner:
         self.buckets = bucket_sizes(buckets, max_num_seqs)
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         self.keep_graphs = keep_graphs
+        self.grammar_masks = grammar_masks
         self.group = group if group is not None and group.size > 1 else None
         self._slot_inits: list[SlotInit] | None = None  # rank 0: this step's new slots, for the followers
 
@@ -140,8 +154,12 @@ class BucketedGraphRunner:
         self.sampling_state = SamplingState.allocate(mb, vocab, dev)
         self.step_out = StepOutputs.allocate(mb, vocab, dev)
         self.step_out.tokens = self.out_tokens
+        # Grammar masks of the step's constrained rows, compacted: row i's is token_bitmask[grammar_i].
+        mask_rows = mb if grammar_masks else 1
+        self.token_bitmask = torch.zeros(mask_rows, bitmask_words(vocab), dtype=torch.int32, device=dev)
         # Host staging, two slots (step t+1 is prepared while step t's copy may still be queued).
         pin = self.device.type == "cuda"
+        self._host_masks = torch.zeros(2, mask_rows, bitmask_words(vocab), dtype=torch.int32, pin_memory=pin)
         self._host_packed = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._np_packed = [t.numpy() for t in self._host_packed]
         self._host_out = torch.zeros(2, mb, dtype=torch.int64, pin_memory=pin)
@@ -204,10 +222,13 @@ class BucketedGraphRunner:
             seeds=p[lay.seeds : lay.seeds + 2 * b].view(torch.int64),
             log_min_p=p[lay.log_min_p : lay.log_min_p + b].view(torch.float32),
         )
+        masks = (p[lay.grammar : lay.grammar + b], self.token_bitmask) if self.grammar_masks else None
         if features:
             sample_step(logits, st, self.sample_positions[:b], p[lay.slot : lay.slot + b], self.sampling_state,
-                        self.step_out)
+                        self.step_out, bitmask=masks)
         else:
+            if masks is not None:
+                kernels.apply_token_bitmask(logits, *masks)  # in place: the plain step has no logprobs
             kernels.sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, self.sample_positions[:b],
                            out=self.out_tokens[:b], log_min_p=st.log_min_p)
 
@@ -229,6 +250,7 @@ class BucketedGraphRunner:
                 self.packed.zero_()
                 self.packed[lay.width] = self.max_blocks
                 self.packed[lay.slot : lay.slot + b] = -1
+                self.packed[lay.grammar : lay.grammar + b] = -1
                 self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
                 torch.cuda.synchronize()
                 # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
@@ -274,9 +296,9 @@ class BucketedGraphRunner:
         """Rows a batch of n computes (cluster.graph_buckets: the rule the router's placement reads)."""
         return padded_size(self.buckets, n)
 
-    def _prepare(self, rows, b: int, slot: int) -> tuple[int, int, bool]:
+    def _prepare(self, rows, b: int, slot: int) -> tuple[int, int, bool, int]:
         """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width,
-        whether some row needs the features step).
+        whether some row needs the features step, rows under a grammar mask).
 
         Persistent rows: a row's sampling parameters and block table live in host mirrors, rewritten
         only when another sequence takes the row or its table grew; staging then copies the mirrors
@@ -286,12 +308,17 @@ class BucketedGraphRunner:
         m_tables, m_slot = self._m_tables, self._m_slot
         width = 1
         joined = None  # rows whose new occupant needs a sampling-state slot
+        constrained = None  # rows under a grammar
         for i, r in enumerate(rows):
             seq = r.seq
             table = seq.block_table
             nb = len(table)
             if nb > width:
                 width = nb
+            if seq.grammar is not None:
+                if constrained is None:
+                    constrained = []
+                constrained.append(i)
             # Identity, not equality: a preempted and readmitted sequence gets a new table list.
             if seq is not row_seq[i]:
                 p = seq.params
@@ -337,6 +364,16 @@ class BucketedGraphRunner:
         buf[lay.top_k : lay.top_k + b] = self._m_top_k[:b]
         buf[lay.log_min_p : lay.log_min_p + b].view(np.float32)[:] = self._m_log_min_p[:b]
         buf[lay.slot : lay.slot + b] = m_slot[:b]
+        gbuf = buf[lay.grammar : lay.grammar + b]
+        gbuf[:] = -1
+        k = 0
+        if constrained is not None:
+            if not self.grammar_masks:
+                raise ValueError("a constrained row in a runner built without grammar masks")
+            k = len(constrained)
+            gbuf[constrained] = np.arange(k, dtype=np.int32)
+            # NOTE: this staging slot's last copy (two steps ago) was read before that step's tokens.
+            fill_bitmasks([rows[i].seq.grammar for i in constrained], self._host_masks[slot], range(k))
         ids = buf[lay.host_ids : lay.host_ids + b]
         prev = buf[lay.prev_row : lay.prev_row + b]
         pos = buf[lay.positions : lay.positions + b]
@@ -348,7 +385,7 @@ class BucketedGraphRunner:
         pos[n:] = 0
         buf[lay.width] = width
         buf[lay.tables : lay.tables + b * width].reshape(b, width)[:] = m_tables[:b, :width]
-        return lay.words(width), width, bool(self._slot_of)
+        return lay.words(width), width, bool(self._slot_of), k
 
     def _assign_slots(self, rows, joined) -> None:
         """Frees the slots of sequences that left, then gives the rows in `joined` their sequence's slot
@@ -356,8 +393,10 @@ class BucketedGraphRunner:
         m_slot, slot_of = self._m_slot, self._slot_of
         present = {id(rows[i].seq) for i in np.flatnonzero(m_slot[: len(rows)] >= 0)}
         present.update(id(rows[i].seq) for i in joined)
-        for key in [k for k in slot_of if k not in present]:
-            self._free_slots.append(slot_of.pop(key)[1])
+        for key, (seq, _) in list(slot_of.items()):
+            # A constrained sequence skips every other step while running: it keeps its slot.
+            if key not in present and not (seq.grammar is not None and seq.status is SequenceStatus.RUNNING):
+                self._free_slots.append(slot_of.pop(key)[1])
         new = []
         for i in joined:
             seq = rows[i].seq
@@ -392,17 +431,20 @@ class BucketedGraphRunner:
             start_ev.record()
         leader = self.group is not None and self.group.is_leader
         self._slot_inits = [] if leader else None
-        words, width, features = self._prepare(rows, b, slot)  # may queue sampling-state writes
+        words, width, features, constrained = self._prepare(rows, b, slot)  # may queue sampling-state writes
         if leader:  # before our own replay: the followers start theirs at once
+            masks = self._host_masks[slot][:constrained].numpy().tobytes() if constrained else b""
             self.group.publish(DecodeStep(self._np_packed[slot][:words].tobytes(), b, width, features,
-                                          self._slot_inits))
+                                          self._slot_inits, masks, constrained))
             self._slot_inits = None
         if self.use_cuda_graph:
             graph = (self.feature_graphs if features else self.graphs).get(b)
         else:
             graph = None
         self.packed[:words].copy_(self._host_packed[slot][:words], non_blocking=True)
-        info = StepInfo(n, b, graph is not None, features, time.perf_counter() - t0)
+        if constrained:
+            self.token_bitmask[:constrained].copy_(self._host_masks[slot][:constrained], non_blocking=True)
+        info = StepInfo(n, b, graph is not None, features, time.perf_counter() - t0, constrained=constrained)
         t_launch = time.perf_counter()
         if graph is not None:
             # NOTE: columns >= width of the static block tables may hold stale ids from earlier steps.
@@ -439,6 +481,11 @@ class BucketedGraphRunner:
             # copy ran): a follower never waits for its steps, so it cannot reuse staging slots as rank 0 does.
             host = host.pin_memory()
         self.packed[: words.size].copy_(host, non_blocking=True)
+        if msg.constrained:  # the constrained rows' grammar masks, as rank 0 computed them
+            masks = torch.from_numpy(np.frombuffer(msg.masks, dtype=np.int32).copy()).view(msg.constrained, -1)
+            if self.device.type == "cuda":
+                masks = masks.pin_memory()
+            self.token_bitmask[: msg.constrained].copy_(masks, non_blocking=True)
         graph = (self.feature_graphs if msg.features else self.graphs).get(msg.bucket) if self.use_cuda_graph else None
         if graph is not None:
             graph.replay()

@@ -46,6 +46,7 @@ from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.sequence import Sequence
+from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
 from cluster.worker_config import WorkerConfig
@@ -113,6 +114,9 @@ class DecodeWorker:
         self._lock = threading.RLock()  # reentrant: the loop drains under it
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Structured output: grammars compile on their own pool; a finished compile wakes the loop.
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
+                                        self.arch.eos_token_ids, on_ready=self._wake.set)
         self._transfer_seq: dict[str, int] = defaultdict(int)  # per prefill peer
         self._expected: dict[str, tuple[Reservation, str]] = {}  # request id -> (reservation, prefill peer) of
         # the transfers that may still land
@@ -148,8 +152,14 @@ class DecodeWorker:
             # Checked here, not in the loop: an int64 overflow there would fail every request.
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
-        return Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
-                        seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+        seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
+                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+        if p.structured is not None:  # a bad schema is a 400 here, before anything is reserved
+            self.grammars.check(p.structured)
+            # A migrated request's prompt ends with the tokens it generated: its grammar replays them.
+            prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
+            seq.grammar = self.grammars.grammar_for(p.structured, req.request_id, prior)
+        return seq
 
     def _known(self, request_id: str) -> bool:
         s = self.scheduler
@@ -192,12 +202,15 @@ class DecodeWorker:
         self._wake.set()
         return cached
 
-    def abort(self, request_id: str) -> None:
-        """Drops the request (the router gave up on it, or its publisher matched a stop string)."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Drops the request (the router gave up on it, or its publisher matched a stop string; with
+        `error`, it ends with that error instead)."""
         with self._lock:
             pending = self._expected.get(request_id)
             if self.scheduler.abort(request_id, transfer_pending=pending is not None):
-                self._outbox.append(TokenDelta(request_id, (), "abort"))  # ends its publisher state
+                # ends its publisher state
+                self._outbox.append(TokenDelta(request_id, (), "abort") if error is None
+                                    else TokenDelta(request_id, (), "error", error))
             if pending is not None:
                 # Unclaimed, it is cancelled now and its blocks come back with the (failed) arrival;
                 # claimed, it lands first.
@@ -280,6 +293,7 @@ class DecodeWorker:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.publisher.close()
+        self.grammars.close()
         if self.transport is not None:
             self.transport.close()
         if self.group is not None:
@@ -344,6 +358,7 @@ class DecodeWorker:
                 deltas = self._outbox
                 self._outbox = []
                 deltas += self._take_arrivals()
+                self._fail_grammars()
                 deltas += self._local_prefill()
                 batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
                 if batch.needs_drain:  # pool short: let every deferred free land, then preempt
@@ -398,6 +413,11 @@ class DecodeWorker:
                 deltas.append(d)
         return deltas
 
+    def _fail_grammars(self) -> None:
+        """Requests whose grammar failed after admission (cluster.structured) end with its error."""
+        for rid, error in self.grammars.take_failed():
+            self.abort(rid, error)
+
     @torch.inference_mode()
     def _local_prefill(self) -> list[TokenDelta]:
         self.scheduler.readmit_preempted()
@@ -419,14 +439,17 @@ class DecodeWorker:
         # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
         self.local_prefill_log.append((self._step, tokens, len(self.scheduler.running)))
         done = self.scheduler.on_prefill_done(chunks)
+        deltas = []
+        for s in [s for s in done if s.params.scores_prompt_only]:  # prompt scoring: no token
+            deltas.append(self.scheduler.on_prompt_scored(s, tuple(s.prompt_logprobs or ())))
+            done.remove(s)
         if not done:
-            return []
+            return deltas
         rows = [i for i, (s, _) in enumerate(chunks) if s in done]
         # NOTE: syncs; the local prefill is eager anyway.
         tokens, logprobs = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
                                          [s.num_tokens for s in done], [s.prompt_token_ids for s in done],
-                                         [s.output_token_ids for s in done])
-        deltas = []
+                                         [s.output_token_ids for s in done], [s.grammar for s in done])
         for s, t, lp in zip(done, tokens, logprobs):
             prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
             deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None

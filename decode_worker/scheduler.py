@@ -13,6 +13,16 @@ have one token in flight. Step t+1's input for such a row is step t's output on 
 max_tokens is already reached by the token in flight is not scheduled at all. Sequences that stop on
 EOS/stop tokens are only known to have stopped one step late; their extra row is discarded.
 
+Structured output (seq.grammar): a constrained row's mask for step t+1 depends on the token it
+samples in step t, which the host learns only after launching t+1. So a constrained row never runs
+with a token in flight: it skips the step launched while its token is on the device and runs in the
+next one, mask ready (its grammar advanced when step t's tokens were read, its mask filled while the
+step in between runs). It decodes every other step; the rows without a grammar keep the pipeline
+(nothing waits for a constrained row's token). Constrained rows go last in a batch, so that the
+others keep their rows from step to step (the graph runner's persistent rows). A request whose
+grammar is still compiling is not scheduled (neither its local prefill nor its decode rows).
+A prompt-scoring request (max_tokens 0) ends at its prefill's end with no token.
+
 Prefix caching: a local prefill (new or a preempted sequence's recompute) starts after the prompt's
 cached prefix; blocks are registered in the cache as they fill (arrived prompts, computed chunks,
 decode steps that completed).
@@ -114,14 +124,17 @@ class DecodeScheduler:
         landed_from, seq.num_cached_tokens = seq.num_cached_tokens, len(seq.prompt_token_ids)
         self.blocks.cache_computed(seq, landed_from, seq.num_cached_tokens)  # landed: the transport synced it
         seq.status = SequenceStatus.RUNNING
+        prompt_lps = logprobs.prompt if logprobs is not None else None
+        if seq.params.scores_prompt_only:  # the prefill's token is not wanted
+            return self._scored(seq, prompt_lps)
         reason = seq.append_token(first_token)
         if reason is not None:
             self._finish(seq)
         else:
             self.running.append(seq)
         first = logprobs.first if logprobs is not None else None
-        return TokenDelta(request_id, (first_token,), reason, None, None if first is None else (first,),
-                          logprobs.prompt if logprobs is not None else None)
+        return TokenDelta(request_id, (first_token,), reason, seq.error, None if first is None else (first,),
+                          prompt_lps)
 
     def abort(self, request_id: str, transfer_pending: bool) -> bool:
         """Drops a request. transfer_pending: a transport may still write its reserved blocks."""
@@ -149,7 +162,8 @@ class DecodeScheduler:
         (cluster.chunked_prefill). A preempted sequence still waiting for blocks (readmit_preempted)
         ends the batch: nothing overtakes it."""
         budget = self.max_prefill_tokens if budget is None else min(budget, self.max_prefill_tokens)
-        return fcfs_chunks(self.waiting, budget,
+        ready = (s for s in self.waiting if s.grammar is None or s.grammar.ready())  # the rest wait for theirs
+        return fcfs_chunks(ready, budget,
                            lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table),
                            lambda s: bool(s.block_table))
 
@@ -172,8 +186,18 @@ class DecodeScheduler:
             self._finish(seq)
         else:
             self.running.append(seq)
-        return TokenDelta(seq.request_id, (token,), reason, None, None if logprobs is None else (logprobs,),
+        return TokenDelta(seq.request_id, (token,), reason, seq.error, None if logprobs is None else (logprobs,),
                           prompt_logprobs)
+
+    def on_prompt_scored(self, seq: Sequence, prompt_logprobs: tuple | None) -> TokenDelta:
+        """A prompt-scoring request's prefill is done (no token to sample): it ends here."""
+        self.waiting.remove(seq)
+        return self._scored(seq, prompt_logprobs)
+
+    def _scored(self, seq: Sequence, prompt_logprobs) -> TokenDelta:
+        seq.finish_reason = "length"
+        self._finish(seq)
+        return TokenDelta(seq.request_id, (), "length", None, None, prompt_logprobs)
 
     # -- decode -----------------------------------------------------------------------------------
     def _input_of(self, seq: Sequence) -> tuple[int, int, int]:
@@ -199,7 +223,8 @@ class DecodeScheduler:
         bsz, max_len, pending_of = self.blocks.block_size, self.max_model_len, self._pending
         # One pass over the running set (this is the per-step host path: keep it flat); the rows whose
         # tables must grow are remembered and grown once the whole need is known to fit.
-        grow = []  # (row index, extra blocks)
+        grow = []  # (row, extra blocks)
+        constrained = []  # rows with a grammar: they go last
         need = 0
         for seq in self.running:
             pending = pending_of.get(seq.request_id)
@@ -209,18 +234,30 @@ class DecodeScheduler:
             # The token in flight already reaches max_tokens (or the context limit): nothing to run.
             if n_out + n_pending >= seq.params.max_tokens or n_tokens + n_pending >= max_len:
                 continue
-            if n_pending:
+            if seq.grammar is not None:
+                # NOTE: its mask needs the token in flight (see the module docstring): skip this step.
+                if n_pending or not seq.grammar.ready():
+                    continue
+                pos = n_tokens - 1
+                row = DecodeRow(seq, seq.last_token_id, -1, pos)
+                constrained.append(row)
+            elif n_pending:
                 # NOTE: only the latest step's output is on the device, so the token in flight must be
                 # from the step just before this one; the worker's loop keeps at most one step unread.
                 pos = n_tokens - 1 + n_pending
-                rows.append(DecodeRow(seq, 0, pending[-1][1], pos))
+                row = DecodeRow(seq, 0, pending[-1][1], pos)
+                rows.append(row)
             else:
                 pos = n_tokens - 1
-                rows.append(DecodeRow(seq, seq.last_token_id, -1, pos))
+                row = DecodeRow(seq, seq.last_token_id, -1, pos)
+                rows.append(row)
             extra = pos // bsz + 1 - len(seq.block_table)
             if extra > 0:
                 need += extra
-                grow.append((len(rows) - 1, extra))
+                grow.append((row, extra))
+        if constrained:
+            rows += constrained
+            grow.sort(key=lambda g: g[0].seq.grammar is not None)  # the rows' order (stable)
         if need > self.blocks.num_free:
             if pipeline_busy:
                 batch.rows = []
@@ -229,12 +266,11 @@ class DecodeScheduler:
             # Preempt the newest until the rest fit (the engine's policy; recomputed later).
             while rows and need > self.blocks.num_free:
                 victim = rows.pop()
-                if grow and grow[-1][0] == len(rows):
+                if grow and grow[-1][0] is victim:
                     need -= grow.pop()[1]
                 self._preempt(victim.seq)
                 batch.preempted.append(victim.seq)
-        for i, _ in grow:
-            r = rows[i]
+        for r, _ in grow:
             ok = self.blocks.grow(r.seq.block_table, r.position + 1)
             assert ok, "blocks were counted above"
         return batch
@@ -282,7 +318,7 @@ class DecodeScheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq)
-            d = TokenDelta(rid, (tok,), reason)
+            d = TokenDelta(rid, (tok,), reason, seq.error)
             if logprobs is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 lp, ids, top = logprobs

@@ -5,8 +5,8 @@ resolved before any child starts) and hands that same socket to K processes star
 `python -m deploy.api_server`; the kernel gives each new connection to one of them, and a
 connection stays with its process for its whole life, so a request's tokens only ever go to the
 process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
-with the httptools parser and the FastAPI app of router/gateway.py, with its own token sink and its
-own channel to the one router (router/router_client.py). Its settings come on stdin as JSON, so the
+with the httptools parser and the FastAPI app of router/openai/, with its own token sink and its
+own channel to the one router (router/channel/client.py). Its settings come on stdin as JSON, so the
 API key never shows in `ps`.
 
 A child drains on SIGTERM or when the router says so (the launcher got SIGTERM), exits at once on
@@ -31,11 +31,12 @@ import uvicorn
 from cluster.errors import PdserveError
 from cluster.model.config import ModelArchConfig
 from cluster.tokenizer import load_tokenizer
-from router.gateway import Gateway, build_app
-from router.gateway_config import GatewayConfig
+from router.channel.client import RouterClient
+from router.channel.messages import Drain
 from router.metrics import GatewayMetrics
-from router.router_client import RouterClient
-from router.router_messages import Drain
+from router.openai.gateway import Gateway
+from router.openai.gateway_config import GatewayConfig
+from router.openai.routes import build_app
 from router.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")

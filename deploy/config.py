@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.errors import PdserveError
 from cluster.worker_config import WorkerConfig
 from router.admission import AdmissionLimits
-from router.gateway_config import GatewayConfig
+from router.openai.gateway_config import GatewayConfig
 from router.pd_planner import PlannerConfig
 from router.router_config import RouterConfig
 

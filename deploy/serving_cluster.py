@@ -4,7 +4,7 @@ HTTP API.
 
 Processes:
 - this one, the launcher: the Ray driver, and the one Router (admission, placement, migration) on
-  its asyncio loop, served to the gateways by a RouterServer (router/router_server.py), which also
+  its asyncio loop, served to the gateways by a RouterServer (router/channel/server.py), which also
   collects the decode workers' step records for /stats and /metrics;
 - `api_servers` gateway processes (deploy/api_server.py) sharing one listening socket, each
   with its own token sink: decode workers send each of them only its own requests' text;
@@ -60,7 +60,7 @@ from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
 from router.metrics import RouterMetrics
 from router.router import Router, WorkerClient
-from router.router_server import RouterServer
+from router.channel.server import RouterServer
 
 log = logging.getLogger("pdserve.launch")
 

@@ -202,7 +202,7 @@ def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     from router.admission import AdmissionController, AdmissionLimits
     from router.metrics import RouterMetrics
     from router.router import Router, RouterConfig, WorkerClient
-    from router.router_server import RouterServer
+    from router.channel.server import RouterServer
 
     tmp = tempfile.mkdtemp(prefix="pdserve-bench-")
     ctx = mp.get_context("spawn")

@@ -15,6 +15,10 @@ reservation says how many leading blocks it already holds (`Reservation.num_cach
 A prompt that cannot fit (cluster.request_limits: the served context length, this worker's pool)
 fails at submit(), and its decode worker is told at once.
 
+Structured output: a request's grammar is checked at submit (a bad one fails the request at once)
+and compiled on the GrammarCompiler's pool; the request is scheduled once it is ready (the others go
+ahead), and its first token is sampled under the grammar's mask.
+
 Tensor parallelism: with a TPGroup (`group`, this process its rank 0) the model and cache are this
 rank's shard and every forward is announced to the followers first (cluster/model_runner.py;
 prefill_worker/rank_follower.py runs them), with what the pass ships so that each rank sends its own
@@ -44,6 +48,9 @@ from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
+from cluster.structured.grammar_compiler import GrammarCompiler
+from cluster.structured.request_grammar import RequestGrammar
+from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.warmup import prefill_shapes, warm_prefill
 from cluster.worker_config import WorkerConfig
@@ -64,6 +71,7 @@ class _Job:
     cached_tokens: int = 0  # prompt tokens found in this worker's cache
     aborted: bool = False
     prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
+    grammar: RequestGrammar | None = None  # structured output: its first token obeys it
 
     @property
     def prompt(self):
@@ -108,6 +116,8 @@ class PrefillWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._shipment: Shipment | None = None  # the forward in progress ships these transfers
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
+                                        self.arch.eos_token_ids, on_ready=self._grammar_ready)
         self._hook_layers()
 
     @property
@@ -163,13 +173,19 @@ class PrefillWorker:
                                                    f"blocks of a {n}-token prompt"))
             self._spawn_abort(task)
             return fut
+        req = task.request
+        grammar = None
         try:
-            task.request.params.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
+            req.params.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
+            if req.params.structured is not None:
+                self.grammars.check(req.params.structured)
+                prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
+                grammar = self.grammars.grammar_for(req.params.structured, req.request_id, prior)
         except InvalidRequestError as e:
             fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut
-        job = _Job(task, fut, time.perf_counter())
+        job = _Job(task, fut, time.perf_counter(), grammar=grammar)
         with self._cv:
             self._jobs[job.request_id] = job
             self._waiting.append(job)
@@ -254,6 +270,7 @@ class PrefillWorker:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.grammars.close()
         if self.group is not None:
             self.group.close()
 
@@ -282,7 +299,14 @@ class PrefillWorker:
             return True
 
         with self._cv:
-            return fcfs_chunks(list(self._waiting), self.max_prefill_tokens,
+            for rid, error in self.grammars.take_failed():
+                job = self._jobs.get(rid)
+                if job is not None and job in self._waiting:
+                    self._waiting.remove(job)
+                    self._finish_aborted(job, error)
+            # A prompt whose grammar is still compiling waits for it; the others go ahead.
+            ready = [j for j in self._waiting if j.grammar is None or j.grammar.ready()]
+            return fcfs_chunks(ready, self.max_prefill_tokens,
                                lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
     def step(self) -> bool:
@@ -382,7 +406,8 @@ class PrefillWorker:
         -> (tokens, per job its logprobs or None)."""
         reqs = [j.task.request for j in jobs]
         return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                             [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs])
+                             [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
+                             grammars=[j.grammar for j in jobs])
 
     # -- transfer and completion ----------------------------------------------------------------
     def _sent(self, job: _Job, fut, first_token: int, prefill_done: float, error: str | None) -> None:
@@ -410,11 +435,16 @@ class PrefillWorker:
             job.blocks = []
         self._jobs.pop(job.request_id, None)
 
-    def _finish_aborted(self, job: _Job) -> None:
+    def _finish_aborted(self, job: _Job, error: str = "aborted") -> None:
         """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
         self._release(job)
-        job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, "aborted"))
+        job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, error))
         self._spawn_abort(job.task)
+
+    def _grammar_ready(self) -> None:
+        """A grammar compiled (or failed): the loop may have a prompt to schedule now."""
+        with self._cv:
+            self._cv.notify_all()
 
     def _failed(self, task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
         return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)

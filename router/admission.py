@@ -30,32 +30,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cluster.errors import CapacityError, InvalidRequestError, PdserveError
+from cluster.errors import InvalidRequestError
 from cluster.request_limits import check_request_fits
+from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, OverloadedError
 
 if TYPE_CHECKING:  # annotations only: AdmissionLimits stays importable without torch (deploy/config.py)
     from router.placement import WorkerView
-
-
-class OverloadedError(CapacityError):
-    """HTTP 429: try again later (after `retry_after_s`)."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class CapacityShortError(OverloadedError):
-    """HTTP 429 decided on the workers' polled state (KV room, prefill queues): a fresh poll may
-    change the answer, so the router re-polls and asks again before it lets this out."""
-
-
-class NoHealthyWorkerError(PdserveError):
-    """HTTP 503: no worker can serve the request at all."""
-
-
-class DrainingError(NoHealthyWorkerError):
-    """HTTP 503: the server drains (SIGTERM) and takes no new request."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ They share the WorkerSet and the `inflight` table, and call back through the fun
 given (no part holds the Router).
 
 One Router serves every gateway process: it runs on the launcher's asyncio loop, reached by the
-gateways through `RouterServer` (router/router_server.py), which sets `notify` and `prefilled`; the
+gateways through `RouterServer` (router/channel/server.py), which sets `notify` and `prefilled`; the
 launcher sets `rejoin`. Workers are reached through `WorkerClient` (router/worker_client.py: the
 typed worker interface of cluster/worker_api.py), which takes a Ray actor handle or (in unit tests)
 a plain in-process object.
@@ -31,8 +31,9 @@ import time
 from typing import Coroutine, Mapping
 
 from cluster.messages import GenerateRequest
-from router.admission import AdmissionController, CapacityShortError, DrainingError
+from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
+from router.errors import CapacityShortError, DrainingError
 from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.migrator import Migrator

@@ -7,8 +7,9 @@ bytes.
                 worker's local prefill and warm-up): the packed chunks, and what the prompt logprobs ask
   EagerDecode   ModelRunner.decode (the in-process engine's eager decode step)
   DecodeStep    BucketedGraphRunner.launch (a decode worker's step): the packed step-input words
-                (cluster/kernels/step_layout.py), the bucket, the table width, which variant, and the
-                sampling-state slots the step's new sequences take (SlotInit)
+                (cluster/kernels/step_layout.py), the bucket, the table width, which variant, the
+                sampling-state slots the step's new sequences take (SlotInit), and the grammar masks
+                of its constrained rows (structured output: rank 0's grammars computed them)
   Stop          the worker shuts down: followers leave their loop
 
 Rank 0 samples the first token of a prefill on the host and the followers never need it (it reaches
@@ -71,6 +72,8 @@ class DecodeStep(msgspec.Struct, tag="d"):
     width: int  # block-table width
     features: bool  # the features variant (logits processing, logprobs)
     slot_inits: list[SlotInit] = []
+    masks: bytes = b""  # the constrained rows' grammar bitmasks, [constrained, ceil(V / 32)] int32
+    constrained: int = 0
 
 
 class Stop(msgspec.Struct, tag="s"):

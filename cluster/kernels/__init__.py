@@ -1,10 +1,11 @@
 """The forward pass's fused kernels and the sampler: Triton on CUDA, their torch references elsewhere.
 
 One file per kernel (`rmsnorm`, `rotary_kv`, `silu_mul`, `prefill_attention`, `sampling`,
-`logits_processing`, `logprobs`, `decode_step_inputs`, `fp8_gemm`, `fp8_quant`): the Triton kernel, its launcher, and a docstring naming its reference in
-`reference.py`. The functions below pick one per call: the kernel for CUDA tensors, the reference
-otherwise (CPU, and machines without triton). Tests force either with `use_kernels(True/False)`; on
-CPU the kernels then run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported).
+`logits_processing`, `logprobs`, `decode_step_inputs`, `fp8_gemm`, `fp8_quant`, `token_bitmask`): the Triton
+kernel, its launcher, and a docstring naming its reference in `reference.py`. The functions below pick
+one per call: the kernel for CUDA tensors, the reference otherwise (CPU, and machines without triton).
+Tests force either with `use_kernels(True/False)`; on CPU the kernels then run under Triton's
+interpreter (TRITON_INTERPRET=1, set before triton is imported).
 
 The choice is made on the host from the tensor's device, so it is static under CUDA-graph capture.
 """
@@ -51,14 +52,16 @@ def use_kernels(on: bool):
 
 @functools.cache
 def _k() -> SimpleNamespace:
-    from cluster.kernels import decode_step_inputs, logits_processing, logprobs, rmsnorm, rotary_kv, sampling, silu_mul
+    from cluster.kernels import (decode_step_inputs, logits_processing, logprobs, rmsnorm, rotary_kv, sampling, silu_mul,
+                                 token_bitmask)
 
     return SimpleNamespace(rms_norm=rmsnorm.rms_norm, fused_add_rms_norm=rmsnorm.fused_add_rms_norm,
                            rotary_store_kv=rotary_kv.rotary_store_kv, silu_and_mul=silu_mul.silu_and_mul,
                            sample=sampling.sample, decode_inputs=decode_step_inputs.decode_inputs,
                            process_logits=logits_processing.process_logits,
                            update_sampling_state=logits_processing.update_sampling_state,
-                           token_logprobs=logprobs.token_logprobs)
+                           token_logprobs=logprobs.token_logprobs,
+                           apply_token_bitmask=token_bitmask.apply_token_bitmask)
 
 
 def rms_norm(x, weight, eps):
@@ -101,6 +104,12 @@ def process_logits(logits, row_slots, state, out=None):
 def update_sampling_state(row_slots, tokens, state):
     """Counts each slotted row's sampled token in its slot (after the draw, on the device)."""
     (_k().update_sampling_state if enabled(tokens) else reference.update_sampling_state)(row_slots, tokens, state)
+
+
+def apply_token_bitmask(logits, row_mask, bitmask):
+    """Grammar masks: -inf where a constrained row's bitmask bans the token (rows with index -1 untouched);
+    in place."""
+    return (_k().apply_token_bitmask if enabled(logits) else reference.apply_token_bitmask)(logits, row_mask, bitmask)
 
 
 def token_logprobs(logits, tokens, k: int, out_lp=None, out_top_ids=None, out_top_lp=None):

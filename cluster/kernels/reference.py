@@ -291,6 +291,17 @@ def process_logits(logits: torch.Tensor, row_slots: torch.Tensor, state, out: to
     return x if out is None else out.copy_(x)
 
 
+def apply_token_bitmask(logits: torch.Tensor, row_mask: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Grammar masks (cluster/kernels/token_bitmask.py): rows with row_mask >= 0 get -inf at every
+    token whose bit in bitmask[row_mask] is 0; in place; returns logits."""
+    b, vocab = logits.shape
+    index = row_mask[:b].long()
+    on = index >= 0
+    allowed = _unpack_bits(bitmask[index.clamp(min=0)], vocab) | ~on[:, None]
+    logits.masked_fill_(~allowed, float("-inf"))
+    return logits
+
+
 def update_sampling_state(row_slots: torch.Tensor, tokens: torch.Tensor, state) -> None:
     """After a draw: each row with a slot counts its token and appends it to the slot's history."""
     from cluster.sampling_state import NUM_GENERATED

@@ -12,7 +12,9 @@ class DecodeStepLayout:
 
     seeds are int64 (two words per row, first so that they are 8-byte aligned); temperature, top_p
     and log_min_p are float32 bit patterns; `slot` is the row's sequence's sampling-state slot (-1:
-    none, cluster.sampling_state); the block tables come last, `width` words per row."""
+    none, cluster.sampling_state); `grammar` the row of the step's grammar bitmask buffer its mask
+    is in (-1: unconstrained, cluster.kernels.token_bitmask); the block tables come last, `width`
+    words per row."""
 
     rows: int
 
@@ -41,24 +43,28 @@ class DecodeStepLayout:
         return 6 * self.rows
 
     @property
-    def host_ids(self) -> int:
+    def grammar(self) -> int:
         return 7 * self.rows
 
     @property
-    def prev_row(self) -> int:
+    def host_ids(self) -> int:
         return 8 * self.rows
 
     @property
-    def positions(self) -> int:
+    def prev_row(self) -> int:
         return 9 * self.rows
 
     @property
-    def width(self) -> int:
+    def positions(self) -> int:
         return 10 * self.rows
 
     @property
+    def width(self) -> int:
+        return 11 * self.rows
+
+    @property
     def tables(self) -> int:
-        return 10 * self.rows + 1
+        return 11 * self.rows + 1
 
     def words(self, width: int) -> int:
         return self.tables + self.rows * width

@@ -257,7 +257,7 @@ def test_cluster_config_takes_every_shared_default_from_its_component():
 
     from deploy.config import COMPONENT_DEFAULTS, DEPLOY_CHOICES, ClusterConfig
     from router.admission import AdmissionLimits
-    from router.gateway_config import GatewayConfig
+    from router.openai.gateway_config import GatewayConfig
     from router.pd_planner import PlannerConfig
     from router.router_config import RouterConfig
 
@@ -284,7 +284,7 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
     from deploy.component_configs import admission_limits, api_server_settings, router_config, worker_config
     from deploy.config import ClusterConfig
     from router.admission import AdmissionLimits
-    from router.gateway_config import GatewayConfig
+    from router.openai.gateway_config import GatewayConfig
     from router.router_config import RouterConfig
 
     cfg = ClusterConfig()

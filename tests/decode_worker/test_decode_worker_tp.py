@@ -1,7 +1,7 @@
 """A tensor-parallel decode worker on CPU (rank 0 in this process, its follower a spawned process, gloo,
 eager steps through the graph runner's own path): every request, prefilled locally in chunks between
 decode steps and joining and leaving the batch, produces exactly the one-process engine's tokens
-(greedy, seeded sampling, penalties and logprobs: the features variant); both ranks ran every pass
+(greedy, seeded sampling, penalties and logprobs: the features variant, a grammar-constrained request); both ranks ran every pass
 (each step's announcement reached the follower); its stats show the group; shutdown ends the follower."""
 
 import random
@@ -16,6 +16,7 @@ from cluster.distributed.rank_launcher import ProcessRankLauncher  # noqa: E402
 from cluster.engine import LLMEngine  # noqa: E402
 from cluster.messages import GenerateRequest  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.structured import StructuredOutput  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
 from cluster.worker_model import lead_group  # noqa: E402
 from decode_worker.decode_worker import DecodeWorker  # noqa: E402
@@ -55,20 +56,22 @@ def test_tp2_decode_worker_equals_the_engine_and_shuts_down_as_a_group(demo_mode
 
 
 def _serve_and_check(worker, launcher, failures, demo_model_dir):
-    prompts = _prompts(3, [5, 130, 20, 70, 9])
+    prompts = _prompts(3, [5, 130, 20, 70, 9, 12])
     params = [SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.9, top_k=30, top_p=0.95, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.7, repetition_penalty=1.3, logprobs=2,
                              ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.7, min_p=0.05, ignore_eos=True)]
+              SamplingParams(max_tokens=6, temperature=0.7, min_p=0.05, ignore_eos=True),
+              # Structured output: rank 0's grammar masks reach the follower with the step.
+              SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.regex("[0-9]{4}"))]
     refs = _reference(demo_model_dir, prompts, params, seed=17)
     col = Collector(worker)
     sent0 = worker.group.publisher.sent
     for i in (0, 1, 2):
         assert worker.submit_local(GenerateRequest(f"r{i}", tuple(prompts[i]), params[i], 17, time.time())) is not None
     col.wait(lambda: len(col.tokens.get("r0", [])) >= 4)  # the rest join a running batch
-    for i in (3, 4):
+    for i in (3, 4, 5):
         assert worker.submit_local(GenerateRequest(f"r{i}", tuple(prompts[i]), params[i], 17, time.time())) is not None
     col.wait(lambda: len(col.finish) == len(prompts))
     for i, (toks, _) in enumerate(refs):

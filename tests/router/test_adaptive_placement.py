@@ -7,7 +7,8 @@ import pytest
 
 from cluster.messages import WorkerStats
 from cluster.pass_rate import PassRate
-from router.admission import AdmissionController, AdmissionLimits, CapacityShortError
+from router.admission import AdmissionController, AdmissionLimits
+from router.errors import CapacityShortError
 from router.local_prefill_policy import LOCAL_PREFILL_POLICIES, AdaptivePrefill, StaticThreshold
 from router.placement import WorkerView
 from router.prefill_cost_model import PrefillCostModel

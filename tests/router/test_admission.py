@@ -6,7 +6,8 @@ import pytest
 
 from cluster.errors import InvalidRequestError
 from cluster.messages import WorkerStats
-from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
+from router.admission import AdmissionController, AdmissionLimits
+from router.errors import NoHealthyWorkerError, OverloadedError
 from router.placement import WorkerView
 
 

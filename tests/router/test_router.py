@@ -11,7 +11,8 @@ import pytest
 from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
 from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError
+from router.admission import AdmissionController, AdmissionLimits
+from router.errors import NoHealthyWorkerError
 from router.router import Router
 from router.router_config import RouterConfig
 from router.token_stream import TokenStreamReceiver

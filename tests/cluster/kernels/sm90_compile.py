@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from cluster.attention import triton_decode
 from cluster.kernels import (decode_step_inputs, fp8_gemm, fp8_quant, logits_processing, logprobs, prefill_attention,
-                             rmsnorm, rotary_kv, sampling, silu_mul)
+                             rmsnorm, rotary_kv, sampling, silu_mul, token_bitmask)
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -85,6 +85,10 @@ def main():
     report("logprobs/finish", logprobs._finish_kernel,
            dict(Logits=bf16, stride_l=i32, Part="*fp32", num_chunks=i32, Tokens="*i64", TopVals=bf16, stride_t=i32,
                 OutLp="*fp32", OutTop="*fp32", K=i32), dict(CP=16, KP=32), num_warps=1)
+    for dtype in (bf16, "*fp32"):  # the plain step's raw logits, the features step's processed ones
+        report(f"token_bitmask/{dtype}", token_bitmask._apply_token_bitmask_kernel,
+               dict(Logits=dtype, stride_l=i32, RowMask="*i32", Bitmask="*i32", stride_b=i32, V=i32),
+               dict(BLOCK=token_bitmask.BLOCK), num_warps=4)
     report("decode_step_inputs", decode_step_inputs._decode_inputs_kernel,
            dict(Packed="*i32", OutTokens="*i64", Ids="*i64", Pos="*i64", Slots="*i64", Ctx="*i32", NextPos="*i64",
                 Tables="*i32", off_ids=i32, off_prev=i32, off_pos=i32, off_width=i32, off_tables=i32,

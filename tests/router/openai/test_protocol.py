@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import InvalidRequestError
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, UsageInfo
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, UsageInfo
 
 
 def test_prompt_shapes():

@@ -1,9 +1,10 @@
 """RouterServer: the one Router, serving every gateway process over its typed channel.
 
 Runs on the launcher's asyncio loop (the Ray driver: the router calls the workers' actors). It owns:
-- a ZMQ ROUTER socket the gateways' DEALERs connect to (router/router_messages.py): submit, first
-  token, finish, migrate, stats and metrics queries; it pushes each gateway the failures of its own
-  requests, the cluster's state (what /health and /ready answer from) and the drain on SIGTERM;
+- a ZMQ ROUTER socket the gateways' DEALERs connect to (router/channel/messages.py): submit, first
+  token, finish, migrate, stats and metrics queries (a refusal goes back as its error's kind,
+  `error_to_wire`); it pushes each gateway the failures of its own requests, the cluster's state
+  (what /health and /ready answer from) and the drain on SIGTERM;
 - a PULL socket the decode workers send their step records to (`stats_sink`): /stats and the
   step-level metrics, recorded once per step however many gateways there are;
 - gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
@@ -23,32 +24,16 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from cluster.errors import CapacityError, InvalidRequestError
+from cluster.errors import InvalidRequestError
 from cluster.stream_messages import StreamDelta, decode_step_records
-from router.admission import NoHealthyWorkerError, OverloadedError
+from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
+                                     PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
+                                     error_to_wire)
 from router.metrics import RouterMetrics
-from router.router import DrainingError, PlacedRequest, Router
-from router.router_messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
-                                    PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode)
+from router.router import PlacedRequest, Router
 from router.step_stats import StepStats
 
 log = logging.getLogger(__name__)
-
-
-def refusal(call_id: int, e: BaseException) -> Reply:
-    """The Reply that carries an admission or placement error to the gateway (router_client raises
-    the same class again there)."""
-    if isinstance(e, InvalidRequestError):
-        return Reply(call_id, "invalid", str(e), e.param)
-    if isinstance(e, DrainingError):
-        return Reply(call_id, "draining", str(e))
-    if isinstance(e, OverloadedError):
-        return Reply(call_id, "overloaded", str(e), retry_after_s=e.retry_after_s)
-    if isinstance(e, CapacityError):
-        return Reply(call_id, "capacity", str(e))
-    if isinstance(e, NoHealthyWorkerError):
-        return Reply(call_id, "no_worker", str(e))
-    return Reply(call_id, "internal", f"{e.__class__.__name__}: {e}")
 
 
 @dataclass
@@ -229,7 +214,8 @@ class RouterServer:
                 self._observe_gauges()
                 body = self.metrics.render()
             else:
-                self._send(identity, Reply(msg.call_id, "invalid", f"unknown query {msg.what!r}"))
+                refused = InvalidRequestError(f"unknown query {msg.what!r}")
+                self._send(identity, Reply(msg.call_id, error_to_wire(refused)))
                 return
             self._send(identity, Reply(msg.call_id, body=body))
         elif isinstance(msg, Hello):
@@ -259,10 +245,10 @@ class RouterServer:
             try:
                 await self.router.submit(msg.request)
                 reply = Reply(msg.call_id)
-            except asyncio.CancelledError:
-                reply = Reply(msg.call_id, "internal", "cancelled: the client went away")
-            except Exception as e:  # noqa: BLE001 - every refusal goes back as a typed reply
-                reply = refusal(msg.call_id, e)
+            except asyncio.CancelledError:  # the client went away (nobody reads this reply)
+                reply = Reply(msg.call_id, error_to_wire(RuntimeError("cancelled: the client went away")))
+            except Exception as e:  # noqa: BLE001 - every refusal goes back as its error's kind
+                reply = Reply(msg.call_id, error_to_wire(e))
             finally:
                 self._submitting.pop(rid, None)
             self._send(identity, reply)

@@ -18,7 +18,7 @@ MODEL = "pdserve-demo"
 
 
 def test_openapi_schema_is_the_request_models(fake_cluster):
-    from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
     spec = httpx.get(f"{fake_cluster.url}/openapi.json", timeout=30).json()
     paths = spec["paths"]

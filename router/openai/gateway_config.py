@@ -1,4 +1,4 @@
-"""GatewayConfig: the OpenAI gateway's frozen settings (router/gateway.py).
+"""GatewayConfig: the OpenAI gateway's frozen settings (router/openai/gateway.py).
 
 Its own module, importing nothing, so that the application's ClusterConfig (deploy/config.py) takes
 the gateway's defaults from here without importing FastAPI and the router (Ray): `pdserve serve

@@ -1,11 +1,11 @@
-"""RouterClient: a gateway process's end of its channel to the router (router/router_messages.py).
+"""RouterClient: a gateway process's end of its channel to the router (router/channel/messages.py).
 
-Calls (submit, migrate, query) await the router's `Reply`; the rest are one-way frames that never
-block the event loop. What the router pushes is handed to the gateway: the failures of its requests
-(`on_failed`), their prompts' prefix-cache hits (`on_prefilled`), the drain (`on_drain`), and the
-cluster state, kept in `state` for /health and /ready.
-A heartbeat tells the router this gateway is alive (and how many streams and tasks it holds); a
-gateway whose heartbeats stop has its requests aborted by the router.
+Calls (submit, migrate, query) await the router's `Reply` and raise the error class a refusal names
+(`error_from_wire`); the rest are one-way frames that never block the event loop. What the router
+pushes is handed to the gateway: the failures of its requests (`on_failed`), their prompts'
+prefix-cache hits (`on_prefilled`), the drain (`on_drain`), and the cluster state, kept in `state`
+for /health and /ready. A heartbeat tells the router this gateway is alive (and how many streams and
+tasks it holds); a gateway whose heartbeats stop has its requests aborted by the router.
 """
 
 from __future__ import annotations
@@ -20,34 +20,13 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from cluster.errors import CapacityError, InvalidRequestError
 from cluster.messages import GenerateRequest
-from router.admission import NoHealthyWorkerError, OverloadedError
-from router.router import DrainingError
-from router.router_messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
-                                    PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_gateway, encode)
+from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
+                                     PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_gateway, encode,
+                                     error_from_wire)
+from router.errors import RouterUnavailableError
 
 log = logging.getLogger(__name__)
-
-
-class RouterUnavailableError(NoHealthyWorkerError):
-    """HTTP 503: the router did not answer in time."""
-
-
-def raise_refusal(reply: Reply) -> None:
-    """Raises the admission or placement error a refused Submit carries (router_server.refusal)."""
-    kind, msg = reply.error_kind, reply.message
-    if kind == "invalid":
-        raise InvalidRequestError(msg, reply.param)
-    if kind == "overloaded":
-        raise OverloadedError(msg, reply.retry_after_s)
-    if kind == "capacity":
-        raise CapacityError(msg)
-    if kind == "draining":
-        raise DrainingError(msg)
-    if kind == "no_worker":
-        raise NoHealthyWorkerError(msg)
-    raise RuntimeError(msg)
 
 
 class RouterClient:
@@ -129,8 +108,8 @@ class RouterClient:
     async def submit(self, req: GenerateRequest) -> None:
         """Returns once a decode worker holds the request; raises what admission or placement refused."""
         reply = await self._call(lambda c: Submit(c, req))
-        if reply.error_kind is not None:
-            raise_refusal(reply)
+        if reply.error is not None:
+            raise error_from_wire(reply.error)
 
     async def migrate(self, request_id: str, worker_request_id: str, generated: tuple[int, ...],
                       emitted_chars: int, error: str) -> tuple[str, str | None] | None:
@@ -140,8 +119,8 @@ class RouterClient:
 
     async def query(self, what: str, cursor: int = 0, limit: int = 0) -> bytes:
         reply = await self._call(lambda c: Query(c, what, cursor, limit), timeout_s=10.0)
-        if reply.error_kind is not None:
-            raise_refusal(reply)
+        if reply.error is not None:
+            raise error_from_wire(reply.error)
         return reply.body
 
     # -- receiving --------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Each gateway (one per API-server process) holds a DEALER socket connected to the router's ROUTER
 socket; every frame is one of the tagged Structs below, msgpack-encoded (never pickle). Calls carry a
 `call_id` that their `Reply` repeats; the rest are one-way. The request itself travels as the core
-`GenerateRequest` (msgspec encodes and validates the dataclass).
+`GenerateRequest` (msgspec encodes and validates the dataclass). A refused call's error travels as a
+`WireError` naming its class by its registered kind (cluster.errors.ERROR_KINDS): `error_to_wire`
+and `error_from_wire` are the channel's only mapping, so the gateway raises the class the router did.
 
     gateway -> router   Hello, Heartbeat, Submit*, FirstToken, Finish, Migrate*, Query*, Goodbye
     router -> gateway   Reply (to *), RequestFailed, PrefillDone, ClusterState, Drain
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
+import router.errors  # noqa: F401 - registers the router's error kinds (ERROR_KINDS) on both ends
+from cluster.errors import ERROR_KINDS, PdserveError
 from cluster.messages import GenerateRequest
 from cluster.stream_messages import StreamDelta
 
@@ -89,15 +93,44 @@ class Goodbye(_Msg):
 
 
 # -- router -> gateway ------------------------------------------------------------------------------
+class WireError(msgspec.Struct, frozen=True):
+    """An error crossing the channel: its class by kind, and what that class carries."""
+
+    kind: str  # a key of ERROR_KINDS, or INTERNAL
+    message: str
+    param: str | None = None
+    retry_after_s: int | None = None
+
+
+INTERNAL = "internal"  # not one of our error classes (a bug on the far side): a RuntimeError here
+
+
+def error_to_wire(e: BaseException) -> WireError:
+    """The error as it crosses: an error class by its kind (a subclass without one as its nearest
+    registered ancestor); anything else as INTERNAL, named by its class."""
+    kind = e.kind if isinstance(e, PdserveError) else None
+    if kind is None:
+        return WireError(INTERNAL, f"{e.__class__.__name__}: {e}")
+    return WireError(kind, str(e), e.param, e.retry_after_s)
+
+
+def error_from_wire(w: WireError) -> Exception:
+    """The same class again (error_to_wire's inverse); an INTERNAL or unknown kind is a RuntimeError,
+    which the gateway answers as a bug (a 500 that does not quote it)."""
+    cls = ERROR_KINDS.get(w.kind)
+    if cls is None:
+        return RuntimeError(w.message)
+    e = cls(w.message)
+    e.param, e.retry_after_s = w.param, w.retry_after_s
+    return e
+
+
 class Reply(_Msg):
-    """Answer to a call. A refused Submit names the error kind the gateway maps to an HTTP status:
-    "invalid" 400, "overloaded"/"capacity" 429 (Retry-After), "no_worker"/"draining" 503, "internal" 500."""
+    """Answer to a call: its result (`body` of a Query, `end` of a Migrate), or the `error` that
+    refused it."""
 
     call_id: int
-    error_kind: str | None = None
-    message: str = ""
-    param: str | None = None
-    retry_after_s: int = 1
+    error: WireError | None = None
     body: bytes = b""
     end: StreamDelta | None = None
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from cluster.stream_messages import PositionLogprobs
-from router.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from router.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _FLOOR = -9999.0
 

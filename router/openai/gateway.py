@@ -1,0 +1,171 @@
+"""Gateway: what one gateway process's endpoints share, and its lifecycle and drain.
+
+It holds the tokenizer, the channel to the router (router/channel/client.py), the token stream its
+requests' text arrives on (router/token_stream.py), the metrics and the requests in flight
+(`active`). `start_generation` submits one `GenerateRequest` naming this process's token sink
+(`reply_to`) to the router, which admits and places it (a refusal raises its error class here,
+before any byte of the response is sent); `end` lets a request go, however it ended, and aborts it
+on every worker unless one finished it.
+
+Drain (SIGTERM, or the router says so): new requests get 503 and /ready turns false, the requests in
+flight may finish for up to the drain timeout, and whatever still runs then ends with a clear error
+event (`end_all`). `stop_requests` does the same at once (a stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from cluster.messages import GenerateRequest
+from cluster.sampling_params import SamplingParams
+from cluster.stream_messages import StreamDelta
+from router.channel.client import RouterClient
+from router.channel.messages import Drain, PrefillDone, RequestFailed
+from router.errors import DrainingError
+from router.metrics import GatewayMetrics
+from router.openai.errors import api_error, model_not_found
+from router.openai.gateway_config import GatewayConfig
+from router.openai.generation import Generation
+from router.token_stream import TokenStreamReceiver
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, tokenizer, client: RouterClient, token_stream: TokenStreamReceiver,
+                 metrics: GatewayMetrics):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.client = client
+        self.token_stream = token_stream
+        self.metrics = metrics
+        self.active: dict[str, Generation] = {}
+        self._rng = random.Random()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False  # set by drain(): new requests get 503, /ready is false
+        self.on_drained = lambda left: None  # the API-server process stops its HTTP server here
+        client.on_failed = self._request_failed
+        client.on_prefilled = self._prefilled
+        client.on_drain = self._drain_requested
+        client.status = lambda: (token_stream.open_streams, len(asyncio.all_tasks()), self.draining)
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.token_stream.start()
+        await self.client.start()
+
+    async def stop(self) -> None:
+        for gen in list(self.active.values()):
+            self.end(gen, abort=True)
+        await self.client.stop()
+        await self.token_stream.stop()
+
+    @property
+    def ready(self) -> bool:
+        """The router is ready (every worker polled, a decode worker healthy) and every gateway
+        process is up, and this one is not draining."""
+        st = self.client.state
+        return (not self.draining and self.client.connected and st is not None and st.ready
+                and st.gateways_up >= st.gateways_expected)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        if self.draining:
+            # Raised as its APIError, answered without counting it in request_rejected (the
+            # router's DrainingError, raised through the error handlers, is counted).
+            raise api_error(DrainingError())
+
+    def check_model(self, name: str) -> None:
+        if name != self.cfg.model_name:
+            raise model_not_found(name)
+
+    def kv_capacity_tokens(self) -> int:
+        """The largest healthy decode worker's KV cache, in tokens (0 before the router said)."""
+        st = self.client.state
+        return st.kv_capacity_tokens if st is not None else 0
+
+    async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                               seed: int | None = None) -> Generation:
+        """`seed`: the sampling seed if not params.seed (choice i of a seeded request: seed + i)."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
+                              reply_to=self.token_stream.address)
+        mailbox = self.token_stream.register(request_id)  # before the router places it
+        gen = Generation(self, req, mailbox)
+        self.active[request_id] = gen
+        try:
+            await self.client.submit(req)
+            gen.admitted = True
+        except BaseException:
+            # Refused (nothing to undo), or the client left while it was being placed: the router
+            # undoes whatever placement it made.
+            self.end(gen, abort=True)
+            raise
+        return gen
+
+    def end(self, gen: Generation, abort: bool) -> None:
+        """The request is over for this gateway (safe to call twice)."""
+        if self.active.pop(gen.request_id, None) is None:
+            return
+        if abort and gen.admitted:
+            # Cancelled (the client left, a sibling choice failed, drain) or failed: counted here, once,
+            # with the tokens it streamed; a request a worker finished was counted by pieces().
+            self.metrics.finished("error" if gen.finish_reason == "error" else "abort", gen.prompt_tokens,
+                                  gen.completion_tokens)
+            self.metrics.generation_tokens.inc(gen.completion_tokens)
+        self.token_stream.unregister(gen.worker_request_id)
+        self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
+
+    # -- what the router pushes -------------------------------------------------------------------
+    def _request_failed(self, msg: RequestFailed) -> None:
+        """A worker of the request died or failed it: drop that placement's late tokens, then let
+        the reader see the failure (it asks the router to migrate the request)."""
+        self.token_stream.push(StreamDelta(msg.worker_request_id, (), "", "error", msg.error))
+        self.token_stream.unregister(msg.worker_request_id)
+
+    def _prefilled(self, msg: PrefillDone) -> None:
+        gen = self.active.get(msg.request_id)
+        if gen is not None:
+            gen.cached_tokens = msg.cached_tokens
+            gen.prefilled.set()
+
+    def _drain_requested(self, msg: Drain) -> None:
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain_then_notify(msg.timeout_s), name="drain")
+
+    # -- drain and stop ---------------------------------------------------------------------------
+    async def _drain_then_notify(self, timeout_s: float) -> None:
+        left = await self.drain(timeout_s)
+        self.on_drained(left)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stops admission, then waits up to `timeout_s` for the in-flight requests to finish;
+        returns how many were still running (each ends with a clear error event)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = len(self.active)
+        self.end_all(f"the server shut down (drain timeout {timeout_s:g}s) before the request finished")
+        return left
+
+    def end_all(self, error: str) -> None:
+        """Ends every request in flight with `error`: an error event and [DONE] on a stream, a 500 on a
+        non-streaming request; each is aborted on its workers. New requests get 503 from now on."""
+        self.draining = True
+        for gen in list(self.active.values()):
+            gen.closing = True
+            self.token_stream.push(StreamDelta(gen.worker_request_id, (), "", "error", error))
+
+    async def stop_requests(self, error: str, timeout_s: float) -> int:
+        """A stop (a second SIGTERM, SIGINT): `end_all`, then waits up to `timeout_s` for the requests
+        to hand their last events to their responses; returns how many were ended."""
+        n = len(self.active)
+        self.end_all(error)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return n

@@ -1,0 +1,124 @@
+"""Generation: one admitted request from the gateway's side, its text pieces out of its mailbox.
+
+The decode worker sends text already detokenized with stop strings applied
+(decode_worker/token_publisher.py), so a piece is only read, timed (TTFT, ITL) and handed on. A
+worker's failure is recovered here: the router places the request again from the tokens the client
+already has (`_recover`), and the pieces go on from the same mailbox. However the reading ends
+(finished, failed, cancelled because the client left), `Gateway.end` lets the request go, which
+frees its KV blocks on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from cluster.messages import GenerateRequest
+from cluster.stream_messages import DeltaLogprobs
+from router.errors import GenerationError
+from router.token_stream import TokenMailbox
+
+if TYPE_CHECKING:
+    from router.openai.gateway import Gateway
+
+
+class Generation:
+    """One admitted request from the gateway's side: text pieces out of its mailbox."""
+
+    def __init__(self, gw: Gateway, req: GenerateRequest, mailbox: TokenMailbox):
+        self.gw = gw
+        self.request_id = req.request_id
+        self.worker_request_id = req.request_id  # changes when a worker's death moves the request
+        self.arrival = req.arrival_time
+        self.mailbox = mailbox
+        self.params = req.params
+        self.prompt_tokens = len(req.prompt_token_ids)
+        self.generated: list[int] = []  # every token id the client got (what a migration resumes from)
+        self.emitted_chars = 0  # ... and how many characters of text
+        self.migrations = 0
+        self.first_token_time: float | None = None
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0  # of the prompt, from a prefix cache (PrefillDone)
+        self.prefilled = asyncio.Event()
+        self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
+        self.admitted = False  # the router took it (a refused one is counted as rejected, not here)
+        self.prompt_logprobs: tuple | None = None  # from the first delta, when asked (prompt_logprobs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Waits for PrefillDone, which says how much of the prompt was cached (the usage's
+        prompt_tokens_details): a prefill worker's answer may reach the router after the decode
+        worker's tokens reached us."""
+        try:
+            await asyncio.wait_for(self.prefilled.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, DeltaLogprobs | None]]:
+        """Yields (new text, finish reason or None, the new tokens' logprobs or None); the last piece
+        carries the finish reason. A piece may have logprobs and no text (held-back bytes)."""
+        gw, m = self.gw, self.gw.metrics
+        last = None
+        abort = True  # unless a worker itself finished the request
+        try:
+            while True:
+                d = await self.mailbox.next()
+                if d.token_ids:
+                    now = time.time()
+                    if last is None:
+                        m.ttft.observe(now - self.arrival)
+                        self.first_token_time = now
+                        gw.client.first_token(self.request_id, now)
+                    else:
+                        m.itl.observe(now - last)
+                    last = now
+                    self.generated.extend(d.token_ids)
+                text, finish, logprobs = d.text, d.finish_reason, d.logprobs
+                if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
+                if finish == "error" or d.error is not None:
+                    if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
+                        end = ("error", d.error)
+                    else:
+                        end = await self._recover(d.error or "the decode worker failed the request")
+                    if end is None:  # placed again: the tokens read with the failure still go out
+                        if text or (logprobs is not None and logprobs.tokens):
+                            self.emitted_chars += len(text)
+                            yield text, None, logprobs
+                        continue
+                    finish, error = end
+                    if finish == "error":
+                        self.finish_reason = "error"
+                        raise GenerationError(error or "the decode worker failed the request")
+                if text or finish is not None or (logprobs is not None and logprobs.tokens):
+                    self.emitted_chars += len(text)
+                    self.finish_reason = finish
+                    yield text, finish, logprobs
+                if finish is not None:  # the worker (or the router) finished it: nothing to abort
+                    abort = False
+                    m.e2e.observe(time.time() - self.arrival)
+                    m.generation_tokens.inc(self.completion_tokens)
+                    m.finished(finish, self.prompt_tokens, self.completion_tokens)
+                    return
+        finally:
+            # Also on cancellation (the client went away): frees the request's KV blocks everywhere.
+            gw.end(self, abort)
+
+    async def _recover(self, error: str) -> tuple[str, str | None] | None:
+        """A worker failed the request: the router places it again if that worker died (None: go on
+        reading the same mailbox), else says how it ends."""
+        ts = self.gw.token_stream
+        ts.unregister(self.worker_request_id)  # nothing more from that placement may reach the client
+        self.migrations += 1
+        wrid = f"{self.request_id}.m{self.migrations}"
+        ts.attach(wrid, self.mailbox)  # before the router places it: its first token may come at once
+        end = await self.gw.client.migrate(self.request_id, wrid, tuple(self.generated), self.emitted_chars, error)
+        if end is None:
+            self.worker_request_id = wrid
+        else:
+            ts.unregister(wrid)
+        return end

@@ -1,0 +1,261 @@
+"""What /v1/completions and /v1/chat/completions share: one request from its body to its response.
+
+`OpenAIServing.serve` checks the request, tokenizes its prompts (in this process: the gateway loads
+the tokenizer), builds the SamplingParams, admits and places every choice through the router, then
+streams SSE events or collects the whole response. The endpoints differ only in the hooks their
+subclasses implement (router/openai/serving_completion.py, serving_chat.py): how prompts are read
+and encoded, the default max_tokens, logprobs, the response and its chunks.
+
+A request's choices are independent generations (one per prompt and per n): choice `p * n + i` is
+prompt p's i-th, sampled with seed + i when the request has a seed (as vLLM), so it equals the single
+request with that seed. One choice failing, or the client leaving, aborts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from cluster.errors import InvalidRequestError
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import encode_bad_words
+from router.errors import GenerationError
+from router.openai.errors import error_event_data
+from router.openai.generation import Generation
+from router.openai.logprobs import PromptStart
+from router.openai.protocol import UsageInfo
+from router.openai.streaming import DONE, event, sse, unless_disconnected, unless_gone
+
+if TYPE_CHECKING:
+    from router.openai.gateway import Gateway
+
+
+class Choice:
+    """One choice of a response: its generation, and what echo puts before its text."""
+
+    def __init__(self, index: int, gen: Generation, prompt_ids: list[int], echo: str | None, tokenizer):
+        self.index = index
+        self.gen = gen
+        self.prompt_ids = prompt_ids
+        self.echo = echo  # the prompt's text (echo), else None
+        self.tokenizer = tokenizer
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list]]:
+        """(text, finish reason or None, logprob positions of the piece's tokens); with echo, the first
+        piece starts with the prompt's text and (when logprobs are asked) the prompt's logprobs."""
+        first = self.echo is not None
+        async for text, finish, lp in self.gen.pieces():
+            positions = list(lp.tokens) if lp is not None else []
+            if first:
+                first = False
+                text = self.echo + text
+                if self.gen.params.prompt_logprobs is not None:
+                    positions = self._prompt_positions() + positions
+            yield text, finish, positions
+
+    def _prompt_positions(self) -> list:
+        prompt = self.gen.prompt_logprobs
+        if prompt is None or len(prompt) < len(self.prompt_ids):
+            raise GenerationError("the worker sent no prompt logprobs")
+        # The first prompt token has no logprob (nothing precedes it): its string only.
+        return [PromptStart(self.tokenizer.decode([self.prompt_ids[0]]))] + list(prompt[1:len(self.prompt_ids)])
+
+    async def collect(self) -> tuple[str, list]:
+        text, positions = [], []
+        async for t, _, lp in self.pieces():
+            text.append(t)
+            positions.extend(lp)
+        return "".join(text), positions
+
+
+class ChunkFormat:
+    """One streamed response's events (an endpoint's chunk shape)."""
+
+    def opening(self, index: int) -> list[str]:
+        return []
+
+    def piece(self, index: int, text: str, finish: str | None, positions) -> str:
+        """positions: the logprobs of this piece's tokens (empty unless asked)."""
+        raise NotImplementedError
+
+    def usage(self, usage: UsageInfo) -> str:
+        raise NotImplementedError
+
+
+class OpenAIServing:
+    """One endpoint: `serve` is shared, the hooks below are what differs between the two."""
+
+    id_prefix: str
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    # -- the hooks --------------------------------------------------------------------------------
+    def prompts(self, body) -> list:
+        """The request's prompts, each as the client sent it."""
+        raise NotImplementedError
+
+    def encode(self, prompt) -> list[int]:
+        raise NotImplementedError
+
+    def max_tokens(self, body, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def num_logprobs(self, body) -> int | None:
+        """SamplingParams.logprobs for this body (None: no logprobs)."""
+        raise NotImplementedError
+
+    def echo(self, body) -> bool:
+        return False
+
+    def response(self, rid: str, body, choices: list[Choice], results: list[tuple[str, list]], usage: UsageInfo):
+        """results: each choice's (text, logprob positions; empty unless asked)."""
+        raise NotImplementedError
+
+    def chunks(self, rid: str, body, created: int) -> ChunkFormat:
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------------
+    def sampling_params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        gw = self.gw
+        bias = ()
+        if body.logit_bias:
+            try:
+                bias = {int(k): v for k, v in body.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
+            bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        )
+        params.check_token_ids(gw.cfg.vocab_size or len(gw.tokenizer))
+        return params
+
+    async def serve(self, body, request: Request) -> Response:
+        """Checks, tokenize, admit and place every choice, then stream SSE events or collect."""
+        gw = self.gw
+        gw.check_accepting()
+        gw.check_model(body.model)
+        body.check_unsupported()
+        prompts = [(p, self.encode(p)) for p in self.prompts(body)]
+        num_logprobs = self.num_logprobs(body)
+        echo = self.echo(body)
+        rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        single = len(prompts) * body.n == 1
+
+        async def place_all() -> list[Choice]:
+            choices: list[Choice] = []
+            try:
+                for p, (prompt, ids) in enumerate(prompts):
+                    params = self.sampling_params(body, self.max_tokens(body, ids), num_logprobs,
+                                                  num_logprobs if echo else None)
+                    echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
+                    for i in range(body.n):
+                        index = p * body.n + i
+                        seed = None if body.seed is None else (body.seed + i) % 2**63
+                        gen = await gw.start_generation(rid if single else f"{rid}-{index}", ids, params, seed)
+                        choices.append(Choice(index, gen, ids, echo_text, gw.tokenizer))
+            except BaseException:
+                for c in choices:  # a later choice refused (429, ...) or the client left: none of them runs
+                    gw.end(c.gen, abort=True)
+                raise
+            return choices
+
+        def end_all(choices: list[Choice]) -> None:
+            for c in choices:
+                gw.end(c.gen, abort=True)  # a no-op for a choice that finished
+
+        choices = await unless_gone(request, place_all(), end_all)
+        if choices is None:
+            return Response(status_code=499)  # the client left while its request waited for a worker
+        if body.stream:
+            # The request is let go however the stream ends, even when the client left before the
+            # body iterator ever started (then Generation.pieces() never runs its cleanup).
+            return sse(self._events(choices, rid, body), on_close=lambda: end_all(choices))
+
+        async def collect():
+            tasks = [asyncio.ensure_future(c.collect()) for c in choices]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:  # one failed (or the client left): the others stop too, and abort
+                for t in tasks:
+                    t.cancel()
+            return self.response(rid, body, choices, results, await usage(choices))
+        return await unless_disconnected(request, collect())
+
+    async def _events(self, choices: list[Choice], rid: str, body) -> AsyncIterator[str]:
+        fmt = self.chunks(rid, body, int(time.time()))
+        try:
+            for c in choices:
+                for ev in fmt.opening(c.index):
+                    yield ev
+            if len(choices) == 1:  # the common case: no task, no queue
+                c = choices[0]
+                async for text, finish, positions in c.pieces():
+                    yield fmt.piece(c.index, text, finish, positions)
+            else:
+                async for index, (text, finish, positions) in merged(choices):
+                    yield fmt.piece(index, text, finish, positions)
+            if body.include_usage:
+                yield fmt.usage(await usage(choices))
+        except GenerationError as e:
+            yield event(error_event_data(e))
+        yield DONE
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, tuple]]:
+    """Every choice's pieces as they come, tagged with the choice's index. Cancelling the consumer
+    (the client left) cancels every reader, whose cleanup aborts its generation."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def read(c: Choice):
+        try:
+            async for piece in c.pieces():
+                queue.put_nowait((c.index, piece))
+        except BaseException as e:  # GenerationError, or cancelled: the consumer re-raises the first
+            queue.put_nowait((c.index, e))
+            return
+        queue.put_nowait((c.index, done))
+
+    tasks = [asyncio.ensure_future(read(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def usage(choices: list[Choice]) -> UsageInfo:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice; the
+    cached prompt tokens as the prompt's first choice found them (once its PrefillDone arrived)."""
+    await asyncio.gather(*(c.gen.settle() for c in choices))
+    prompts: dict[int, tuple[int, int]] = {}
+    for c in choices:
+        prompts.setdefault(id(c.prompt_ids), (len(c.prompt_ids), min(c.gen.cached_tokens, len(c.prompt_ids))))
+    return UsageInfo.of(sum(n for n, _ in prompts.values()), sum(c.gen.completion_tokens for c in choices),
+                        sum(k for _, k in prompts.values()))
