@@ -45,9 +45,10 @@ def _remote(cls):
 
 
 class RayWorkers:
-    def __init__(self, cfg: ClusterConfig, tag: str, *, prefill_actor_cls=None, decode_actor_cls=None):
-        """`tag` names the placement group and prefixes the actors' names; the actor classes default
-        to the real workers' (tests pass fakes)."""
+    def __init__(self, cfg: ClusterConfig, tag: str, *, prefill_actor_cls=None, decode_actor_cls=None,
+                 follower_cls: dict[str, Any] | None = None):
+        """`tag` names the placement group and prefixes the actors' names; the actor classes (and the
+        tensor-parallel followers' by role) default to the real workers' (tests pass fakes)."""
         self.cfg = cfg
         self.tag = tag
         self.prefill: dict[str, Any] = {}  # worker id -> actor handle
@@ -61,6 +62,7 @@ class RayWorkers:
         self.kv_group: Any = None
         self._prefill_cls = prefill_actor_cls or PrefillWorkerActor
         self._decode_cls = decode_actor_cls or DecodeWorkerActor
+        self._followers = {**_FOLLOWERS, **(follower_cls or {})}
         self._gpus = 0.0
         self._extra: dict[str, dict[str, float]] = {}
         self._worker_cfgs: dict[str, Any] = {}  # role -> its WorkerConfig
@@ -122,7 +124,7 @@ class RayWorkers:
         wcfg = self._worker_cfgs[role]
         launcher = None
         if wcfg.tensor_parallel_size > 1:
-            launcher = RayRankLauncher(_FOLLOWERS[role], wid, wcfg, self.placement_group, bundle_index,
+            launcher = RayRankLauncher(self._followers[role], wid, wcfg, self.placement_group, bundle_index,
                                        self.cfg.cpus_per_worker, self._gpus)
         opts = dict(num_cpus=self.cfg.cpus_per_worker, num_gpus=self._gpus, name=f"{self.tag}-{wid}",
                     resources=self._extra[role] or None,
