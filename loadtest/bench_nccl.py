@@ -1,11 +1,13 @@
 """KV transfer between two GPUs (prefill on cuda:0, decode on cuda:1) over NCCL: cost, interference,
-and what it adds to TTFT. Writes nccl_h200x2.json (+ .png) with:
+and what it adds to TTFT. Writes nccl_h200x2.json (+ .png; --name renames both) with:
 
-  rows          {path, prompt_tokens, bytes, seconds, GBps, baseline_GBps, exact, ...} for 128..8192 tokens
-                (8B KV shape). seconds: KV ready on the prefill side -> the decode process saw the arrival
-                (bench_transfer.py defines every field). baseline: a plain torch.distributed send/recv of
-                one contiguous buffer of the same bytes between the same GPUs. Paths: nccl (the default
-                plan), nccl_direct / nccl_staged (forced in place / forced through staging).
+  rows          {path, prompt_tokens, bytes, seconds, GBps, baseline_GBps, of_baseline, exact, launches,
+                ...} for 128..8192 tokens (8B KV shape). seconds: KV ready on the prefill side -> the
+                decode process saw the arrival (bench_transfer.py defines every field). baseline: a plain
+                torch.distributed send/recv of one contiguous buffer of the same bytes between the same
+                GPUs. Paths: nccl (the default staging: one message per layer group of at most 32 MiB,
+                gathered and scattered by the fused copy kernel), nccl_cold (the Begin not ahead of the
+                KV), nccl_slot16m / nccl_slot64m (other slot sizes).
   decode_stall  a real DecodeWorker (1B shape, random weights, CUDA graphs) decoding a steady batch;
                 decode step p50/p99 (device time of a step) with no transfers, with a stream of incoming
                 transfers, and with layer-wise transfers (receives posted for a whole emulated forward).
@@ -13,8 +15,16 @@ and what it adds to TTFT. Writes nccl_h200x2.json (+ .png) with:
                 shipping it to cuda:1: TTFT (submit -> the decode side has KV and first token) with
                 layer-wise shipping off and on, against the same prefill without any transfer; share =
                 (TTFT - prefill alone) / TTFT.
+  staging       ONE GPU (stage "staging", not in the default set): the fused copy kernel as the staged
+                payload runs it, per prompt length and slot size: a bundle's scattered blocks gathered
+                into slots launch by launch, then scattered into other blocks; GB/s, the first gather
+                and last scatter (what a pipelined transfer leaves exposed), host microseconds per
+                launch (it must stay below a launch's wire time), exact.
+  targets       the issue's targets, evaluated (not asserted): nccl >= 80 % of the baseline from 2048
+                tokens, <= 0.3 ms at 128 tokens, decode step p99 with transfers <= 1.1x without.
 
     python loadtest/bench_nccl.py --out loadtest/results     # two GPUs, NCCL_NVLS_ENABLE=0
+    python loadtest/bench_nccl.py --stages staging --name staging_h200 --out $OUT   # one GPU
     python loadtest/bench_nccl.py --dry-run --out /tmp/x     # CPU: gloo, tiny shapes, short phases
 """
 
@@ -37,8 +47,10 @@ import torch.multiprocessing as mp  # noqa: E402
 from cluster.messages import GenerateRequest, PrefillTask, Reservation, ReserveRequest  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
+from cluster.transport.block_copy import copy_blocks  # noqa: E402
 from cluster.transport.control import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
+from cluster.transport.plan import PlanSpec, plan_launches  # noqa: E402
 from loadtest.bench_transfer import KV_SHAPES, SIZES, KVShape, _device, _time, plot, print_rows, run_path  # noqa: E402
 from loadtest.report import percentile  # noqa: E402
 
@@ -412,12 +424,90 @@ def ttft_overlap(backend, devices, shape_name, tokens, reps) -> dict:
     return {"rows": rows}
 
 
+# -- 4. the staging kernel alone (one GPU) -----------------------------------------------------------------
+def staging_kernel(shape: KVShape, sizes, slot_mib, device: str) -> dict:
+    """The gather (cache -> slot) and scatter (slot -> pool) of every launch of a bundle's plan, timed
+    apart; blocks scattered over both caches as a busy pool leaves them."""
+    import random
+
+    nb = 2 * max(sizes) // shape.block_size + 2
+    g = torch.Generator(device=device).manual_seed(0)
+    dims = (shape.layers, 2, nb, shape.block_size, shape.kv_heads, shape.head_dim)
+    cache = torch.randn(dims, generator=g, device=device, dtype=torch.float32).to(shape.torch_dtype)
+    pool = torch.zeros_like(cache)
+    elem = cache.element_size()
+    rows = []
+    for mib in slot_mib:
+        ps = PlanSpec("torch_dist", shape.layers, shape.block_size, shape.kv_heads, shape.head_dim, shape.dtype,
+                      elem, int(mib * (1 << 20)))
+        slots = [torch.empty(ps.chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        for n in sizes:
+            blocks = n // shape.block_size
+            rng = random.Random(n)
+            src = torch.tensor(rng.sample(range(1, nb), blocks), dtype=torch.int32, device=device)
+            dst = torch.tensor(rng.sample(range(1, nb), blocks), dtype=torch.int32, device=device)
+            launches = plan_launches(ps, blocks)
+            views = [slots[k % 2][:la.nbytes(ps)].view(cache.dtype).view((la.layers, 2, la.blocks) + dims[3:])
+                     for k, la in enumerate(launches)]
+
+            def gather(las=launches, vs=views, src=src):
+                for la, v in zip(las, vs):
+                    copy_blocks(v, None, cache[la.l0:la.l1], src[la.b0:la.b1])
+
+            def scatter(las=launches, vs=views, dst=dst):
+                for la, v in zip(las, vs):
+                    copy_blocks(pool[la.l0:la.l1], dst[la.b0:la.b1], v, None)
+
+            def both():  # each launch gathered then scattered: the transfer without its wire
+                for la, v in zip(launches, views):
+                    copy_blocks(v, None, cache[la.l0:la.l1], src[la.b0:la.b1])
+                    copy_blocks(pool[la.l0:la.l1], dst[la.b0:la.b1], v, None)
+            nbytes = shape.bytes_for(n)
+            t_gather, t_scatter = _time(gather), _time(scatter)
+            t_first = _time(lambda: gather(launches[:1], views[:1]))
+            t_last = _time(lambda: scatter(launches[-1:], views[-1:]))
+            pool.zero_()
+            both()
+            exact = torch.equal(pool[:, :, dst.long()].view(torch.uint8), cache[:, :, src.long()].view(torch.uint8))
+            if cache.is_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gather()  # enqueued, not waited for: the host's cost of issuing the launches
+            host_s = time.perf_counter() - t0
+            if cache.is_cuda:
+                torch.cuda.synchronize()
+            rows.append({"prompt_tokens": n, "slot_MiB": mib, "launches": len(launches), "bytes": nbytes,
+                         "gather_ms": t_gather * 1e3, "scatter_ms": t_scatter * 1e3,
+                         "gather_GBps": nbytes / t_gather / 1e9, "scatter_GBps": nbytes / t_scatter / 1e9,
+                         "first_gather_ms": t_first * 1e3, "last_scatter_ms": t_last * 1e3,
+                         "host_us_per_launch": host_s / len(launches) * 1e6, "exact": exact})
+            log(f"staging {n} tokens, {mib} MiB slots: {rows[-1]}")
+    return {"rows": rows, "device": str(cache.device), "kv_shape": shape.describe()}
+
+
+def evaluate_targets(doc: dict) -> dict:
+    """The issue's targets, from what this run measured (None where a stage did not run)."""
+    rows = {r["prompt_tokens"]: r for r in doc.get("rows", []) if r["path"] in ("nccl", "gloo")}
+    big = {str(n): round(r["of_baseline"], 3) for n, r in sorted(rows.items()) if n >= 2048}
+    out = {"of_baseline_from_2048": big or None,
+           "of_baseline_ge_0.8_from_2048": all(v >= 0.8 for v in big.values()) if big else None,
+           "ms_at_128": round(rows[128]["seconds"] * 1e3, 3) if 128 in rows else None}
+    out["le_0.3ms_at_128"] = out["ms_at_128"] <= 0.3 if out["ms_at_128"] is not None else None
+    stall = (doc.get("decode_stall") or {}).get("rows") or []
+    ratios = {r["mode"]: round(r["p99_vs_none"], 3) for r in stall if r["mode"] != "none"}
+    out["decode_p99_vs_none"] = ratios or None
+    out["decode_p99_le_1.1x"] = all(v <= 1.1 for v in ratios.values()) if ratios else None
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="loadtest/results")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--paths", default="nccl,nccl_direct,nccl_staged")
-    ap.add_argument("--stages", default="transfer,stall,ttft")
+    ap.add_argument("--paths", default="nccl,nccl_cold,nccl_slot16m,nccl_slot64m")
+    ap.add_argument("--stages", default="transfer,stall,ttft", help="any of transfer,stall,ttft,staging (one GPU)")
+    ap.add_argument("--name", default="nccl_h200x2", help="output file stem")
+    ap.add_argument("--staging-slot-mib", default="16,32,64", help="slot sizes the staging stage times")
     ap.add_argument("--stall-model", default="llama-1b-shape")
     ap.add_argument("--stall-batch", type=int, default=32)
     ap.add_argument("--stall-seconds", type=float, default=8.0, help="per phase")
@@ -430,18 +520,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo, tiny shapes, short phases")
     args = ap.parse_args(argv)
     backend, devices, shape = "nccl", ("cuda:0", "cuda:1"), KV_SHAPES["llama-8b"]
+    stages = set(args.stages.split(","))
     if args.dry_run:
         backend, devices, shape = "gloo", ("cpu", "cpu"), KV_SHAPES["tiny"]
         args.paths, args.stall_model, args.ttft_model = "gloo", "tiny", "tiny"
-        args.stall_batch, args.stall_seconds, args.stall_interval_ms, args.stall_tokens = 4, 2.0, 200.0, 256
+        args.stall_batch, args.stall_seconds, args.stall_interval_ms, args.stall_tokens = 4, 1.0, 150.0, 256
         args.stall_forward_ms, args.ttft_tokens, args.ttft_reps = 40.0, 256, 2
+        args.staging_slot_mib = "0.0078125,1"  # 8 KiB: a tiny layer in windows; 1 MiB: one launch
         if args.sizes == ",".join(map(str, SIZES)):
             args.sizes = "32,256"
-    elif torch.cuda.device_count() < 2:
-        sys.exit("bench_nccl needs 2 GPUs (or --dry-run)")
+    elif torch.cuda.device_count() < (1 if stages <= {"staging"} else 2):
+        sys.exit("bench_nccl needs 2 GPUs (1 for --stages staging), or --dry-run")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     sizes = [int(s) for s in args.sizes.split(",")]
-    stages = set(args.stages.split(","))
     doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "kv_shape": shape.describe(), "command": "python loadtest/bench_nccl.py " + " ".join(argv or sys.argv[1:]),
            "rows": [], "errors": {}}
@@ -449,7 +540,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every stage: a later one that hangs loses nothing before it
-        (out / "nccl_h200x2.json").write_text(json.dumps(doc, indent=1))
+        doc["targets"] = evaluate_targets(doc)
+        (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     if "transfer" in stages:
         base = baseline(sizes, shape, backend, devices)
         for path in args.paths.split(","):
@@ -477,9 +569,13 @@ def main(argv=None) -> int:
     if "ttft" in stages:
         doc["ttft_overlap"] = ttft_overlap(backend, devices, args.ttft_model, args.ttft_tokens, args.ttft_reps)
         save()
+    if "staging" in stages:
+        doc["staging"] = staging_kernel(shape, sizes, [float(x) for x in args.staging_slot_mib.split(",")], devices[0])
+        save()
     if doc["rows"]:
-        plot(doc["rows"], out / "nccl_h200x2.png")
-    log(f"wrote {out / 'nccl_h200x2.json'}")
+        plot(doc["rows"], out / f"{args.name}.png")
+    log(f"targets: {json.dumps(doc['targets'])}")
+    log(f"wrote {out / (args.name + '.json')}")
     return 0
 
 

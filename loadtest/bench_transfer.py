@@ -1,7 +1,11 @@
 """KV transfer benchmark, Llama-3.1-8B KV shape by default (bf16, 32 layers, 8 KV heads, head_dim 128).
 
 Prefill and decode run in two processes (torch.multiprocessing spawn) sharing one TCPStore, each with
-its real transport; no Ray. Per path and prompt length, one row:
+its real transport; no Ray. Each transfer is begun (claimed, its Begin pushed) `lead_ms` before its KV
+is ready, as the prefill worker begins before the forward (whose 8B weights alone take 3.3 ms to read
+at the H200's 4.8 TB/s, so no real forward is shorter than the default lead): the decode side has
+posted its receives by then. Path "nccl_cold" has no lead (receives posted while the bytes wait).
+Per path and prompt length, one row:
   bytes, seconds       KV ready on the prefill side (its `kv_done`) -> the decode process saw the
                        arrival (poll_arrivals after its wake-up); both processes read CLOCK_MONOTONIC.
   GBps                 bytes / seconds (bytes moved once)
@@ -12,8 +16,9 @@ its real transport; no Ray. Per path and prompt length, one row:
   copy_kernel_GBps     same_gpu: the fused block-copy kernel alone, prefill cache -> another cache
   exact                the decode side's per-block checksums equal the prefill's
   prefill_s, ttft_transfer_share   8B prefill of that length (random weights) and seconds / (prefill + seconds)
-Paths: same_gpu (CUDA IPC + fused copy, one GPU), gloo (CPU caches), nccl (two GPUs, default plan),
-nccl_direct / nccl_staged (the plan forced to in-place messages / to staging, for comparison).
+  launches, staging_MiB the plan: messages of at most staging_MiB each (cluster/transport/plan.py)
+Paths: same_gpu (CUDA IPC + fused copy, one GPU), gloo (CPU caches), nccl (two GPUs, default staging),
+nccl_cold (no lead), nccl_slot16m / nccl_slot64m (16 / 64 MiB staging slots instead of the default).
 
     python loadtest/bench_transfer.py --out loadtest/results                 # one GPU: same_gpu
     python loadtest/bench_transfer.py --dry-run --out /tmp/x                 # CPU: gloo, tiny shape
@@ -71,12 +76,14 @@ KV_SHAPES = {
     "llama-1b": KVShape(16, 8, 64, 16, "bfloat16"),
     "tiny": KVShape(4, 2, 16, 16, "float32"),  # CPU dry runs
 }
-PATH_SPECS = {  # path -> (transport kind, backend, spec overrides)
-    "same_gpu": ("same_gpu", "gloo", {}),
-    "gloo": ("torch_dist", "gloo", {}),
-    "nccl": ("torch_dist", "nccl", {}),
-    "nccl_direct": ("torch_dist", "nccl", {"direct_min_bytes": 0}),
-    "nccl_staged": ("torch_dist", "nccl", {"direct_min_bytes": 1 << 62}),
+LEAD_S = 0.003  # begin -> KV ready (see the docstring)
+PATH_SPECS = {  # path -> (transport kind, backend, spec overrides, lead seconds)
+    "same_gpu": ("same_gpu", "gloo", {}, LEAD_S),
+    "gloo": ("torch_dist", "gloo", {}, LEAD_S),
+    "nccl": ("torch_dist", "nccl", {}, LEAD_S),
+    "nccl_cold": ("torch_dist", "nccl", {}, 0.0),
+    "nccl_slot16m": ("torch_dist", "nccl", {"staging_bytes": 16 << 20}, LEAD_S),
+    "nccl_slot64m": ("torch_dist", "nccl", {"staging_bytes": 64 << 20}, LEAD_S),
 }
 
 
@@ -158,7 +165,7 @@ def decode_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q
     t.close()
 
 
-def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q, go):
+def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, lead_s, q, go):
     device = _device(device)
     spec = TransportSpec(**spec_d)
     nb = max(sizes) // shape.block_size + 2
@@ -176,12 +183,15 @@ def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, 
             torch.cuda.synchronize()
         c0 = time.monotonic()
         sh = t.begin([KVSend(res, n, blocks)], layerwise=False)  # the worker claims before the forward
+        c1 = time.monotonic()
+        if lead_s:
+            time.sleep(lead_s)  # the forward (the decode side posts its receives meanwhile)
         t0 = time.monotonic()
         sh.kv_done()
         sh.commit({res.request_id: 7})
         st = sh.futures[res.request_id].result(timeout=120)
         t1 = time.monotonic()
-        rows.append((seq, n, rep, st.bytes, t0 - c0, t0, t1 - t0))
+        rows.append((seq, n, rep, st.bytes, c1 - c0, t0, t1 - t0))
     copy, kernel = {}, {}
     for n in sizes:  # the copy ceiling for the same bytes, this process, same run
         nbytes = shape.bytes_for(n)
@@ -225,14 +235,14 @@ def _time(fn, reps=20) -> float:
 def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", shape: KVShape = KV_SHAPES["llama-8b"],
              quick: bool = False) -> dict:
     """One path, prefill and decode in two fresh processes (devices as seen from this process)."""
-    kind, backend, extra = PATH_SPECS[path]
+    kind, backend, extra, lead_s = PATH_SPECS[path]
     store = start_store("127.0.0.1", 0)
     spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend,
                 namespace=f"bench-{path}-{os.getpid()}-{time.monotonic_ns()}", transfer_timeout_s=60.0, **extra)
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=decode_proc, args=(spec, decode_device, shape, sizes, path, quick, q)),
-             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, q, go))]
+             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, lead_s, q, go))]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -266,6 +276,7 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         nbytes, sec = meas[0][0], med(secs)
         row = {"path": path, "prompt_tokens": n, "bytes": nbytes, "seconds": sec, "GBps": nbytes / sec / 1e9,
+               "lead_ms": lead_s * 1e3, **plan_of(kind, spec, shape, n),
                "send_s": med([s for _, _, _, s, _ in meas]), "claim_s": med([c for _, c, _, _, _ in meas]),
                "p90_s": percentile(secs, 90), "copy_GBps": copy[n] / 1e9,
                "exact": psums.get(n) is not None and psums.get(n) == dsums.get(n), "reps": len(secs)}
@@ -274,6 +285,19 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
         rows.append(row)
     return {"path": path, "rows": rows, "errors": errors, "connect_s": connect_s,
             "decode_failures": dmetrics.get("failures", 0), "spec": {k: v for k, v in spec.items() if k != "store_port"}}
+
+
+def plan_of(kind: str, spec: dict, shape: KVShape, tokens: int) -> dict:
+    """The torch_dist plan of one transfer: how many launches (messages), of at most how much."""
+    if kind != "torch_dist":
+        return {}
+    from cluster.transport.factory import TransportSpec
+    from cluster.transport.plan import PlanSpec, plan_launches
+
+    staging = TransportSpec(**spec).staging_bytes
+    elem = torch.empty((), dtype=shape.torch_dtype).element_size()
+    ps = PlanSpec("torch_dist", shape.layers, shape.block_size, shape.kv_heads, shape.head_dim, shape.dtype, elem, staging)
+    return {"launches": len(plan_launches(ps, tokens // shape.block_size)), "staging_MiB": staging / (1 << 20)}
 
 
 def measure_prefill(sizes, device="cuda:0") -> dict[int, float]:

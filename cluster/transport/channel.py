@@ -35,7 +35,7 @@ _MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer be
 
 class Hello(msgspec.Struct, tag="h"):
     p: str  # the prefill worker
-    layout: list  # [layers, block_size, kv_heads, head_dim, dtype]: must equal the decode pool's
+    layout: dict  # the prefill's PlanSpec (plan.py: KV layout, payload): must equal the decode side's
     events: list[bytes] = []  # same-GPU: IPC handles of the pair's doorbell events
     inc: int = 0  # the prefill's incarnation (control.py: restarts)
 

@@ -2,7 +2,7 @@
 decode loop (`done()`) and waited for by one waiter thread per pair (`wait()`), in order.
 
     EventCompletion     CUDA: an event recorded on the pair's stream after the payload
-    HostCompletion      gloo: works to wait for, then the scatters to run, done by the waiter
+    HostCompletion      gloo: payload work the pair's waiter thread runs (sends, receives, scatters)
     DeferredCompletion  same-GPU decode side: the commit names the event to query
     ReadyCompletion     nothing was left to wait for
 """
@@ -97,10 +97,12 @@ def _work_result_error(w) -> str | None:
 
 
 class HostCompletion(Completion):
-    """CPU (gloo): steps of (works to wait for, functions to run then), run by the pair's waiter."""
+    """CPU (gloo): payload work the pair's waiter thread runs, in order with the pair's other work (a
+    launch's gather and send, a bundle's receives and scatters, the wait for a bundle's sends); done
+    once `run` returned or raised (its error, then)."""
 
-    def __init__(self, steps, keep=()):
-        self.steps, self.keep = steps, keep
+    def __init__(self, run: Callable[[], None], keep=()):
+        self.run, self.keep = run, keep
         self._done = threading.Event()
         self._error: str | None = None
 
@@ -111,11 +113,7 @@ class HostCompletion(Completion):
         if self._done.is_set():
             return
         try:
-            for works, after in self.steps:
-                for w in works:
-                    w.wait()
-                for fn in after:
-                    fn()
+            self.run()
         except Exception as e:  # noqa: BLE001 - reported through error()
             self._error = f"{type(e).__name__}: {e}"
         finally:

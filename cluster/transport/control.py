@@ -12,7 +12,10 @@ only, never anything a transfer waits for:
   {ns}/hb/W      heartbeat counter of worker W (store.add every heartbeat_s); -1e9 after a clean close.
   {ns}/inc/W     W's incarnation counter: each transport a worker starts (a Ray restart of its actor
                  starts another) takes the next number.
-  {ns}/ctl/D     decode worker D's control endpoint, incarnation, KV layout and payload extras (its IPC pool).
+  {ns}/verdict/P.i/D.j  decode D's answer to prefill P's hello ("ok", or why it refuses the pair), read
+                 and deleted by P before it forms its half of the payload channel (pair.py).
+  {ns}/ctl/D     decode worker D's control endpoint, incarnation, PlanSpec (plan.py: KV layout and payload,
+                 which the prefill's must equal) and payload extras (its IPC pool).
 Everything else travels on the push channel (channel.py), prefill -> decode, in order per pair.
 
 Restarts. A worker restarted under its id is a new incarnation: its pairs are formed anew (the
@@ -74,7 +77,7 @@ from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, Tra
 from cluster.transport.channel import Commit, Hello, Inbox
 from cluster.transport.completion import Completion
 from cluster.transport.pair import Pair, PeerDeadError
-from cluster.transport.plan import ItemPlan, Launch
+from cluster.transport.plan import ItemPlan, Launch, PlanSpec
 from cluster.transport.receiver_side import InBundle, ReceiverSide
 from cluster.transport.sender_side import OutBundle, SenderSide
 
@@ -128,8 +131,6 @@ class ControlledTransport(KVTransport):
         self._local = threading.local()
         self.layerwise_min_tokens = spec.layerwise_min_tokens
         self.num_layers, self.block_size = kv_cache.shape[0], kv_cache.shape[3]
-        self.plane_block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
-        self.bytes_per_block = 2 * self.num_layers * self.plane_block_bytes
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.dead_peers: dict[str, str] = {}
@@ -141,6 +142,12 @@ class ControlledTransport(KVTransport):
         self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
         store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
         self._setup_payload()
+        payload, chunk_bytes = self._payload_plan()
+        c = kv_cache
+        self.plan_spec = PlanSpec(payload, c.shape[0], c.shape[3], c.shape[4], c.shape[5],
+                                  str(c.dtype).removeprefix("torch."), c.element_size(), chunk_bytes)
+        self.plane_block_bytes = self.plan_spec.plane_block_bytes
+        self.bytes_per_block = self.plan_spec.block_bytes
         self.sender: SenderSide | None = None
         self.receiver: ReceiverSide | None = None
         self._inbox: Inbox | None = None
@@ -151,7 +158,7 @@ class ControlledTransport(KVTransport):
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
             self._inbox = Inbox(host, f"{self.ns}/{worker_id}")
             self.receiver = ReceiverSide(self, self._inbox)
-            info = {"endpoint": self._inbox.endpoint, "layout": self.layout(), "pid": os.getpid(),
+            info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
                     "incarnation": self.incarnation, **self._payload_info()}
             store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
@@ -198,6 +205,10 @@ class ControlledTransport(KVTransport):
     def _setup_payload(self) -> None:
         """Per-transport payload state (before any thread starts)."""
 
+    @abstractmethod
+    def _payload_plan(self) -> tuple[str, int]:
+        """(the payload's name, its PlanSpec.chunk_bytes): what the peer's must equal."""
+
     def _payload_info(self) -> dict:
         """Decode side: extras published with the control endpoint."""
         return {}
@@ -215,9 +226,13 @@ class ControlledTransport(KVTransport):
     def _payload_warm(self, pair: Pair) -> None:
         """Prefill, after the hello: form the channel and move one tiny transfer through it."""
 
+    def _payload_admit(self, pair: Pair, hello: Hello) -> None:
+        """Decode, on a hello, before answering it: reserve what the pair's payload needs (raise to
+        refuse the pair; the prefill reads why)."""
+
     @abstractmethod
     def _payload_accept(self, pair: Pair, hello: Hello) -> None:
-        """Decode, on a hello: form the channel and take the tiny transfer."""
+        """Decode, after answering "ok": form the channel and take the tiny transfer."""
 
     @abstractmethod
     def _payload_issue(self, pair: Pair, b: OutBundle, launch: Launch, ready) -> None:
@@ -240,6 +255,14 @@ class ControlledTransport(KVTransport):
     def _payload_abort(self, pair: Pair) -> None:
         """Tear down the pair's channel so nothing in flight can still complete or write."""
 
+    def _payload_release(self, pair: Pair) -> None:
+        """The pair is gone for good (its peer restarted, or this transport closed): give back what its
+        payload holds (staging memory). Anything still in flight was aborted or ends on its own."""
+
+    def _payload_metrics(self) -> dict:
+        """Extra entries for metrics() (torch_dist: staging memory reserved)."""
+        return {}
+
     def _payload_mark(self):
         """A CUDA event on the current (compute) stream: the KV enqueued so far is ready then."""
         if not self.kv_cache.is_cuda:
@@ -258,11 +281,6 @@ class ControlledTransport(KVTransport):
         return stack
 
     # -- shared by both sides -----------------------------------------------------------------------
-    def layout(self) -> list:
-        """[layers, block_size, kv_heads, head_dim, dtype]: both ends of a pair must have the same."""
-        c = self.kv_cache
-        return [c.shape[0], c.shape[3], c.shape[4], c.shape[5], str(c.dtype).removeprefix("torch.")]
-
     def store(self):
         """This thread's store client."""
         s = getattr(self._local, "store", None)
@@ -349,6 +367,7 @@ class ControlledTransport(KVTransport):
             old.waiter.stop()
             if old.outbox is not None:
                 old.outbox.close()
+            self._payload_release(old)
 
     def record(self, side: str, request_id: str, nbytes: int, seconds: float, ok: bool, peer: str) -> TransferStats:
         """One transfer's end on this side, counted in metrics()."""
@@ -371,6 +390,7 @@ class ControlledTransport(KVTransport):
             t["GBps"] = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] > 0 else 0.0
             t["dead_peers"] = dict(self.dead_peers)
             t["recent"] = list(self._records)
+        t.update(self._payload_metrics())
         return t
 
     # -- the control thread (decode) ----------------------------------------------------------------
@@ -419,6 +439,7 @@ class ControlledTransport(KVTransport):
             pair.waiter.stop()
             if pair.outbox is not None:
                 pair.outbox.close()
+            self._payload_release(pair)
         if self._inbox is not None:
             self._inbox.close()
         try:

@@ -32,8 +32,12 @@ class TransportSpec:
     heartbeat_s: float = 0.5
     layerwise_min_tokens: int = 1024  # a forward shipping at least this many prompt tokens to one decode
     # worker sends layer i while layer i+1 computes (0: always; shorter ones go in one piece after it)
-    staging_bytes: int = 64 << 20  # torch_dist: staging per launch and side (two slots per pair, allocated once)
-    direct_min_bytes: int = 4 << 20  # torch_dist: smallest per-(layer, K/V) message worth sending in place
+    # torch_dist staging (staging.py): every launch is one message of at most staging_bytes, gathered into
+    # and scattered out of a ring of staging_slots slots per pair and side, allocated when the pair forms;
+    # a worker's rings together stay within staging_cap_bytes (a pair past it is refused when it forms).
+    staging_bytes: int = 32 << 20
+    staging_slots: int = 2
+    staging_cap_bytes: int = 1 << 30
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -44,8 +48,14 @@ class TransportSpec:
             raise ValueError("store_host must be the cluster's internal address, not a wildcard")
         if min(self.expect_timeout_s, self.transfer_timeout_s, self.peer_timeout_s, self.heartbeat_s) <= 0:
             raise ValueError("timeouts must be positive")
-        if self.layerwise_min_tokens < 0 or self.staging_bytes <= 0 or self.direct_min_bytes < 0:
-            raise ValueError("layerwise_min_tokens and direct_min_bytes must be >= 0, staging_bytes > 0")
+        if self.layerwise_min_tokens < 0 or self.staging_bytes <= 0:
+            raise ValueError("layerwise_min_tokens must be >= 0, staging_bytes > 0")
+        if self.staging_slots < 2:
+            raise ValueError(f"staging_slots must be >= 2 (a receive is posted while the slot before it scatters), "
+                             f"got {self.staging_slots}")
+        if self.staging_cap_bytes < self.staging_slots * self.staging_bytes:
+            raise ValueError(f"staging_cap_bytes={self.staging_cap_bytes} holds not even one pair's ring "
+                             f"({self.staging_slots} x staging_bytes={self.staging_bytes})")
 
 
 _HASH_STORES: dict[str, dist.HashStore] = {}

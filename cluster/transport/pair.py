@@ -16,6 +16,13 @@ from cluster.transport.completion import Waiter
 CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 
+def verdict_key(namespace: str, prefill: str, prefill_inc: int, decode: str, decode_inc: int) -> str:
+    """The decode side's answer to a prefill's hello ("ok", or why it refuses the pair, e.g. its staging
+    memory is spent), which the prefill reads before it forms its half of the payload channel: a
+    refused pair fails fast on both sides instead of at a rendezvous timeout. Connecting only."""
+    return f"{namespace}/verdict/{prefill}.{prefill_inc}/{decode}.{decode_inc}"
+
+
 def claim_key(namespace: str, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
     """{ns}/x/P/D.i/s: transfer s from prefill P to incarnation i of decode D. The decode incarnation
     is part of the key, so no key of an old incarnation is ever taken for a new transfer."""

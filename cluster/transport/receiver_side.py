@@ -23,8 +23,8 @@ from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message
 from cluster.transport.completion import Completion
-from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key
-from cluster.transport.plan import ItemPlan, Launch, fingerprint
+from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key, verdict_key
+from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -178,15 +178,27 @@ class ReceiverSide(KVReceiver):
             self._on_abort(pair, m)
 
     def _on_hello(self, m: Hello) -> None:
-        """Forms this side's half of the pair (a prefill forms its half, then says hello)."""
+        """Answers a prefill's hello (the verdict key: "ok", or why not), then forms this side's half
+        of the pair while the prefill forms its own."""
         t, peer = self.t, m.p
-        if list(m.layout) != t.layout():
-            raise RuntimeError(f"KV layout mismatch: {peer} has {m.layout}, this pool {t.layout()}")
-        t.forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
+        store = t.store()
+        key = verdict_key(t.ns, peer, m.inc, t.worker_id, t.incarnation)
         pair = Pair(peer, t.worker_id)
         pair.peer_inc = m.inc
-        with pair.io:
-            t._payload_accept(pair, m)
+        try:
+            t.plan_spec.check_peer(PlanSpec.from_wire(m.layout, peer), peer)
+            t.forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
+            t._payload_admit(pair, m)
+        except Exception as e:
+            store.set(key, f"{type(e).__name__}: {e}".encode())
+            raise
+        store.set(key, b"ok")
+        try:
+            with pair.io:
+                t._payload_accept(pair, m)
+        except Exception:
+            t._payload_release(pair)
+            raise
         pair.waiter.start()
         with t.lock:
             t.pairs[peer] = pair

@@ -6,8 +6,10 @@ process. The prefill worker maps the pool when the pair connects, creates a ring
 events and sends their handles in the hello; warming the pair runs the copy kernel once (into the NULL
 block, which holds garbage by design), so nothing is compiled during a transfer.
 
-Per launch the prefill enqueues one fused gather/scatter kernel per item (block_copy.py) on the pair's
-stream, after the compute-stream event of the layers it carries; there is no receive to post. The
+Per launch (plan.py: the whole bundle, or one layer of it when layer-wise) the prefill enqueues one
+fused gather/scatter kernel for every item of the bundle at once (block_copy.py: the bundle's source
+and reserved block ids, concatenated) on the pair's stream, after the compute-stream event of the
+layers it carries; there is no receive to post and nothing is staged. The
 doorbell: after the last launch it records the next ring event on the pair stream and the commit names
 it; the decode side queries that event (never the store). A ring slot is recorded again only for a later
 bundle on the same stream, so a stale query can only report "not yet", never a false "done".
@@ -27,7 +29,7 @@ from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import DeferredCompletion, EventCompletion, ReadyCompletion
 from cluster.transport.control import ControlledTransport
 from cluster.transport.pair import Pair
-from cluster.transport.plan import ItemPlan, Launch, plan_copies
+from cluster.transport.plan import Launch, bundle_blocks, plan_copies, plan_item
 
 _LOCAL_POOLS: dict[tuple[str, str], torch.Tensor] = {}  # (namespace, decode worker id) -> its KV cache
 _EVENTS = 64  # doorbell events per pair
@@ -77,9 +79,12 @@ class SameGPUTransport(ControlledTransport):
     def _payload_info(self) -> dict:
         return {"ipc": export_handle(self.kv_cache, self.ns, self.worker_id)}
 
-    def _plan(self, srcs, dsts, layerwise):
-        return [ItemPlan(s, d, None) for s, d in zip(srcs, dsts)], plan_copies(len(srcs), self.num_layers, layerwise)
+    def _payload_plan(self) -> tuple[str, int]:
+        return "same_gpu", 0
 
+    def _plan(self, srcs, dsts, layerwise):
+        items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
+        return items, plan_copies(self.plan_spec, sum(it.n for it in items), layerwise)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids, dtype=torch.int32)
@@ -116,10 +121,10 @@ class SameGPUTransport(ControlledTransport):
             if ready is not None:
                 p.stream.wait_event(ready)  # the layers this launch carries are computed
             if b.payload is None:
-                b.payload = [(self._ids(list(it.src)), self._ids(list(it.dst))) for it in b.items]
-            for seg in launch:
-                src_ids, dst_ids = b.payload[seg.item]
-                copy_blocks(p.pool[seg.l0:seg.l1], dst_ids, self.kv_cache[seg.l0:seg.l1], src_ids)
+                b.payload = (self._ids(bundle_blocks(b.items, "src")), self._ids(bundle_blocks(b.items, "dst")))
+            src_ids, dst_ids = b.payload
+            l0, l1, b0, b1 = launch.l0, launch.l1, launch.b0, launch.b1
+            copy_blocks(p.pool[l0:l1], dst_ids[b0:b1], self.kv_cache[l0:l1], src_ids[b0:b1])
 
     def _payload_seal(self, pair: Pair, b):
         p = pair.payload

@@ -27,8 +27,8 @@ from cluster.messages import Reservation
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Commit, Hello, Outbox
 from cluster.transport.completion import Completion, ReadyCompletion
-from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key
-from cluster.transport.plan import ItemPlan, Launch, fingerprint, launch_last_layer
+from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, verdict_key
+from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
@@ -65,7 +65,7 @@ class _Shipment(Shipment):
         self._kv_done = self._committed = False
 
     def layer_done(self, layer: int) -> None:
-        if self._kv_done or not any(b.issued < len(b.launches) and launch_last_layer(b.launches[b.issued]) <= layer
+        if self._kv_done or not any(b.issued < len(b.launches) and b.launches[b.issued].last_layer <= layer
                                     for b in self.bundles):
             return  # no launch waits for this layer (not layer-wise, or already issued)
         ready = self.s.t._payload_mark()
@@ -152,17 +152,25 @@ class SenderSide(KVSender):
                                    f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
-            if list(info["layout"]) != t.layout():
-                raise RuntimeError(f"KV layout mismatch with {peer}: its pool is {info['layout']} "
-                                   f"([layers, block_size, kv_heads, head_dim, dtype]), this cache {t.layout()}")
+            t.plan_spec.check_peer(PlanSpec.from_wire(info["layout"], peer), peer)
             pair.outbox = Outbox(info["endpoint"])
             events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, t.layout(), events, t.incarnation))
+            pair.outbox.send(Hello(t.worker_id, t.plan_spec.to_wire(), events, t.incarnation))
+            key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc)
+            verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
+                                     "its answer to our hello")
+            if verdict is None:
+                raise TimeoutError(f"decode worker {peer} did not answer our hello within "
+                                   f"transfer_timeout_s={t.spec.transfer_timeout_s}")
+            t.store().delete_key(key)
+            if verdict != b"ok":
+                raise RuntimeError(f"decode worker {peer} refused the pair: {verdict.decode(errors='replace')}")
             with pair.io:
                 t._payload_warm(pair)
         except Exception as e:
             if pair.outbox is not None:
                 pair.outbox.close()
+            t._payload_release(pair)
             with t.lock:
                 t.dead_peers.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
             raise
@@ -281,7 +289,7 @@ class SenderSide(KVSender):
     def _issue_through(self, b: OutBundle, layer: int | None, ready) -> None:
         """Issues b's launches whose layers are all computed (every one when layer is None)."""
         pair = b.pair
-        while b.issued < len(b.launches) and (layer is None or launch_last_layer(b.launches[b.issued]) <= layer):
+        while b.issued < len(b.launches) and (layer is None or b.launches[b.issued].last_layer <= layer):
             if pair.dead is not None or b.failed is not None:
                 b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
                 break

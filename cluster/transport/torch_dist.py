@@ -6,29 +6,45 @@ formed and warmed when the pair connects (the prefill's hello; the launcher conn
 be recovered after a timeout and a gloo error poisons its whole context, so one dead peer would take
 every transfer of the process down. Per pair, a dead peer is aborted alone.
 
+Payload. A paged block set is many small strided pieces (a block's K or V of one layer: 32 KiB for
+the 8B shape), and NCCL's per-message cost makes sending them in place a fraction of the wire rate. So
+every launch of the plan (plan.py: a layer group of the bundle's blocks, within one staging slot) is
+gathered by one fused kernel (block_copy.py; HBM is ~10x NVLink) into a slot of the pair's staging
+ring (staging.py), sent as ONE contiguous message, received into the peer's slot and scattered into
+the reserved blocks by the same kernel. Layer-wise bundles issue each launch once its layers' K/V is
+written (the shipment's layer_done), so shipping overlaps the rest of the forward.
+
 Streams (CUDA). Each pair has its own stream on each side. ProcessGroupNCCL runs every op on its
-internal stream after making it wait for the stream current at the call (our pair stream: gathers and
-earlier receives done), and `work.wait()` makes the *current* stream wait for NCCL: we only call it
-with the pair stream current. So the prefill's compute stream never waits for a send, the decode's graph
-stream never waits for a receive, and completion is one event recorded on the pair stream (control.py).
-ProcessGroupNCCL calls recordStream on every p2p tensor, and the bundle holds them until that event.
+internal stream after making it wait for the stream current at the call (our pair stream), and
+`work.wait()` makes the *current* stream wait for NCCL: we only call it with the pair stream current.
+So the prefill's compute stream never waits for a send, the decode's graph stream never waits for a
+receive, and completion is one event recorded on the pair stream (control.py).
+  sender, launch k in slot s:  pair stream waits for the send that last read s (ring.last), gathers
+                               into s, sends s (NCCL waits for the gather). Gather k+1 thus runs while
+                               send k is on the wire, and sends queue back to back on NCCL's stream.
+  receiver, launch k in slot s: receive k is posted before the scatter of k-1 is enqueued, and the
+                               scatter that last read s (launch k - slots <= k - 2) is already on the
+                               pair stream, so NCCL's wait at the receive orders it after that scatter;
+                               then the pair stream waits for receive k-1 and scatters it. The decode
+                               side posts a whole bundle when its Begin arrives (before the prefill's
+                               forward ends), so receives are up before the bytes come.
+One launch is one coalesced group (`_start_coalescing` .. `_end_coalescing`: one NCCL kernel per side,
+on the PG's own two-rank communicator; the warm-up uses the same path so that communicator exists
+before the first transfer).
 
-Launches (plan.py). One coalesced group per launch (`_start_coalescing` .. `_end_coalescing`: one NCCL
-kernel per side, on the PG's own two-rank communicator; the warm-up uses the same path so that
-communicator exists before the first transfer). Direct messages are views of the caches; staged ones
-go through a two-slot staging ring per pair and side, allocated once: the sender makes its pair stream
-wait for the send that last read a slot before gathering into it; the receiver posts launch k+1 before
-scattering launch k, so the scatter that last read k+1's slot (launch k-1) is queued before that
-receive, which waits for it. A long transfer thus pipelines gather, wire and scatter.
-
-gloo (CPU caches, tests): the same messages as async gloo ops; a pair's waiter thread waits for the
-receives and runs the scatters.
+gloo (CPU caches, tests, the same plan and ring): a gloo op blocks the thread that waits for it, so
+the pair's waiter thread does the payload work in order (completion.HostCompletion): on the prefill
+side each launch (wait for the send that last read the slot, gather, send) as the shipment issues it,
+never the forward's thread; on the decode side a bundle's receives, at most `slots` posted at a time,
+each scattered once it arrived and its slot then reused. Gather and scatter are the torch reference of
+the copy kernel.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -38,8 +54,9 @@ import torch.distributed as dist
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import EventCompletion, HostCompletion
 from cluster.transport.control import ControlledTransport, local_address_towards
-from cluster.transport.pair import Pair
-from cluster.transport.plan import Launch, plan_item, plan_launches
+from cluster.transport.pair import Pair, PeerDeadError
+from cluster.transport.plan import Launch, bundle_blocks, plan_item, plan_launches
+from cluster.transport.staging import StagingBudget, StagingRing
 
 _PAIR_RANK = {"prefill": 0, "decode": 1}
 
@@ -53,24 +70,47 @@ def _coalescing(pg, method: str, device):
         return getattr(pg, method)(device)
 
 
+def _noop() -> None:
+    pass
+
+
+class _WaitOnce:
+    """A gloo work, waited at most once. HAZARD: gloo's wait() on a send that already finished waits
+    for the buffer's NEXT send (its unbound buffer counts completions), so a second wait hangs: the
+    sender waits for a slot's last send before reusing it, and again for every send at the seal."""
+
+    def __init__(self, work):
+        self.work, self.waited, self.failure = work, False, None
+
+    def wait(self) -> None:
+        if not self.waited:
+            self.waited = True
+            try:
+                self.work.wait()
+            except Exception as e:  # noqa: BLE001 - raised again to every later waiter
+                self.failure = e
+        if self.failure is not None:
+            raise self.failure
+
+
 @dataclass
 class _Link:
-    """One pair's process group and this side's stream and staging ring."""
+    """One pair's process group, and this side's stream (CUDA) and staging ring."""
 
-    pg: object
-    peer_rank: int
-    stream: torch.cuda.Stream | None
-    slots: list = field(default_factory=lambda: [None, None])  # uint8 staging buffers (CUDA)
-    slot_work: list = field(default_factory=lambda: [None, None])  # sender: the send that last read a slot
-    next_slot: int = 0
-    last_slot: int = 0
+    reserved: int  # bytes of this worker's StagingBudget held for the ring (0 once given back)
+    pg: object = None
+    peer_rank: int = 0
+    stream: torch.cuda.Stream | None = None
+    ring: StagingRing | None = None
 
 
 @dataclass
 class _BundleIO:
-    ids: dict  # item -> this side's block ids on the device (staged items only)
+    """One bundle's payload state on this side."""
+
+    ids: torch.Tensor | None = None  # this side's block ids in plan order, on the cache's device
     works: list = field(default_factory=list)
-    keep: list = field(default_factory=list)
+    error: str | None = None  # gloo sender: the first launch that failed on the pair's thread
 
 
 class TorchDistTransport(ControlledTransport):
@@ -81,13 +121,20 @@ class TorchDistTransport(ControlledTransport):
             raise ValueError("the nccl backend needs a KV cache on a CUDA device")
         if self.backend == "gloo" and cuda:
             raise ValueError("KV caches on a GPU move over nccl (gloo carries CPU caches only)")
+        self.staging = StagingBudget(self.spec.staging_cap_bytes)
+
+    def _payload_plan(self) -> tuple[str, int]:
+        return f"torch_dist/{self.backend}", self.spec.staging_bytes
 
     def _plan(self, srcs, dsts, layerwise):
-        items = [plan_item(s, d, self.plane_block_bytes, self.spec.direct_min_bytes) for s, d in zip(srcs, dsts)]
-        return items, plan_launches(items, self.num_layers, self.plane_block_bytes, layerwise, self.spec.staging_bytes)
+        items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
+        return items, plan_launches(self.plan_spec, sum(it.n for it in items))
+
+    def _payload_metrics(self) -> dict:
+        return {"staging_bytes": self.staging.reserved, "staging_rings": self.staging.rings}
 
     # -- the pair's channel ---------------------------------------------------------------------------
-    def _form(self, peer: str, peer_inc: int) -> _Link:
+    def _form(self, peer: str, peer_inc: int, link: _Link) -> None:
         # The rendezvous is per pair of incarnations: a restarted worker never meets its old keys.
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
@@ -115,8 +162,23 @@ class TorchDistTransport(ControlledTransport):
             opts._timeout = timeout
             pg = dist.ProcessGroupGloo(store, rank, 2, opts)  # blocks until both ranks joined
             stream = None
-        return _Link(pg, 1 - rank, stream)
+        link.pg, link.peer_rank, link.stream = pg, 1 - rank, stream
 
+    def _reserve(self, pair: Pair) -> None:
+        """Before the pair is answered (decode) or greeted (prefill): this side's ring, counted against
+        staging_cap_bytes (raises past it: the pair is refused, both sides know at once)."""
+        ring_bytes = self.spec.staging_slots * self.spec.staging_bytes
+        self.staging.reserve(ring_bytes, pair.peer)
+        pair.payload = _Link(ring_bytes)
+
+    def _open(self, pair: Pair, send: bool) -> None:
+        """Forms the pair's channel, allocates this side's staging ring, and moves one tiny transfer
+        through the real path (forms the NCCL communicator, compiles the copy kernel)."""
+        link: _Link = pair.payload
+        self._form(pair.peer, pair.peer_inc, link)
+        with self._on_stream(link.stream):  # the ring belongs to the pair stream's allocator pool
+            link.ring = StagingRing(self.spec.staging_slots, self.spec.staging_bytes, self.kv_cache.device)
+        self._warm(link, send)
 
     def _p2p(self, link: _Link, msgs: list[torch.Tensor], send: bool) -> list:
         pg = link.pg
@@ -129,164 +191,186 @@ class TorchDistTransport(ControlledTransport):
             finally:
                 work = _coalescing(pg, "_end_coalescing", dev)
             return [work]
-        return [(pg.send if send else pg.recv)([m], link.peer_rank, tag) for tag, m in enumerate(msgs)]
+        return [_WaitOnce((pg.send if send else pg.recv)([m], link.peer_rank, tag)) for tag, m in enumerate(msgs)]
 
     def _warm(self, link: _Link, send: bool) -> None:
-        """One tiny message through the real path (forms the NCCL communicator), and the copy kernel
-        compiled for this cache, both before the first transfer."""
         cache = self.kv_cache
+        one = Launch(0, 1, 0, 1)
         with self._on_stream(link.stream):
-            one = torch.zeros((1,) + tuple(cache.shape[3:]), dtype=cache.dtype, device=cache.device)
-            works = self._p2p(link, [one], send)
-            if link.stream is None:
-                for w in works:
-                    w.wait()
-                return
+            raw, view = link.ring.slot(0, one, one.nbytes(self.plan_spec), cache)
+            works = self._p2p(link, [raw], send)
             for w in works:
                 w.wait()
             ids = torch.zeros(1, dtype=torch.int32, device=cache.device)
-            staging = torch.empty((1, 2, 1) + tuple(cache.shape[3:]), dtype=cache.dtype, device=cache.device)
-            copy_blocks(staging, None, cache[0:1], ids)  # gather and scatter the NULL block onto itself
-            copy_blocks(cache[0:1], ids, staging, None)
+            copy_blocks(view, None, cache[0:1], ids)  # gather and scatter the NULL block onto itself
+            copy_blocks(cache[0:1], ids, view, None)
+            if link.stream is None:
+                return
             link.stream.synchronize()
         err = EventCompletion(torch.cuda.Event(), works).error()
         if err is not None:
             raise RuntimeError(f"warm-up transfer failed: {err}")
 
     def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        self._reserve(pair)
         return []
 
     def _payload_warm(self, pair: Pair) -> None:
-        pair.payload = self._form(pair.peer, pair.peer_inc)
-        self._warm(pair.payload, send=True)
+        self._open(pair, send=True)
+
+    def _payload_admit(self, pair: Pair, hello) -> None:
+        self._reserve(pair)
 
     def _payload_accept(self, pair: Pair, hello) -> None:
-        pair.payload = self._form(pair.peer, pair.peer_inc)
-        self._warm(pair.payload, send=False)
+        self._open(pair, send=False)
 
     def _payload_abort(self, pair: Pair) -> None:
         """NCCL: ncclCommAbort ends the kernels in flight, so the pair stream (and the bundles'
         completion events) move on. gloo: nothing; its abort() neither wakes an op in flight nor lets
         it see the peer's socket close any more, while left alone the op fails at that close or at the
-        group's timeout."""
+        group's timeout (the pair's thread then stops: it posts and sends nothing for a dead pair)."""
         link = pair.payload
         if link is not None and self.backend == "nccl":
             link.pg.abort()
 
-    # -- messages -------------------------------------------------------------------------------------
-    def _ids(self, b, side: str) -> dict[int, torch.Tensor]:
-        """This side's block ids of the staged items, on the device: one pinned upload per bundle."""
-        staged = [k for k, it in enumerate(b.items) if it.runs is None]
-        if not staged:
-            return {}
-        lists = [b.items[k].src if side == "src" else b.items[k].dst for k in staged]
-        flat = torch.tensor([x for ids in lists for x in ids], dtype=torch.int32)
-        if self.kv_cache.is_cuda:  # NOTE: pinned + non_blocking: no host sync (the issue's pageable copy)
-            flat = flat.pin_memory().to(self.kv_cache.device, non_blocking=True)
-        out, o = {}, 0
-        for k, ids in zip(staged, lists):
-            out[k] = flat[o:o + len(ids)]
-            o += len(ids)
-        return out
+    def _payload_release(self, pair: Pair) -> None:
+        link = pair.payload
+        if link is None:
+            return
+        with self.lock:  # once, whichever of close() and a peer's restart comes first
+            reserved, link.reserved = link.reserved, 0
+        if reserved:
+            link.ring = None  # CUDA: NCCL recorded its streams on the slots; the allocator waits for them
+            self.staging.release(reserved)
 
-    def _slot(self, link: _Link, nbytes: int, sender: bool) -> torch.Tensor:
-        if link.stream is None:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        k = link.next_slot
-        link.next_slot ^= 1
-        if sender and link.slot_work[k] is not None:
-            link.slot_work[k].wait()  # the pair stream waits until the send that read this slot is done
-        if link.slots[k] is None or link.slots[k].numel() < nbytes:
-            # Allocated on the pair stream (current): only work ordered after it reuses the memory.
-            link.slots[k] = torch.empty(max(nbytes, self.spec.staging_bytes), dtype=torch.uint8, device=self.kv_cache.device)
-        link.last_slot = k
-        return link.slots[k]
+    # -- both sides -------------------------------------------------------------------------------------
+    def _upload(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the cache's device: on CUDA one pinned, non-blocking copy on the current (pair)
+        stream. NOTE: never a pageable copy here: it would sync the host with the device."""
+        if not self.kv_cache.is_cuda:
+            return torch.tensor(ids, dtype=torch.int64)
+        return torch.tensor(ids, dtype=torch.int32).pin_memory().to(self.kv_cache.device, non_blocking=True)
 
-    def _messages(self, link: _Link, b, launch: Launch, side: str, ids: dict):
-        """(messages in plan order, scatters to run once they arrived). The sender gathers staged
-        segments into its slot here, on the current (pair) stream."""
-        cache, sender = self.kv_cache, side == "src"
-        msgs, scatters = [], []
-        nbytes = sum(b.items[s.item].staged_bytes(s.l1 - s.l0, self.plane_block_bytes) for s in launch)
-        slot = self._slot(link, nbytes, sender) if nbytes else None
-        off = 0
-        for seg in launch:
-            it = b.items[seg.item]
-            if it.runs is not None:
-                for layer in range(seg.l0, seg.l1):
-                    for j in (0, 1):
-                        for s0, d0, n in it.runs:
-                            x0 = s0 if sender else d0
-                            msgs.append(cache[layer, j, x0:x0 + n])
-                continue
-            size = it.staged_bytes(seg.l1 - seg.l0, self.plane_block_bytes)
-            buf = slot[off:off + size].view(cache.dtype).view((seg.l1 - seg.l0, 2, it.n) + tuple(cache.shape[3:]))
-            off += size
-            if sender:
-                copy_blocks(buf, None, cache[seg.l0:seg.l1], ids[seg.item])
-            else:
-                scatters.append(partial(copy_blocks, cache[seg.l0:seg.l1], ids[seg.item], buf, None))
-            msgs.append(buf)
-        return msgs, scatters
+    def _slot(self, link: _Link, launch: Launch):
+        if link.ring is None:  # released: this transport closed, or the peer restarted
+            raise PeerDeadError("the pair's channel is closed")
+        k = link.ring.take()
+        return (k,) + link.ring.slot(k, launch, launch.nbytes(self.plan_spec), self.kv_cache)
 
     # -- prefill side -----------------------------------------------------------------------------------
     def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
         link = pair.payload
+        if b.payload is None:
+            b.payload = _BundleIO()
+        io: _BundleIO = b.payload
+        if link.stream is None:  # gloo: the pair's thread, in order (a wait for a slot blocks no forward)
+            pair.waiter.put(HostCompletion(partial(self._send_on_host, pair, b, launch)), _noop)
+            return
         with self._on_stream(link.stream):
             if ready is not None:
                 link.stream.wait_event(ready)  # the layers this launch carries are computed
-            if b.payload is None:
-                b.payload = _BundleIO(self._ids(b, "src"))
-            msgs, _ = self._messages(link, b, launch, "src", b.payload.ids)
-            works = self._p2p(link, msgs, send=True)
-            if link.stream is not None and any(b.items[s.item].runs is None for s in launch):
-                link.slot_work[link.last_slot] = works[0]
-            b.payload.works += works
-            b.payload.keep.append(msgs)
+            if io.ids is None:
+                io.ids = self._upload(bundle_blocks(b.items, "src"))
+            k, raw, view = self._slot(link, launch)
+            if link.ring.last[k] is not None:
+                link.ring.last[k].wait()  # the pair stream waits for the send that last read this slot
+            copy_blocks(view, None, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1])
+            works = self._p2p(link, [raw], send=True)
+            link.ring.last[k] = works[-1]
+            io.works += works
+
+    def _send_on_host(self, pair: Pair, b, launch: Launch) -> None:
+        """gloo, the pair's waiter thread: one launch. A failure is the bundle's (seal reports it)."""
+        io: _BundleIO = b.payload
+        if io.error is not None:
+            return
+        link = pair.payload
+        try:
+            if pair.dead is not None:
+                raise PeerDeadError(f"peer {pair.peer} is marked dead: {pair.dead}")
+            if io.ids is None:
+                io.ids = self._upload(bundle_blocks(b.items, "src"))
+            k, raw, view = self._slot(link, launch)
+            last = link.ring.last[k]
+            if last is not None:
+                last.wait()  # the send that last read this slot is done (or raises: the pair broke)
+            copy_blocks(view, None, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1])
+            works = self._p2p(link, [raw], send=True)
+            link.ring.last[k] = works[-1]
+            io.works += works
+        except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
+            io.error = f"{type(e).__name__}: {e}"
 
     def _payload_seal(self, pair: Pair, b):
-        link, io = pair.payload, b.payload or _BundleIO({})
+        link, io = pair.payload, b.payload or _BundleIO()
         if link.stream is None:
-            return HostCompletion([(io.works, [])], io.keep), -1
+            return HostCompletion(partial(self._sent_on_host, io), io), -1
         with self._on_stream(link.stream):
-            for w in io.works:
-                w.wait()
+            if io.works:
+                io.works[-1].wait()  # one PG's sends run in order on NCCL's stream: the last one is the end
             ev = torch.cuda.Event(blocking=True)
             ev.record(link.stream)
-        return EventCompletion(ev, io.works, io.keep), -1
+        return EventCompletion(ev, io.works, io), -1
+
+    @staticmethod
+    def _sent_on_host(io: _BundleIO) -> None:
+        """gloo, the pair's waiter thread, after the bundle's launches: its sends are done."""
+        for w in io.works:
+            w.wait()
+        if io.error is not None:
+            raise RuntimeError(f"a launch failed: {io.error}")
 
     # -- decode side ------------------------------------------------------------------------------------
     def _payload_post(self, pair: Pair, b):
         link = pair.payload
-        works_all, keep, steps, err = [], [], [], None
+        io = b.payload = _BundleIO()
+        if link.stream is None:
+            return HostCompletion(partial(self._receive_on_host, pair, b, io), io), None
+        err = None
         with self._on_stream(link.stream):
             try:
-                ids = self._ids(b, "dst")
+                io.ids = self._upload(bundle_blocks(b.items, "dst"))
                 pending = None
                 for launch in b.launches:
-                    msgs, scatters = self._messages(link, b, launch, "dst", ids)
-                    works = self._p2p(link, msgs, send=False)
-                    works_all += works
-                    keep.append((msgs, ids))
-                    if link.stream is None:
-                        steps.append((works, scatters))
-                        continue
+                    _, raw, view = self._slot(link, launch)
+                    works = self._p2p(link, [raw], send=False)  # ordered after every scatter enqueued so far
+                    io.works += works
                     if pending is not None:
-                        self._land(*pending)
-                    pending = (works, scatters)
+                        self._land(io, *pending)
+                    pending = (works, launch, view)
                 if pending is not None:
-                    self._land(*pending)
+                    self._land(io, *pending)
             except Exception as e:  # noqa: BLE001 - the completion still covers what was posted
                 err = f"{type(e).__name__}: {e}"
-            if link.stream is None:
-                return HostCompletion(steps, keep), err
             ev = torch.cuda.Event(blocking=True)
             ev.record(link.stream)
-        return EventCompletion(ev, works_all, keep), err
+        return EventCompletion(ev, io.works, io), err
 
-    @staticmethod
-    def _land(works, scatters) -> None:
+    def _land(self, io: _BundleIO, works, launch: Launch, view) -> None:
+        """CUDA: the pair stream (current) waits for a receive, then scatters its slot."""
         for w in works:
-            w.wait()  # the pair stream (current) waits for the receive
-        for fn in scatters:
-            fn()
+            w.wait()
+        copy_blocks(self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view, None)
+
+    def _receive_on_host(self, pair: Pair, b, io: _BundleIO) -> None:
+        """gloo, the pair's waiter thread: the bundle's receives, at most one per slot in flight, each
+        scattered once it arrived (then its slot takes the next). Bundles run one after another here,
+        so every slot is free when one starts."""
+        link = pair.payload
+        io.ids = self._upload(bundle_blocks(b.items, "dst"))
+        posted: deque = deque()
+        todo = deque(b.launches)
+        slots = len(link.ring.bufs)
+        while todo or posted:
+            while todo and len(posted) < slots:
+                if pair.dead is not None:  # the prefill sends nothing more: a receive would only wait
+                    raise PeerDeadError(f"peer {pair.peer} is marked dead: {pair.dead}")
+                launch = todo.popleft()
+                _, raw, view = self._slot(link, launch)
+                works = self._p2p(link, [raw], send=False)
+                io.works += works
+                posted.append((works, launch, view))
+            works, launch, view = posted.popleft()
+            for w in works:
+                w.wait()
+            copy_blocks(self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view, None)

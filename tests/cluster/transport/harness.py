@@ -107,6 +107,7 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
 
         def dying_layer_done(i):
             if die_at == "layer" and i == 1:
+                time.sleep(0.3)  # layer 0's launches are out (gloo sends from the pair's thread)
                 os._exit(17)
             layer_done(i)
         sh.layer_done = dying_layer_done

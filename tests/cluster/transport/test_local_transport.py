@@ -12,11 +12,6 @@ import harness  # noqa: E402
 
 from cluster.messages import KVHeader, Reservation  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
-from cluster.transport.plan import block_runs  # noqa: E402
-
-
-def test_block_runs():
-    assert block_runs([1, 2, 3, 7], [5, 6, 7, 8]) == ((1, 5, 3), (7, 8, 1))
 
 
 def test_spec_rejects_wildcard_store_address():

@@ -1,89 +1,90 @@
-"""The transfer plan both sides compute: every (item, layer) exactly once, in order, within limits."""
+"""The transfer plan both sides compute: every (block, layer) exactly once, layer-major, each launch one
+message within a staging slot; the PlanSpec both ends check when a pair forms."""
 
-import random
-
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.transport.plan import (MAX_DIRECT_RUNS, MAX_MESSAGES_PER_LAUNCH, Segment, block_runs, fingerprint,
-                                    launch_last_layer, plan_copies, plan_item, plan_launches)
+from cluster.transport.plan import (Launch, PlanSpec, bundle_blocks, fingerprint, plan_copies, plan_item,
+                                    plan_launches)
 
-PBB = 32 << 10  # one (layer, K/V) plane of a block: 8B shape, bf16
-
-
-def test_block_runs():
-    assert block_runs([1, 2, 3, 7], [5, 6, 7, 8]) == ((1, 5, 3), (7, 8, 1))
-    assert block_runs([4], [9]) == ((4, 9, 1),)
+MiB = 1 << 20
 
 
-def test_items_go_direct_only_in_few_large_runs():
-    big = list(range(1, 129))  # 128 blocks = 4 MiB per message
-    assert plan_item(big, [b + 100 for b in big], PBB, 4 << 20).runs == ((1, 101, 128),)
-    assert plan_item(big[:8], big[:8], PBB, 4 << 20).runs is None  # 256 KiB messages: not worth their host cost
-    frag = random.Random(0).sample(range(1, 1000), 128)
-    assert plan_item(big, frag, PBB, 0).runs is None  # more than MAX_DIRECT_RUNS runs
-    four = [1, 2, 10, 11, 20, 21, 30, 31]
-    assert len(plan_item(four, four, PBB, 0).runs) == 4 == MAX_DIRECT_RUNS
+def spec(layers=32, chunk=32 * MiB, **kw) -> PlanSpec:
+    """8B shape, bf16: a plane block (one block's K or V of one layer) is 32 KiB."""
+    d = dict(payload="torch_dist/nccl", num_layers=layers, block_size=16, kv_heads=8, head_dim=128,
+             dtype="bfloat16", elem_bytes=2, chunk_bytes=chunk)
+    d.update(kw)
+    return PlanSpec(**d)
 
 
-def _covered(launches, n_items, layers):
-    seen = [(s.item, layer) for la in launches for s in la for layer in range(s.l0, s.l1)]
-    assert sorted(seen) == [(i, layer) for i in range(n_items) for layer in range(layers)]
+def _covered(launches, n_blocks, layers):
+    seen = [(layer, b) for la in launches for layer in range(la.l0, la.l1) for b in range(la.b0, la.b1)]
+    assert sorted(seen) == [(layer, b) for layer in range(layers) for b in range(n_blocks)]  # each once
     return seen
 
 
-def test_layerwise_launches_follow_the_layers():
-    items = [plan_item(range(1, 9), range(20, 28), PBB, 0), plan_item([3, 9, 4], [5, 6, 7], PBB, 1 << 30)]
-    launches = plan_launches(items, 32, PBB, layerwise=True, slot_bytes=64 << 20)
-    assert len(launches) == 32 and [launch_last_layer(la) for la in launches] == list(range(32))
-    assert all({s.item for s in la} == {0, 1} for la in launches)  # both prompts ride each layer's launch
-    _covered(launches, 2, 32)
+def test_plan_spec_sizes_and_checks():
+    s = spec()
+    assert s.plane_block_bytes == 32 << 10 and s.block_bytes == 2 * 32 * (32 << 10)
+    assert PlanSpec.from_wire(s.to_wire(), "d0") == s
+    s.check_peer(spec(), "d0")
+    with pytest.raises(RuntimeError, match=r"mismatch with d0.*'dtype': \('bfloat16', 'float16'\)"):
+        s.check_peer(spec(dtype="float16"), "d0")
+    with pytest.raises(RuntimeError, match="chunk_bytes"):
+        s.check_peer(spec(chunk=64 * MiB), "d0")  # the plans would differ: refused when the pair forms
+    with pytest.raises(RuntimeError, match="not a PlanSpec of this version"):
+        PlanSpec.from_wire([32, 16, 8, 128, "bfloat16"], "d0")  # the old list layout
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        spec(chunk=32 << 10)  # K and V of one block of one layer are 64 KiB
 
 
-def test_one_launch_for_a_short_staged_prompt_and_pipelined_chunks_for_a_long_one():
-    short = plan_item(range(1, 9), range(1, 9), PBB, 4 << 20)  # 8 blocks: staged, 16 MiB in all
-    assert plan_launches([short], 32, PBB, False, 64 << 20) == [(Segment(0, 0, 32),)]
-    long = plan_item(range(1, 129), random.Random(1).sample(range(1, 4000), 128), PBB, 4 << 20)  # 268 MB staged
-    launches = plan_launches([long], 32, PBB, False, 64 << 20)
-    assert len(launches) == 4 and all(long.staged_bytes(s.l1 - s.l0, PBB) <= 64 << 20 for la in launches for s in la)
-    direct = plan_item(range(1, 129), range(1, 129), PBB, 4 << 20)
-    launches = plan_launches([direct], 32, PBB, False, 64 << 20)
-    assert [sum(direct.messages(s.l1 - s.l0) for s in la) for la in launches] == [MAX_MESSAGES_PER_LAUNCH] * 4
+def test_a_short_prompt_is_one_launch_and_a_long_one_layer_groups():
+    assert plan_launches(spec(), 8) == [Launch(0, 32, 0, 8)]  # 16 MiB: one message
+    groups = plan_launches(spec(), 128)  # 2048 tokens: 8 MiB a layer, 4 layers a slot
+    assert groups == [Launch(4 * i, 4 * i + 4, 0, 128) for i in range(8)]
+    assert all(la.nbytes(spec()) == 32 * MiB for la in groups)
+    odd = plan_launches(spec(), 96)  # 6 MiB a layer: 5 layers a slot, the smallest group last
+    assert [la.layers for la in odd] == [5, 5, 5, 5, 5, 5, 2] and [la.last_layer for la in odd][-1] == 31
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 12), st.booleans(),
-       st.integers(1, 4), st.integers(0, 2**31 - 1))
-def test_any_plan_covers_everything_once_within_limits(sizes, layers, layerwise, slot_blocks, seed):
-    rng = random.Random(seed)
-    items = []
-    for n in sizes:
-        src = rng.sample(range(1, 200), n) if rng.random() < 0.5 else list(range(5, 5 + n))
-        dst = rng.sample(range(1, 200), n) if rng.random() < 0.5 else list(range(50, 50 + n))
-        items.append(plan_item(src, dst, PBB, rng.choice([0, 4 * PBB, 1 << 30])))
-    slot = slot_blocks * 2 * PBB * 8
-    launches = plan_launches(items, layers, PBB, layerwise, slot)
-    seen = _covered(launches, len(items), layers)
-    if layerwise:  # layer-major: layer i's launches all come before layer i+1's
-        assert [layer for _, layer in seen] == sorted(layer for _, layer in seen)
-        assert all(len({s.l0 for s in la}) == 1 for la in launches)
-    else:  # item-major, each item's layers in order
-        assert [i for i, _ in seen] == sorted(i for i, _ in seen)
-    for la in launches:
-        msgs = sum(items[s.item].messages(s.l1 - s.l0) for s in la)
-        staged = sum(items[s.item].staged_bytes(s.l1 - s.l0, PBB) for s in la)
-        assert len(la) == 1 or (msgs <= MAX_MESSAGES_PER_LAUNCH and staged <= slot)
-    assert fingerprint(items, launches) == fingerprint(list(items), plan_launches(items, layers, PBB, layerwise, slot))
+def test_a_layer_too_large_for_a_slot_goes_in_windows_of_blocks():
+    launches = plan_launches(spec(), 1000)  # 62.5 MiB a layer: two windows of 500 blocks
+    assert len(launches) == 64 and launches[:2] == [Launch(0, 1, 0, 500), Launch(0, 1, 500, 1000)]
+    assert all(la.nbytes(spec()) <= 32 * MiB for la in launches)
+    _covered(launches, 1000, 32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 600), st.integers(1, 40), st.integers(1, 64))
+def test_any_plan_covers_everything_once_layer_major_within_a_slot(n_blocks, layers, chunk_planes):
+    s = spec(layers=layers, chunk=chunk_planes * (32 << 10) + (32 << 10))  # >= 2 plane blocks
+    launches = plan_launches(s, n_blocks)
+    seen = _covered(launches, n_blocks, layers)
+    assert [layer for layer, _ in seen] == sorted(layer for layer, _ in seen)  # layer i before layer i+1
+    assert all(0 < la.nbytes(s) <= s.chunk_bytes for la in launches)
+    lasts = [la.last_layer for la in launches]
+    assert lasts == sorted(lasts)  # layer-wise shipping issues them in plan order
+    assert fingerprint([plan_item(range(n_blocks), range(n_blocks))], launches) == \
+        fingerprint([plan_item(range(n_blocks), range(n_blocks))], plan_launches(s, n_blocks))
+
+
+def test_bundle_blocks_concatenate_items_in_order():
+    items = [plan_item([5, 3], [10, 11]), plan_item([9], [2])]
+    assert bundle_blocks(items, "src") == [5, 3, 9] and bundle_blocks(items, "dst") == [10, 11, 2]
+    with pytest.raises(ValueError):
+        plan_item([1, 2], [3])
 
 
 def test_fingerprint_tells_plans_apart():
-    a = [plan_item([1, 2, 3], [4, 5, 6], PBB, 0)]
-    b = [plan_item([1, 2, 3], [4, 5, 6], PBB, 1 << 30)]  # same blocks, staged instead of direct
-    la, lb = plan_launches(a, 4, PBB, False, 1 << 20), plan_launches(b, 4, PBB, False, 1 << 20)
-    assert fingerprint(a, la) != fingerprint(b, lb)
+    a, b = [plan_item([1, 2, 3], [4, 5, 6])], [plan_item([1, 2], [4, 5]), plan_item([3], [6])]
+    la = plan_launches(spec(layers=4), 3)
+    assert fingerprint(a, la) != fingerprint(b, la)  # same blocks, other items
+    assert fingerprint(a, la) != fingerprint(a, plan_launches(spec(layers=4, chunk=128 << 10), 3))
 
 
 def test_copy_plans():
-    assert len(plan_copies(3, 32, layerwise=True)) == 32 and len(plan_copies(3, 32, layerwise=False)) == 1
-    _covered(plan_copies(3, 5, True), 3, 5)
-    _covered(plan_copies(3, 5, False), 3, 5)
+    assert plan_copies(spec(), 5, layerwise=True) == [Launch(i, i + 1, 0, 5) for i in range(32)]
+    assert plan_copies(spec(), 5, layerwise=False) == [Launch(0, 32, 0, 5)]
+    _covered(plan_copies(spec(layers=5), 3, True), 3, 5)

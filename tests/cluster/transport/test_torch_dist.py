@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 
 from cluster.engine import LLMEngine  # noqa: E402
+from cluster.messages import PrefillTask, Reservation  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import kv_cache_blocks  # noqa: E402
 from cluster.transport.control import start_store  # noqa: E402
@@ -77,11 +78,17 @@ class PrefillProc:
         self.proc.join(timeout=30)
 
 
-@pytest.mark.parametrize("how", ["staged", "layerwise_direct"])
+# A plane block of the demo model (one block's K or V of one layer) is 16 tokens x 2 heads x 32 x fp32.
+PLANE = 16 * 2 * 32 * 4
+SMALL_SLOTS = dict(staging_bytes=3 * 2 * PLANE)  # three blocks a launch: many launches, the ring reused
+
+
+@pytest.mark.parametrize("how", ["one_message", "layerwise_small_slots"])
 def test_kv_bit_identical_and_greedy_matches_engine(demo_model_dir, store, how):
-    # staged: the demo model's blocks are small, so every prompt is gathered into one message and
-    # scattered on arrival; layerwise_direct: layer by layer during the forward, block runs in place.
-    kw = {} if how == "staged" else dict(layerwise_min_tokens=0, direct_min_bytes=0)
+    # one_message: every bundle of the demo model fits one staging slot, gathered into one message and
+    # scattered on arrival; layerwise_small_slots: layer by layer during the forward, each layer of a
+    # bundle in windows of three blocks through a two-slot ring reused across launches and bundles.
+    kw = {} if how == "one_message" else dict(layerwise_min_tokens=0, **SMALL_SLOTS)
     spec = _spec(store, f"exact-{how}", **kw)
     p = PrefillProc(spec, "p0", demo_model_dir, ship_kv=True, budget=48)
     dec = harness.DecodeSide("d0", demo_model_dir, spec)
@@ -112,6 +119,41 @@ def test_kv_bit_identical_and_greedy_matches_engine(demo_model_dir, store, how):
         assert p.results[req.request_id].ok and p.results[req.request_id].transfer_bytes == a.stats.bytes
         assert dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
     assert p.metrics["transfers"] == len(reqs) and p.metrics["failures"] == 0
+    dec.transport.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefix_cached_remainder_is_staged_exactly(demo_model_dir, store, layerwise):
+    """With prefix caching the decode worker holds a prompt's leading blocks already: only the rest
+    travels (two launches a layer here), into the reserved blocks after them. The cached blocks are
+    not touched, and greedy decoding from cached + shipped KV matches the engine."""
+    spec = _spec(store, f"prefix{layerwise}", layerwise_min_tokens=0 if layerwise else 1 << 30, **SMALL_SLOTS)
+    p = PrefillProc(spec, "p0", demo_model_dir, ship_kv=True, budget=128)
+    dec = harness.DecodeSide("d0", demo_model_dir, spec)
+    rng = random.Random(5)
+    prefix = [rng.randrange(5, 500) for _ in range(48)]  # three full blocks
+    first = harness.request(prefix + [rng.randrange(5, 500) for _ in range(13)], max_tokens=4)
+    p.submit(dec.reserve(first, "p0"))
+    (a,) = dec.wait_arrivals(1)
+    assert a.error is None, a.error
+    cached = list(a.reservation.block_ids[:3])  # what the decode worker's prefix cache holds for `prefix`
+    before = harness.block_checksum(dec.kv_cache, cached)
+    second = harness.request(prefix + [rng.randrange(5, 500) for _ in range(60)], max_tokens=8)
+    rest = dec.allocator.allocate(dec.kvspec.blocks_for_tokens(len(second.prompt_token_ids) + 1) - 3)
+    res = Reservation(second.request_id, "d0", tuple(rest), next(dec._seq["p0"]), num_cached_blocks=3)
+    dec.transport.expect(res, "p0")
+    p.submit(PrefillTask(second, res))
+    (b,) = dec.wait_arrivals(1)
+    p.finish()
+    assert b.error is None and b.header.num_tokens == 60, b
+    n = 4  # 60 tokens
+    assert b.stats.bytes == n * dec.kvspec.bytes_per_block == p.results[second.request_id].transfer_bytes
+    got = kv_cache_blocks(dec.kv_cache, rest[:n]).contiguous().view(torch.uint8).numpy().tobytes()
+    assert got == p.kv[second.request_id]  # bit-identical
+    assert harness.block_checksum(dec.kv_cache, cached) == before  # the cached prefix is as it was
+    ref = LLMEngine(demo_model_dir).generate([list(second.prompt_token_ids)],
+                                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert dec.greedy_decode(second, cached + rest, b.header.first_token) == list(ref[0].token_ids)
     dec.transport.close()
 
 
@@ -170,12 +212,14 @@ def test_killed_prefill_times_out_instead_of_hanging(demo_model_dir, store):
     dec.transport.close()
 
 
-@pytest.mark.parametrize("die_at", ["layer", "commit"])
-def test_prefill_killed_mid_transfer_fails_it_cleanly(demo_model_dir, store, die_at):
-    """Killed with the transfer claimed and its receives posted: mid-payload (layer-wise), or with the
-    payload landed but the first token never sent. Either way the transfer fails (no decoding from a
-    half-shipped prompt), within peer_timeout_s, and only then do its blocks come back."""
-    spec = _spec(store, f"mid{die_at}", peer_timeout_s=1.0, layerwise_min_tokens=0)
+@pytest.mark.parametrize("die_at,slots", [("layer", "one"), ("commit", "one"), ("layer", "small")])
+def test_prefill_killed_mid_transfer_fails_it_cleanly(demo_model_dir, store, die_at, slots):
+    """Killed with the transfer claimed and its receives posted: mid-payload (layer-wise; with small
+    slots, after the first of a layer's several launches went out), or with the payload landed but the
+    first token never sent. Either way the transfer fails (no decoding from a half-shipped prompt),
+    within peer_timeout_s, and only then do its blocks come back."""
+    spec = _spec(store, f"mid{die_at}{slots}", peer_timeout_s=1.0, layerwise_min_tokens=0,
+                 **(SMALL_SLOTS if slots == "small" else {}))
     p = PrefillProc(spec, "p0", demo_model_dir, die_at=die_at)
     dec = harness.DecodeSide("d0", demo_model_dir, spec, with_model=False)
     tasks = [dec.reserve(harness.request(list(range(5, 45))), "p0") for _ in range(2)]
@@ -194,7 +238,7 @@ def test_prefill_killed_mid_transfer_fails_it_cleanly(demo_model_dir, store, die
 
 
 def test_killed_decode_fails_the_send_with_a_clear_error(demo_model_dir, store):
-    from cluster.messages import KVHeader, Reservation
+    from cluster.messages import KVHeader
     from cluster.transport.factory import create_transport
 
     spec = _spec(store, "killd", peer_timeout_s=1.0, transfer_timeout_s=30.0)
@@ -212,11 +256,13 @@ def test_killed_decode_fails_the_send_with_a_clear_error(demo_model_dir, store):
     t.close()
 
 
-def test_random_aborts_and_timeouts_never_expose_foreign_blocks(demo_model_dir, store):
+@pytest.mark.parametrize("slots", ["one", "small"])
+def test_random_aborts_and_timeouts_never_expose_foreign_blocks(demo_model_dir, store, slots):
     """A small pool forces block reuse; prefill aborts, decode cancels and expect timeouts race the
-    transfers. Every block a request decodes from must hold exactly that request's KV, from arrival
-    until it is freed, and a freed block must stay untouched until it is handed out again."""
-    spec = _spec(store, "chaos", expect_timeout_s=1.0)
+    transfers (with small slots: each through many launches of a reused staging ring). Every block a
+    request decodes from must hold exactly that request's KV, from arrival until it is freed, and a
+    freed block must stay untouched until it is handed out again."""
+    spec = _spec(store, f"chaos{slots}", expect_timeout_s=1.0, **(SMALL_SLOTS if slots == "small" else {}))
     rng = random.Random(7)
     reqs = [harness.request([rng.randrange(5, 500) for _ in range(rng.randrange(1, 60))]) for _ in range(40)]
     slow = {r.request_id: 1.5 for r in reqs if rng.random() < 0.2}  # past expect_timeout_s: cancelled
