@@ -32,6 +32,7 @@ from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
 from cluster.distributed.follower import RankFollower
+from cluster.distributed.rank_launcher import exit_now
 from cluster.distributed.step_messages import EagerDecode, PrefillPass
 from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
@@ -65,6 +66,7 @@ def run_engine_rank(rank: int, rendezvous, model_dir: str, options: dict) -> Non
     _, _, runner = _engine_runner(Path(model_dir), group, **{**options, "device": cfg.device})
     RankFollower(group, {PrefillPass: runner.execute, EagerDecode: runner.execute}).run()
     group.close()
+    exit_now(0)
 
 
 @dataclass(frozen=True)

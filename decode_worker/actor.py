@@ -93,7 +93,8 @@ class DecodeWorkerActor:
         w = self.worker
         if w.transport is not None:
             return
-        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode"))
+        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode", group=w.group,
+                                            kv_heads=w.arch.num_kv_heads))
 
     def transfer_metrics(self) -> dict:
         t = self.worker.transport

@@ -45,8 +45,9 @@ class PrefillWorkerActor:
         incarnation, and closing the first would mark the worker's heartbeat shut down under it."""
         if self.worker.transport is not None:
             return
-        self.worker.set_transport(create_transport(spec, self.worker.kv_cache, self.worker.worker_id, "prefill"),
-                                  send_timeout_s=spec.transfer_timeout_s)
+        w = self.worker
+        w.set_transport(create_transport(spec, w.kv_cache, w.worker_id, "prefill", group=w.group,
+                                         kv_heads=w.arch.num_kv_heads), send_timeout_s=spec.transfer_timeout_s)
 
     def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
         """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.

@@ -116,6 +116,8 @@ class PrefillWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._shipment: Shipment | None = None  # the forward in progress ships these transfers
+        if self.group is not None:  # the followers ship their heads' part of it (cluster/transport/tp_payload.py)
+            self.runner.shipment_of_pass = self._shipment_for_followers
         self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
                                         self.arch.eos_token_ids, on_ready=self._grammar_ready)
         self._hook_layers()
@@ -123,6 +125,10 @@ class PrefillWorker:
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    def _shipment_for_followers(self) -> bytes:
+        ship = getattr(self.transport, "shipment_for_followers", None)
+        return ship(self._shipment) if ship is not None and self._shipment is not None else b""
 
     def _hook_layers(self) -> None:
         """A forward hook per decoder layer: layer i returned, so its K/V write is enqueued on the

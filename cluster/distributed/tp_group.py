@@ -14,7 +14,8 @@ NVLink multicast is switched off before any communicator exists (NCCL_NVLS_ENABL
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 
 Then rank 0 `publish`es a step message before each forward pass and the followers `recv` them
-(cluster/distributed/follower.py). The group's `comm` (TPCommunicator) is what the sharded model calls.
+(cluster/distributed/follower.py). Work that is not a pass goes over the group's `rpc` (rank_rpc.py:
+rank 0 calls a follower, a follower notifies rank 0; the KV transport's payload agents use it). The group's `comm` (TPCommunicator) is what the sharded model calls.
 A rank that cannot go on (a peer died, a pass failed part way: the ranks' collectives would no longer
 pair up) calls `fail(why)`: by default its process ends, and so, through their watchdogs, do its
 peers'.
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.distributed.communicator import ONE_SHOT_MAX_BYTES, OneShotAllReduce, TPCommunicator
+from cluster.distributed.rank_rpc import RankRPC
 from cluster.distributed.step_channel import StepPublisher, StepSubscriber
 from cluster.distributed.step_messages import StepMessage, Stop
 from cluster.distributed.watchdog import RankWatchdog, exit_process
@@ -80,6 +82,7 @@ class TPGroup:
         self.subscriber: StepSubscriber | None = None
         self.watchdog: RankWatchdog | None = None
         self.comm: TPCommunicator | None = None
+        self.rpc = RankRPC(rank, rdv.host)
         self.info: dict[int, dict] = {}  # rank -> what it reported on arrival (pid, node, GPUs)
         self.launched: Any = None  # rank 0: what launch() returned (the followers' handles: a Ray actor
         # lives as long as a handle to it)
@@ -118,7 +121,7 @@ class TPGroup:
     def _arrive(self, describe) -> None:
         import msgspec
 
-        info = {"pid": os.getpid(), **(describe() if describe is not None else {})}
+        info = {"pid": os.getpid(), **(describe() if describe is not None else {}), "rpc": self.rpc.endpoint}
         if self.subscriber is not None:
             info["endpoint"] = self.subscriber.endpoint
         self._store.set(self._key(f"arrived/{self.rank}"), msgspec.msgpack.encode(info))
@@ -133,6 +136,7 @@ class TPGroup:
         self.info = {r: msgspec.msgpack.decode(self._store.get(keys[r])) for r in range(self.size)}
         if self.rank == 0:
             self.publisher = StepPublisher([self.info[r]["endpoint"] for r in range(1, self.size)])
+        self.rpc.connect({r: i["rpc"] for r, i in self.info.items()})
 
     def _join(self) -> None:
         rdv = self.rdv
@@ -205,7 +209,7 @@ class TPGroup:
 
     def describe(self) -> dict:
         """For the worker's stats: the ranks (pid, node, GPUs each reported on arrival), the all-reduce."""
-        return {"size": self.size, "ranks": {str(r): {k: v for k, v in i.items() if k != "endpoint"}
+        return {"size": self.size, "ranks": {str(r): {k: v for k, v in i.items() if k not in ("endpoint", "rpc")}
                                               for r, i in self.info.items()},
                 **(self.comm.describe() if self.comm is not None else {})}
 
@@ -225,6 +229,7 @@ class TPGroup:
             self.subscriber.close()
         if self.publisher is not None:
             self.publisher.close()
+        self.rpc.close()
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -120,7 +120,10 @@ class ControlledTransport(KVTransport):
     For the two sides: `lock` guards `pairs`, `dead_peers` and every bundle list; `store()` is this
     thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
 
-    def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory):
+    def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory,
+                 tp: tuple[int, int] | None = None):
+        """tp: (ranks of this worker's tensor-parallel group, the model's KV heads) when this transport is
+        its rank 0 (tp_payload.py); None: one process holds every head (kv_cache's)."""
         assert role in ("prefill", "decode"), role
         self.spec = spec
         self.kv_cache = kv_cache
@@ -144,8 +147,13 @@ class ControlledTransport(KVTransport):
         self._setup_payload()
         payload, chunk_bytes = self._payload_plan()
         c = kv_cache
-        self.plan_spec = PlanSpec(payload, c.shape[0], c.shape[3], c.shape[4], c.shape[5],
-                                  str(c.dtype).removeprefix("torch."), c.element_size(), chunk_bytes)
+        tp_size, kv_heads = tp if tp is not None else (1, c.shape[4])
+        self.tp_rank = 0  # this transport's rank in its worker's group: rank 0 drives the control plane
+        # This side's own spec: the peer's tensor-parallel size is 1 until a pair joins both (PlanSpec.joined).
+        self.plan_spec = PlanSpec(payload, c.shape[0], c.shape[3], kv_heads, c.shape[5],
+                                  str(c.dtype).removeprefix("torch."), c.element_size(), chunk_bytes,
+                                  prefill_tp=tp_size if role == "prefill" else 1,
+                                  decode_tp=tp_size if role == "decode" else 1)
         self.plane_block_bytes = self.plan_spec.plane_block_bytes
         self.bytes_per_block = self.plan_spec.block_bytes
         self.sender: SenderSide | None = None
@@ -214,8 +222,10 @@ class ControlledTransport(KVTransport):
         return {}
 
     @abstractmethod
-    def _plan(self, srcs: list[tuple[int, ...]], dsts: list[tuple[int, ...]], layerwise: bool) -> tuple[list[ItemPlan], list[Launch]]:
-        """The bundle's items and launches; both sides must compute the same."""
+    def _plan(self, pair: Pair, srcs: list[tuple[int, ...]], dsts: list[tuple[int, ...]],
+              layerwise: bool) -> tuple[list[ItemPlan], list[Launch]]:
+        """The bundle's items and launches over the pair's spec (`pair.spec`); both sides must compute
+        the same."""
 
     @abstractmethod
     def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:

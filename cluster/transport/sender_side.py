@@ -152,10 +152,12 @@ class SenderSide(KVSender):
                                    f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
-            t.plan_spec.check_peer(PlanSpec.from_wire(info["layout"], peer), peer)
+            theirs = PlanSpec.from_wire(info["layout"], peer)
+            pair.spec = t.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
+            pair.spec.check_peer(theirs.joined(t.plan_spec, "decode"), peer)
             pair.outbox = Outbox(info["endpoint"])
             events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, t.plan_spec.to_wire(), events, t.incarnation))
+            pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation))
             key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc)
             verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
                                      "its answer to our hello")
@@ -272,7 +274,8 @@ class SenderSide(KVSender):
             return None
         lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= t.layerwise_min_tokens
         srcs = [tuple(s.src_block_ids) for s in claimed]
-        items, launches = t._plan(srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)], lw)
+        items, launches = t._plan(pair, srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)],
+                                  lw)
         b = OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
                        items, launches)
         msg = Begin(t.worker_id, b.id, lw, fingerprint(items, launches),
