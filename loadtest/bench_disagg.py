@@ -14,8 +14,17 @@ tokens) so that a tail can be traced to the requests that made it. Between rates
 counters are read from /metrics (where prompts were prefilled, and why; the workers' measured pass
 costs) and stored with the rows.
 
+With --phases the load shifts instead (a server started with --planner): back-to-back phases of
+Poisson arrivals, each its own rate and mix (name:rate:prompt_lens/...:output_tokens:seconds), while
+/metrics is sampled every second for the planner's role switches and the healthy workers per role.
+The result (doc["shift"][setup]) has goodput per phase and SLO set, per 10 s window, and for the
+last phase before and after the first role switch (by send time: requests sent before the switch
+counter moved, and after).
+
     python -m loadtest.bench_disagg --url http://127.0.0.1:8000 --setup adaptive \\
         --rates 2,8,16 --out loadtest/results/disagg_vs_colocated.json
+    python -m loadtest.bench_disagg --url http://127.0.0.1:8000 --setup planner \\
+        --phases prefill_heavy:4:2048:16:30,decode_heavy:12:128:256:120 --out ...
 """
 
 from __future__ import annotations
@@ -46,6 +55,27 @@ def duration_for(rate: float, duration: float, min_requests: int, max_duration: 
     """Seconds of arrivals at `rate`: at least `duration` and long enough for `min_requests` arrivals
     (so the low rates have a tail to speak of), at most `max_duration`."""
     return min(max_duration, max(duration, min_requests / rate))
+
+
+def rate_durations(rates: list[float], duration: float, min_requests: int, max_duration: float,
+                   min_requests_lowest: int | None) -> dict[float, float]:
+    """Seconds of arrivals per rate; the lowest rate runs until `min_requests_lowest` arrivals are
+    expected even past max_duration (its TTFT tail is judged on them)."""
+    out = {r: duration_for(r, duration, min_requests, max_duration) for r in rates}
+    if rates and min_requests_lowest:
+        low = min(rates)
+        out[low] = max(out[low], min_requests_lowest / low)
+    return out
+
+
+def parse_phases(text: str) -> list[dict]:
+    """name:rate:prompt_lens (slash-separated):output_tokens:seconds, comma-separated."""
+    out = []
+    for item in text.split(","):
+        name, rate, lens, output, seconds = item.split(":")
+        out.append({"name": name, "rate": float(rate), "prompt_lens": [int(x) for x in lens.split("/")],
+                    "output_tokens": int(output), "seconds": float(seconds)})
+    return out
 
 
 async def one_request(client, model, prompt, max_tokens) -> dict:
@@ -171,6 +201,99 @@ def server_counters(url: str) -> dict:
     return out
 
 
+def planner_sample(url: str) -> dict:
+    """From /metrics: role switches so far, and the healthy workers per role."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    switches, roles = 0.0, {}
+    for line in text.splitlines():
+        if line.startswith("pdserve:worker_role_switches_total"):
+            switches = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pdserve:worker_healthy{") and line.rsplit(" ", 1)[1] == "1.0":
+            role = line.split('role="', 1)[1].split('"', 1)[0]
+            roles[role] = roles.get(role, 0) + 1
+    return {"role_switches": switches, "healthy": roles}
+
+
+async def run_phases(url, model, phases, seed, drain_s, poll_s=1.0) -> tuple[list[dict], list[dict]]:
+    """The phases back to back on one schedule (a phase's requests may still run in the next); the
+    /metrics samples taken meanwhile, with their time from the start."""
+    rng = random.Random(seed)
+    samples: list[dict] = []
+    limits = httpx.Limits(max_connections=8192, max_keepalive_connections=8192)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
+        start = time.perf_counter()
+        stop = asyncio.Event()
+
+        async def poll():
+            while not stop.is_set():
+                sample = await asyncio.to_thread(planner_sample, url)
+                samples.append({"t_s": round(time.perf_counter() - start, 3), **sample})
+                try:
+                    await asyncio.wait_for(stop.wait(), poll_s)
+                except asyncio.TimeoutError:
+                    pass
+        poller = asyncio.create_task(poll())
+        tasks, meta, t_next, t0 = [], [], start, start
+        for ph in phases:
+            t_end = t0 + ph["seconds"]
+            t_next = max(t_next, t0)
+            while t_next < t_end:
+                delay = t_next - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                n = rng.choice(ph["prompt_lens"])
+                meta.append({"phase": ph["name"], "prompt_tokens": n, "scheduled_s": round(t_next - start, 4)})
+                tasks.append(asyncio.create_task(one_request(client, model, _prompt(rng, n), ph["output_tokens"])))
+                t_next += rng.expovariate(ph["rate"])
+            t0 = t_end
+        done, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await poller
+    for r, m in zip(results, meta):
+        r.update(m)
+        r["sent_s"] = round(r.pop("t_send") - start, 4)
+    return results, samples
+
+
+def summarize_shift(setup: str, phases: list[dict], results: list[dict], samples: list[dict], slos,
+                    window_s: float = 10.0) -> dict:
+    """Goodput per phase, per window, and around the first role switch (see the module docstring)."""
+    out: dict = {"setup": setup, "phases": phases, "samples": samples, "per_phase": [], "windows": []}
+    for ph in phases:
+        rs = [r for r in results if r["phase"] == ph["name"]]
+        out["per_phase"] += [{"phase": ph["name"], **summarize(setup, ph["rate"], rs, ph["seconds"], slo)} for slo in slos]
+    total = sum(ph["seconds"] for ph in phases)
+    for k in range(int(-(-total // window_s))):
+        lo, hi = k * window_s, min(total, (k + 1) * window_s)
+        rs = [r for r in results if lo <= r["sent_s"] < hi]
+        if rs and hi > lo:
+            out["windows"] += [{"t0_s": lo, "t1_s": hi, **summarize(setup, len(rs) / (hi - lo), rs, hi - lo, slo)}
+                               for slo in slos]
+    base = samples[0]["role_switches"] if samples and "role_switches" in samples[0] else 0.0
+    moved = [s for s in samples if s.get("role_switches", base) > base]
+    out["first_switch_s"] = moved[0]["t_s"] if moved else None
+    if moved:
+        last = phases[-1]
+        t_last = sum(ph["seconds"] for ph in phases[:-1])
+        rs = [r for r in results if r["phase"] == last["name"]]
+        before = [r for r in rs if r["sent_s"] < moved[0]["t_s"]]
+        after = [r for r in rs if r["sent_s"] >= moved[0]["t_s"]]
+        span_before = max(1e-9, min(moved[0]["t_s"], t_last + last["seconds"]) - t_last)
+        span_after = max(1e-9, t_last + last["seconds"] - moved[0]["t_s"])
+        out["around_switch"] = [{"when": "before", **summarize(setup, last["rate"], before, span_before, slo)}
+                                for slo in slos] + \
+                               [{"when": "after", **summarize(setup, last["rate"], after, span_after, slo)}
+                                for slo in slos]
+        out["healthy_before"], out["healthy_after"] = samples[0].get("healthy"), moved[-1].get("healthy")
+    return out
+
+
 def _diff(after: dict, before: dict) -> dict:
     return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0)}
 
@@ -212,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default="2,8,16,24,32,48", help="request rates (requests/s), comma-separated")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per rate (at least)")
     ap.add_argument("--min-requests", type=int, default=30, help="low rates run until this many arrivals")
+    ap.add_argument("--min-requests-lowest", type=int, default=None,
+                    help="the lowest rate runs until this many arrivals, even past --max-duration")
     ap.add_argument("--max-duration", type=float, default=15.0, help="seconds of arrivals per rate (at most)")
     ap.add_argument("--drain-s", type=float, default=8.0,
                     help="after the last arrival, how long running requests may take before they count as unfinished")
@@ -225,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--records", default=None, help="per-request JSONL (default: <out stem>_records.jsonl)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="wall-clock time (epoch s) by which to be done: a rate that could not finish by then is skipped")
+    ap.add_argument("--phases", default=None,
+                    help="load shift instead of rates: name:rate:prompt_lens (a/b):output_tokens:seconds, comma-separated")
     args = ap.parse_args(argv)
 
     model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -241,10 +368,27 @@ def main(argv=None) -> int:
     server = doc.setdefault("server", {})
 
     t0 = time.perf_counter()
+    if args.phases:
+        phases = parse_phases(args.phases)
+        lens = sorted({n for ph in phases for n in ph["prompt_lens"]})
     asyncio.run(warm_up(args.url, model, lens, args.output_tokens, args.warmup_requests, args.seed))
     print(f"[{args.setup}] warm-up: {args.warmup_requests} x {lens} in {time.perf_counter() - t0:.1f}s", flush=True)
-    for rate in [float(x) for x in args.rates.split(",")]:
-        dur = duration_for(rate, args.duration, args.min_requests, args.max_duration)
+    if args.phases:
+        results, samples = asyncio.run(run_phases(args.url, model, phases, args.seed, args.drain_s))
+        with open(records, "a") as f:
+            for i, r in enumerate(results):
+                f.write(json.dumps({"setup": args.setup, "i": i, **{k: v for k, v in r.items() if k != "gaps"}}) + "\n")
+        shift = summarize_shift(args.setup, phases, results, samples, slos)
+        doc.setdefault("shift", {})[args.setup] = shift
+        for row in shift["per_phase"] + shift.get("around_switch", []):
+            print(json.dumps(row), flush=True)
+        print(f"[{args.setup}] first role switch at {shift['first_switch_s']} s", flush=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
+    rates = [float(x) for x in args.rates.split(",")]
+    durations = rate_durations(rates, args.duration, args.min_requests, args.max_duration, args.min_requests_lowest)
+    for rate in rates:
+        dur = durations[rate]
         if args.deadline is not None and time.time() + dur + args.drain_s > args.deadline:
             doc.setdefault("skipped", []).append({"setup": args.setup, "request_rate": rate, "why": "time budget"})
             print(f"[{args.setup}] {rate:g} req/s: skipped (time budget)", flush=True)

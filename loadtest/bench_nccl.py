@@ -14,7 +14,8 @@ and what it adds to TTFT. Writes nccl_h200x2.json (+ .png; --name renames both) 
   ttft_overlap  a real PrefillWorker (8B shape, random weights) prefilling one 2048-token prompt and
                 shipping it to cuda:1: TTFT (submit -> the decode side has KV and first token) with
                 layer-wise shipping off and on, against the same prefill without any transfer; share =
-                (TTFT - prefill alone) / TTFT.
+                (TTFT - prefill alone) / TTFT; share_in_run = (TTFT - the worker's own forward and
+                first-token time in that run) / TTFT (the same path, so no warm-up or thread effects).
   staging       ONE GPU (stage "staging", not in the default set): the fused copy kernel as the staged
                 payload runs it, per prompt length and slot size: a bundle's scattered blocks gathered
                 into slots launch by launch, then scattered into other blocks; GB/s, the first gather
@@ -91,8 +92,11 @@ def _dtype(device: str) -> torch.dtype:
 _TOKENIZER_VOCAB = 512  # the demo model's tokenizer, which the decode worker's publisher detokenizes with
 
 
-def _request(rid: str, tokens: int, max_tokens: int) -> GenerateRequest:
-    ids = tuple((7 * i + 3) % (_TOKENIZER_VOCAB - 10) + 5 for i in range(tokens))
+def _request(rid: str, tokens: int, max_tokens: int, salt: int = 0) -> GenerateRequest:
+    """A prompt of `tokens` ids; prompts of different salts (< 502) differ from their first token on,
+    so no prefix cache holds one for another (every transfer moves its whole KV, every forward
+    computes its whole prompt)."""
+    ids = tuple((7 * i + 3 + 131 * salt) % (_TOKENIZER_VOCAB - 10) + 5 for i in range(tokens))
     return GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), 0, time.time())
 
 
@@ -181,7 +185,7 @@ def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s
             worker.poll_token_batches(0.0)
             if mode != "none" and time.monotonic() >= next_at:
                 # max_tokens=1: the arrival finishes the request at once, the batch stays as it is
-                res = worker.reserve(ReserveRequest(_request(f"x{n}", tokens, 1), "p0"))
+                res = worker.reserve(ReserveRequest(_request(f"x{n}", tokens, 1, salt=1 + n % 500), "p0"))
                 if res is not None:
                     ctl.put((res, tokens, mode == "transfers_layerwise"))
                     sent, n = sent + 1, n + 1
@@ -225,7 +229,8 @@ def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done
         if item is None:
             break
         res, tokens, layerwise = item
-        n = tokens // 16
+        n = tokens // 16 - res.num_cached_blocks  # only what the decode worker lacks (none, by the salts)
+        tokens -= 16 * res.num_cached_blocks
         blocks = tuple(range(1 + (k % 8) * (n + 1), 1 + (k % 8) * (n + 1) + n))
         k += 1
         sh = t.begin([KVSend(res, tokens, blocks)], layerwise=layerwise)
@@ -239,13 +244,17 @@ def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done
         sh.kv_done()
         sh.commit({res.request_id: 5})
         pending.append(sh.futures[res.request_id])
+    why = []
     for f in pending:
         try:
-            failures += f.exception(timeout=60) is not None
+            e = f.exception(timeout=60)
         except TimeoutError:
+            e = TimeoutError("not done within 60 s")
+        if e is not None:
             failures += 1
+            why.append(f"{type(e).__name__}: {e}")
     done.set()
-    q.put(("stall_prefill", failures))
+    q.put(("stall_prefill", failures, why[:3]))
     time.sleep(2.0)
     t.close()
 
@@ -273,7 +282,8 @@ def decode_stall(backend, devices, shape_name, batch, phase_s, interval_s, token
     for r in rows:
         r["p99_vs_none"] = r["step_p99_ms"] / base["step_p99_ms"]
     return {"rows": rows, "model": shape_name, "forward_ms_emulated": forward_ms, "decode_transport": metrics,
-            "decode_error": error, "prefill_failures": out.get("stall_prefill", [None])[0]}
+            "decode_error": error, "prefill_failures": out.get("stall_prefill", [None])[0],
+            "prefill_errors": out.get("stall_prefill", [None, []])[1]}
 
 
 def _collect(q, kinds, procs, timeout_s: float) -> dict:
@@ -306,7 +316,9 @@ def _ttft_prefill_proc(spec_d, device, shape_name, tokens, ctl, q):
     arch = _arch(shape_name)
     torch.manual_seed(0)
     model = random_model(arch, _dtype(device), device)
-    cfg = WorkerConfig(model_dir="", device=device, num_blocks=2 * (tokens // 16 + 2), max_prefill_tokens=max(4096, tokens))
+    # No prefix cache: every rep computes its whole prompt (and the prompts differ anyway).
+    cfg = WorkerConfig(model_dir="", device=device, num_blocks=2 * (tokens // 16 + 2), max_prefill_tokens=max(4096, tokens),
+                       enable_prefix_caching=False)
     w = PrefillWorker("p0", cfg, model=model, arch=arch)
     t = create_transport(TransportSpec(**spec_d), w.kv_cache, "p0", "prefill")
     w.set_transport(t)
@@ -350,7 +362,7 @@ def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q):
     seq, rows = 0, []
     for layerwise in (False, True, False, True):  # alternated: drift over time hits both alike
         for rep in range(reps + 1):  # +1 warm-up
-            req = _request(f"t{seq}", tokens, 1)
+            req = _request(f"t{seq}", tokens, 1, salt=1 + seq % 500)
             res = Reservation(req.request_id, "d0", tuple(range(1, tokens // 16 + 2)), seq)
             t.expect(res, "p0")
             ctl.put((PrefillTask(req, res), layerwise))
@@ -415,9 +427,11 @@ def ttft_overlap(backend, devices, shape_name, tokens, reps) -> dict:
             prefill.append(prefill_s)
             exposed.append(transfer_s)
         med = sorted(ttfts)[len(ttfts) // 2] if ttfts else float("nan")
+        worker_s = sorted(prefill)[len(prefill) // 2] if prefill else float("nan")
         rows.append({"layerwise": layerwise, "prompt_tokens": tokens, "model": shape_name, "reps": len(ttfts),
                      "ttft_s": med, "prefill_alone_s": compute_s, "transfer_share": (med - compute_s) / med,
-                     "worker_prefill_s": sorted(prefill)[len(prefill) // 2] if prefill else None,
+                     "transfer_share_in_run": (med - worker_s) / med,
+                     "worker_prefill_s": worker_s if prefill else None,
                      "worker_transfer_after_forward_s": sorted(exposed)[len(exposed) // 2] if exposed else None,
                      "all_ttft_s": ttfts, "errors": errors[:3]})
         log(f"ttft layerwise={layerwise}: {rows[-1]}")

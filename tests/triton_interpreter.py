@@ -58,14 +58,18 @@ def _bf16_dot(create_dot, interp):
 
 def _exact_fp8_conversions(convert, tl):
     """The interpreter's float -> float8e4nv conversion drops the carry of a rounded-up mantissa (126 ->
-    64 instead of 128) and rounds half away from zero; the GPU's cvt.rn.satfinite rounds to nearest
-    even, as torch does. Conversions to and from e4m3 go through torch here; the rest as before."""
+    64 instead of 128) and rounds half away from zero, and its float32 -> bfloat16 truncates; the GPU's
+    cvt.rn.satfinite.e4m3x2 and cvt.rn.bf16.f32 round to nearest even, as torch does. Conversions to and
+    from e4m3, and float32 -> bfloat16, go through torch here; the rest as before."""
     import numpy as np
 
     widths = {tl.float32: (torch.float32, np.float32), tl.bfloat16: (torch.bfloat16, np.uint16),
               tl.float16: (torch.float16, np.float16)}
 
     def exact(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            src = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return src.to(torch.bfloat16).view(torch.uint16).numpy()
         if tl.float8e4nv not in (input_dtype, output_dtype) or not {input_dtype, output_dtype} - {tl.float8e4nv} <= set(
                 widths):
             return convert(data, input_dtype, output_dtype, rounding_mode)

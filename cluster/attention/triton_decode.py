@@ -12,7 +12,9 @@ from the row's context length, so it adapts to the context without recapture.
 
 Sliding window: only the last `window` positions are read.
 
-FP8 KV cache: K/V tiles are widened from e4m3 to q's dtype in registers (exact); k_scale is folded into
+FP8 KV cache: K/V tiles are widened from e4m3 to q's dtype in registers (exact; in bf16/f16 by
+fp8_gemm.widen_e4m3's integer trick, not the conversion unit, which capped the FP8-KV step below the
+bf16-KV one at large batch on an H200); k_scale is folded into
 the score scale and v_scale applied to the normalised output (both linear), so the cache is read at one
 byte an element and dequantized for free (`reference.kv_dequantize` in the torch reference). Prefill runs the packed paged kernel of
 cluster/kernels/prefill_attention.py (one launch per layer for the whole batch); on CPU, where Triton
@@ -30,6 +32,7 @@ import triton.language as tl
 from cluster import kernels
 from cluster.attention.metadata import AttentionMetadata
 from cluster.attention.torch_ref import TorchAttentionBackend
+from cluster.kernels.fp8_gemm import widen_e4m3
 from cluster.kernels.prefill_attention import plan_tiles, prefill_attention
 
 BLOCK_N = 64
@@ -47,6 +50,7 @@ def _decode_split_kernel(
     scale, v_scale, window,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+    FAST_WIDEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,8 +81,8 @@ def _decode_split_kernel(
         k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
         if KV_FP8:  # e4m3 widens exactly to q's dtype (constexpr: the bf16 kernel is unchanged, no spills)
-            k = k.to(Q.dtype.element_ty)
-            v = v.to(Q.dtype.element_ty)
+            k = widen_e4m3(k, Q.dtype.element_ty, FAST_WIDEN)
+            v = widen_e4m3(v, Q.dtype.element_ty, FAST_WIDEN)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -180,7 +184,7 @@ def paged_decode_attention(
         scale * k_scale, float(v_scale), sliding_window or 0,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, FAST_WIDEN=q.is_cuda and q.dtype != torch.float32,
         # 8 warps at head_dim 128: with 4 the [BLOCK, 128] K/V tiles spill (sm_90 resource report).
         num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )

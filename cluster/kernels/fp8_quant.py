@@ -26,8 +26,9 @@ def _quant_kernel(X, Q, Scale, StaticScale, K, stride_x, stride_q, FMAX: tl.cons
     if STATIC:
         s = tl.load(StaticScale)
     else:
-        s = tl.maximum(tl.max(tl.abs(x), 0) / FMAX, MIN_SCALE)
-    # IEEE division (div.rn), as torch's x / scale: the default "/" may lower to the approximate one.
+        # NOTE: div_rn both times: Triton's "/" on float32 lowers to div.approx (2 ulp), torch divides exactly.
+        amax = tl.max(tl.abs(x), 0)
+        s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(s, x.shape)), -FMAX), FMAX)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
     tl.store(Scale + row, s)

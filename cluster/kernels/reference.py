@@ -82,9 +82,17 @@ FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a dynamic scale's floor: an all-zero row quantizes to zeros
 
 
+def div_rn(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c rounded once (IEEE division), on every device. NOTE: a CUDA tensor divided by a Python
+    number is computed as x * (1 / c), two roundings (ATen's div_true_kernel_cuda): one float32 ulp
+    off the kernels' div.rn, enough to move an e4m3 rounding at a tie (seen on H200). A 0-dim tensor
+    on x's device takes the true division."""
+    return x / torch.tensor(c, dtype=x.dtype, device=x.device)
+
+
 def kv_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """An FP8 KV cache entry of x (k after rotary, or v): e4m3(clamp(x / scale))."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return div_rn(x.float(), scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def kv_dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,7 +105,7 @@ def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
     FP8_MIN_SCALE), or the checkpoint's static per-tensor scale for every row. Must equal
     cluster/kernels/fp8_quant.py."""
     if static_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        scale = div_rn(x.abs().amax(dim=-1, keepdim=True).float(), FP8_MAX).clamp(min=FP8_MIN_SCALE)
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()

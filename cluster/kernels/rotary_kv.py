@@ -5,8 +5,12 @@ straight out of the QKV projection's output row (by stride: no split, no contigu
 cos/sin from the table row of its position (built once per model in the activation dtype, so no
 per-layer gather or cast), rotates q and k in place in that row, and writes k and v into the token's
 slot of the paged cache. Products and sums are rounded to the activation dtype where torch rounds
-them, so in bfloat16 it is bit-exact with the reference. An FP8 (e4m3) cache stores
-e4m3(clamp(k / k_scale, +-448)) and likewise v, `reference.kv_quantize`'s rounding.
+them, so in bfloat16 it is bit-exact with the reference on the GPU. That needs FP fusion off: with it
+(Triton's default) x1 * c - x2 * s compiles to one bf16 fma (one rounding where torch rounds twice),
+which moved k by a bf16 step on ~0.1% of elements on an H200 and, where the two products nearly
+cancel, turned the reference's 0 into a nonzero e4m3 value in an FP8 cache. An FP8 (e4m3) cache stores
+e4m3(clamp(k / k_scale, +-448)) and likewise v, `reference.kv_quantize`'s rounding (an IEEE division
+on both sides, then round to nearest even: torch's cast and the GPU's cvt.rn.satfinite agree).
 
 Attention then reads q from the QKV row (strided) and K/V from the cache, or the new tokens' k and v
 from the row as well.
@@ -95,7 +99,7 @@ def rotary_store_kv(
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(1), float(k_scale), float(v_scale),
             H=num_heads, KH=num_kv_heads, QKP=triton.next_power_of_2(num_heads + num_kv_heads),
             KP=triton.next_power_of_2(num_kv_heads), D=head_dim, KV_FP8=kv_layer.dtype == torch.float8_e4m3fn,
-            num_warps=4,
+            num_warps=4, enable_fp_fusion=False,  # NOTE: see the module docstring
         )
     q = qkv[:, :q_size].view(t, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)

@@ -3,15 +3,19 @@ a `LinearMethod` decides what the parameters are and how the matmul runs.
 
 - `UnquantizedLinearMethod`: a weight in the model's dtype, `F.linear` (what nn.Linear does).
 - `Fp8LinearMethod`: an e4m3 weight with float32 scales (per output channel, or per 128 x 128 block)
-  and, for static activations, the checkpoint's `input_scale`. Two ways to run it, chosen on the host
-  from the number of rows (static under CUDA-graph capture; `use_w8a8` is the one rule):
-    * weight-only, `cluster/kernels/fp8_gemm.py`: the e4m3 weight is read once at HBM speed and
-      dequantized in registers against bf16 activations (split-K at small batch); decode is
-      memory-bound, so this is where FP8 halves the step. Block-scaled weights always run this way.
-    * W8A8, above FP8_GEMV_MAX_M rows (large decode batches, prefill): activations quantized per token
-      (`cluster/kernels/fp8_quant.py`, or with the static input_scale) and `torch._scaled_mm` (cuBLASLt
-      FP8 tensor cores) with row-wise scales. `_scaled_mm` reads weights at 0.95-2.36 TB/s at M <= 64
-      on an H200 (issue 27), barely better than bf16: hence the kernel of our own below the threshold.
+  and, for static activations, the checkpoint's `input_scale`. Three ways to run it, chosen on the host
+  from the shape and the number of rows (static under CUDA-graph capture; `fp8_path` is the one rule):
+    * "weight_only", `fp8_gemm.fp8_gemm`: the e4m3 weight is read once and widened in registers against
+      bf16 activations; decode is memory-bound, so this is where FP8 halves the step. Block-scaled
+      weights and weight-only checkpoints always run this way.
+    * "w8a8", `fp8_gemm.fp8_gemm_w8a8`: activations quantized per token (`fp8_quant.py`, or with the
+      static input_scale), e4m3 x e4m3 on the FP8 tensor cores in our Triton kernel.
+    * "scaled_mm": the same quantization and `torch._scaled_mm` (cuBLASLt FP8) with row-wise scales.
+  The choice comes from the table loadtest/tune_fp8_gemm.py measured (cluster/kernels/
+  fp8_gemm_configs.json, per (N, K, M bucket)); a shape it lacks runs weight-only up to
+  FP8_GEMV_MAX_M rows and `_scaled_mm` above (`_scaled_mm` reads weights at 0.95-2.36 TB/s at M <= 64
+  on an H200, issue 27). The two W8A8 paths are the same math; weight-only differs (activations
+  unquantized), so where the tuned table switches paths, the numerics switch with it.
   On CPU (and without Triton) both are their torch references in cluster/kernels/reference.py.
 
 Weight loading (as vLLM's): each parameter has a weight loader, `Linear.load(name, tensor, shard)`
@@ -30,6 +34,7 @@ parameter objects.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -38,19 +43,40 @@ from torch import nn
 
 from cluster import kernels
 from cluster.errors import ModelLoadError
-from cluster.kernels import reference
+from cluster.kernels import fp8_gemm_configs, reference
 from cluster.kernels.reference import FP8, FP8_MAX
 from cluster.model.quantization import Fp8Scheme
 
-# Up to this many rows an FP8 linear runs weight-only (our split-K kernel); above it W8A8 through
-# torch._scaled_mm. The issue's H200 measurements put _scaled_mm's weight bandwidth at 0.95-2.36 TB/s
-# for M <= 64; loadtest/bench_fp8.py measures both paths per M (`gemm` rows) to check this choice.
+# Shapes the tuned table lacks: weight-only up to this many rows, W8A8 through torch._scaled_mm above.
 FP8_GEMV_MAX_M = 64
+WEIGHT_ONLY, W8A8, SCALED_MM = fp8_gemm_configs.PATHS
+_forced_path: str | None = None
 
 
-def use_w8a8(scheme: Fp8Scheme, num_rows: int) -> bool:
-    """THE dispatch rule: W8A8 (activations quantized, FP8 tensor cores) or weight-only."""
-    return scheme.activations != "none" and scheme.weight_strategy != "block" and num_rows > FP8_GEMV_MAX_M
+def fp8_path(scheme: Fp8Scheme, num_rows: int, n: int, k: int, device: torch.device) -> str:
+    """THE dispatch rule: which FP8 path a [num_rows, k] x [n, k]^T product takes (host-side, from
+    shapes only: static per CUDA-graph bucket)."""
+    if scheme.activations == "none" or scheme.weight_strategy == "block":
+        return WEIGHT_ONLY  # nothing allows quantizing the activations (W8A8 is per-channel only)
+    if _forced_path is not None:
+        return _forced_path
+    tuned = fp8_gemm_configs.tuned_path(n, k, num_rows, device)
+    if tuned is not None:
+        return tuned
+    return SCALED_MM if num_rows > FP8_GEMV_MAX_M else WEIGHT_ONLY
+
+
+@contextmanager
+def forced_fp8_path(path: str | None):
+    """Every FP8 linear that may quantize its activations takes `path` (benchmarks and tests comparing
+    the paths); None: the rule above."""
+    global _forced_path
+    assert path is None or path in fp8_gemm_configs.PATHS
+    before, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = before
 
 
 class Linear(nn.Module):
@@ -242,33 +268,41 @@ class Fp8LinearMethod(LinearMethod):
     # -- the matmul ------------------------------------------------------------------------------
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
-        if use_w8a8(s, x.shape[0]):
-            return fp8_linear_w8a8(x, layer.weight, layer.weight_scale, layer.bias,
-                                   layer.input_scale if s.activations == "static" else None)
-        return fp8_linear_weight_only(x, layer.weight, layer.weight_scale, layer.bias, s.block, layer.gemm_locks)
+        path = fp8_path(s, x.shape[0], layer.output_size, layer.input_size, x.device)
+        if path == WEIGHT_ONLY:
+            return fp8_linear_weight_only(x, layer.weight, layer.weight_scale, layer.bias, s.block, layer.gemm_locks)
+        return fp8_linear_w8a8(x, layer.weight, layer.weight_scale, layer.bias,
+                               layer.input_scale if s.activations == "static" else None, path == SCALED_MM,
+                               layer.gemm_locks)
 
 
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (e4m3 [N, K], float32 scales [N]): each row's amax / 448."""
     amax = w.abs().amax(dim=1).float()
-    scale = (amax / FP8_MAX).clamp(min=reference.FP8_MIN_SCALE)
+    scale = reference.div_rn(amax, FP8_MAX).clamp(min=reference.FP8_MIN_SCALE)
     return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear_weight_only(x, weight, scale, bias, block=None, locks=None) -> torch.Tensor:
+def fp8_linear_weight_only(x, weight, scale, bias, block=None, locks=None, config=None) -> torch.Tensor:
     if kernels.enabled(x):
         from cluster.kernels.fp8_gemm import fp8_gemm
 
-        return fp8_gemm(x, weight, scale, bias, block, locks)
+        return fp8_gemm(x, weight, scale, bias, block, locks, config)
     return reference.fp8_linear_weight_only(x, weight, scale, bias, block)
 
 
-def fp8_linear_w8a8(x, weight, scale, bias, input_scale=None) -> torch.Tensor:
-    if not (x.is_cuda and kernels.enabled(x)):  # cuBLASLt's FP8 GEMM is CUDA-only; the reference is its math
+def fp8_linear_w8a8(x, weight, scale, bias, input_scale=None, scaled_mm: bool = True, locks=None,
+                    config=None) -> torch.Tensor:
+    """W8A8: per-token (or static) e4m3 activations, then torch._scaled_mm or our Triton kernel."""
+    if not kernels.enabled(x) or (scaled_mm and not x.is_cuda):  # cuBLASLt's FP8 GEMM is CUDA-only
         return reference.fp8_linear_w8a8(x, weight, scale, bias, input_scale)
     from cluster.kernels.fp8_quant import quantize_per_token
 
     xq, xs = quantize_per_token(x, input_scale)
+    if not scaled_mm:
+        from cluster.kernels.fp8_gemm import fp8_gemm_w8a8
+
+        return fp8_gemm_w8a8(xq, xs, weight, scale, bias, x.dtype, locks, config)
     # weight.t() is the column-major [K, N] operand cuBLASLt wants; scales: [M, 1] and [1, N] float32.
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y + bias

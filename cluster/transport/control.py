@@ -29,7 +29,8 @@ Ray) mark a peer dead at once instead of after peer_timeout_s.
 
 One shipment (what one prefill forward sends): `begin` before the forward claims each transfer and
 pushes a Begin (one bundle per decode peer); the decode side posts its receives for the whole bundle
-on the pair's own CUDA stream at once. Each launch of the plan is issued on the prefill's pair stream
+on the pair's own CUDA stream at once (gloo: its pair's waiter thread, a staging slot at a time;
+torch_dist.py). Each launch of the plan is issued on the prefill's pair stream
 once the layers it carries are computed (a CUDA event recorded by a forward hook on the compute stream:
 neither stream ever waits for the other's work beyond that). After sampling, `commit` pushes a Commit
 with the first tokens. The decode loop reports a transfer from poll_arrivals() once the Commit arrived

@@ -15,17 +15,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cluster.attention import triton_decode
-from cluster.kernels import (decode_step_inputs, fp8_gemm, fp8_quant, logits_processing, logprobs, prefill_attention,
-                             rmsnorm, rotary_kv, sampling, silu_mul, token_bitmask)
+from cluster.kernels import (decode_step_inputs, fp8_gemm, fp8_gemm_configs, fp8_quant, logits_processing, logprobs,
+                             prefill_attention, rmsnorm, rotary_kv, sampling, silu_mul, token_bitmask)
 from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def report(name, fn, types: dict, meta: dict, num_warps: int, num_stages: int = 3):
+def report(name, fn, types: dict, meta: dict, num_warps: int, num_stages: int = 3, aligned: tuple[str, ...] | None = None,
+           **options):
+    """`aligned`: compile as a launch would specialize it, every pointer and these integer arguments
+    divisible by 16 (what vectorizes loads); `options`: the launch's compile options."""
     signature = {**types, **{k: "constexpr" for k in meta}}
-    kernel = triton.compile(ASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    attrs = None
+    if aligned is not None:
+        names = list(fn.arg_names)
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in types.items()
+                 if t.startswith("*") or k in aligned}
+    kernel = triton.compile(ASTSource(fn, signature, meta, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -33,8 +41,10 @@ def report(name, fn, types: dict, meta: dict, num_warps: int, num_stages: int = 
                                check=True).stdout
     fields = dict(item.split(":", 1) for item in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in item)
+    ptx = kernel.asm["ptx"]
     print(json.dumps({"kernel": name, "registers": int(fields["REG"]), "stack": int(fields["STACK"]),
-                      "wgmma": "wgmma" in kernel.asm["ptx"]}), flush=True)
+                      "wgmma": "wgmma" in ptx, "bf16_fma": "fma.rn.bf16" in ptx,
+                      "fast_widen": "0x87F087F0" in ptx}), flush=True)
 
 
 def main():
@@ -48,7 +58,8 @@ def main():
                dict(QKV=bf16, Pos="*i64", CosSin=bf16, KC=kv, VC=kv, Slots="*i64", stride_t=i32, stride_cs=i32,
                     stride_slot=i32, k_scale="fp32", v_scale="fp32"),
                dict(H=heads, KH=kv_heads, QKP=triton.next_power_of_2(heads + kv_heads),
-                    KP=triton.next_power_of_2(kv_heads), D=d, KV_FP8=kv != bf16), num_warps=4)
+                    KP=triton.next_power_of_2(kv_heads), D=d, KV_FP8=kv != bf16), num_warps=4,
+               enable_fp_fusion=False)  # as rotary_kv.py launches it
     report("silu_mul", silu_mul._silu_mul_kernel, dict(GateUp=bf16, Out=bf16, stride_g=i32, stride_o=i32, n=i32),
            dict(BLOCK=silu_mul.BLOCK), num_warps=4)
     for d, group, sliding, kv in ((128, 4, False, bf16), (128, 8, True, bf16), (64, 4, False, bf16),
@@ -100,19 +111,29 @@ def main():
                     stride_mb=i32, stride_mh=i32, stride_ms=i32, stride_ot=i32, stride_oh=i32, scale="fp32",
                     v_scale="fp32", window=i32),
                dict(G=4, GP=16, D=d, PAGE=16, BLOCK=triton_decode.BLOCK_N, NUM_SPLITS=splits, SLIDING=False,
-                    IEEE=False, KV_FP8=kv != bf16), num_warps=8 if d >= 128 else 4, num_stages=2)
+                    IEEE=False, KV_FP8=kv != bf16, FAST_WIDEN=True), num_warps=8 if d >= 128 else 4, num_stages=2)
 
-    # The FP8 GEMM at each tile config gemm_config picks (decode GEMV, mid-size, prefill-size M; block scales).
+    # The FP8 GEMMs at the default config of decode GEMV, mid-size and prefill-size M (fp8_gemm_configs.py;
+    # the tuned table's configs are the tuner's to check: it drops what does not compile or spills slowly).
+    ints = ("N", "K", "stride_xm", "stride_wn", "stride_om", "k_per_split")
     for m, n, k, block, bias in ((1, 4096, 14336, False, False), (32, 6144, 4096, False, True),
                                  (64, 6144, 4096, False, True), (256, 28672, 4096, True, False),
                                  (1, 4096, 4096, True, False)):
-        cfg = fp8_gemm.gemm_config(m, n, k, block, 132)
+        cfg = fp8_gemm_configs.default_config(m, n, k, False, block, 132)
         report(f"fp8_gemm/{m}/{n}/{k}/{block}", fp8_gemm._fp8_gemm_kernel,
                dict(X=bf16, W="*fp8e4nv", S="*fp32", Bias=bf16, Out=bf16, Part="*fp32", Locks="*i32", M=i32, N=i32,
-                    K=i32, stride_xm=i32, stride_wn=i32, stride_om=i32, stride_s=i32, k_per_split=i32),
-               dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
-                    BLOCK_SCALED=block, SB=fp8_gemm.SCALE_BLOCK, HAS_BIAS=bias, IEEE=False),
-               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                    K=i32, stride_xm=i32, stride_wn=i32, stride_om=i32, stride_s=i32, k_per_split=i32, split_k=i32),
+               dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, BLOCK_SCALED=block,
+                    SB=fp8_gemm.SCALE_BLOCK, HAS_BIAS=bias, FAST_DEQUANT=True, IEEE=False),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=ints)
+    for m, n, k in ((1, 4096, 14336), (64, 6144, 4096), (256, 28672, 4096)):
+        cfg = fp8_gemm_configs.default_config(m, n, k, True, False, 132)
+        report(f"fp8_gemm_w8a8/{m}/{n}/{k}", fp8_gemm._fp8_w8a8_kernel,
+               dict(XQ="*fp8e4nv", XS="*fp32", W="*fp8e4nv", S="*fp32", Bias=bf16, Out=bf16, Part="*fp32",
+                    Locks="*i32", M=i32, N=i32, K=i32, stride_xm=i32, stride_wn=i32, stride_om=i32, k_per_split=i32,
+                    split_k=i32),
+               dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, HAS_BIAS=False),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=ints)
     for k in (4096, 14336):
         block = triton.next_power_of_2(k)
         report(f"fp8_quant/{k}", fp8_quant._quant_kernel,

@@ -118,7 +118,7 @@ def test_nccl_peer_death_fails_only_its_transfers():
     store = start_store("127.0.0.1", 0)
     spec = TransportSpec("torch_dist", store_host="127.0.0.1", store_port=store.port, backend="nccl",
                          namespace=f"gpu-death-{time.monotonic_ns()}", heartbeat_s=0.1, peer_timeout_s=1.0,
-                         transfer_timeout_s=20.0)
+                         transfer_timeout_s=20.0, staging_bytes=64 << 10)  # one layer of two blocks a launch
     r1 = Reservation("to-d1", "d1", (1, 2, 3), 0)  # d1 dies while this one is half sent
     r2 = Reservation("to-d2", "d2", (5, 6, 7), 0)  # then a normal transfer to d2 on the same prefill
     r3 = Reservation("dies", "d2", (9, 10, 11), 1)  # then the prefill dies half way into this one
