@@ -7,6 +7,10 @@ the Rust `tokenizers.decoders.DecodeStream` (one call per token, ~2 us) where it
 same algorithm in Python over the tokenizer's decode (two calls per token) as the reference and the
 fallback. Text that could still turn into a stop string is held back until it can't.
 
+Special tokens (`<s>`, `<|python_tag|>`, `[TOOL_CALLS]` ...) are dropped from the text unless the request
+asks to keep them (`skip_special_tokens=False`: vLLM's field; tool-call parsers whose opening tag is
+a special token need it).
+
 The decode worker's token publisher runs one per request (cluster/stream_messages.py carries the
 text to the gateway); the in-process engine runs one per sequence.
 """
@@ -56,12 +60,12 @@ class _RustStreamDecoder:
     (`window`: the tokens its prefix decodes, `pending`: tokens not yet released) only to flush held
     bytes at the end and to hand over to the Python decoder if the stream ever refuses a token."""
 
-    def __init__(self, backend, decode, context: list[int]):
+    def __init__(self, backend, decode, context: list[int], skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
         self._decode = decode
-        self._stream = DecodeStream(ids=list(context), skip_special_tokens=True)
+        self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
         self.window = list(context)
         self.pending: list[int] = []
 
@@ -100,10 +104,11 @@ def _stream_is_exact(decode, context: list[int]) -> bool:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, stop: tuple[str, ...] = (), *, resumed_tokens: int = 0,
-                 resumed_chars: int = 0, use_decode_stream: bool = True):
+                 resumed_chars: int = 0, use_decode_stream: bool = True, skip_special_tokens: bool = True):
         """`resumed_tokens`/`resumed_chars`: a migrated request's prompt ends with `resumed_tokens`
         tokens it already generated, of whose text the client has `resumed_chars` characters; they are
-        decoded again here (not handed out again), so the text goes on exactly where it stopped."""
+        decoded again here (not handed out again), so the text goes on exactly where it stopped.
+        `skip_special_tokens`: special tokens give no text (False: their text is output)."""
         self.text = ""  # all output text so far (truncated at a stop string once one matches)
         self.emitted = 0  # characters of self.text already handed out
         self.stop = stop
@@ -115,16 +120,17 @@ class IncrementalDetokenizer:
         # The Rust tokenizer under a fast HF tokenizer decodes a short window in ~3 us; the HF Python
         # wrapper around it costs ~50 us a call, which at thousands of tokens/s would be the limit.
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        skip = skip_special_tokens
         if backend is not None:
-            decode = lambda ids: backend.decode(ids, skip_special_tokens=True)  # noqa: E731
+            decode = lambda ids: backend.decode(ids, skip_special_tokens=skip)  # noqa: E731
         else:
-            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True,  # noqa: E731
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip,  # noqa: E731
                                                   clean_up_tokenization_spaces=False)
         prompt = list(prompt_token_ids)
         n = len(prompt) - resumed_tokens
         context = prompt[:n][-_CONTEXT_TOKENS:]
         if use_decode_stream and backend is not None and _stream_is_exact(decode, context):
-            self._decoder: _OffsetsDecoder | _RustStreamDecoder = _RustStreamDecoder(backend, decode, context)
+            self._decoder: _OffsetsDecoder | _RustStreamDecoder = _RustStreamDecoder(backend, decode, context, skip)
         else:
             self._decoder = _OffsetsDecoder(decode, context, len(context))
         for token_id in prompt[n:]:

@@ -142,7 +142,8 @@ class LLMEngine:
             params=params,
             seed=params.seed if params.seed is not None else self._rng.randrange(2**63),
             eos_token_ids=self.arch.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                               skip_special_tokens=params.skip_special_tokens),
         )
         if params.structured is not None:
             self.grammars.check(params.structured)

@@ -69,6 +69,9 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar ...: cluster.structured); the
     # grammar's mask is applied after logits processing, before the draw, at every token.
     structured: StructuredOutput | None = None
+    # Special tokens give no text (False: they do; a tool-call parser whose opening tag is a special
+    # token, such as Llama 3's <|python_tag|>, needs them). The tokens and their logprobs are the same.
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -143,6 +146,8 @@ class SamplingParams:
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             bad("structured must be a StructuredOutput", "structured_output")
+        if not isinstance(self.skip_special_tokens, bool):
+            bad("skip_special_tokens must be a boolean", "skip_special_tokens")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Every token id the parameters name lies in the model's vocabulary (a 400 otherwise): ids

@@ -29,13 +29,16 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """`tools`: function tools in HF's shape ({type: function, function: {name, description,
+    parameters}}), which the chat template renders (a template that ignores them renders none)."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
     except Exception as e:
         raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from None
     # The template already carries BOS where the model wants it.

@@ -10,10 +10,16 @@ The shape classes (`prefill_shapes`): single prompts of every power of two up to
 budget, packed batches of several prompts filling it, and a continuation chunk (a prompt whose
 first part is already cached, as chunked prefill runs it). On CPU only the smallest of each class
 run: there is nothing to autotune, only code paths to touch.
+
+Structured output (`warm_grammars`): the grammar engine's import (xgrammar: seconds), its tables of
+the tokenizer's vocabulary (a second for 128k tokens) and a first compile happen on the worker's
+grammar pool before it serves, and a first token is sampled under that grammar's mask, so the first
+structured request waits for its own compile only.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -21,6 +27,7 @@ import torch
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampler import sample_tokens
 from cluster.sampling_params import SamplingParams
+from cluster.structured import GrammarCompiler, StructuredOutput
 
 # One pass = chunks of (new tokens, tokens already cached).
 Shape = tuple[tuple[int, int], ...]
@@ -31,6 +38,14 @@ WARMUP_PARAMS = (
     SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
     SamplingParams(max_tokens=4, temperature=0.8, top_k=8, top_p=0.9, ignore_eos=True),
 )
+
+
+# What agents' schemas are made of (an object with an enum, an array, a number, a required key).
+WARMUP_SCHEMA = StructuredOutput.json_schema({
+    "type": "object", "required": ["kind"],
+    "properties": {"kind": {"enum": ["a", "b"]}, "items": {"type": "array", "items": {"type": "integer"}},
+                   "score": {"type": "number"}}})
+WARMUP_GRAMMAR_ID = "__warmup-grammar"
 
 
 def prefill_shapes(max_prefill_tokens: int, max_model_len: int, cuda: bool) -> list[Shape]:
@@ -88,3 +103,21 @@ def warm_prefill(runner: ModelRunner, shapes: Sequence[Shape], blocks_for: Calla
                 for t in tables:
                     release(t)
     return passes
+
+
+def warm_grammars(grammars: GrammarCompiler, vocab_size: int, device: torch.device, timeout_s: float = 300.0) -> float:
+    """Compiles WARMUP_SCHEMA on the compiler's pool (which builds the backend first: the engine's
+    import and the tokenizer's tables) and samples a first token under its mask on `device` (the
+    host-side mask path, cluster.sampler.sample_tokens). Returns the seconds it took; raises
+    RuntimeError if the grammar failed, TimeoutError past `timeout_s`."""
+    t0 = time.perf_counter()
+    g = grammars.grammar_for(WARMUP_SCHEMA, WARMUP_GRAMMAR_ID)
+    if not g.wait(timeout_s):
+        if g.error is not None:
+            raise RuntimeError(f"grammar warm-up failed: {g.error}")
+        raise TimeoutError(f"the warm-up grammar did not compile in {timeout_s:g}s")
+    logits = torch.zeros(1, vocab_size, device=device)
+    tokens, _ = sample_tokens(logits, [WARMUP_PARAMS[0]], [0], [1], grammars=[g])
+    if not g.accept(tokens[0]):  # the mask let through a token its grammar refuses: a broken mask path
+        raise RuntimeError(f"grammar warm-up: token {tokens[0]} sampled under the mask is refused by the grammar")
+    return time.perf_counter() - t0

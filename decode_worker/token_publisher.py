@@ -63,7 +63,8 @@ class TokenPublisher:
     def register(self, req: GenerateRequest) -> None:
         """Before the request can produce a token (reserve / submit_local)."""
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
-                                       resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars)
+                                       resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars,
+                                       skip_special_tokens=req.params.skip_special_tokens)
         prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None else None
         self._requests[req.request_id] = _Outgoing(req.reply_to, detok, prompt)
 

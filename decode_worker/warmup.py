@@ -1,13 +1,15 @@
 """DecodeWorkerWarmup: a decode worker's warm-up, run once before it serves (the launcher calls
 `DecodeWorker.warmup()` before /ready), so that the first request costs what the hundredth does.
 
-Two parts:
+Three parts:
 1. every prefill shape class through the local-prefill runner, twice (cluster.warmup: the first
    round cold, the second timed into the worker's prefill rate);
-2. synthetic requests through the real path (submit_local -> chunked local prefill -> decode steps),
-   one per sampler variant, with a prompt longer than the chunk cap while another request decodes,
-   so that the capped interleaving, the first-token sampler and a decode step of every graph variant
-   have all run.
+2. the grammar engine (cluster.warmup.warm_grammars): its import, the tokenizer's tables and a first
+   compile on the worker's grammar pool, and a first token sampled under a mask;
+3. synthetic requests through the real path (submit_local -> chunked local prefill -> decode steps),
+   one per sampler variant and one under that grammar, with a prompt longer than the chunk cap while
+   another request decodes, so that the capped interleaving, the first-token sampler, a decode step
+   of every graph variant and a constrained row's masks have all run.
 
 Nothing of it is published and nothing of it stays counted: the step metrics, the prefix-cache
 counters and the local-prefill log start from zero when serving starts; only the measured rates
@@ -27,7 +29,7 @@ import torch
 
 from cluster.block_pool import PrefixCacheStats
 from cluster.messages import GenerateRequest
-from cluster.warmup import WARMUP_PARAMS, prefill_shapes, warm_prefill
+from cluster.warmup import WARMUP_PARAMS, WARMUP_SCHEMA, prefill_shapes, warm_grammars, warm_prefill
 from decode_worker.metrics import StepMetrics
 
 if TYPE_CHECKING:  # the worker imports this module to run it
@@ -58,6 +60,7 @@ class DecodeWorkerWarmup:
             # The loop holds the lock while it prefills; these passes run beside an idle loop.
             passes = warm_prefill(w.prefill_runner, shapes, self._lend_blocks, self._return_blocks,
                                   w.arch.vocab_size, self._timed)
+            grammar_s = warm_grammars(w.grammars, w.arch.vocab_size, w.device, max(0.0, deadline - time.perf_counter()))
             self._run_requests(cuda, deadline, ids)
             if cuda:
                 torch.cuda.synchronize(w.device)
@@ -71,7 +74,8 @@ class DecodeWorkerWarmup:
         w._prefill_timer.harvest()
         self._reset_serving_counters()
         return {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
-                "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
+                "grammar_seconds": round(grammar_s, 3), "seconds": round(time.perf_counter() - t0, 3),
+                "finished_at": time.time()}
 
     # -- the prefill shapes ---------------------------------------------------------------------
     def _lend_blocks(self, n: int) -> list[int] | None:
@@ -100,8 +104,10 @@ class DecodeWorkerWarmup:
         w = self.worker
         chunk, max_len = w.chunk_tokens, w.max_model_len
         long_prompt = min(chunk + 16, max_len - 64) if cuda else min(24, chunk + 8)
-        prompts = [8] + [max(2, long_prompt)] * len(WARMUP_PARAMS)
-        params = [replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
+        # The last one decodes under a grammar (compiled above: ready at once).
+        params = ([replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
+                  + [replace(WARMUP_PARAMS[0], structured=WARMUP_SCHEMA, ignore_eos=False)])
+        prompts = [8] + [max(2, long_prompt)] * (len(params) - 1)
         for i, (n, p) in enumerate(zip(prompts, params)):
             rid = f"__warmup-{w.worker_id}-{i}"
             # Distinct prompts: none may find another's blocks in the prefix cache and skip the path.

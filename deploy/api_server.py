@@ -57,6 +57,8 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     sink_host: str  # interface its token sink binds (the decode workers connect to it)
     listen_fd: int
     parent_pid: int
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     log_level: str = "WARNING"
 
     @property
@@ -137,7 +139,9 @@ def serve(spec: APIServerSpec) -> None:
     gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,
                                api_key=spec.api_key, max_body_bytes=spec.max_body_bytes,
                                token_timeout_s=spec.token_timeout_s,
-                               vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size),
+                               vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size,
+                               tool_call_parser=spec.tool_call_parser,
+                               enable_auto_tool_choice=spec.enable_auto_tool_choice),
                  load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
 
     class DrainingServer(uvicorn.Server):

@@ -62,6 +62,7 @@ def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: s
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                 token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=sink_host,
+                tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
                 log_level=log_level)
 
 

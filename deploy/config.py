@@ -55,7 +55,8 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
         "prefill_timeout_s", "reserve_wait_s", "migration_wait_s", "migrate_on_worker_death", "prefill_policy",
         "decode_policy")},
     **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "max_inflight_tokens", "retry_after_s")},
-    **{n: (GatewayConfig, n) for n in ("api_key", "max_body_bytes", "token_timeout_s")},
+    **{n: (GatewayConfig, n) for n in ("api_key", "max_body_bytes", "token_timeout_s", "tool_call_parser",
+                                        "enable_auto_tool_choice")},
     "planner_hysteresis": (PlannerConfig, "hysteresis"),
     "planner_confirmations": (PlannerConfig, "confirmations"),
     "planner_min_dwell_s": (PlannerConfig, "min_dwell_s"),
@@ -221,6 +222,13 @@ class ClusterConfig(BaseModel):
     for up to this long, then the server stops (a second SIGTERM stops it at once)."""
     max_body_bytes: int = Field(_d("max_body_bytes"), ge=1024)
     """Largest accepted HTTP request body."""
+    tool_call_parser: str | None = _d("tool_call_parser")
+    """How the model writes tool calls (vLLM's names: llama3_json, hermes, mistral): chat replies are
+    parsed into `tool_calls`, and tool_choice "required" or a named function makes the model write a
+    valid call in that format. None: requests may render tools with tool_choice "none" only."""
+    enable_auto_tool_choice: bool = _d("enable_auto_tool_choice")
+    """Serve tool_choice "auto" (the default with tools): the model decides whether to call (needs
+    tool_call_parser, as vLLM's flag)."""
     token_stream_host: str | None = None
     """Address the decode workers push to: every API server's token sink and the router's step-record
     sink bind it (default: 127.0.0.1 locally, this node's IP in a cluster)."""
@@ -318,6 +326,15 @@ class ClusterConfig(BaseModel):
             raise ValueError("api_key must not be empty")
         return v
 
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_call_parser(cls, v: str | None) -> str | None:
+        if v is not None:
+            from router.openai.tool_parsers import get_tool_parser  # lazy: see _prefill_policy
+
+            get_tool_parser(v)  # ValueError naming the choices
+        return v
+
     @field_validator("prefill_policy")
     @classmethod
     def _prefill_policy(cls, v: str) -> str:
@@ -342,6 +359,8 @@ class ClusterConfig(BaseModel):
     def _consistent(self) -> "ClusterConfig":
         if self.max_prefill_tokens < self.block_size:
             raise ValueError("max_prefill_tokens must be at least block_size")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (how the model writes its calls)")
         if self.planner:
             if self.prefill_workers < 1:
                 raise ValueError("the planner needs prefill_workers >= 1 (the KV transport group is formed at start)")

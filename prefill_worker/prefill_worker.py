@@ -52,7 +52,7 @@ from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.structured.request_grammar import RequestGrammar
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
-from cluster.warmup import prefill_shapes, warm_prefill
+from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import WorkerModel
 
@@ -213,7 +213,8 @@ class PrefillWorker:
 
     def warmup(self) -> dict:
         """Runs every prefill shape class twice (cluster.warmup) before the worker serves; the timed
-        second round seeds the rate the router plans with. Call it before any submit()."""
+        second round seeds the rate the router plans with; then the grammar engine's import, a first
+        compile and a first token under its mask (warm_grammars). Call it before any submit()."""
         t0 = time.perf_counter()
 
         def blocks_for(n: int):
@@ -228,10 +229,11 @@ class PrefillWorker:
 
         shapes = prefill_shapes(self.max_prefill_tokens, self.max_model_len, self.device.type == "cuda")
         passes = warm_prefill(self.runner, shapes, blocks_for, self.allocator.free, self.arch.vocab_size, timed)
+        grammar_s = warm_grammars(self.grammars, self.arch.vocab_size, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._timer.harvest()
-        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes),
+        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "grammar_seconds": round(grammar_s, 3),
                             "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
         return self.warmup_info
 

@@ -9,11 +9,24 @@ tagged JSON for tool calls).
 
 Where the mask is applied: the decode step (decode_worker/bucketed_graph_runner.py, the kernel in
 cluster/kernels/token_bitmask.py) and the host-side first-token sampler (cluster.sampler.sample_tokens).
-Importing this package does not import a backend.
+Importing this package imports neither a backend nor torch: SamplingParams carries a
+StructuredOutput, and `pdserve serve --help` reads SamplingParams' module; the names that need torch
+(GrammarCompiler, RequestGrammar, fill_bitmasks) load on first use.
 """
 
-from cluster.structured.grammar_compiler import GrammarCompiler
-from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 from cluster.structured.structured_output import JSONTag, StructuredOutput, TaggedJSON
+
+_LAZY = {"GrammarCompiler": "cluster.structured.grammar_compiler", "RequestGrammar": "cluster.structured.request_grammar",
+         "fill_bitmasks": "cluster.structured.request_grammar"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = ["GrammarCompiler", "JSONTag", "RequestGrammar", "StructuredOutput", "TaggedJSON", "fill_bitmasks"]

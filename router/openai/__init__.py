@@ -10,7 +10,10 @@
     middleware.py           APIKeyAuth, BodySizeLimit
     errors.py               APIError and the one mapping of an error class to HTTP (api_error)
     protocol.py             the request and response bodies (pydantic; the OpenAPI schema)
-    logprobs.py             logprobs in the two endpoints' shapes
+    logprobs.py             logprobs in the two endpoints' shapes (and vLLM's prompt_logprobs)
+    structured_fields.py    response_format / guided_* / structured_outputs -> the request's one constraint
+    tool_calling.py         ToolCalling: a chat request's tools, tool_choice, and its reply's calls
+    tool_parsers/           the tool-call formats by --tool-call-parser name (llama3_json, hermes, mistral)
 
 Per request the gateway tokenizes (the chat template for /v1/chat/completions), resolves the
 sampling seed and submits a `GenerateRequest` naming its token sink (`reply_to`) to the one router

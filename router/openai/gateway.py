@@ -7,6 +7,12 @@ requests' text arrives on (router/token_stream.py), the metrics and the requests
 before any byte of the response is sent); `end` lets a request go, however it ended, and aborts it
 on every worker unless one finished it.
 
+Structured output: `check_constraint` runs the grammar engine's parse of a request's schema, regex or
+grammar (cluster.structured.GrammarCompiler.check: no compile, results cached) on a thread, so a bad
+one is a 400 naming its HTTP field before the request is admitted; `start` imports the engine
+(xgrammar, seconds) before this process tells the router it is up, so /ready waits for it and the
+first structured request does not pay it.
+
 Drain (SIGTERM, or the router says so): new requests get 503 and /ready turns false, the requests in
 flight may finish for up to the drain timeout, and whatever still runs then ends with a clear error
 event (`end_all`). `stop_requests` does the same at once (a stop).
@@ -17,8 +23,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+
+from cluster.errors import InvalidRequestError
 from cluster.messages import GenerateRequest
 from cluster.sampling_params import SamplingParams
+from cluster.structured import GrammarCompiler, StructuredOutput
 from cluster.stream_messages import StreamDelta
 from router.channel.client import RouterClient
 from router.channel.messages import Drain, PrefillDone, RequestFailed
@@ -43,6 +52,8 @@ class Gateway:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False  # set by drain(): new requests get 503, /ready is false
         self.on_drained = lambda left: None  # the API-server process stops its HTTP server here
+        # Only its admission check runs here (nothing is compiled: the workers compile).
+        self.grammars = GrammarCompiler(lambda: tokenizer, cfg.vocab_size or 0, ())
         client.on_failed = self._request_failed
         client.on_prefilled = self._prefilled
         client.on_drain = self._drain_requested
@@ -50,6 +61,8 @@ class Gateway:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # Before the router counts this process up (/ready): the grammar engine's import and first check.
+        await self.loop.run_in_executor(None, self.grammars.check, StructuredOutput.json_schema({"type": "object"}))
         self.token_stream.start()
         await self.client.start()
 
@@ -58,6 +71,7 @@ class Gateway:
             self.end(gen, abort=True)
         await self.client.stop()
         await self.token_stream.stop()
+        self.grammars.close()
 
     @property
     def ready(self) -> bool:
@@ -77,6 +91,14 @@ class Gateway:
     def check_model(self, name: str) -> None:
         if name != self.cfg.model_name:
             raise model_not_found(name)
+
+    async def check_constraint(self, so: StructuredOutput, param: str) -> None:
+        """A 400 naming `param` unless the grammar engine can compile `so` (on a thread: the check
+        parses the schema, which a large one makes milliseconds)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.grammars.check, so)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param) from None
 
     def kv_capacity_tokens(self) -> int:
         """The largest healthy decode worker's KV cache, in tokens (0 before the router said)."""

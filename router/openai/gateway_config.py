@@ -19,3 +19,5 @@ class GatewayConfig:
     token_timeout_s: float = 600.0  # no token for this long: the request fails (a stuck worker)
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
+    tool_call_parser: str | None = None  # router/openai/tool_parsers name; None: tool calls are not parsed
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" is served (it needs tool_call_parser)

@@ -11,6 +11,9 @@ strings: cluster.stream_messages.PositionLogprobs). Nothing here tokenizes.
 With echo, a completion's logprobs start with the prompt's: its first token has none (nothing
 precedes it), so it comes as a `PromptStart` and is written with null logprob and top_logprobs.
 
+vLLM's `prompt_logprobs: k` (both endpoints): per prompt token (the first: null) a map of token id to
+{logprob, rank, decoded_token}: the prompt's token first, then the k most likely (`prompt_logprobs_map`).
+
 JSON has no -Infinity: a logprob of -inf is written as -9999.0 (what OpenAI and vLLM send).
 """
 
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from cluster.stream_messages import PositionLogprobs
-from router.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from router.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs,
+                                    TopLogprob)
 
 _FLOOR = -9999.0
 
@@ -75,3 +79,19 @@ def chat_logprobs(positions: Seq[PositionLogprobs], k: int) -> ChatLogprobs:
         ChatTokenLogprob(token=p.token, logprob=_lp(p.logprob), bytes=_utf8(p.token), top_logprobs=[
             TopLogprob(token=t, logprob=_lp(lp), bytes=_utf8(t)) for t, lp in zip(p.top_tokens[:k], p.top_logprobs[:k])])
         for p in positions])
+
+
+def prompt_logprobs_map(prompt: Seq[PositionLogprobs | None], k: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs shape. A rank is known for the top tokens (their place, from 1); the
+    prompt's token outside them gets rank null."""
+    out: PromptLogprobs = []
+    for p in prompt:
+        if p is None:
+            out.append(None)
+            continue
+        rank = p.top_ids.index(p.token_id) + 1 if p.token_id in p.top_ids else None
+        entry = {p.token_id: PromptLogprob(logprob=_lp(p.logprob), rank=rank, decoded_token=p.token)}
+        for r, (t, s, lp) in enumerate(zip(p.top_ids[:k], p.top_tokens[:k], p.top_logprobs[:k]), start=1):
+            entry.setdefault(t, PromptLogprob(logprob=_lp(lp), rank=r, decoded_token=s))
+        out.append(entry)
+    return out

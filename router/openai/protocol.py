@@ -3,19 +3,26 @@
 Requests are validated strictly: a wrong JSON type is a 400, never a silent coercion ("5" is not an
 integer). `null` is accepted wherever OpenAI's schema allows it and means the field's default. Every
 text field rejects invalid Unicode (a lone UTF-16 surrogate, which JSON can spell as "\\ud800") with a
-400: it cannot be tokenized or written back out. Fields we know but do not implement (tools,
-structured output, ...: `UNSUPPORTED_FIELDS`) are rejected with a 400 naming the field, never
+400: it cannot be tokenized or written back out. Fields we know but do not implement (beam search,
+legacy function calling, ...: `UNSUPPORTED_FIELDS`) are rejected with a 400 naming the field, never
 ignored, so a client never gets an answer it did not ask for. The sampling fields' ranges are
 SamplingParams' to check (cluster/sampling_params.py). These models are also the OpenAPI schema the
 gateway serves at /openapi.json.
+
+Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tools
+(`tools`, `tool_choice`, `parallel_tool_calls`, messages with `tool_calls` and role "tool") are
+declared here with their shapes; router/openai/structured_fields.py turns the former into the one
+constraint a request carries, router/openai/tool_calling.py the latter into the chat template's tools,
+the tool_choice grammar and the output parser.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from cluster.errors import InvalidRequestError
 from cluster.sampling_params import MAX_LOGPROBS
@@ -27,6 +34,7 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request (OpenAI's n limit)
+MAX_TOOLS = 128  # OpenAI's limit of tools per request
 
 
 def _valid_unicode(s: str) -> str:
@@ -42,28 +50,20 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 # Known fields that are not implemented: any value but null (or the listed no-op) is a 400 naming it.
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "response_format": "structured output (json_object, json_schema) is not supported; only type text",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "guided decoding is not supported",
+    "functions": "legacy function calling is not supported; use tools",
+    "function_call": "legacy function calling is not supported; use tool_choice",
     "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported (use echo with logprobs)",
     "suffix": "suffix is not supported",
 }
+# /v1/completions has no chat template to render tools with, nor messages to put calls in.
+_CHAT_ONLY = {name: "tool calling is served by /v1/chat/completions only"
+              for name in ("tools", "tool_choice", "parallel_tool_calls")}
 
 
 def _no_op(name: str, value: Any) -> bool:
     """The values of an unsupported field that ask for nothing."""
     if value is None:
         return True
-    if name == "response_format":
-        return isinstance(value, dict) and value.get("type") == "text" and len(value) == 1
     if name in ("use_beam_search",):
         return value is False
     if name == "suffix":
@@ -87,6 +87,108 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+
+
+# -- structured output ------------------------------------------------------------------------------
+_NESTED = ConfigDict(strict=True, extra="forbid")  # a misspelt key is a 400 too
+
+
+
+def _valid_unicode_document(doc: Any) -> Any:
+    """Every string of a JSON document (keys too) is valid Unicode: it is rendered into prompts and
+    handed to the grammar engine."""
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            _valid_unicode(x)
+        elif isinstance(x, dict):
+            stack.extend(x)
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return doc
+
+
+JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_document)]
+JSONSchema = JSONObject | bool  # a JSON schema document (its own validity is the grammar engine's to check)
+
+
+class JSONSchemaFormat(_Request):
+    """response_format.json_schema (OpenAI's). The schema is always enforced in full: `strict` false
+    (OpenAI's best effort) gets the strict answer."""
+
+    model_config = _NESTED
+    # name and description label the format (OpenAI requires a name); neither is rendered into the
+    # prompt (as vLLM): the output's contract is the schema alone. Checked here, used nowhere else.
+    name: Annotated[Text, Field(min_length=1, max_length=64)]
+    description: Text | None = None
+    schema_: JSONSchema | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    model_config = _NESTED
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+
+    model_config = _NESTED
+    json_: JSONSchema | Text | None = Field(None, alias="json")  # a schema, or its JSON text
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None  # EBNF (xgrammar's dialect, GBNF-like)
+    json_object: bool | None = None
+
+
+# -- tools ------------------------------------------------------------------------------------------
+class FunctionDefinition(_Request):
+    model_config = _NESTED
+    name: Text
+    description: Text | None = None
+    parameters: JSONObject | None = None  # a JSON schema of the arguments object; none: any object
+    strict: bool | None = None  # the arguments always follow `parameters` when the grammar writes the call
+
+
+class ChatTool(_Request):
+    model_config = _NESTED
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    model_config = _NESTED
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    model_config = _NESTED
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class MessageFunctionCall(_Request):
+    model_config = _NESTED
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    """A call of an earlier assistant message (sent back with the tool's result)."""
+
+    model_config = _NESTED
+    id: Text
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
 
 
 class _SamplingFields(_Request):
@@ -113,28 +215,36 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[Int64] | None = None  # extension (vLLM)
     bad_words: list[Text] | None = None  # extension (vLLM): never generated, whole
     user: Text | None = None
+    skip_special_tokens: bool | None = True  # extension (vLLM): special tokens give no text
+    prompt_logprobs: Int64 | None = None  # extension (vLLM): per prompt token, its logprob and this many top ones
+    # Structured output: at most one of these (router/openai/structured_fields.py).
+    response_format: ResponseFormat | None = None
+    guided_json: JSONSchema | Text | None = None  # extension (vLLM): a schema, or its JSON text
+    guided_regex: Text | None = None  # extension (vLLM)
+    guided_choice: list[Text] | None = None  # extension (vLLM)
+    guided_grammar: Text | None = None  # extension (vLLM): EBNF
+    structured_outputs: StructuredOutputsParams | None = None  # extension (vLLM)
     # Known, not implemented: declared so that a value is a 400 naming it (`UNSUPPORTED_FIELDS`).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
+
+    unsupported: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     def check_unsupported(self) -> None:
-        for name, why in UNSUPPORTED_FIELDS.items():
+        for name, why in self.unsupported.items():
             if name in type(self).model_fields and not _no_op(name, getattr(self, name)):
                 raise InvalidRequestError(f"{name}: {why}", name)
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}]", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None:
+            if not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                                          "prompt_logprobs")
+            if self.stream:  # as vLLM: they come with the whole response only
+                raise InvalidRequestError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -154,6 +264,12 @@ class CompletionRequest(_SamplingFields):
     suffix: Text | None = None
     best_of: Int64 | None = None
     logprobs: Int64 | None = None  # top logprobs per token, 0..5 (0: the sampled token's only)
+    # Chat only: declared so that a value is a 400 naming it.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    unsupported: ClassVar[dict[str, str]] = {**UNSUPPORTED_FIELDS, **_CHAT_ONLY}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -182,13 +298,41 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        return self
 
     def as_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        d: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # Chat templates write a call's arguments with `| tojson`: they take them as an object (as
+            # vLLM renders them); arguments that are no JSON object stay the text they are.
+            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+def _json_object_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+        _valid_unicode_document(value)  # "\ud800" escapes decode to what no prompt can hold
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -196,7 +340,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int64 | None = None  # the newer spelling of max_tokens
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None  # 0..20, with logprobs: true
-    parallel_tool_calls: bool | None = None  # only meaningful with tools (which are a 400)
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    # none: "auto" with tools (as OpenAI and vLLM), else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # false: at most one call per reply
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -277,11 +424,41 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _OmitsUnset(BaseModel):
+    """A response model whose listed fields (our extensions, and tool_calls) are left out while None,
+    so that a response asking for none of them is exactly OpenAI's."""
+
+    omit_unset: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        d = handler(self)
+        for k in self.omit_unset:
+            if d.get(k, 0) is None:
+                del d[k]
+        return d
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry. `rank`: the token's place in the distribution (1: the most
+    likely), known for the top tokens; null for a prompt token outside them."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (the first: null), its token id and the top ones' -> their logprobs (vLLM's shape).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionChoice(_OmitsUnset):
+    omit_unset: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # extension (vLLM), with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -307,9 +484,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ChatResponseMessage(_OmitsUnset):
+    omit_unset: ClassVar[tuple[str, ...]] = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null beside tool calls when there is no text
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -319,18 +509,36 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitsUnset):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # extension (vLLM), with prompt_logprobs
+    omit_unset: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # a fragment of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has index, id, type and the function's name; later ones
+    argument fragments under the same index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

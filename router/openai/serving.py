@@ -1,10 +1,16 @@
 """What /v1/completions and /v1/chat/completions share: one request from its body to its response.
 
-`OpenAIServing.serve` checks the request, tokenizes its prompts (in this process: the gateway loads
-the tokenizer), builds the SamplingParams, admits and places every choice through the router, then
-streams SSE events or collects the whole response. The endpoints differ only in the hooks their
-subclasses implement (router/openai/serving_completion.py, serving_chat.py): how prompts are read
-and encoded, the default max_tokens, logprobs, the response and its chunks.
+`OpenAIServing.serve` checks the request, resolves what it asks beyond sampling (`RequestOptions`:
+its structured-output constraint, checked by the grammar engine before admission, and for chat its
+tools), tokenizes its prompts (in this process: the gateway loads the tokenizer), builds the
+SamplingParams, admits and places every choice through the router, then streams SSE events or
+collects the whole response. The endpoints differ only in the hooks their subclasses implement
+(router/openai/serving_completion.py, serving_chat.py): the options, how prompts are read and
+encoded, the default max_tokens, logprobs, the response and its chunks.
+
+Prompt scoring: `max_tokens: 0` with echo (or vLLM's prompt_logprobs) asks for the prompt's
+logprobs and no token; echo and max_tokens 0 without logprobs asks for the prompt's text only, and
+is served the same way with the cheapest prompt logprobs (k = 0), which nobody reads.
 
 A request's choices are independent generations (one per prompt and per n): choice `p * n + i` is
 prompt p's i-th, sampled with seed + i when the request has a seed (as vLLM), so it equals the single
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Request
@@ -30,9 +37,20 @@ from router.openai.generation import Generation
 from router.openai.logprobs import PromptStart
 from router.openai.protocol import UsageInfo
 from router.openai.streaming import DONE, event, sse, unless_disconnected, unless_gone
+from router.openai.structured_fields import Constraint, constraint
 
 if TYPE_CHECKING:
     from router.openai.gateway import Gateway
+    from router.openai.tool_calling import ToolCalling
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a body asks beyond sampling, resolved once per request (the `options` hook)."""
+
+    constraint: Constraint | None = None  # structured output (response_format, guided_*, a forced tool call)
+    skip_special_tokens: bool = True
+    tools: ToolCalling | None = None  # chat only
 
 
 class Choice:
@@ -58,12 +76,16 @@ class Choice:
                     positions = self._prompt_positions() + positions
             yield text, finish, positions
 
-    def _prompt_positions(self) -> list:
+    def prompt_logprobs(self) -> tuple:
+        """The prompt's logprobs, one per prompt token (the first None), as the worker sent them."""
         prompt = self.gen.prompt_logprobs
         if prompt is None or len(prompt) < len(self.prompt_ids):
             raise GenerationError("the worker sent no prompt logprobs")
+        return tuple(prompt[: len(self.prompt_ids)])
+
+    def _prompt_positions(self) -> list:
         # The first prompt token has no logprob (nothing precedes it): its string only.
-        return [PromptStart(self.tokenizer.decode([self.prompt_ids[0]]))] + list(prompt[1:len(self.prompt_ids)])
+        return [PromptStart(self.tokenizer.decode([self.prompt_ids[0]]))] + list(self.prompt_logprobs()[1:])
 
     async def collect(self) -> tuple[str, list]:
         text, positions = [], []
@@ -96,11 +118,14 @@ class OpenAIServing:
         self.gw = gw
 
     # -- the hooks --------------------------------------------------------------------------------
+    def options(self, body) -> RequestOptions:
+        return RequestOptions(constraint(body), body.skip_special_tokens is not False)
+
     def prompts(self, body) -> list:
         """The request's prompts, each as the client sent it."""
         raise NotImplementedError
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, opts: RequestOptions) -> list[int]:
         raise NotImplementedError
 
     def max_tokens(self, body, ids: list[int]) -> int:
@@ -113,15 +138,26 @@ class OpenAIServing:
     def echo(self, body) -> bool:
         return False
 
-    def response(self, rid: str, body, choices: list[Choice], results: list[tuple[str, list]], usage: UsageInfo):
+    def response(self, rid: str, body, opts: RequestOptions, choices: list[Choice], results: list[tuple[str, list]],
+                 usage: UsageInfo):
         """results: each choice's (text, logprob positions; empty unless asked)."""
         raise NotImplementedError
 
-    def chunks(self, rid: str, body, created: int) -> ChunkFormat:
+    def chunks(self, rid: str, body, opts: RequestOptions, created: int) -> ChunkFormat:
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------------
-    def sampling_params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    @staticmethod
+    def prompt_logprobs(body, num_logprobs: int | None, echo: bool, max_tokens: int) -> int | None:
+        """SamplingParams.prompt_logprobs: vLLM's field, echo's logprobs (the more of them), and k = 0
+        for an echo of nothing but the prompt (max_tokens 0: see the module docstring)."""
+        asked = [k for k in (body.prompt_logprobs, num_logprobs if echo else None) if k is not None]
+        if not asked and echo and max_tokens == 0:
+            asked = [0]
+        return max(asked) if asked else None
+
+    def sampling_params(self, body, opts: RequestOptions, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
         gw = self.gw
         bias = ()
         if body.logit_bias:
@@ -142,6 +178,8 @@ class OpenAIServing:
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
             bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured=opts.constraint.output if opts.constraint is not None else None,
+            skip_special_tokens=opts.skip_special_tokens,
         )
         params.check_token_ids(gw.cfg.vocab_size or len(gw.tokenizer))
         return params
@@ -152,7 +190,13 @@ class OpenAIServing:
         gw.check_accepting()
         gw.check_model(body.model)
         body.check_unsupported()
-        prompts = [(p, self.encode(p)) for p in self.prompts(body)]
+        opts = self.options(body)
+        if opts.constraint is not None:
+            if body.allowed_token_ids is not None:  # the two together may leave no token to sample
+                raise InvalidRequestError(f"allowed_token_ids cannot be combined with {opts.constraint.param}",
+                                          "allowed_token_ids")
+            await gw.check_constraint(opts.constraint.output, opts.constraint.param)
+        prompts = [(p, self.encode(p, opts)) for p in self.prompts(body)]
         num_logprobs = self.num_logprobs(body)
         echo = self.echo(body)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -162,8 +206,9 @@ class OpenAIServing:
             choices: list[Choice] = []
             try:
                 for p, (prompt, ids) in enumerate(prompts):
-                    params = self.sampling_params(body, self.max_tokens(body, ids), num_logprobs,
-                                                  num_logprobs if echo else None)
+                    max_tokens = self.max_tokens(body, ids)
+                    params = self.sampling_params(body, opts, max_tokens, num_logprobs,
+                                                  self.prompt_logprobs(body, num_logprobs, echo, max_tokens))
                     echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
                     for i in range(body.n):
                         index = p * body.n + i
@@ -186,7 +231,7 @@ class OpenAIServing:
         if body.stream:
             # The request is let go however the stream ends, even when the client left before the
             # body iterator ever started (then Generation.pieces() never runs its cleanup).
-            return sse(self._events(choices, rid, body), on_close=lambda: end_all(choices))
+            return sse(self._events(choices, rid, body, opts), on_close=lambda: end_all(choices))
 
         async def collect():
             tasks = [asyncio.ensure_future(c.collect()) for c in choices]
@@ -195,11 +240,11 @@ class OpenAIServing:
             finally:  # one failed (or the client left): the others stop too, and abort
                 for t in tasks:
                     t.cancel()
-            return self.response(rid, body, choices, results, await usage(choices))
+            return self.response(rid, body, opts, choices, results, await usage(choices))
         return await unless_disconnected(request, collect())
 
-    async def _events(self, choices: list[Choice], rid: str, body) -> AsyncIterator[str]:
-        fmt = self.chunks(rid, body, int(time.time()))
+    async def _events(self, choices: list[Choice], rid: str, body, opts: RequestOptions) -> AsyncIterator[str]:
+        fmt = self.chunks(rid, body, opts, int(time.time()))
         try:
             for c in choices:
                 for ev in fmt.opening(c.index):

@@ -2,8 +2,8 @@
 
 The endpoint's hooks of `OpenAIServing` (router/openai/serving.py): the prompts as given, max_tokens
 `default_max_tokens` unless asked (16, OpenAI's default), legacy logprobs (`logprobs: N`) and echo,
-and the response and chunk shapes. A chunk is built by hand around its fixed parts: it is the hot path, one event per
-token per request.
+vLLM's prompt_logprobs (non-streamed), and the response and chunk shapes. A chunk is built by hand
+around its fixed parts: it is the hot path, one event per token per request.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from cluster.tokenizer import encode_prompt
-from router.openai.logprobs import CompletionLogprobsBuilder
+from router.openai.logprobs import CompletionLogprobsBuilder, prompt_logprobs_map
 from router.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from router.openai.serving import ChunkFormat, OpenAIServing
 from router.openai.streaming import event
@@ -23,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def prompts(self, body: CompletionRequest) -> list:
         return body.prompts()
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, opts) -> list[int]:
         return encode_prompt(self.gw.tokenizer, prompt)
 
     def max_tokens(self, body: CompletionRequest, ids) -> int:
@@ -35,14 +35,18 @@ class OpenAIServingCompletion(OpenAIServing):
     def echo(self, body: CompletionRequest) -> bool:
         return bool(body.echo)
 
-    def response(self, rid, body, choices, results, usage):
+    def response(self, rid, body, opts, choices, results, usage):
         out = []
         for c, (text, positions) in zip(choices, results):
             logprobs = CompletionLogprobsBuilder(body.logprobs).add(positions) if body.logprobs is not None else None
-            out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.gen.finish_reason))
+            prompt_lps = None
+            if body.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_map(c.prompt_logprobs(), body.prompt_logprobs)
+            out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.gen.finish_reason,
+                                        prompt_logprobs=prompt_lps))
         return CompletionResponse(id=rid, model=body.model, usage=usage, choices=out)
 
-    def chunks(self, rid, body, created):
+    def chunks(self, rid, body, opts, created):
         return _CompletionChunks(rid, body, created)
 
 

@@ -29,6 +29,19 @@ def test_incremental_text_equals_full_decode(tokenizer):
     assert not any("\ufffd" in p for p in pieces)  # multi-byte characters never split
 
 
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_special_tokens_are_text_only_when_kept(tokenizer, use_decode_stream):
+    """skip_special_tokens=False (a tool-call parser reading a special opening tag): their text is
+    output, inside the text around them; by default they give none."""
+    prompt = tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n").input_ids
+    out = (tokenizer(" ok ", add_special_tokens=False).input_ids + [tokenizer.convert_tokens_to_ids("<|im_start|>")]
+           + tokenizer(" é done", add_special_tokens=False).input_ids)
+    kept = IncrementalDetokenizer(tokenizer, prompt, use_decode_stream=use_decode_stream, skip_special_tokens=False)
+    assert "".join(_feed(kept, out)) == tokenizer.decode(out, skip_special_tokens=False) == " ok <|im_start|> é done"
+    skipped = IncrementalDetokenizer(tokenizer, prompt, use_decode_stream=use_decode_stream)
+    assert "".join(_feed(skipped, out)) == tokenizer.decode(out, skip_special_tokens=True) == " ok  é done"
+
+
 def test_stop_string_truncates_and_is_never_emitted(tokenizer):
     out = tokenizer(" the sea is wide, the sea is deep", add_special_tokens=False).input_ids
     det = IncrementalDetokenizer(tokenizer, [0], stop=("is deep", "zebra"))

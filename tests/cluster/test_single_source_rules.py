@@ -295,8 +295,13 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
         cfg, router_address="ipc://r", model_dir="/m", served_model_name="m", max_model_len=512, sink_host="h",
         log_level="INFO"))
     gateway = GatewayConfig(model_name="m", max_model_len=512)
-    assert (spec.api_key, spec.max_body_bytes, spec.token_timeout_s) == \
-        (gateway.api_key, gateway.max_body_bytes, gateway.token_timeout_s)
+    assert (spec.api_key, spec.max_body_bytes, spec.token_timeout_s, spec.tool_call_parser,
+            spec.enable_auto_tool_choice) == (gateway.api_key, gateway.max_body_bytes, gateway.token_timeout_s,
+                                              gateway.tool_call_parser, gateway.enable_auto_tool_choice)
+    tools = ClusterConfig(tool_call_parser="llama3_json", enable_auto_tool_choice=True)
+    settings = api_server_settings(tools, router_address="ipc://r", model_dir="/m", served_model_name="m",
+                                   max_model_len=512, sink_host="h", log_level="INFO")
+    assert (settings["tool_call_parser"], settings["enable_auto_tool_choice"]) == ("llama3_json", True)
 
 
 def test_graph_bucket_rule_is_the_runners_and_the_routers(demo_model_dir):

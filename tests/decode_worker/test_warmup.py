@@ -1,5 +1,5 @@
-"""DecodeWorkerWarmup on CPU: the prefill shapes and the synthetic requests run through the serving
-path, publish nothing, leave every block free and every serving counter at zero, seed the measured
+"""DecodeWorkerWarmup on CPU: the prefill shapes, the grammar engine and the synthetic requests (one
+under a grammar) run through the serving path, publish nothing, leave every block free and every serving counter at zero, seed the measured
 rates; and greedy outputs afterwards equal the reference engine's (the GPU variant:
 test_warmup_gpu.py)."""
 
@@ -29,7 +29,8 @@ def test_warmup_runs_every_path_and_leaves_nothing_behind(demo_model_dir):
     try:
         info = worker.warmup()
         assert info["prefill_passes"] == 2 * info["shapes"] > 0  # every CPU shape fits this pool, twice
-        assert info["requests"] == 1 + len(WARMUP_PARAMS) and info["seconds"] > 0
+        assert info["requests"] == 2 + len(WARMUP_PARAMS) and info["seconds"] > 0  # one under a grammar
+        assert 0 < info["grammar_seconds"] < info["seconds"] and worker.grammars.compiles == 1
         assert worker.warmup_info is info and worker.stats().extra["warmup"] == info
         assert worker.poll_token_batches(0.05) == []  # nothing was published
         st = worker.stats()

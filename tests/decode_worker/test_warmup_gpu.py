@@ -40,7 +40,8 @@ def test_warmup_then_capped_local_prefill_equals_the_engine(demo_model_dir):
     worker = DecodeWorker("d0", cfg, capture_progress=False)
     try:
         info = worker.warmup()
-        assert info["prefill_passes"] > 0 and info["requests"] == 4
+        assert info["prefill_passes"] > 0 and info["requests"] == 5  # one under a grammar
+        assert info["grammar_seconds"] > 0 and worker.grammars.compiles == 1
         stats = worker.stats()
         assert stats.prefill_rate is not None and stats.prefill_rate.samples >= info["prefill_passes"] // 2
         assert stats.decode_rate is not None and worker.graph_runner.num_captures > 0

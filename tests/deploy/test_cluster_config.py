@@ -47,6 +47,22 @@ def test_invalid_settings_are_one_line_errors(bad):
     assert "\n" not in str(e.value)
 
 
+def test_tool_call_flags(tmp_path):
+    """vLLM's flags and their YAML keys; the parser's name is checked, auto tool choice needs a parser."""
+    cfg = ClusterConfig.load(None, parse(["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]), env={})
+    assert (cfg.tool_call_parser, cfg.enable_auto_tool_choice) == ("hermes", True)
+    y = tmp_path / "c.yaml"
+    y.write_text("tool-call-parser: mistral\n")
+    cfg = ClusterConfig.load(y, {}, env={})
+    assert (cfg.tool_call_parser, cfg.enable_auto_tool_choice) == ("mistral", False)
+    assert ClusterConfig().tool_call_parser is None
+    with pytest.raises(PdserveError, match="hermes, llama3_json, mistral") as e:
+        ClusterConfig.load(None, {"tool_call_parser": "qwen9"}, env={})
+    assert "tool_call_parser" in str(e.value)
+    with pytest.raises(PdserveError, match="enable_auto_tool_choice needs tool_call_parser"):
+        ClusterConfig.load(None, parse(["--enable-auto-tool-choice"]), env={})
+
+
 def test_bad_yaml(tmp_path):
     with pytest.raises(PdserveError, match="does not exist"):
         ClusterConfig.load(tmp_path / "missing.yaml")

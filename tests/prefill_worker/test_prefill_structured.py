@@ -87,3 +87,17 @@ def test_a_compiling_grammar_holds_up_only_its_own_prompt(setup, demo_model_dir)
     eng = LLMEngine(demo_model_dir)
     ref = eng.generate([prompts[0]], params[0])[0]
     assert first.ok and first.first_token == ref.token_ids[0] and ref.text in ("zebra", "yak")
+
+
+def test_warmup_brings_the_grammar_engine_in(setup):
+    """Before serving: the backend (xgrammar's import, the tokenizer's tables) is built and a schema
+    compiled; a request with that schema then finds it compiled, ready at once."""
+    from cluster.warmup import WARMUP_SCHEMA
+
+    dec, w = setup
+    info = w.warmup()
+    assert 0 < info["grammar_seconds"] <= info["seconds"] and w.grammars.compiles == 1
+    assert w.grammars.prepare().done()  # the backend exists
+    g = w.grammars.grammar_for(WARMUP_SCHEMA, "r")
+    assert g.ready() and w.grammars.compiles == 1  # from the cache
+    assert w.allocator.num_free == w.allocator.capacity  # the warm-up lent its blocks back

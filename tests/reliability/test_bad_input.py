@@ -23,7 +23,9 @@ KEY = "sk-reliability-0123456789"
 
 @pytest.fixture(scope="module")
 def cluster(ray_module, demo_model_dir):
-    sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, api_key=KEY)
+    # With a tool-call parser: the fuzz's tools reach the parser and the forced-call grammars.
+    sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, api_key=KEY,
+                       tool_call_parser="hermes", enable_auto_tool_choice=True)
     yield sc
     sc.shutdown()
 
@@ -65,8 +67,26 @@ NAMED_CASES = {
     "a lone surrogate in the prompt": ("/v1/completions", ok_completion(prompt="a\ud800"), 400),
     "a lone surrogate in the model": ("/v1/completions", ok_completion(model="\udfff"), 400),
     "a lone surrogate in a message": ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": "\ud800"}]), 400),
-    "tools": ("/v1/chat/completions", ok_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    "response_format json_object": ("/v1/chat/completions", ok_chat(response_format={"type": "json_object"}), 400),
+    "tool_choice naming no tool": ("/v1/chat/completions", ok_chat(tool_choice={"type": "function", "function": {
+        "name": "g"}}, tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    "tool_choice without tools": ("/v1/chat/completions", ok_chat(tool_choice="required"), 400),
+    "a tool schema the engine refuses": ("/v1/chat/completions", ok_chat(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "minLength": 9,
+                                                                      "maxLength": 2}}}]), 400),
+    "tools on completions": ("/v1/completions", ok_completion(tools=[{"type": "function", "function": {"name": "f"}}]),
+                             400),
+    "a tool named twice": ("/v1/chat/completions", ok_chat(tool_choice="none", tools=[
+        {"type": "function", "function": {"name": "f"}}] * 2), 400),
+    "response_format json_schema without a schema object": (
+        "/v1/chat/completions", ok_chat(response_format={"type": "json_schema"}), 400),
+    "a JSON schema the engine refuses": ("/v1/completions", ok_completion(
+        guided_json={"type": "integer", "minimum": 3, "maximum": 1}), 400),
+    "a bad regex": ("/v1/completions", ok_completion(guided_regex="(a"), 400),
+    "a bad grammar": ("/v1/completions", ok_completion(guided_grammar="root ::= nothing"), 400),
+    "two constraints": ("/v1/completions", ok_completion(guided_regex="a", guided_choice=["a"]), 400),
+    "an empty choice list": ("/v1/completions", ok_completion(guided_choice=[]), 400),
+    "prompt_logprobs streamed": ("/v1/completions", ok_completion(prompt_logprobs=1, stream=True), 400),
+    "prompt_logprobs out of range": ("/v1/completions", ok_completion(prompt_logprobs=1000), 400),
     "thousands of stop strings": ("/v1/completions", ok_completion(stop=[f"s{i}" for i in range(5000)]), 400),
     "a very long stop string": ("/v1/completions", ok_completion(stop=["x" * 5000]), 400),
     "n=0": ("/v1/completions", ok_completion(n=0), 400),
@@ -136,6 +156,14 @@ def schemas(wild: bool):
         "stop_token_ids": field(token_ids), "ignore_eos": field(st.booleans()), "min_tokens": field(small_ints),
         "presence_penalty": field(floats), "frequency_penalty": field(floats),
         "logprobs": field(st.one_of(st.none(), st.booleans())), "user": field(st.text(max_size=8)),
+        # Structured output: random regexes, choices and schemas reach the grammar engine's check.
+        "response_format": field(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+            optional={"json_schema": st.fixed_dictionaries({"name": st.text(max_size=4)},
+                                                           optional={"schema": anything})})),
+        "guided_regex": field(st.text(max_size=8)), "guided_choice": field(st.lists(st.text(max_size=4), max_size=3)),
+        "guided_json": field(anything), "guided_grammar": field(st.text(max_size=12)),
+        "skip_special_tokens": field(st.booleans()), "prompt_logprobs": field(small_ints),
     }
     model = st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), field(st.text(max_size=8)))
     completion = st.fixed_dictionaries({"model": model, "prompt": field(st.one_of(
@@ -146,9 +174,19 @@ def schemas(wild: bool):
         {"role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]))},
         optional={"content": field(st.one_of(st.none(), st.text(max_size=30), st.lists(
             st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2))),
-            "name": field(st.text(max_size=4))})
+            "name": field(st.text(max_size=4)), "tool_call_id": field(st.text(max_size=4)),
+            "tool_calls": field(st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "function": st.fixed_dictionaries(
+                {"name": st.text(max_size=4), "arguments": st.text(max_size=10)})}), max_size=2))})
+    tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.text(max_size=6)}, optional={"parameters": anything, "description": st.text(max_size=6)})})
     chat = st.fixed_dictionaries({"model": model, "messages": field(st.lists(message, max_size=3))},
-                                 optional={**sampling, "max_completion_tokens": field(small_ints)})
+                                 optional={**sampling, "max_completion_tokens": field(small_ints),
+                                           "tools": field(st.lists(tool, max_size=2)),
+                                           "tool_choice": field(st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                                                          st.fixed_dictionaries({"type": st.just("function"),
+                                                                          "function": st.fixed_dictionaries(
+                                                                              {"name": st.text(max_size=6)})}))),
+                                           "parallel_tool_calls": field(st.booleans())})
     return [st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat)]
 
 
@@ -278,7 +316,8 @@ def from_schema(schema: dict, components: dict, depth: int = 0):
         return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
                                      optional={k: v for k, v in props.items() if k not in required})
     if t == "object":
-        values = from_schema(schema.get("additionalProperties") or {}, components, depth + 1)
+        extra = schema.get("additionalProperties")  # a schema, or true (any value)
+        values = from_schema(extra if isinstance(extra, dict) else {}, components, depth + 1)
         return st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 600).map(str)), values, max_size=3)
     if t == "array":
         return st.lists(from_schema(schema.get("items", {}), components, depth + 1), max_size=4)

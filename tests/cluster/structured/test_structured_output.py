@@ -68,3 +68,18 @@ def test_a_bad_spec_is_refused_when_decoded():
                                   "params": {"structured": {"kind": "json", "spec": "{oops"}}})
     with pytest.raises(InvalidRequestError):
         msgspec.msgpack.decode(bad, type=GenerateRequest)
+
+
+def test_the_package_imports_no_torch_and_its_lazy_names_resolve():
+    """SamplingParams carries a StructuredOutput and `pdserve serve --help` reads its module: importing
+    cluster.structured must not bring torch in; the names that need it load on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cluster.structured as s; assert 'torch' not in sys.modules, 'torch imported';"
+            "from cluster.structured import GrammarCompiler, RequestGrammar, fill_bitmasks;"
+            "from cluster.structured.grammar_compiler import GrammarCompiler as G; assert GrammarCompiler is G;"
+            "assert 'torch' in sys.modules\n"
+            "try:\n    s.NoSuchName\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit('no AttributeError')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

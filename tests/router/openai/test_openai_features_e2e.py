@@ -176,10 +176,7 @@ def test_invalid_unicode_is_400(fake_cluster, path, raw):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("guided_json", {"type": "object"}),
+    ("use_beam_search", True), ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_unimplemented_fields_are_400_naming_them(fake_cluster, field, value):
     client = _client(fake_cluster)
@@ -193,6 +190,31 @@ def test_unimplemented_fields_are_400_naming_them(fake_cluster, field, value):
     # The no-op value is fine.
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                    response_format={"type": "text"})
+
+
+@pytest.mark.parametrize("path,extra,param,words", [
+    # Tools are chat's; this cluster has no --tool-call-parser: only tool_choice "none" is served.
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat/completions"),
+    ("/v1/completions", {"tool_choice": "auto"}, "tool_choice", "chat/completions"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     "--enable-auto-tool-choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice", "--tool-call-parser"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+])
+def test_tools_the_server_cannot_serve_are_400(fake_cluster, path, extra, param, words):
+    body = {"model": MODEL, "max_tokens": 2, **extra,
+            **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+    r = httpx.post(f"{fake_cluster.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+
+
+def test_tools_with_tool_choice_none_are_rendered_not_parsed(fake_cluster):
+    client = _client(fake_cluster)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                         tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_refused_choice_leaves_nothing_running(fake_cluster):

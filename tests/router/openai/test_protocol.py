@@ -70,11 +70,12 @@ def test_ints_are_accepted_for_floats_and_unknown_fields_ignored():
 @pytest.mark.parametrize("extra,param", [
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"),
     ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    # Tools are chat's (completions has no template to render them with).
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"use_beam_search": True}, "use_beam_search"), ({"functions": []}, "functions"),
+    ({"function_call": "auto"}, "function_call"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_unsupported_features_are_400(extra, param):
     with pytest.raises(InvalidRequestError) as e:
