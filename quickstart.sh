@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Sets pdserve up, serves the built-in demo model on a local Ray cluster (one prefill and one decode
 # worker, KV moved between them), answers a chat completion and a streamed completion over HTTP,
+# prints what /metrics saw of the disaggregation (where each prompt was prefilled, the KV moved),
 # then shuts the cluster down. `./quickstart.sh --keep-serving` leaves it running on :8000.
+#
+# `--prefill-placement static` (with the default local_prefill_threshold 0): every prompt is
+# prefilled on the prefill worker and its KV shipped to the decode worker. The default, adaptive,
+# placement would prefill these prompts on the decode worker instead, and rightly: on one CPU both
+# workers compute at the same rate, so the transfer is pure cost (README, "Router").
 set -euo pipefail
 cd "$(dirname "$0")"
 PORT=${PORT:-8000}
@@ -10,7 +16,7 @@ if ! python3 -c "import torch" 2>/dev/null; then
 fi
 pip install -q -e .
 
-pdserve serve --prefill-workers 1 --decode-workers 1 --port "$PORT" &
+pdserve serve --prefill-workers 1 --decode-workers 1 --prefill-placement static --port "$PORT" &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 for _ in $(seq 1 180); do
@@ -28,6 +34,20 @@ echo "--- POST /v1/completions (stream)"
 curl -sSN "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' -d '{
   "model": "pdserve-demo", "prompt": "Once upon a time", "max_tokens": 8, "stream": true}'
 echo
+echo "--- GET /metrics: placement and KV transfer"
+curl -sS "http://127.0.0.1:$PORT/metrics" | python3 -c '
+import sys
+shown = ("pdserve:prefill_placements_total", "pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_seconds_count",
+         "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count")
+remote = 0.0
+for line in sys.stdin:
+    if line.startswith(shown):
+        print(line.rstrip())
+        if line.startswith("pdserve:prefill_placements_total") and "where=\"remote\"" in line:
+            remote += float(line.split()[-1])
+if remote < 2:
+    sys.exit("expected both prompts prefilled on the prefill worker (where=remote)")
+'
 if [ "${1:-}" = "--keep-serving" ]; then
   echo "serving on http://127.0.0.1:$PORT/v1 (Ctrl-C stops)"
   wait $SERVER

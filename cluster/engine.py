@@ -266,7 +266,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                          [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
-                                         [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
+                                         [s.generated_token_ids for s in seqs], [s.grammar for s in seqs])
         for s, lp in zip(seqs, logprobs):
             if lp is not None:
                 s.output_logprobs.append(lp)

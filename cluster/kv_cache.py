@@ -107,9 +107,13 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     - `cfg.num_blocks` if set; on CPU `cfg.cpu_num_blocks`.
     - On CUDA: this worker's share of the device (`cfg.gpu_share`, < 1 when actors share a GPU) less
       what this process already holds (weights), less headroom for the largest step's activations,
-      times `kv_memory_fraction`; never more than what is actually free. Counting the share from the
+      less the decode graph's features-variant state for max_num_seqs rows (cluster.sampler.
+      features_state_bytes: allocated by a decode worker's graph runner after the pool), times
+      `kv_memory_fraction`; never more than what is actually free. Counting the share from the
       total, not from free memory, keeps actors that start at the same time on one GPU from each
-      taking the whole of it.
+      taking the whole of it. With `cfg.gpu_memory_utilization` (vLLM's meaning: weights, activations
+      and KV together take at most that fraction of the share) the KV gets that fraction of the share
+      less the weights and the headroom, and kv_memory_fraction is not applied.
     `dtype` is the activations' (the headroom), `kv_dtype` the cache's (None: the same; FP8: one byte
     an element, twice the blocks), `num_kv_heads` this rank's under tensor parallelism (the ranks of a
     worker then take the smallest of their counts: cluster/distributed/shard_setup.py).
@@ -126,8 +130,16 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     decode_act = cfg.max_num_seqs * (arch.vocab_size * 4 * elem + 4 * arch.intermediate_size * elem)
     prefill_act = cfg.max_prefill_tokens * (6 * arch.intermediate_size + 8 * arch.hidden_size) * elem
     headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
-    mine = int(mem.total * min(1.0, cfg.gpu_share)) - mem.reserved_here
-    budget = int((min(mine, mem.free) - headroom) * cfg.kv_memory_fraction)
+    from cluster.sampler import features_state_bytes  # here: kv_cache is imported by much that needs no sampler
+
+    features = features_state_bytes(cfg.max_num_seqs, arch.vocab_size)
+    share = mem.total * min(1.0, cfg.gpu_share)
+    if cfg.gpu_memory_utilization is not None:
+        mine = int(share * cfg.gpu_memory_utilization) - mem.reserved_here
+        budget = min(mine - headroom, mem.free - headroom) - features
+    else:
+        mine = int(share) - mem.reserved_here
+        budget = int((min(mine, mem.free) - headroom - features) * cfg.kv_memory_fraction)
     return max(2, blocks_that_fit(arch, cfg.block_size, kv_dtype or dtype, budget, num_kv_heads) + 1)
 
 

@@ -114,6 +114,24 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token, when asked
 
 
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Where the interval between two decode steps went (decode loop -> publisher -> /stats).
+
+    interval = the previous step's duration + prefill + idle + gap, each as the decode loop saw it:
+    `interval_s`, this step's start since the previous step's start (on the device's clock on CUDA);
+    `prefill_s`, local-prefill passes run between the two (device time); `idle_s`, the loop napping
+    with nothing to do (waiting for arrivals); `gap_s`, the rest: the device waiting for the host to
+    launch (host work, the GIL); `host_s`, the loop thread's own time between the two launches
+    (excluding its waits for the device, its naps and the prefill passes)."""
+
+    interval_s: float
+    prefill_s: float = 0.0
+    idle_s: float = 0.0
+    gap_s: float = 0.0
+    host_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """Decode loop -> its token publisher (same process): every token one step produced, for all
@@ -125,6 +143,8 @@ class TokenBatch:
     step_time_s: float = 0.0
     batch_size: int = 0
     bucket: int = 0  # graph bucket the step replayed (0 = eager)
+    timing: StepTiming | None = None  # None for the first step (no interval) and for batches of no step
+    enqueued: float = 0.0  # time.perf_counter() when the loop handed it over (the publisher's lag)
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from cluster.sampling_state import SamplingState
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 
-__all__ = ["SamplingTensors", "grammar_bitmask", "sample", "sample_step", "sample_tokens", "uniform_noise",
-           "log_min_p"]
+__all__ = ["SampledTokens", "SamplingTensors", "StepOutputs", "features_state_bytes", "grammar_bitmask", "sample",
+           "sample_step", "sample_tokens", "sample_tokens_async", "uniform_noise", "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
@@ -105,6 +105,19 @@ class StepOutputs:
                    torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, device=device))
 
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+def features_state_bytes(rows: int, vocab: int) -> int:
+    """Device bytes the decode graph's features variant holds for `rows` batch rows: the per-slot
+    sampling state and the step outputs (shapes taken from the allocators themselves, on the meta
+    device). The KV pool sizing counts it (cluster.kv_cache.kv_pool_blocks)."""
+    meta = torch.device("meta")
+    return SamplingState.allocate(rows, vocab, meta).nbytes + StepOutputs.allocate(rows, vocab, meta).nbytes
+
+
 def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, row_slots: torch.Tensor,
                 state: SamplingState, out: StepOutputs, update_state: bool = True,
                 bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -121,6 +134,35 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     if update_state:
         kernels.update_sampling_state(row_slots, out.tokens[:b], state)
     kernels.token_logprobs(logits, out.tokens[:b], MAX_LOGPROBS, out.logprob, out.top_ids, out.top_logprobs)
+
+
+class SampledTokens:
+    """A host-side draw queued on the device (`sample_tokens_async`): `result()` waits for the draw
+    itself only (an event after its copies to pinned memory), not for work queued after it, and
+    returns host values. On CPU the values are there already."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple | None, ks: list[int | None]):
+        self._n, self._ks = tokens.shape[0], ks
+        parts = [tokens] + (list(logprobs) if logprobs is not None else [])
+        if tokens.is_cuda:
+            # NOTE: pinned + non_blocking, then an event: nothing here waits for the device.
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(self._host, parts):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = parts, None
+        self._has_logprobs = logprobs is not None
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._event is not None:
+            self._event.synchronize()  # the draw's copies only; later work on the stream keeps running
+        tokens = self._host[0].tolist()
+        if not self._has_logprobs or all(k is None for k in self._ks):
+            return tokens, [None] * self._n
+        lp, ids, top = (h.tolist() for h in self._host[1:])
+        return tokens, rows_to_logprobs(lp, ids, top, self._ks)
 
 
 def grammar_bitmask(grammars: Seq[RequestGrammar | None], vocab_size: int, device
@@ -150,16 +192,27 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
     first token wherever it is prefilled; on one device it is the same function the decode graph runs.
     `grammars[i]` (structured output, ready): row i samples only tokens its grammar allows next (the
     caller then advances it with the token, through Sequence.append_token).
-    Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values)."""
+    Returns the tokens and, per row, its logprobs (None unless asked). Syncs (returns host values);
+    `sample_tokens_async` is the same draw, read later."""
+    return sample_tokens_async(logits, params, seeds, positions, prompts, outputs, grammars).result()
+
+
+def sample_tokens_async(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
+                        prompts: Seq[Seq[int]] | None = None, outputs: Seq[Seq[int]] | None = None,
+                        grammars: Seq[RequestGrammar | None] | None = None) -> SampledTokens:
+    """sample_tokens' draw, queued: the caller may queue more work (the next decode step) before it
+    reads the result, which then waits for the draw only. The grammar masks are filled on the host
+    now, from each grammar's state at the call (the caller advances a grammar only after `result()`)."""
     n = len(params)
     dev = logits.device
     st = SamplingTensors.from_params(params, seeds, dev)
     pos = torch.tensor(positions, device=dev)
+    ks = [p.logprobs for p in params]
     masks = grammar_bitmask(grammars, logits.shape[1], dev) if grammars is not None else None
     if not any(p.needs_features for p in params):
         if masks is not None:
             logits = kernels.apply_token_bitmask(logits.clone(), *masks)  # the caller's logits stay as they are
-        return sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)).tolist(), [None] * n
+        return SampledTokens(sample(logits, st, pos, any(p.needs_top_k_top_p for p in params)), None, ks)
     prompts = prompts if prompts is not None else [()] * n
     outputs = outputs if outputs is not None else [()] * n
     slotted = [p.needs_features for p in params]
@@ -169,8 +222,6 @@ def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: l
     row_slots = torch.tensor([i if s else -1 for i, s in enumerate(slotted)], dtype=torch.int32, device=dev)
     out = StepOutputs.allocate(n, logits.shape[1], dev)
     sample_step(logits, st, pos, row_slots, state, out, update_state=False, bitmask=masks)
-    tokens = out.tokens.tolist()
-    ks = [p.logprobs for p in params]
     if all(k is None for k in ks):
-        return tokens, [None] * n
-    return tokens, rows_to_logprobs(out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist(), ks)
+        return SampledTokens(out.tokens[:n], None, ks)
+    return SampledTokens(out.tokens[:n], (out.logprob[:n], out.top_ids[:n], out.top_logprobs[:n]), ks)

@@ -34,6 +34,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # A migrated request's prompt ends with the tokens it generated before the move
+    # (GenerateRequest.resumed_tokens): penalties and bad words count those as generated.
+    resumed_tokens: int = 0
     # With params.logprobs / prompt_logprobs (engine only; workers stream them in TokenDeltas).
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
@@ -54,6 +57,14 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token the request generated, also before a migration: what presence and frequency
+        penalties and bad words read (its output here, after the prompt tokens it resumed from)."""
+        if not self.resumed_tokens:
+            return self.output_token_ids
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.resumed_tokens:] + self.output_token_ids
 
     @property
     def last_token_id(self) -> int:

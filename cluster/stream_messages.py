@@ -56,7 +56,11 @@ class StreamBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class DecodeStepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One decode step as it ran: what load tests join client latencies with (`GET /stats`)."""
+    """One decode step as it ran: what load tests join client latencies with (`GET /stats`).
+
+    The interval fields are cluster.messages.StepTiming's (None for a step with no previous one);
+    `publish_lag_s` is how long its tokens waited for the publisher thread after the loop handed
+    them over (a publisher falling behind delays the client, not the next step)."""
 
     worker_id: str
     step: int
@@ -64,6 +68,12 @@ class DecodeStepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
     batch_size: int
     bucket: int  # graph bucket the step replayed (0 = eager)
     step_time_s: float
+    interval_s: float | None = None
+    prefill_s: float = 0.0
+    idle_s: float = 0.0
+    gap_s: float = 0.0
+    host_s: float = 0.0
+    publish_lag_s: float = 0.0
 
 
 class StepRecordBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):

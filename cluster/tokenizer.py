@@ -7,13 +7,53 @@ from pathlib import Path
 from cluster.errors import InvalidRequestError, ModelLoadError
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (the text `load_chat_template` read) replaces its own."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # transformers raises many types for a bad directory
-        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {str(e).splitlines()[0]}") from None
+        why = str(e).strip() or type(e).__name__
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {why}") from None
+    if isinstance(tok, bool) or not hasattr(tok, "encode"):  # transformers may hand back a non-tokenizer
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: no tokenizer files found there")
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template` as vLLM reads it: a file's path, or the template itself (it has Jinja's
+    braces or a newline)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read the chat template {path}: {e}") from None
+    if any(c in value for c in _JINJA_CHARS):
+        return value.encode("utf-8").decode("unicode_escape") if "\\n" in value else value
+    raise ModelLoadError(f"--chat-template {value!r} looks like a file path, but there is no such file")
+
+
+def check_chat_template(tokenizer, source: str) -> None:
+    """The template renders a small conversation (a syntax error, or one that raises, is found here
+    and not on the first chat request). A model without a template serves /v1/completions only."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Bye"}]
+    try:
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateSyntaxError / TemplateError, or what the template raises
+        try:  # a template that refuses a system message (Mistral's) still serves the others
+            tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True, tokenize=False)
+        except Exception:
+            raise ModelLoadError(f"the chat template of {source} does not render: {type(e).__name__}: {e}") from None
 
 
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:

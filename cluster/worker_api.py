@@ -56,6 +56,11 @@ class WorkerAPI(Protocol):
         """The KV transport's counters and recent transfers ({} without a transport)."""
         ...
 
+    def inject_transport_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Fault injection in the KV transport (chaos and reliability tests; ControlledTransport.
+        inject_fault): a prefill worker's "transfer" / "stuck_transfer", a decode worker's "slow_hello"."""
+        ...
+
     def shutdown(self) -> None:
         ...
 
@@ -87,8 +92,13 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
         that the router moves it like a dead worker's."""
         ...
 
-    def inject_fault(self, kind: str) -> None:
-        """Fault injection for the reliability tests."""
+    def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
+        """Fault injection for the reliability tests and the chaos run ("loop", "restart"; with
+        `after_tokens`: right after a request has sent exactly that many tokens)."""
+        ...
+
+    def clear_faults(self) -> None:
+        """Disarms the injected faults that have not fired."""
         ...
 
     def step_metrics(self) -> dict:
@@ -99,8 +109,10 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
 class PrefillWorkerAPI(WorkerAPI, Protocol):
     """A prefill worker: computes prompts and ships their KV into decode workers' reserved blocks."""
 
-    def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
-        """Forms and warms the KV channel to every decode worker (seconds each)."""
+    async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
+        """Forms and warms the KV channel to every decode worker (seconds each). Off the actor's
+        event loop: `peer_died` still reaches it while a pair forms (a peer dying then fails that pair
+        at once)."""
         ...
 
     async def warmup(self) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.distributed.sharding import TPShard
-from cluster.kv_cache import KVCacheSpec, kv_pool_blocks
+from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
@@ -38,6 +38,10 @@ class WorkerModel:
     model: LlamaForCausalLM
     spec: KVCacheSpec
     runner: ModelRunner
+    # What the K/V it holds depends on (cluster.kv_cache.kv_numerics_tag: activation dtype, weight
+    # quantization, cache dtype): prefill and decode workers compute it by this one rule, so both
+    # salt their prefix caches alike and the KV transport's pair check compares like with like.
+    kv_numerics: str
     group: object = None  # the TPGroup, or None
 
     @property
@@ -52,13 +56,17 @@ class WorkerModel:
         arch = arch or (model.cfg if model is not None else ModelArchConfig.from_dir(cfg.model_dir))
         if model is None:
             model = load_model(cfg.model_dir, dtype=cfg.dtype, device=device, attention_backend=cfg.attention_backend,
-                               tp=tensor_parallel(group, arch))
-        dtype = next(model.parameters()).dtype if cfg.dtype is None else resolve_dtype(cfg.dtype)
-        blocks = kv_pool_blocks(cfg, arch, dtype, device, num_kv_heads=model.num_kv_heads)
+                               quantization=cfg.quantization, tp=tensor_parallel(group, arch))
+        # The activation dtype: the configured one, else the embedding's (the checkpoint's torch_dtype);
+        # never the first parameter's in general, which FP8 weights keep in float8_e4m3fn.
+        dtype = resolve_dtype(cfg.dtype) if cfg.dtype else model.embed_tokens.weight.dtype
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+        blocks = kv_pool_blocks(cfg, arch, dtype, device, kv_dtype=kv_dtype, num_kv_heads=model.num_kv_heads)
         if group is not None and group.size > 1:
             blocks = group.comm.min_int(blocks)
-        spec = KVCacheSpec.for_model(arch, cfg.block_size, blocks, dtype, model.num_kv_heads)
-        return cls(arch, dtype, device, model, spec, ModelRunner(model, spec, device, group=group), group)
+        spec = KVCacheSpec.for_model(arch, cfg.block_size, blocks, kv_dtype, model.num_kv_heads)
+        return cls(arch, dtype, device, model, spec, ModelRunner(model, spec, device, group=group),
+                   kv_numerics_tag(dtype, model.quant.tag, kv_dtype), group)
 
 
 def _rank_device(cfg: WorkerConfig, rank: int) -> torch.device:

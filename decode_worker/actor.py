@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import uuid
 from typing import TYPE_CHECKING
 
@@ -29,21 +30,51 @@ if TYPE_CHECKING:
 
 class DecodeWorkerActor:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None, rank_launcher=None):
-        # NOTE: the token publisher's thread detokenizes (Python around Rust) while the decode loop's
-        # thread prepares the next step; with the default 5 ms GIL switch interval the loop could
-        # wait that long for the GIL behind a busy publisher, past a whole decode step. This process
-        # is the actor's own, so the setting touches nothing else.
+        # NOTE: the decode loop shares this interpreter with Ray's call threads, the KV transport's
+        # control and waiter threads (the token publisher has a process of its own); with the
+        # default 5 ms GIL switch interval the loop could wait that long for the GIL behind one of
+        # them, past a whole decode step. This process is the actor's own: nothing else is touched.
         sys.setswitchinterval(0.0005)
         # A Ray restart runs this again: a new incarnation, which the router sees in stats() and has
         # rejoined (KV transport, warm-up) before it places on the worker again.
-        self.incarnation = uuid.uuid4().hex
-        group = None
+        self._args = (worker_id, cfg, stats_sink)
+        self._group = None
         if cfg.tensor_parallel_size > 1:
             if rank_launcher is None:
                 raise ValueError(f"decode worker {worker_id} has tensor_parallel_size {cfg.tensor_parallel_size} "
                                  "but no rank launcher to start its followers")
-            group = lead_group(cfg, rank_launcher.launch)
-        self.worker = DecodeWorker(worker_id, cfg, stats_sink, group=group)
+            self._group = lead_group(cfg, rank_launcher.launch)
+        # (worker, incarnation), replaced as one (the fault "restart" brings up a new incarnation in
+        # this process): stats() never pairs one incarnation's id with the other's state.
+        self._state = (self._new_worker(), uuid.uuid4().hex)
+
+    @property
+    def worker(self) -> DecodeWorker:
+        return self._state[0]
+
+    @property
+    def incarnation(self) -> str:
+        return self._state[1]
+
+    def _new_worker(self, model=None) -> DecodeWorker:
+        w = DecodeWorker(*self._args, model=model, group=self._group)
+        # A tensor-parallel worker is never restarted in place: its followers ran the old one's passes
+        # (a new incarnation takes a new group: a Ray restart of this actor). The fault "restart" is refused.
+        w.on_restart = self._restart_in_place if self._group is None else None
+        return w
+
+    def _restart_in_place(self) -> None:
+        """The fault "restart" (DecodeWorker.inject_fault): the old worker's state is dead (its loop
+        stopped, nothing more published); a new incarnation takes its place as after a Ray restart,
+        without the new process (the model is kept: a test can restart a worker 40 times in a minute).
+        The router finds the old one unhealthy, then the new incarnation, and rejoins it."""
+        def run():
+            old = self.worker
+            old.shutdown()  # its transport closes first: its peers see it gone at once
+            new = self._new_worker(model=old.model)
+            new.faults_fired = old.faults_fired  # what fired stays reported (tests count it)
+            self._state = (new, uuid.uuid4().hex)
+        threading.Thread(target=run, name="decode-restart-in-place", daemon=True).start()
 
     def ready(self) -> bool:
         """Returns once the model is loaded and the graphs are captured (the constructor finished)."""
@@ -69,12 +100,16 @@ class DecodeWorkerActor:
     def lost(self, request_id: str) -> bool:
         return self.worker.lost(request_id)
 
-    def inject_fault(self, kind: str) -> None:
-        self.worker.inject_fault(kind)
+    def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
+        self.worker.inject_fault(kind, after_tokens, seed)
+
+    def clear_faults(self) -> None:
+        self.worker.clear_faults()
 
     def stats(self) -> WorkerStats:
-        s = self.worker.stats()
-        return dataclasses.replace(s, extra={**s.extra, "incarnation": self.incarnation})
+        worker, incarnation = self._state
+        s = worker.stats()
+        return dataclasses.replace(s, extra={**s.extra, "incarnation": incarnation})
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         return self.worker.kv_events(epoch, seq)
@@ -94,11 +129,14 @@ class DecodeWorkerActor:
         if w.transport is not None:
             return
         w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode", group=w.group,
-                                            kv_heads=w.arch.num_kv_heads))
+                                            kv_heads=w.arch.num_kv_heads, numerics=w.kv_numerics_info()))
 
     def transfer_metrics(self) -> dict:
         t = self.worker.transport
         return t.metrics() if t is not None and hasattr(t, "metrics") else {}
+
+    def inject_transport_fault(self, kind: str, seconds: float = 0.0) -> None:
+        self.worker.transport.inject_fault(kind, seconds)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

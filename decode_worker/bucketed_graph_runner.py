@@ -14,9 +14,12 @@
 - Input ids come from the device: a row continuing from the previous step reads that step's sampled
   token (`out_tokens[prev_row]`) inside the graph, so the host never needs the token to launch.
 - Sampling runs inside the graph: the same kernels cover greedy, temperature, top-k/top-p/min-p rows
-  alike (cluster.sampler). Each bucket is captured twice: the plain step (the default path, exactly
-  the draw), and a features step (logits processing from per-sequence state, the draw, the state
-  update, logprobs: `cluster.sampler.sample_step`) replayed only when some row's sequence needs it.
+  alike (cluster.sampler). Two variants of the step: "plain" (the default path, exactly the draw),
+  captured at every bucket, and "features" (logits processing from per-sequence state, the draw, the
+  state update, logprobs: `cluster.sampler.sample_step`), replayed only when some row's sequence needs
+  it and captured at the coarser `feature_bucket_sizes` (a features batch pads to those). Its static
+  state and outputs (`features_state_bytes`, ~8 * max_num_seqs * V bytes) are allocated with the
+  runner; the KV pool sizing counts them (cluster.kv_cache.kv_pool_blocks).
 - Sampling-state slots (cluster.sampling_state): a sequence that needs features gets a slot when it
   first appears in a step and keeps it while it appears in every step; the host writes the slot then
   (outside the graph, on the stream before the step) from the tokens it has. A sequence missing from
@@ -56,11 +59,11 @@ import torch
 from cluster import kernels
 from cluster.attention import AttentionMetadata
 from cluster.distributed.step_messages import DecodeStep, SlotInit, pack_ids, unpack_ids
-from cluster.graph_buckets import bucket_sizes, padded_size
+from cluster.graph_buckets import bucket_sizes, feature_bucket_sizes, padded_size
 from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
-from cluster.sampler import SamplingTensors, StepOutputs, log_min_p, sample_step
+from cluster.sampler import SamplingTensors, StepOutputs, features_state_bytes, log_min_p, sample_step
 from cluster.sampling_params import MAX_LOGPROBS
 from cluster.sampling_state import SamplingState
 from cluster.sequence import SequenceStatus
@@ -68,6 +71,7 @@ from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import fill_bitmasks
 
 _INT32_MAX = 2**31 - 1
+VARIANTS = ("plain", "features")  # the captured step's variants (see the module docstring)
 
 
 @dataclass
@@ -82,13 +86,20 @@ class StepInfo:
 
 
 class StepHandle:
-    """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones)."""
+    """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones).
 
-    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, t_launch: float):
+    After tokens(): `gpu_time_s`, the step on the device (its input copy, the replay, its output
+    copies; on CPU the wall time of the synchronous step), and `interval_s`, from the previous step's
+    start to this one's on the device (None for the first step)."""
+
+    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, prev_start):
         self.runner, self.slot, self.info = runner, slot, info
-        self._start_ev, self._end_ev, self._t_launch = start_ev, end_ev, t_launch
+        self._start_ev, self._end_ev, self._prev_start = start_ev, end_ev, prev_start
         self._tokens: list[int] | None = None
         self.gpu_time_s = 0.0
+        self.interval_s: float | None = None
+        self.wait_s = 0.0  # how long tokens() blocked the caller
+        self.ran_in_launch_s = 0.0  # the step computed synchronously inside launch() (CPU), not the caller's work
 
     def ready(self) -> bool:
         return self._end_ev is None or self._end_ev.query()
@@ -96,19 +107,27 @@ class StepHandle:
     def tokens(self) -> list[int]:
         if self._tokens is None:
             if self._end_ev is not None:
+                t0 = time.perf_counter()
                 self._end_ev.synchronize()  # waits for this step only; later steps keep running
+                self.wait_s = time.perf_counter() - t0
                 self.gpu_time_s = self._start_ev.elapsed_time(self._end_ev) / 1e3
+                if self._prev_start is not None:
+                    try:  # both are done (the previous step's start came first on the stream)
+                        self.interval_s = self._prev_start.elapsed_time(self._start_ev) / 1e3
+                    except RuntimeError:  # recorded again by a later launch (a caller kept > 2 steps unread)
+                        self.interval_s = None
             self._tokens = self.runner._host_out[self.slot, : self.info.batch_size].tolist()
         return self._tokens
 
     def logprobs(self):
-        """(logprob [n], top ids [n, MAX_LOGPROBS], top logprobs [n, MAX_LOGPROBS]) as host lists for
-        a features step (None for a plain one). Call after tokens()."""
+        """(logprob [n], top ids [n, MAX_LOGPROBS], top logprobs [n, MAX_LOGPROBS]) as NumPy views of
+        the pinned host buffers for a features step (None for a plain one): valid until the next launch
+        but one (the slot's reuse); the caller converts the rows it needs (a whole [n, 20] table as
+        Python lists costs ~1 ms at 256 rows). Call after tokens()."""
         if not self.info.features:
             return None
         n, r = self.info.batch_size, self.runner
-        return (r._host_lp[self.slot, :n].tolist(), r._host_top_ids[self.slot, :n].tolist(),
-                r._host_top_lp[self.slot, :n].tolist())
+        return (r._np_lp[self.slot, :n], r._np_top_ids[self.slot, :n], r._np_top_lp[self.slot, :n])
 
 
 class BucketedGraphRunner:
@@ -132,6 +151,7 @@ class BucketedGraphRunner:
         self.max_bs = max_num_seqs
         self.max_blocks = max_blocks_per_seq
         self.buckets = bucket_sizes(buckets, max_num_seqs)
+        self.feature_buckets = feature_bucket_sizes(self.buckets)
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         self.keep_graphs = keep_graphs
         self.grammar_masks = grammar_masks
@@ -154,6 +174,7 @@ class BucketedGraphRunner:
         self.sampling_state = SamplingState.allocate(mb, vocab, dev)
         self.step_out = StepOutputs.allocate(mb, vocab, dev)
         self.step_out.tokens = self.out_tokens
+        self.features_state_bytes = features_state_bytes(mb, vocab)  # counted by the KV pool sizing
         # Grammar masks of the step's constrained rows, compacted: row i's is token_bitmask[grammar_i].
         mask_rows = mb if grammar_masks else 1
         self.token_bitmask = torch.zeros(mask_rows, bitmask_words(vocab), dtype=torch.int32, device=dev)
@@ -166,8 +187,10 @@ class BucketedGraphRunner:
         self._host_lp = torch.zeros(2, mb, dtype=torch.float32, pin_memory=pin)
         self._host_top_ids = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
         self._host_top_lp = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
+        self._np_lp, self._np_top_ids, self._np_top_lp = (t.numpy() for t in (self._host_lp, self._host_top_ids,
+                                                                             self._host_top_lp))
         self._slot = 0
-        # Persistent rows: host mirrors of each row's slowly changing inputs (see _prepare).
+        # Persistent rows: host mirrors of each row's slowly changing inputs (see _update_rows).
         self._row_seq: list = [None] * mb
         self._row_table: list = [None] * mb
         self._row_blocks = [0] * mb
@@ -181,15 +204,20 @@ class BucketedGraphRunner:
         self._slot_of: dict[int, tuple] = {}  # id(sequence) -> (sequence, slot), sequences holding one
         self._free_slots = list(range(mb - 1, -1, -1))
         self._m_tables = np.full((mb, self.max_blocks), NULL_BLOCK, dtype=np.int32)
-        # Timing events per staging slot, reused (a slot is reused only after its step was read).
+        # Timing events, a ring of four (start, end) pairs, one per launch: a step's interval reads the
+        # previous launch's start event, which must not be recorded again before the step is read
+        # (steps t and t+1 are in flight while step t-1's start is still needed).
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        for _ in range(2)] if pin else []
+                        for _ in range(4)] if pin else []
+        self._launches = 0
+        self._prev_start = None  # the previous launch's start: its event on CUDA, its perf_counter() on CPU
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the plain step
-        self.feature_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> the features step
+        self.feature_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # feature bucket -> the features step
         self.pool = None
         self.num_captures = 0  # graphs captured so far; must not move once serving starts
-        self.capture_stats: dict[int, dict[str, float]] = {}  # bucket -> seconds, bytes
+        # variant ("plain" | "features") -> bucket -> {"seconds", "bytes"} of its capture
+        self.capture_stats: dict[str, dict[int, dict[str, float]]] = {v: {} for v in VARIANTS}
 
     @classmethod
     def for_worker(cls, wm, cfg, max_model_len: int, capture_progress: bool = True) -> "BucketedGraphRunner":
@@ -235,55 +263,66 @@ class BucketedGraphRunner:
     # -- start-up ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        """Captures every bucket, largest first, into one shared memory pool."""
+        """Captures every variant's buckets, largest first, into one shared memory pool."""
         if not self.use_cuda_graph:
             return
         from tqdm import tqdm
 
         self.block_tables.fill_(NULL_BLOCK)
-        bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress)
-        for b in bar:
-            for features in (False, True):
-                # Padding rows (greedy, position 0 of NULL_BLOCK, prev_row 0 harmless, no sampling-state
-                # slot) at the full table width: the warm-up's and capture's writes all go to NULL_BLOCK.
-                lay = DecodeStepLayout(b)
-                self.packed.zero_()
-                self.packed[lay.width] = self.max_blocks
-                self.packed[lay.slot : lay.slot + b] = -1
-                self.packed[lay.grammar : lay.grammar + b] = -1
-                self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
-                torch.cuda.synchronize()
-                # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
-                # difference in reserved memory is what this bucket's graph added to the shared pool.
-                torch.cuda.empty_cache()
-                t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-                self._forward(b, self.max_blocks, features)  # warm-up: lazy init, Triton compilation, allocator
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._forward(b, self.max_blocks, features)
-                if self.keep_graphs:
-                    g.instantiate()
-                if self.pool is None:
-                    self.pool = g.pool()
-                (self.feature_graphs if features else self.graphs)[b] = g
-                self.num_captures += 1
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                key = f"{b}/features" if features else b
-                self.capture_stats[key] = {
-                    "seconds": time.perf_counter() - t0,
-                    "bytes": torch.cuda.memory_reserved(self.device) - mem0,
-                }
-            bar.set_postfix(bs=b)
+        todo = [(b, v) for b in sorted(self.buckets, reverse=True) for v in VARIANTS
+                if v == "plain" or b in self.feature_buckets]
+        bar = tqdm(todo, desc="capturing decode graphs", disable=not progress)
+        for b, variant in bar:
+            features = variant == "features"
+            # Padding rows (greedy, position 0 of NULL_BLOCK, prev_row 0 harmless, no sampling-state
+            # slot) at the full table width: the warm-up's and capture's writes all go to NULL_BLOCK.
+            lay = DecodeStepLayout(b)
+            self.packed.zero_()
+            self.packed[lay.width] = self.max_blocks
+            self.packed[lay.slot : lay.slot + b] = -1
+            self.packed[lay.grammar : lay.grammar + b] = -1
+            self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
+            torch.cuda.synchronize()
+            # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
+            # difference in reserved memory is what this bucket's graph added to the shared pool.
+            torch.cuda.empty_cache()
+            t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            self._forward(b, self.max_blocks, features)  # warm-up: lazy init, Triton compilation, allocator
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
+            with torch.cuda.graph(g, pool=self.pool):
+                self._forward(b, self.max_blocks, features)
+            if self.keep_graphs:
+                g.instantiate()
+            if self.pool is None:
+                self.pool = g.pool()
+            (self.feature_graphs if features else self.graphs)[b] = g
+            self.num_captures += 1
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            self.capture_stats[variant][b] = {
+                "seconds": time.perf_counter() - t0,
+                "bytes": torch.cuda.memory_reserved(self.device) - mem0,
+            }
+            bar.set_postfix(bs=b, variant=variant)
 
     @property
     def capture_seconds(self) -> float:
-        return sum(s["seconds"] for s in self.capture_stats.values())
+        return sum(s["seconds"] for per in self.capture_stats.values() for s in per.values())
 
     @property
     def capture_bytes(self) -> int:
-        return int(sum(s["bytes"] for s in self.capture_stats.values()))
+        return int(sum(s["bytes"] for per in self.capture_stats.values() for s in per.values()))
+
+    def capture_summary(self) -> dict:
+        """What capture cost, per variant (JSON-ready: the bench and the worker's step metrics)."""
+        out = {"graphs": self.num_captures, "seconds": self.capture_seconds, "bytes": self.capture_bytes,
+               "features_state_bytes": self.features_state_bytes}
+        for v, per in self.capture_stats.items():
+            out[v] = {"buckets": sorted(per), "graphs": len(per), "seconds": sum(s["seconds"] for s in per.values()),
+                      "bytes": int(sum(s["bytes"] for s in per.values())),
+                      "per_bucket": {str(b): per[b] for b in sorted(per)}}
+        return out
 
     def kernels_per_step(self, bucket: int, features: bool = False) -> dict[str, int]:
         """Nodes of a bucket's captured graph by type (needs keep_graphs=True)."""
@@ -292,17 +331,18 @@ class BucketedGraphRunner:
         return graph_node_counts((self.feature_graphs if features else self.graphs)[bucket].raw_cuda_graph())
 
     # -- one step ---------------------------------------------------------------------------------
-    def padded_size(self, n: int) -> int:
-        """Rows a batch of n computes (cluster.graph_buckets: the rule the router's placement reads)."""
-        return padded_size(self.buckets, n)
+    def padded_size(self, n: int, features: bool = False) -> int:
+        """Rows a batch of n computes (cluster.graph_buckets: the rule the router's placement reads);
+        a features batch pads to the features variant's buckets."""
+        return padded_size(self.feature_buckets if features else self.buckets, n)
 
-    def _prepare(self, rows, b: int, slot: int) -> tuple[int, int, bool, int]:
-        """Fills host staging slot for a batch padded to b rows; returns (words to copy, table width,
-        whether some row needs the features step, rows under a grammar mask).
+    def _update_rows(self, rows) -> tuple[int, bool, list[int] | None]:
+        """Brings the host mirrors up to date for `rows` (sampling-state slots too); returns (table
+        width, whether some row needs the features step, the rows under a grammar mask or None).
 
         Persistent rows: a row's sampling parameters and block table live in host mirrors, rewritten
-        only when another sequence takes the row or its table grew; staging then copies the mirrors
-        with one slice per field. Input ids, previous rows and positions change every step."""
+        only when another sequence takes the row or its table grew; staging (_stage) then copies the
+        mirrors with one slice per field. Input ids, previous rows and positions change every step."""
         n = len(rows)
         row_seq, row_table, row_blocks = self._row_seq, self._row_table, self._row_blocks
         m_tables, m_slot = self._m_tables, self._m_slot
@@ -356,6 +396,15 @@ class BucketedGraphRunner:
             raise ValueError(f"a sequence holds {width} blocks, more than max_blocks_per_seq={self.max_blocks}")
         if joined is not None or self._slot_of:
             self._assign_slots(rows, joined or ())
+        # A slot is held exactly by the present sequences that need features (_assign_slots).
+        return width, bool(self._slot_of), constrained
+
+    def _stage(self, rows, b: int, slot: int, width: int, constrained: list[int] | None) -> tuple[int, int]:
+        """Fills host staging slot `slot` for a batch padded to b rows from the mirrors (rows past
+        len(rows) are padding there) and the grammar masks of the `constrained` rows; returns (the
+        words to copy, the masks to copy)."""
+        n = len(rows)
+        m_tables, m_slot = self._m_tables, self._m_slot
         lay = DecodeStepLayout(b)
         buf = self._np_packed[slot]
         buf[lay.seeds : lay.seeds + 2 * b].view(np.int64)[:] = self._m_seed[:b]
@@ -385,7 +434,7 @@ class BucketedGraphRunner:
         pos[n:] = 0
         buf[lay.width] = width
         buf[lay.tables : lay.tables + b * width].reshape(b, width)[:] = m_tables[:b, :width]
-        return lay.words(width), width, bool(self._slot_of), k
+        return lay.words(width), k
 
     def _assign_slots(self, rows, joined) -> None:
         """Frees the slots of sequences that left, then gives the rows in `joined` their sequence's slot
@@ -410,10 +459,11 @@ class BucketedGraphRunner:
             m_slot[i] = held[1]
         if new:
             self.sampling_state.init_slots([sl for _, sl in new], [q.params for q, _ in new],
-                                           [q.prompt_token_ids for q, _ in new], [q.output_token_ids for q, _ in new])
+                                           [q.prompt_token_ids for q, _ in new],
+                                           [q.generated_token_ids for q, _ in new])
             if self._slot_inits is not None:
-                self._slot_inits += [SlotInit(sl, q.params, pack_ids(q.prompt_token_ids), pack_ids(q.output_token_ids))
-                                     for q, sl in new]
+                self._slot_inits += [SlotInit(sl, q.params, pack_ids(q.prompt_token_ids),
+                                              pack_ids(q.generated_token_ids)) for q, sl in new]
 
     @torch.inference_mode()
     def launch(self, rows) -> StepHandle:
@@ -421,22 +471,26 @@ class BucketedGraphRunner:
         t0 = time.perf_counter()
         n = len(rows)
         assert 0 < n <= self.max_bs, f"batch of {n} rows, max_num_seqs={self.max_bs}"
-        b = self.padded_size(n)
         slot = self._slot
         self._slot ^= 1
         cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if cuda:
-            start_ev, end_ev = self._events[slot]
-            start_ev.record()
+            start_ev, end_ev = self._events[self._launches % len(self._events)]
+        self._launches += 1
         leader = self.group is not None and self.group.is_leader
         self._slot_inits = [] if leader else None
-        words, width, features, constrained = self._prepare(rows, b, slot)  # may queue sampling-state writes
+        width, features, constrained_rows = self._update_rows(rows)  # may queue sampling-state writes
+        b = self.padded_size(n, features)
+        words, constrained = self._stage(rows, b, slot, width, constrained_rows)
         if leader:  # before our own replay: the followers start theirs at once
             masks = self._host_masks[slot][:constrained].numpy().tobytes() if constrained else b""
             self.group.publish(DecodeStep(self._np_packed[slot][:words].tobytes(), b, width, features,
                                           self._slot_inits, masks, constrained))
             self._slot_inits = None
+        t_step = time.perf_counter()
+        if cuda:
+            start_ev.record()  # the step on the device starts with its input copy
         if self.use_cuda_graph:
             graph = (self.feature_graphs if features else self.graphs).get(b)
         else:
@@ -461,9 +515,12 @@ class BucketedGraphRunner:
             self._host_top_lp[slot, :n].copy_(out.top_logprobs[:n], non_blocking=True)
         if cuda:
             end_ev.record()
-        handle = StepHandle(self, slot, info, start_ev, end_ev, t0)
+        handle = StepHandle(self, slot, info, start_ev, end_ev, self._prev_start if cuda else None)
         if not cuda:
-            handle.gpu_time_s = time.perf_counter() - t0  # the CPU ran the step synchronously
+            handle.gpu_time_s = handle.ran_in_launch_s = time.perf_counter() - t_step  # the CPU ran it synchronously
+            if self._prev_start is not None:
+                handle.interval_s = t_step - self._prev_start
+        self._prev_start = start_ev if cuda else t_step
         return handle
 
     @torch.inference_mode()

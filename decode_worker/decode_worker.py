@@ -1,14 +1,19 @@
 """DecodeWorker: the decode side of the cluster, without Ray (decode_worker/actor.py wraps it).
 
 The loop, on its own thread, one iteration per decode step:
-    take arrived KV  ->  local prefill (token-budgeted)  ->  schedule step t+1  ->  launch step t+1
-    ->  read step t's tokens (they were copied to pinned memory while t+1 was queued)  ->  publish
-Publishing only enqueues: the TokenPublisher's thread detokenizes, applies stop strings (a match
-ends the request here, through abort()) and sends each gateway its own requests' text.
-The local prefill of an iteration is capped at `local_prefill_chunk_tokens` while requests are
-decoding (FCFS chunks, cluster.chunked_prefill), so a long local prompt is spread over several
-iterations, each followed by a decode step: running requests see a bounded stall per token, never
-the whole prompt's prefill. With nothing decoding, the whole `max_prefill_tokens` budget is used.
+    take arrived KV  ->  queue a local-prefill pass (paced)  ->  schedule step t+1  ->  launch step t+1
+    ->  read the pass's first tokens  ->  read step t's tokens (copied to pinned memory while t+1 was
+    queued)  ->  publish
+Publishing only enqueues: the TokenPublisher, in a process of its own (decode_worker/publisher_process.py),
+detokenizes, applies stop strings (a match ends the request here, through abort()) and sends each
+gateway its own requests' text; nothing of it competes with the loop for the interpreter.
+The local prefill of an iteration is paced while requests are decoding (LocalPrefillPacer: a pass
+takes what costs about one decode step by the measured rates, at most `local_prefill_chunk_tokens`,
+and waits a few steps for more prompts to share its fixed cost; FCFS chunks, cluster.chunked_prefill),
+so a long local prompt is spread over several iterations, each followed by a decode step: running
+requests see a bounded stall per token, never the whole prompt's prefill. With nothing decoding, the
+whole `max_prefill_tokens` budget is used. A pass's first-token draws are read only after the next
+decode step is launched (they wait for the pass, not for that step), so the device never idles for it.
 Step t+1 is launched before step t's tokens are read: its rows that continue from step t take their
 input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
@@ -33,6 +38,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -44,25 +50,62 @@ from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
-from cluster.sampler import sample_tokens
-from cluster.sequence import Sequence
+from cluster.sampler import SampledTokens, sample_tokens_async
+from cluster.sequence import Sequence, SequenceStatus
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
+from cluster.transport.plan import KVNumerics
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import WorkerModel
 from decode_worker.block_manager import BlockManager
+from decode_worker.local_prefill_pacer import LocalPrefillPacer
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
 from decode_worker.metrics import StepMetrics, StepRecord
 from decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from decode_worker.step_interval import LaunchSpan, StepIntervalClock
+from decode_worker.publisher_process import PublisherProcess
 from decode_worker.token_publisher import TokenPublisher
 from decode_worker.warmup import DecodeWorkerWarmup
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # the loop's nap when there is nothing to do; new work wakes it at once
-MAX_LOOP_RESTARTS = 3  # a loop that failed more often stays down: the worker reports itself unhealthy
 _LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
+
+
+def _make_publisher(worker_id: str, cfg: WorkerConfig, stats_sink: str | None, on_stop, where: str):
+    """The worker's token publisher: in a process of its own ("process", the served path: it never
+    competes with the decode loop for the interpreter), or on a thread of this one ("thread")."""
+    if where not in ("process", "thread"):
+        raise ValueError(f"token_publisher must be 'process' or 'thread', got {where!r}")
+    if where == "process":
+        return PublisherProcess(worker_id, cfg.model_dir, stats_sink, on_stop=on_stop, secret=cfg.cluster_secret)
+    return TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=on_stop,
+                          secret=cfg.cluster_secret)
+
+
+@dataclass
+class _PendingPrefill:
+    done: list[Sequence]  # the sequences whose prompt the pass completed
+    drawn: SampledTokens  # their first tokens, queued on the device
+
+
+@dataclass
+class TokenCountFault:
+    """Fault injection keyed on what a client has received (tests, chaos): fires once, when the first
+    matching request reaches exactly `after_tokens` tokens, counting the tokens it resumed from after a
+    migration (so a request moved at that point never fires it again). The batch carrying that token
+    is published (with none of the request's later tokens), then the fault happens before anything
+    else is: the client has exactly `after_tokens` tokens.
+
+    kind "loop": the decode loop raises (its requests are lost, the loop restarts);
+    kind "restart": the worker's state dies at once as in a crash (nothing more is published, no
+    request is failed by the worker itself) and `DecodeWorker.on_restart` brings up a new incarnation."""
+
+    kind: str
+    after_tokens: int
+    seed: int | None = None  # only the request sampled with this seed (None: any request)
 
 
 @dataclass
@@ -70,32 +113,48 @@ class _Launched:
     batch: DecodeBatch
     handle: StepHandle
     host_s: float  # host time spent on this step before launch (schedule + prepare)
+    span: LaunchSpan  # what the loop did since the previous launch (the step's interval)
 
 
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
-                 group=None):
+                 token_publisher: str = "process", group=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
-        `group`: the TPGroup this process leads (tensor parallelism), or None."""
+        `token_publisher`: "process" (the served path) or "thread" (see _make_publisher).
+        `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
+        scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        # Started first: its process loads the tokenizer while this one loads the model.
+        self.publisher = _make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
+        try:
+            self._setup(model, capture_progress, start, group)
+        except BaseException:
+            self.publisher.close()  # its process must not outlive a worker that never started
+            raise
+
+    def _setup(self, model: LlamaForCausalLM | None, capture_progress: bool, start: bool, group) -> None:
+        cfg = self.cfg
         wm = WorkerModel.load(cfg, group, model=model)
         self.group = wm.group if group is not None and group.size > 1 else None
         self.model = wm.model
         self.arch: ModelArchConfig = wm.arch
+        # The activation dtype: the configured one, else the embedding's (WorkerModel).
         self.dtype = wm.dtype
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
         self.spec = wm.spec
         num_blocks = self.spec.num_blocks
+        # What the K/V it holds depends on (PrefillWorker.kv_numerics: the same rule, so both salt alike).
+        self.kv_numerics = wm.kv_numerics
         # The KV pool (this rank's KV heads). A transport writes arriving prompts' K/V straight into its blocks.
         self.kv_cache: torch.Tensor = wm.kv_cache
         self.prefill_runner = wm.runner
         self.graph_runner = BucketedGraphRunner.for_worker(wm, cfg, self.max_model_len, capture_progress)
 
         self.blocks = BlockManager(num_blocks, cfg.block_size,
-                                   prefix_cache_salt(cfg.model_dir, str(self.dtype), cfg.block_size),
+                                   prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
                                    cfg.enable_prefix_caching)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
@@ -106,9 +165,11 @@ class DecodeWorker:
         self.prefill_tokens_total = 0
         self.local_prefill_log: deque[tuple[int, int, int]] = deque(maxlen=1024)
         self.chunk_tokens = max(1, min(cfg.local_prefill_chunk_tokens, cfg.max_prefill_tokens))
+        self.pacer = LocalPrefillPacer(self.chunk_tokens)
+        self._last_step_s: float | None = None  # the latest decode step's device time (the pacer's budget)
         self.warmup_info: dict = {}
         self._warming = False  # warm-up requests run: nothing is published
-        self.publisher = TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=self.abort)
+        self.publisher.wait_ready()
         self.transport: KVReceiver | None = None
 
         self._lock = threading.RLock()  # reentrant: the loop drains under it
@@ -122,17 +183,28 @@ class DecodeWorker:
         # the transfers that may still land
         self._outbox: list[TokenDelta] = []  # deltas from outside the loop (aborts), published next step
         self._step = 0
-        self._last_step_info = (0.0, 0, 0, -1)  # (step time, batch size, bucket, step) of the last finished step
+        # (step time, batch size, bucket, step, StepTiming) of the last finished step
+        self._last_step_info = (0.0, 0, 0, -1, None)
+        self._interval_clock = StepIntervalClock(self.device.type == "cuda")
         self._rng = random.Random(cfg.seed)
         self.error: str | None = None
         self.loop_failures = 0
         self._lost: dict[str, str] = {}  # request id -> why: dropped by a failed loop (insertion order)
-        self._fault: str | None = None  # inject_fault()
-        self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{worker_id}", daemon=True)
+        self._fault: str | None = None  # inject_fault(): "loop" raises at the loop's next iteration
+        self._count_fault: TokenCountFault | None = None  # inject_fault(kind, after_tokens=K)
+        self.faults_fired: list[dict] = []  # what the injected faults did (stats()["extra"])
+        # Fault "restart": called on the loop's thread once the worker's state is dead (the actor brings
+        # up a new incarnation); None: that fault is refused.
+        self.on_restart: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.worker_id}", daemon=True)
         if start:
             self._thread.start()
 
     # -- transport --------------------------------------------------------------------------------
+    def kv_numerics_info(self) -> KVNumerics:
+        """What this cache's K/V is, for the KV transport's pair check (cluster/transport/plan.py)."""
+        return KVNumerics(str(self.spec.dtype).removeprefix("torch."), self.kv_numerics)
+
     def attach_transport(self, transport: KVReceiver) -> None:
         """Binds the KV transport (built over `self.kv_cache`); reserve() then calls its expect(). The
         transport wakes the loop when an arrival may be ready, so an idle loop notices it at once."""
@@ -153,7 +225,8 @@ class DecodeWorker:
             raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
         p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
-                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None)
+                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None,
+                       resumed_tokens=req.resumed_tokens)
         if p.structured is not None:  # a bad schema is a 400 here, before anything is reserved
             self.grammars.check(p.structured)
             # A migrated request's prompt ends with the tokens it generated: its grammar replays them.
@@ -225,24 +298,44 @@ class DecodeWorker:
             t.peer_died(peer, why)
 
     def lost(self, request_id: str) -> bool:
-        """Whether a failure of this worker (not of the request: a loop exception) dropped the request:
-        the router then moves it like a dead worker's (prompt + tokens so far, same seed)."""
+        """Whether a failure of this worker or of its KV transfer (not of the request: a loop exception,
+        a broken pair) dropped the request: the router then moves it like a dead worker's (prompt +
+        tokens so far, same seed)."""
         with self._lock:
             return request_id in self._lost
 
-    def inject_fault(self, kind: str) -> None:
-        """Fault injection (chaos tests): "loop": the decode loop raises at its next iteration."""
-        if kind != "loop":
+    def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
+        """Fault injection (chaos and reliability tests). "loop": the decode loop raises at its next
+        iteration, or with `after_tokens` right after a request (the one with `seed`, else any) has
+        sent exactly that many tokens (TokenCountFault); "restart" (with `after_tokens`): the worker's
+        state dies there as in a crash and `on_restart` makes a new incarnation."""
+        if kind not in ("loop", "restart"):
             raise ValueError(f"unknown fault {kind!r}")
-        self._fault = kind
+        if after_tokens is None:
+            if kind != "loop":
+                raise ValueError(f"fault {kind!r} needs after_tokens")
+            self._fault = kind
+        else:
+            if after_tokens < 1:
+                raise ValueError("after_tokens must be >= 1")
+            if kind == "restart" and self.on_restart is None:
+                raise ValueError("this worker cannot restart in place (no on_restart)")
+            with self._lock:
+                self._count_fault = TokenCountFault(kind, after_tokens, seed)
         self._wake.set()
+
+    def clear_faults(self) -> None:
+        """Disarms what inject_fault armed and has not fired."""
+        with self._lock:
+            self._fault, self._count_fault = None, None
 
     def stats(self) -> WorkerStats:
         self._prefill_timer.harvest()
         with self._lock:
             s = self.scheduler
             return WorkerStats(
-                worker_id=self.worker_id, role="decode", healthy=self.error is None and self._thread.is_alive(),
+                worker_id=self.worker_id, role="decode",
+                healthy=self.error is None and self._thread.is_alive() and self.publisher.alive,
                 free_blocks=self.blocks.num_free, total_blocks=self.blocks.capacity, running=len(s.running),
                 waiting=len(s.waiting_for_kv) + len(s.waiting),
                 outstanding_prefill_tokens=sum(x.num_tokens - x.num_cached_tokens for x in s.waiting),
@@ -250,11 +343,14 @@ class DecodeWorker:
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
-                       "loop_failures": self.loop_failures,
+                       "loop_failures": self.loop_failures, "faults_fired": list(self.faults_fired),
+                       # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
+                       "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
                        **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
                        **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
-                local_prefill_chunk_tokens=self.chunk_tokens, prefill_tokens_total=self.prefill_tokens_total,
+                # The local-prefill pass size while decoding: the pacer's latest budget (<= the cap).
+                local_prefill_chunk_tokens=self.pacer.last_budget, prefill_tokens_total=self.prefill_tokens_total,
             )
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
@@ -271,9 +367,9 @@ class DecodeWorker:
     def step_metrics(self) -> dict:
         m = self.metrics.snapshot()
         gr = self.graph_runner
-        m.update(graph_buckets=list(gr.buckets), graphs_captured=gr.num_captures,
-                 capture_seconds=gr.capture_seconds, capture_bytes=gr.capture_bytes,
-                 capture_stats={str(k): v for k, v in gr.capture_stats.items()})
+        m.update(graph_buckets=list(gr.buckets), feature_graph_buckets=list(gr.feature_buckets),
+                 graphs_captured=gr.num_captures, capture_seconds=gr.capture_seconds, capture_bytes=gr.capture_bytes,
+                 capture=gr.capture_summary())
         return m
 
     def warmup(self, timeout_s: float = 600.0) -> dict:
@@ -303,8 +399,9 @@ class DecodeWorker:
     def _loop(self) -> None:
         """Runs the loop; an exception in it fails the requests it held as *lost* (the router moves
         them, like a dead worker's), settles the device and the block accounting, and starts the loop
-        again, up to MAX_LOOP_RESTARTS times; after that (or a CUDA error, which poisons the context)
-        the worker reports itself unhealthy."""
+        again, up to `cfg.max_loop_restarts` times; after that (or a CUDA error, which poisons the
+        context) the worker reports itself unhealthy. A tensor-parallel worker's loop is never
+        restarted: its failure fails the whole group (TPGroup.fail)."""
         while True:
             try:
                 self._run_loop()
@@ -315,18 +412,20 @@ class DecodeWorker:
                 why = f"decode worker {self.worker_id} failed: {type(e).__name__}: {e}"
                 if self.group is not None:
                     # The followers may have run passes this rank did not (or the reverse): the group
-                    # cannot go on. Its requests are lost here; the whole worker goes down (by default
-                    # its process ends, and Ray restarts it as a new group).
+                    # cannot go on, whatever cfg.max_loop_restarts says. Its requests are lost here;
+                    # the whole worker goes down (by default its process ends, and Ray restarts it as
+                    # a new group).
                     self._fail_all(why, lost=True)
                     self.error = why
                     self.group.fail(why)
                     return
-                recoverable = self._settle_after_failure(why) and self.loop_failures <= MAX_LOOP_RESTARTS
+                recoverable = (self._settle_after_failure(why)
+                               and self.loop_failures <= self.cfg.max_loop_restarts)
                 if not recoverable or self._stop.is_set():
                     self.error = why
                     return
                 log.warning("decode loop of %s restarted (failure %d of at most %d)", self.worker_id,
-                            self.loop_failures, MAX_LOOP_RESTARTS)
+                            self.loop_failures, self.cfg.max_loop_restarts)
 
     def _settle_after_failure(self, why: str) -> bool:
         """After a loop exception: every request here fails as lost; once the device is idle, the
@@ -359,7 +458,8 @@ class DecodeWorker:
                 self._outbox = []
                 deltas += self._take_arrivals()
                 self._fail_grammars()
-                deltas += self._local_prefill()
+                scored, prefill = self._start_local_prefill()  # the pass and its first-token draws, queued
+                deltas += scored
                 batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
                 if batch.needs_drain:  # pool short: let every deferred free land, then preempt
                     deltas += self._finish(inflight)
@@ -369,29 +469,101 @@ class DecodeWorker:
                 if batch.rows:
                     handle = self.graph_runner.launch(batch.rows)
                     self.scheduler.on_step_launched(batch)
-                    launched = _Launched(batch, handle, time.perf_counter() - t0)
+                    launched = _Launched(batch, handle, time.perf_counter() - t0,
+                                         self._interval_clock.launched(handle.ran_in_launch_s))
                     self._step += 1
+            if prefill is not None:
+                # Read after step t+1 was launched: the draw waits for the pass only, the step queued
+                # behind it keeps the device busy; the new sequences join at step t+2.
+                deltas += self._finish_local_prefill(prefill)
             if inflight is not None:
                 deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
             inflight = launched
+            fired = None
+            if self._count_fault is not None and deltas:
+                deltas, fired = self._cut_at_fault(deltas)
             if deltas and not self._warming:
-                step_s, bs, bucket, step = self._last_step_info
-                self._last_step_info = (0.0, 0, 0, -1)  # a step's record goes out once
+                step_s, bs, bucket, step, timing = self._last_step_info
+                self._last_step_info = (0.0, 0, 0, -1, None)  # a step's record goes out once
                 self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
-                                                  step_s, bs, bucket))
+                                                  step_s, bs, bucket, timing, time.perf_counter()))
+            if fired is not None:
+                if fired.kind == "restart":
+                    self._die()
+                    return
+                self._fault = "loop"  # raises at the top of the next iteration: nothing else goes out
             if inflight is None and not deltas:
+                t_nap = time.perf_counter()
                 self._wake.wait(_IDLE_WAIT_S)
+                self._interval_clock.idle(time.perf_counter() - t_nap)
+
+    def _cut_at_fault(self, deltas: list[TokenDelta]) -> tuple[list[TokenDelta], TokenCountFault | None]:
+        """The armed TokenCountFault against this iteration's deltas (loop thread, before they are
+        published): when a matching request reaches exactly `after_tokens` tokens here, its later
+        tokens in the batch are cut and the fault is returned (disarmed)."""
+        f = self._count_fault
+        with self._lock:
+            s = self.scheduler
+            seqs = {x.request_id: x for x in (*s.running, *s.waiting, *s.waiting_for_kv.values())}
+        in_batch: dict[str, int] = {}
+        for d in deltas:
+            if d.token_ids:
+                in_batch[d.request_id] = in_batch.get(d.request_id, 0) + len(d.token_ids)
+        target = None
+        for rid, n in in_batch.items():
+            seq = seqs.get(rid)  # (one that finished in this batch is not here: its end is not a fault point)
+            if seq is None or (f.seed is not None and seq.seed != f.seed):
+                continue
+            before = seq.resumed_tokens + len(seq.output_token_ids) - n  # tokens it had sent before this batch
+            if before < f.after_tokens <= before + n:
+                target, keep = rid, f.after_tokens - before
+                break
+        if target is None:
+            return deltas, None
+        out = []
+        for d in deltas:
+            if d.request_id == target and d.token_ids:
+                if keep <= 0:
+                    continue
+                if len(d.token_ids) > keep:
+                    d = TokenDelta(d.request_id, d.token_ids[:keep], None, None,
+                                   None if d.logprobs is None else d.logprobs[:keep], d.prompt_logprobs)
+                keep -= len(d.token_ids)
+            out.append(d)
+        with self._lock:
+            self._count_fault = None
+        self.faults_fired.append({"kind": f.kind, "after_tokens": f.after_tokens, "seed": f.seed,
+                                  "request_id": target, "step": self._step})
+        return out, f
+
+    def _die(self) -> None:
+        """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
+        sends what it was given so far and nothing after; the loop stops without failing any request
+        (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
+        self.publisher.halt()
+        # NOTE: the last frames are out of our sockets; the loop thread (whose life is what stats()
+        # calls healthy) lives a moment more so that they reach their gateways before the router can
+        # find the worker dead: the client has exactly `after_tokens` tokens. (In a real crash frames
+        # sent just before it may or may not arrive; the migration resumes from what the client got.)
+        time.sleep(0.2)
+        self.error = "restarting (injected fault)"
+        self._stop.set()
+        self.on_restart()
 
     def _finish(self, launched: _Launched) -> list[TokenDelta]:
         """Reads a launched step's tokens (waits for that step only) and applies them."""
-        tokens = launched.handle.tokens()
+        h = launched.handle
+        tokens = h.tokens()
         t0 = time.perf_counter()
-        logprobs = launched.handle.logprobs()
+        self._interval_clock.waited(h.wait_s)
+        logprobs = h.logprobs()
         with self._lock:
             deltas = self.scheduler.on_step_output(launched.batch, tokens, logprobs)
-        info = launched.handle.info
-        self._last_step_info = (launched.handle.gpu_time_s, info.batch_size, info.bucket if info.graph else 0,
-                                launched.batch.step)
+        info = h.info
+        timing = self._interval_clock.timing(launched.span, h.gpu_time_s, h.interval_s)
+        self._last_step_s = h.gpu_time_s
+        self._last_step_info = (h.gpu_time_s, info.batch_size, info.bucket if info.graph else 0, launched.batch.step,
+                                timing)
         self.step_meter.add(info.batch_size, launched.handle.gpu_time_s)
         self.metrics.record(StepRecord(
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
@@ -410,8 +582,17 @@ class DecodeWorker:
             first = a.header.first_token if ok else None
             d = self.scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
             if d is not None:
+                if not ok:
+                    # A transfer that failed (a broken pair, a dead or stuck prefill) is the cluster's
+                    # failure, not the request's: the router moves it when its gateway asks (lost()).
+                    self._mark_lost(rid, a.error or "its KV transfer failed")
                 deltas.append(d)
         return deltas
+
+    def _mark_lost(self, request_id: str, why: str) -> None:
+        self._lost[request_id] = why
+        while len(self._lost) > _LOST_KEPT:
+            del self._lost[next(iter(self._lost))]
 
     def _fail_grammars(self) -> None:
         """Requests whose grammar failed after admission (cluster.structured) end with its error."""
@@ -419,17 +600,26 @@ class DecodeWorker:
             self.abort(rid, error)
 
     @torch.inference_mode()
-    def _local_prefill(self) -> list[TokenDelta]:
-        self.scheduler.readmit_preempted()
-        # Capped while requests decode: the step that follows this chunk is theirs (see the docstring).
-        chunks = self.scheduler.schedule_prefill(self.chunk_tokens if self.scheduler.running else None)
+    def _start_local_prefill(self) -> tuple[list[TokenDelta], _PendingPrefill | None]:
+        """Under the lock: queues a local-prefill pass (paced while requests decode: LocalPrefillPacer)
+        and the first-token draws of the prompts it completes; nothing waits for the device. Returns
+        the deltas of prompts it only scored (no token to draw) and the queued draws."""
+        s = self.scheduler
+        s.readmit_preempted()
+        budget = None  # nothing decoding: the whole max_prefill_tokens, at once
+        if s.running:
+            budget = self.pacer.budget(self.prefill_meter.rate(), self._last_step_s)
+            if not self.pacer.ready(s.prefill_waiting_tokens(), budget, self._step):
+                return [], None
+        chunks = s.schedule_prefill(budget)
         if not chunks:
-            return []
+            return [], None
         tokens = sum(len(c.token_ids) for _, c in chunks)
+        span = self._interval_clock.prefill_start()  # the pass and its first-token draw, between two steps
         start = self._prefill_timer.start()
         # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
-        wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
-                 if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
+        wants = [(q.prompt_token_ids, q.params.prompt_logprobs)
+                 if q.params.prompt_logprobs is not None and not q.output_token_ids else None for q, _ in chunks]
         logits, prompt_lps = self.prefill_runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
         for (seq, _), lps in zip(chunks, prompt_lps):
             if lps is not None:
@@ -437,23 +627,34 @@ class DecodeWorker:
         self._prefill_timer.stop(start, tokens)
         self.prefill_tokens_total += tokens
         # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
-        self.local_prefill_log.append((self._step, tokens, len(self.scheduler.running)))
-        done = self.scheduler.on_prefill_done(chunks)
+        self.local_prefill_log.append((self._step, tokens, len(s.running)))
+        done = s.on_prefill_done(chunks)
+        scored = []
+        for q in [q for q in done if q.params.scores_prompt_only]:  # prompt scoring: no token
+            scored.append(s.on_prompt_scored(q, tuple(q.prompt_logprobs or ())))
+            done.remove(q)
+        drawn = None
+        if done:
+            rows = [i for i, (q, _) in enumerate(chunks) if q in done]
+            # The grammar masks are filled now; each grammar advances with its token in _finish_local_prefill.
+            drawn = sample_tokens_async(logits[rows], [q.params for q in done], [q.seed for q in done],
+                                        [q.num_tokens for q in done], [q.prompt_token_ids for q in done],
+                                        [q.generated_token_ids for q in done], [q.grammar for q in done])
+        self._interval_clock.prefill_end(span)
+        return scored, (_PendingPrefill(done, drawn) if done else None)
+
+    def _finish_local_prefill(self, pending: _PendingPrefill) -> list[TokenDelta]:
+        """The first tokens of the prompts a pass completed (waits for their draw only), then, under
+        the lock, those sequences start decoding. One aborted meanwhile is left out."""
+        tokens, logprobs = pending.drawn.result()
         deltas = []
-        for s in [s for s in done if s.params.scores_prompt_only]:  # prompt scoring: no token
-            deltas.append(self.scheduler.on_prompt_scored(s, tuple(s.prompt_logprobs or ())))
-            done.remove(s)
-        if not done:
-            return deltas
-        rows = [i for i, (s, _) in enumerate(chunks) if s in done]
-        # NOTE: syncs; the local prefill is eager anyway.
-        tokens, logprobs = sample_tokens(logits[rows], [s.params for s in done], [s.seed for s in done],
-                                         [s.num_tokens for s in done], [s.prompt_token_ids for s in done],
-                                         [s.output_token_ids for s in done], [s.grammar for s in done])
-        for s, t, lp in zip(done, tokens, logprobs):
-            prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
-            deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None
-                                                          else None))
+        with self._lock:
+            for s, t, lp in zip(pending.done, tokens, logprobs):
+                if s.status is not SequenceStatus.WAITING:
+                    continue  # aborted between the pass and now (its blocks are back already)
+                prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
+                deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None
+                                                              else None))
         return deltas
 
     def _fail_all(self, error: str, lost: bool = False) -> None:

@@ -294,7 +294,7 @@ class DecodeScheduler:
 
     def on_step_output(self, batch: DecodeBatch, tokens: list[int], logprobs=None) -> list[TokenDelta]:
         """Step `batch.step` completed with these sampled tokens (row order), and for a features step
-        `logprobs` = (logprob [n], top ids [n][K], top logprobs [n][K]) host lists. Returns what to
+        `logprobs` = (logprob [n], top ids [n, K], top logprobs [n, K]) NumPy arrays. Returns what to
         publish."""
         step = batch.step
         self.completed_step = max(self.completed_step, step)
@@ -321,8 +321,8 @@ class DecodeScheduler:
             d = TokenDelta(rid, (tok,), reason, seq.error)
             if logprobs is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                lp, ids, top = logprobs
-                d.logprobs = (TokenLogprobs(lp[i], tuple(ids[i][:k]), tuple(top[i][:k])),)
+                lp, ids, top = logprobs  # array-likes (NumPy views from the runner): only this row is converted
+                d.logprobs = (TokenLogprobs(float(lp[i]), tuple(ids[i][:k].tolist()), tuple(top[i][:k].tolist())),)
             deltas.append(d)
         self.blocks.step_completed(step)
         return deltas
@@ -343,6 +343,16 @@ class DecodeScheduler:
                 continue
             if not self.blocks.allocate_prompt(seq, count=False):  # its own blocks, if still cached
                 break
+
+    def prefill_waiting_tokens(self) -> int:
+        """Prompt tokens a local prefill could compute now: of the waiting sequences holding blocks,
+        up to the first one that does not (a preempted sequence waiting for blocks ends the queue)."""
+        n = 0
+        for seq in self.waiting:
+            if not seq.block_table:
+                break
+            n += seq.num_tokens - seq.num_cached_tokens
+        return n
 
     def prefill_ready(self) -> bool:
         return bool(self.waiting) and bool(self.waiting[0].block_table)

@@ -8,7 +8,8 @@ batch of steps taken off the queue:
   with the text cut before the stop string, `on_stop(request_id)` tells the loop to drop it (its KV
   blocks go back to the pool), and whatever tokens of it are still in flight are dropped;
 - each gateway gets one `StreamBatch` with only its own requests' deltas (one PUSH socket per
-  gateway, connected at first use), so K gateway processes each carry 1/K of the stream;
+  gateway, connected at first use), so K gateway processes each carry 1/K of the stream; every frame
+  carries a MAC under the cluster's secret (cluster/frame_auth.py);
 - the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
   step-level Prometheus metrics), once, however many gateways there are.
 
@@ -25,11 +26,13 @@ from collections import deque
 from typing import Callable
 
 from cluster.detokenizer import IncrementalDetokenizer
+from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameSigner
 from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_HALT = object()  # fault "restart": what came before goes out, nothing after
 _SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (it is gone or stuck)
 
 
@@ -44,10 +47,12 @@ class _Outgoing:
 
 class TokenPublisher:
     def __init__(self, worker_id: str, tokenizer, stats_sink: str | None = None,
-                 on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000):
+                 on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000, secret: bytes = b""):
+        """secret: the cluster's (cluster/frame_auth.py): every frame carries a MAC under it."""
         self.worker_id = worker_id
         self.tokenizer = tokenizer
         self.stats_sink = stats_sink
+        self._secret = secret
         self.on_stop = on_stop
         self._requests: dict[str, _Outgoing] = {}  # written by callers' threads, read by the publisher's
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -56,6 +61,7 @@ class TokenPublisher:
         self._token_strings: dict[int, str] = {}  # id -> its string in logprobs (publisher thread only)
         self.sent = 0  # frames sent to gateways
         self.dropped = 0  # frames a gateway could not take (gone)
+        self._halted = False  # halt(): nothing more is published
         self._thread = threading.Thread(target=self._run, name="decode-token-publisher", daemon=True)
         self._thread.start()
 
@@ -73,7 +79,15 @@ class TokenPublisher:
         self._requests.pop(request_id, None)
 
     def publish(self, batch: TokenBatch) -> None:
-        self._queue.put(batch)
+        if not self._halted:
+            self._queue.put(batch)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_ready(self) -> None:
+        """Ready at construction (PublisherProcess's counterpart starts a process)."""
 
     def drain(self, timeout: float = 0.0):
         """The StreamBatches of requests without a reply_to so far (waits up to `timeout` for one)."""
@@ -87,6 +101,13 @@ class TokenPublisher:
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=5)
+
+    def halt(self, timeout_s: float = 5.0) -> None:
+        """Fault injection ("restart", a crash): every batch published so far is sent (the sockets are
+        flushed), then the publisher stops; later batches are dropped. Returns once that is done."""
+        self._halted = True
+        self._queue.put(_HALT)
+        self._thread.join(timeout_s)
 
     # -- the publisher's thread -------------------------------------------------------------------
     def _text_delta(self, d: TokenDelta, make_delta):
@@ -104,7 +125,12 @@ class TokenPublisher:
             if detok.stopped:
                 tokens, finish, stopped = tokens[: i + 1], "stop", True
                 break
-        text = detok.take_new_text(final=finish is not None)
+        # NOTE (migration, issue 29): an error ends the request *here*, not its text. The bytes held back
+        # (an incomplete UTF-8 sequence, a tail that may become a stop string) stay unsent: flushed now
+        # they would go out as U+FFFD, and the worker the request moves to decodes the same tokens
+        # again and sends the real character after them (the client's text would differ from an
+        # unfailed run). An error that is final loses only that held-back tail.
+        text = detok.take_new_text(final=finish is not None and finish != "error")
         if finish is not None:
             del self._requests[d.request_id]
         if stopped and d.finish_reason is None and self.on_stop is not None:
@@ -138,10 +164,12 @@ class TokenPublisher:
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
-        from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
+        from cluster.stream_messages import StepRecordBatch, StreamBatch, StreamDelta, encode
 
-        socks: dict[str, object] = {}
+        socks: dict[str, tuple] = {}  # sink -> (socket, its signer)
         stats_sock = None
+        stats_signer = FrameSigner(self._secret, STATS_SINK)
+        halt = False
         try:
             while True:
                 items = [self._queue.get()]
@@ -150,16 +178,14 @@ class TokenPublisher:
                         items.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                stop = items[-1] is _STOP
-                batches = [b for b in items if b is not _STOP]
+                end = next((i for i, b in enumerate(items) if b is _STOP or b is _HALT), None)
+                stop = end is not None
+                halt = stop and items[end] is _HALT
+                batches = items if end is None else items[:end]
                 if batches:
                     now = time.time()
                     by_sink: dict[str | None, list] = {}
-                    records = []
                     for b in batches:
-                        if b.batch_size > 0:
-                            records.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket,
-                                                            b.step_time_s))
                         for d in b.deltas:
                             item = self._text_delta(d, StreamDelta)
                             if item is not None:
@@ -173,18 +199,42 @@ class TokenPublisher:
                                 self._local_cv.notify_all()
                         else:
                             self._send(socks, sink, encode(frame))
+                    records = self._step_records(batches, now, time.perf_counter())
                     if records and self.stats_sink is not None:
                         if stats_sock is None:
                             stats_sock = self._connect(self.stats_sink)
-                        self._send_to(stats_sock, self.stats_sink, encode(StepRecordBatch(tuple(records))))
+                        self._send_to(stats_sock, self.stats_sink,
+                                      stats_signer.sign(encode(StepRecordBatch(tuple(records)))))
                 if stop:
                     break
         except Exception:  # noqa: BLE001 - a broken publisher must not kill the worker; gateways time out
             log.exception("token publisher of %s failed", self.worker_id)
+            halt = False
         finally:
-            for s in [*socks.values(), stats_sock]:
+            for s in [*(sock for sock, _ in socks.values()), stats_sock]:
                 if s is not None:
-                    s.close()
+                    # Halted: the frames queued in ZMQ reach their gateways before the close returns.
+                    s.close(linger=2000 if halt else None)
+
+    @staticmethod
+    def _step_records(batches, now: float, sent_at: float) -> list:
+        """The steps' records for the stats sink; `sent_at` (perf_counter) is when their tokens went
+        out, so each record says how long the publisher held them (its lag behind the loop)."""
+        from cluster.stream_messages import DecodeStepRecord
+
+        out = []
+        for b in batches:
+            if b.batch_size <= 0:
+                continue
+            lag = max(0.0, sent_at - b.enqueued) if b.enqueued else 0.0
+            t = b.timing
+            if t is None:
+                out.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket, b.step_time_s,
+                                            publish_lag_s=lag))
+            else:
+                out.append(DecodeStepRecord(b.worker_id, b.step, now, b.batch_size, b.bucket, b.step_time_s,
+                                            t.interval_s, t.prefill_s, t.idle_s, t.gap_s, t.host_s, lag))
+        return out
 
     @staticmethod
     def _connect(address: str):
@@ -197,18 +247,19 @@ class TokenPublisher:
         return sock
 
     def _send(self, socks: dict, sink: str, frame: bytes) -> None:
-        sock = socks.get(sink)
-        if sock is None:
-            sock = socks[sink] = self._connect(sink)
-        if self._send_to(sock, sink, frame):
+        got = socks.get(sink)
+        if got is None:
+            got = socks[sink] = (self._connect(sink), FrameSigner(self._secret, TOKEN_STREAM))
+        sock, signer = got
+        if self._send_to(sock, sink, signer.sign(frame)):
             self.sent += 1
 
-    def _send_to(self, sock, address: str, frame: bytes) -> bool:
+    def _send_to(self, sock, address: str, parts: list[bytes]) -> bool:
         import zmq
 
         try:
             # NOTE: never blocks: one gateway that went away must not stall every other one.
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send_multipart(parts, zmq.NOBLOCK)
             return True
         except zmq.Again:
             self.dropped += 1

@@ -67,7 +67,7 @@ class DecodeWorkerWarmup:
         finally:
             with w._lock:
                 w._outbox.clear()
-                w._last_step_info = (0.0, 0, 0, -1)  # no warm-up step record goes out
+                w._last_step_info = (0.0, 0, 0, -1, None)  # no warm-up step record goes out
                 w._warming = False
             for r in ids:  # their last deltas were not published: nothing ends their publisher state
                 w.publisher.forget(r)

@@ -7,7 +7,7 @@ connection stays with its process for its whole life, so a request's tokens only
 process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
 with the httptools parser and the FastAPI app of router/openai/, with its own token sink and its
 own channel to the one router (router/channel/client.py). Its settings come on stdin as JSON, so the
-API key never shows in `ps`.
+API key and the cluster's secret (its token sink's MAC key, cluster/frame_auth.py) never show in `ps`.
 
 A child drains on SIGTERM or when the router says so (the launcher got SIGTERM), exits at once on
 SIGINT, and stops by itself if the launcher goes away (its parent pid changes).
@@ -29,6 +29,7 @@ import msgspec
 import uvicorn
 
 from cluster.errors import PdserveError
+from cluster.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.tokenizer import load_tokenizer
 from router.channel.client import RouterClient
@@ -60,6 +61,9 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     log_level: str = "WARNING"
+    cluster_secret: bytes = b""  # its token sink takes frames under this MAC key only (cluster/frame_auth.py)
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
+    sampling_defaults: dict = {}  # cluster.generation_defaults.SamplingDefaults' fields that are set
 
     @property
     def gateway_id(self) -> str:
@@ -134,15 +138,18 @@ def _watch_parent(parent_pid: int, server) -> None:
 
 
 def serve(spec: APIServerSpec) -> None:
-    tokens = TokenStreamReceiver(spec.sink_host, token_timeout_s=spec.token_timeout_s)
+    tokens = TokenStreamReceiver(spec.sink_host, token_timeout_s=spec.token_timeout_s, secret=spec.cluster_secret)
     client = RouterClient(spec.router_address, spec.gateway_id, tokens.address)
+    metrics = GatewayMetrics(spec.served_model_name)
+    tokens.on_rejected = lambda: metrics.frame_rejected("token_stream")
     gw = Gateway(GatewayConfig(model_name=spec.served_model_name, max_model_len=spec.max_model_len,
                                api_key=spec.api_key, max_body_bytes=spec.max_body_bytes,
                                token_timeout_s=spec.token_timeout_s,
                                vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size,
                                tool_call_parser=spec.tool_call_parser,
-                               enable_auto_tool_choice=spec.enable_auto_tool_choice),
-                 load_tokenizer(spec.model_dir), client, tokens, GatewayMetrics(spec.served_model_name))
+                               enable_auto_tool_choice=spec.enable_auto_tool_choice,
+                               sampling_defaults=SamplingDefaults(**spec.sampling_defaults)),
+                 load_tokenizer(spec.model_dir, spec.chat_template), client, tokens, metrics)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, except that SIGTERM drains this process's requests before it stops, and a stop

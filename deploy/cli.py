@@ -25,6 +25,8 @@ def _cmd_demo_model(args) -> None:
 def _cmd_generate(args) -> None:
     from cluster.engine import LLMEngine
 
+    from cluster.model.hub import resolve_model_dir
+
     prompts = args.prompts or []
     if not prompts:
         raise PdserveError("give at least one prompt")
@@ -32,7 +34,10 @@ def _cmd_generate(args) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+    model = resolve_model_dir(args.model) if args.model is not None else None
+    dtype = {"auto": None, "half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    engine = LLMEngine(model, dtype=dtype, device=args.device, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     try:
         for out in engine.generate(prompts, params):
             print(out.text)
@@ -40,18 +45,30 @@ def _cmd_generate(args) -> None:
         engine.close()
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("pdserve")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
+        return "0.1.0+source"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    p.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo-model", help="write the tiny random-weight demo checkpoint to DIR")
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=_cmd_demo_model)
+    d.set_defaults(func=_cmd_demo_model, parser=d)
 
     g = sub.add_parser("generate", help="generate completions in-process (prefill + decode in one engine)")
     g.add_argument("prompts", nargs="*")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the demo model)")
+    g.add_argument("--model", default=None, help="Hugging Face model directory, or a hub id in the local Hugging "
+                   "Face cache (default: the demo model)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -59,11 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "float", "float16", "half", "bfloat16"],
+                   help="activation dtype (default, and auto: the checkpoint's torch_dtype)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights to FP8 at load (default: as the checkpoint is stored)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache dtype (auto: the activation dtype)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:i (tensor-parallel ranks take cuda:i, i+1, ...)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (one GPU each on CUDA)")
-    g.set_defaults(func=_cmd_generate)
+    g.set_defaults(func=_cmd_generate, parser=g)
 
     _add_extra_commands(sub)
     return p
@@ -81,21 +103,25 @@ def _add_extra_commands(sub) -> None:
 def add_serve_command(sub) -> None:
     """`pdserve serve`: one flag per ClusterConfig field (deploy/config.py)."""
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (prefill/decode on Ray)",
-                       description=SERVE_DESCRIPTION)
-    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory (default: the demo model)")
+                       description=SERVE_DESCRIPTION,
+                       usage="pdserve serve [MODEL_DIR] [--config FILE] [--FLAG VALUE ...] (pdserve serve --help lists them)")
+    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory, or a hub id "
+                   "(org/name) in the local Hugging Face cache (default: the demo model)")
     s.add_argument("--config", default=None, help="YAML file with any of the settings below (flags win)")
     add_config_flags(s)
-    s.set_defaults(func=_cmd_serve)
+    s.set_defaults(func=_cmd_serve, parser=s)
 
 
-def _cmd_serve(args: argparse.Namespace) -> None:
+def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = ClusterConfig.load(args.config, overrides_from_args(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Lazy: the serving cluster imports Ray, torch, the workers and the router; `pdserve --help`,
     # `serve --help`, `generate` and `demo-model` must not pay for them (tests/deploy/test_cli.py).
     from deploy.serving_cluster import ServingCluster
 
-    ServingCluster(cfg).serve_forever()
+    # The model, tokenizer, chat template and sampling defaults are checked before Ray starts: an
+    # error there raises (one `error:` line, nothing to stop); later ones are printed by serve_forever.
+    return ServingCluster(cfg).serve_forever()
 
 
 def _loadtest(argv: list[str]) -> int:
@@ -109,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["loadtest"]:
         return _loadtest(argv[1:])
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # a subcommand's flag it does not know: that subcommand's usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        args.func(args)
+        code = args.func(args)
     except PdserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from router.router_config import RouterConfig
 
 
 def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: float = 1.0,
-                  role: str | None = None) -> WorkerConfig:
+                  role: str | None = None, cluster_secret: bytes = b"") -> WorkerConfig:
     """What every worker actor of `role` is started with (None: a role-independent base, TP 1).
-    gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU)."""
+    gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU).
+    cluster_secret: the launcher's (cluster/frame_auth.py)."""
     return WorkerConfig(
         model_dir=model_dir, dtype=cfg.dtype, device=device, attention_backend=cfg.attention_backend,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
@@ -30,8 +31,10 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
         cpu_num_blocks=cfg.cpu_num_blocks, max_num_seqs=cfg.max_num_seqs,
         max_prefill_tokens=cfg.max_prefill_tokens, local_prefill_chunk_tokens=cfg.local_prefill_chunk_tokens,
         max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
-        graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
+        graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph and not cfg.enforce_eager,
         seed=cfg.seed, tensor_parallel_size=1 if role is None else cfg.tp_of(role),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, quantization=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,
     )
 
 
@@ -41,7 +44,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
         local_prefill_threshold=cfg.local_prefill_threshold, stats_interval_s=cfg.stats_interval_s,
         call_timeout_s=cfg.call_timeout_s, prefill_timeout_s=cfg.prefill_timeout_s,
         reserve_wait_s=cfg.reserve_wait_s, migration_wait_s=cfg.migration_wait_s,
-        migrate_on_worker_death=cfg.migrate_on_worker_death, workers_restart=cfg.worker_max_restarts != 0,
+        migrate_on_worker_death=cfg.migrate_on_worker_death, worker_max_restarts=cfg.worker_max_restarts,
         prefill_policy=cfg.prefill_policy,
         decode_policy=cfg.decode_policy,
     )
@@ -51,19 +54,30 @@ def admission_limits(cfg: ClusterConfig, max_model_len: int) -> AdmissionLimits:
     """max_model_len: the served one (cluster.request_limits.served_max_model_len of the model)."""
     return AdmissionLimits(
         max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
-        max_inflight_tokens=cfg.max_inflight_tokens, retry_after_s=cfg.retry_after_s,
-        max_prefill_queue_s=cfg.max_prefill_queue_s)
+        queue_timeout_s=cfg.queue_timeout_s, max_inflight_tokens=cfg.max_inflight_tokens,
+        retry_after_s=cfg.retry_after_s, max_prefill_queue_s=cfg.max_prefill_queue_s)
 
 
 def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: str, served_model_name: str,
-                        max_model_len: int, sink_host: str, log_level: str) -> dict[str, Any]:
+                        max_model_len: int, sink_host: str, log_level: str, chat_template: str | None = None,
+                        sampling_defaults: dict | None = None, cluster_secret: bytes = b"") -> dict[str, Any]:
     """The fields of deploy.api_server.APIServerSpec that every API-server process shares (each adds
-    its index, the listening socket's descriptor and the launcher's pid)."""
+    its index, the listening socket's descriptor and the launcher's pid). chat_template: the template's
+    text (deploy.preflight read it); sampling_defaults: cluster.generation_defaults.SamplingDefaults as a dict."""
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                 token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=sink_host,
                 tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
-                log_level=log_level)
+                log_level=log_level, chat_template=chat_template, sampling_defaults=sampling_defaults or {},
+                cluster_secret=cluster_secret)
+
+
+def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:
+    """The KV cache settings vllm:cache_config_info reports (router.metrics.RouterMetrics), as vLLM names them."""
+    return {"block_size": cfg.block_size, "cache_dtype": cfg.kv_cache_dtype,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else "",
+            "quantization": cfg.quantization or ""}
 
 
 def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -49,12 +50,14 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
     **{n: (WorkerConfig, n) for n in (
         "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
         "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
-        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed")},
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed", "gpu_memory_utilization",
+        "quantization", "kv_cache_dtype", "max_loop_restarts")},
     **{n: (RouterConfig, n) for n in (
         "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
         "prefill_timeout_s", "reserve_wait_s", "migration_wait_s", "migrate_on_worker_death", "prefill_policy",
         "decode_policy")},
-    **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "max_inflight_tokens", "retry_after_s")},
+    **{n: (AdmissionLimits, n) for n in ("max_waiting_requests", "queue_timeout_s", "max_inflight_tokens",
+                                         "retry_after_s")},
     **{n: (GatewayConfig, n) for n in ("api_key", "max_body_bytes", "token_timeout_s", "tool_call_parser",
                                         "enable_auto_tool_choice")},
     "planner_hysteresis": (PlannerConfig, "hysteresis"),
@@ -70,7 +73,7 @@ DEPLOY_CHOICES: dict[str, tuple[type, str, str]] = {
                             "given one; a served cluster answers 429 past 5 s of prefill queue"),
     "planner_min_prefill_workers": (PlannerConfig, "min_prefill", "the planner may remove every prefill worker; "
                                     "the launcher keeps one (the KV transport group is formed at start)"),
-    "worker_max_restarts": (RouterConfig, "workers_restart", "Ray restarts dead workers in a served cluster "
+    "worker_max_restarts": (RouterConfig, "worker_max_restarts", "Ray restarts dead workers in a served cluster "
                             "(3 times); the router alone does not assume it"),
     "device": (WorkerConfig, "device", "'auto' is resolved per actor (cuda when it holds a GPU); a worker is "
                "given the resolved device"),
@@ -89,9 +92,11 @@ class ClusterConfig(BaseModel):
 
     # -- what to serve, where ---------------------------------------------------------------------
     model: str | None = None
-    """Hugging Face model directory; none serves the built-in demo model."""
+    """Hugging Face model directory, or a hub id (org/name) found in the local Hugging Face cache (never
+    downloaded); none serves the built-in demo model."""
     served_model_name: str | None = None
-    """Model name clients pass as `model` (default: the model directory's name, or `pdserve-demo`)."""
+    """Model name clients pass as `model` and the metrics' model_name label (default: the model
+    directory's name, or `pdserve-demo`; for a hub id, the id as given)."""
     host: str = "127.0.0.1"
     """Interface the HTTP gateway listens on (0.0.0.0 for all)."""
     port: int = Field(8000, ge=0, le=65535)
@@ -135,8 +140,16 @@ class ClusterConfig(BaseModel):
     """How long workers may take to load the model and answer their first stats call."""
 
     # -- the engine inside each worker (WorkerConfig) -----------------------------------------------
-    dtype: Literal["float32", "float16", "bfloat16"] | None = _d("dtype")
-    """Weights and KV dtype (default: the checkpoint's)."""
+    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] | None = _d("dtype")
+    """Activation (and KV) dtype: 'auto' (or none) is the checkpoint's torch_dtype; 'half' and 'float'
+    are float16 and float32 (vLLM's names). FP8 weights keep theirs."""
+    quantization: Literal["fp8"] | None = _d("quantization")
+    """'fp8': quantize the checkpoint's linear weights to FP8 e4m3 at load (per output channel; W8A8 with
+    dynamic per-token activation scales where that is faster). None: as the checkpoint is stored (an FP8
+    checkpoint, compressed-tensors or HF fp8, loads as FP8 by itself)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = _d("kv_cache_dtype")
+    """KV cache dtype: 'auto' is the activation dtype; 'fp8' / 'fp8_e4m3' an e4m3 cache (one byte an
+    element: twice the blocks, half the bytes per KV transfer). Prefill and decode workers must agree."""
     attention_backend: str = _d("attention_backend")
     """Attention backend registered in cluster.attention."""
     block_size: int = Field(_d("block_size"), ge=1, le=1024)
@@ -144,7 +157,12 @@ class ClusterConfig(BaseModel):
     num_blocks: int | None = Field(_d("num_blocks"), ge=2)
     """KV blocks per worker; none: sized from kv_memory_fraction on GPU, cpu_num_blocks on CPU."""
     kv_memory_fraction: float = Field(_d("kv_memory_fraction"), gt=0.0, le=1.0)
-    """Fraction of the GPU memory left after the weights that the KV cache takes."""
+    """Fraction of the GPU memory left after the weights that the KV cache takes (when
+    gpu_memory_utilization is not set)."""
+    gpu_memory_utilization: float | None = Field(_d("gpu_memory_utilization"), gt=0.0, le=1.0)
+    """vLLM's: the fraction of a worker's GPU (of its share, when workers share one) that weights,
+    activations and KV cache take together; the KV cache gets what is left of it. None: size the KV
+    cache by kv_memory_fraction."""
     cpu_num_blocks: int = Field(_d("cpu_num_blocks"), ge=2)
     """KV blocks per worker on CPU."""
     max_num_seqs: int = Field(_d("max_num_seqs"), ge=1)
@@ -161,7 +179,8 @@ class ClusterConfig(BaseModel):
     """Warm every worker up before /ready: each prefill shape class (twice; the second run seeds the
     measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
     max_model_len: int | None = Field(_d("max_model_len"), ge=2)
-    """Context length (default: the model's max_position_embeddings)."""
+    """Context length (default: the model's max_position_embeddings). Takes vLLM's suffixes: 8k = 8000,
+    8K = 8192, 1m = 1000000, 1M = 1048576, 25.6k = 25600."""
     enable_prefix_caching: bool = _d("enable_prefix_caching")
     """Keep freed full KV blocks findable by their content on every worker, so a prompt's cached prefix
     is neither recomputed nor sent again (vLLM's automatic prefix caching)."""
@@ -169,8 +188,21 @@ class ClusterConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
     use_cuda_graph: bool = _d("use_cuda_graph")
     """Replay decode steps as CUDA graphs (GPU only)."""
+    enforce_eager: bool = False
+    """vLLM's: run every decode step eagerly, no CUDA graphs (the same as --no-use-cuda-graph)."""
+    chat_template: str | None = None
+    """The chat template /v1/chat/completions renders messages with, instead of the tokenizer's: a file's
+    path, or the Jinja template itself (vLLM's --chat-template). Checked before anything starts."""
+    generation_config: str = "auto"
+    """Default sampling parameters, as vLLM: 'auto' takes temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (the default max_tokens) from the model's
+    generation_config.json, each used where a request does not set it; 'vllm' ignores the file; a
+    folder: its generation_config.json."""
     seed: int = Field(_d("seed"), ge=0)
     """Seed of the workers' engines."""
+    max_loop_restarts: int = Field(_d("max_loop_restarts"), ge=0)
+    """A decode worker whose loop raised more often than this (each time its requests move to
+    another worker and the loop starts again) stays down and reports itself unhealthy."""
 
     # -- router: admission and placement -------------------------------------------------------------
     prefill_placement: Literal["adaptive", "static"] = _d("prefill_placement")
@@ -192,9 +224,13 @@ class ClusterConfig(BaseModel):
     decode_policy: str = _d("decode_policy")
     """Decode placement policy (router.placement.DECODE_POLICIES)."""
     max_waiting_requests: int = Field(_d("max_waiting_requests"), ge=1)
-    """Admitted requests without a first token yet; beyond it, HTTP 429."""
+    """Requests the admission queue holds while they wait for KV and prefill capacity (FCFS per API
+    server, round robin between them); beyond it, HTTP 429 with Retry-After."""
+    queue_timeout_s: float = Field(_d("queue_timeout_s"), gt=0.0)
+    """Longest wait in the admission queue: a request that has waited this long, or would (its place
+    over the measured rate of admissions), gets HTTP 429 with Retry-After."""
     max_inflight_tokens: int = Field(_d("max_inflight_tokens"), ge=1)
-    """Sum of prompt + max_tokens over unfinished requests; beyond it, HTTP 429."""
+    """Sum of prompt + max_tokens over unfinished requests; beyond it, a request waits in the queue."""
     retry_after_s: int = Field(_d("retry_after_s"), ge=0)
     """Retry-After sent with a 429."""
     reserve_wait_s: float = Field(_d("reserve_wait_s"), ge=0.0)
@@ -288,6 +324,16 @@ class ClusterConfig(BaseModel):
             if any(not isinstance(x, (int, float)) or x < 0 for x in v.values()):
                 raise ValueError("resource amounts must be non-negative numbers")
         return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str | None) -> str | None:
+        return {"auto": None, "half": "float16", "float": "float32"}.get(v, v) if v is not None else None
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _human_int(cls, v: Any) -> Any:
+        return human_readable_int(v) if isinstance(v, str) else v
 
     @field_validator("block_size")
     @classmethod
@@ -397,6 +443,27 @@ class ClusterConfig(BaseModel):
             raise PdserveError(_one_line(e)) from None
 
 
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's reading of `--max-model-len`: a plain integer, or one with a suffix; k m g t are
+    decimal (25.6k = 25600), K M G T binary (8K = 8192, integers only)."""
+    t = text.strip()
+    m = _SUFFIXED.fullmatch(t)
+    if m is None:
+        try:
+            return int(t)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer (a suffix k, m, g, t or K, M, G, T may follow)") from None
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** "kmgt".index(suffix.lower()) * 1000)
+    if "." in number:
+        raise ValueError(f"{text!r}: no decimals with a binary suffix ({suffix}); did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
@@ -422,6 +489,7 @@ def _one_line(e: ValidationError) -> str:
 
 # -- flags ------------------------------------------------------------------------------------------
 _FLAGLESS = {"model"}  # the positional MODEL_DIR
+_TEXT_FLAGS = {"max_model_len"}  # parsed by the field's validator (8k), not by argparse
 
 
 def _flag_type(annotation) -> tuple[Any, dict]:
@@ -447,8 +515,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if name in _FLAGLESS:
             continue
         _, kwargs = _flag_type(field.annotation)
+        if name in _TEXT_FLAGS:
+            kwargs = {"type": str}
+        default = field.get_default(call_default_factory=True)
+        shown = json.dumps(default) if isinstance(default, dict) else repr(default)
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
-                            help=(field.description or "") + f" (default: {field.default!r})", **kwargs)
+                            help=(field.description or "").replace("%", "%%") + f" (default: {shown})", **kwargs)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -56,11 +56,13 @@ class KVTransportGroup:
 
 def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig,
                             *, store_host: str = "127.0.0.1", device: str = "cpu",
-                            namespace: str = "pdserve") -> KVTransportGroup | None:
+                            namespace: str = "pdserve", secret: bytes = b"", **spec: Any) -> KVTransportGroup | None:
     """Connects every prefill worker to every decode worker for KV transfers; returns the
     KVTransportGroup (its rendezvous store must stay alive while the cluster serves), or None without
     prefill workers. Kind: `cfg.kv_transport`, or by default `same_gpu` when the actors share one GPU
     (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL between GPUs, gloo on CPU).
+    `secret`: the cluster's, the MAC key of the transports' control channel (cluster/frame_auth.py);
+    `spec`: further TransportSpec settings (timeouts: the chaos run and the fault tests shorten them).
     """
     if not prefill:
         return None  # every prompt is prefilled on its decode worker: no transfers at all
@@ -71,7 +73,8 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
         kind = "same_gpu" if shared_gpu else "torch_dist"
     store = rendezvous_store(store_host, cfg.kv_store_port)
     spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
-                         backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace)
+                         backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace,
+                         secret=secret, **spec)
     handles = {**prefill, **decode}
     missing = [wid for wid, h in handles.items() if not hasattr(h, "init_transport")]
     if missing:

@@ -74,9 +74,10 @@ class RayWorkers:
         return {**self.prefill, **self.decode}
 
     # -- start-up ---------------------------------------------------------------------------------
-    def place(self, model_dir: str, stats_sink: str) -> None:
+    def place(self, model_dir: str, stats_sink: str, cluster_secret: bytes = b"") -> None:
         """Creates the placement group and every worker in it; returns once each has loaded the
-        model. `stats_sink`: the router's step-record sink, given to the decode workers."""
+        model. `stats_sink`: the router's step-record sink, given to the decode workers;
+        `cluster_secret`: the MAC key of the cluster's own sockets (cluster/frame_auth.py)."""
         cfg = self.cfg
         self._prefill_cls, self._decode_cls = _remote(self._prefill_cls), _remote(self._decode_cls)
         gpus = self._gpus = gpus_per_actor(cfg, ray.cluster_resources().get("GPU", 0.0))
@@ -84,10 +85,11 @@ class RayWorkers:
         if cfg.device == "cuda" and gpus == 0:
             raise PdserveError("device is cuda but the Ray cluster has no GPU")
         self._worker_cfgs = {role: worker_config(cfg, model_dir, device, gpu_share=gpus if 0 < gpus < 1 else 1.0,
-                                                 role=role) for role in ("prefill", "decode")}
+                                                 role=role, cluster_secret=cluster_secret)
+                             for role in ("prefill", "decode")}
         self._stats_sink = stats_sink
         roles = [("prefill", i) for i in range(cfg.prefill_workers)] + [("decode", i) for i in range(cfg.decode_workers)]
-        extra = self._extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}
+        self._extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}
         # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
         # spreads them over nodes only when one node can't hold them; custom resources in a role's
         # bundle pin that role to the nodes that offer them. A worker's bundle holds all its ranks.
@@ -206,6 +208,20 @@ class RayWorkers:
             self.kv_group.join({worker_id: h}, prefill, decode, self.cfg.ready_timeout_s)
         if self.cfg.warmup:
             self.warm_up({worker_id: h})
+
+    async def gone(self, worker_id: str) -> bool:
+        """The router's gone check: the worker's actor is dead for good (Ray gave up restarting it, or
+        it was killed without restart), as Ray's actor table says."""
+        h = self.prefill.get(worker_id) or self.decode.get(worker_id)
+        if h is None:
+            return True
+
+        def state() -> str | None:
+            # NOTE: ray._private.state is Ray's own actor table (the state API needs the dashboard).
+            from ray._private import state as ray_state
+
+            return ray_state.actors(actor_id=h._actor_id.hex()).get("State")
+        return await asyncio.get_running_loop().run_in_executor(None, state) == "DEAD"
 
     # -- shutdown ---------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -39,21 +39,19 @@ import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable
 
 import ray
 
-from cluster.distributed.sharding import check_tensor_parallel
 from cluster.errors import PdserveError
-from cluster.model.config import ModelArchConfig
-from cluster.model.demo import ensure_demo_model
+from cluster.frame_auth import new_cluster_secret
 from cluster.request_limits import served_max_model_len
 from deploy.api_server import APIServerPool, default_api_servers
-from deploy.component_configs import admission_limits, api_server_settings, router_config
+from deploy.component_configs import admission_limits, api_server_settings, cache_config_info, router_config
 from deploy.config import ClusterConfig
 from deploy.kv_transport_group import KVTransportGroup, TransportFormer, form_kv_transport_group
 from deploy.planner_loop import PlannerLoop
+from deploy.preflight import ServedModel, check_model
 from deploy.ray_runtime import RAY_STOP_BUDGET_S, gcs_gone, init_ray, kill_children, run_within
 from deploy.ray_workers import RayWorkers
 from router.admission import AdmissionController
@@ -80,6 +78,7 @@ class ServingCluster:
         self.router_server: RouterServer | None = None
         self.api_servers: APIServerPool | None = None
         self.model_name: str | None = None
+        self.served: ServedModel | None = None  # check(): what it serves, checked before anything starts
         self.url: str | None = None
         self.failure: str | None = None  # why serving stopped on its own (an API server died)
         self.ray_unresponsive = False  # shutdown() gave up waiting for Ray
@@ -109,36 +108,47 @@ class ServingCluster:
             raise
         return self
 
+    def check(self) -> ServedModel:
+        """The checks before anything starts (deploy/preflight.py); start() runs them if not yet done."""
+        if self.served is None:
+            self.served = check_model(self.cfg)
+        return self.served
+
     def _start(self) -> None:
         cfg = self.cfg
-        model_dir = self._model_dir()
-        arch = ModelArchConfig.from_dir(model_dir)
-        for role in ("prefill", "decode"):  # a model the workers cannot split fails here, before Ray starts
-            check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
-                                  f"{Path(model_dir).name} ({role}_tp)")
-        max_model_len = served_max_model_len(cfg.max_model_len, arch.max_position_embeddings)
-        self.model_name = name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else Path(model_dir).name)
+        served = self.check()
+        model_dir = served.model_dir
+        max_model_len = served_max_model_len(cfg.max_model_len, served.arch.max_position_embeddings)
+        self.model_name = name = served.name
         api_servers = cfg.api_servers or default_api_servers()
 
         self._owns_ray = init_ray(cfg)
-        stream_host = cfg.token_stream_host or ("127.0.0.1" if self._local_ray() else ray.util.get_node_ip_address())
+        # The cluster's internal sockets (token streams, stats sink, KV control and payload) bind the
+        # loopback when the whole cluster is this one node: nothing else on the network reaches them.
+        stream_host = cfg.token_stream_host or ("127.0.0.1" if self._one_node() else ray.util.get_node_ip_address())
+        # Their frames carry a MAC under this secret (cluster/frame_auth.py), drawn anew for each
+        # start and handed to every process of the cluster: the workers through Ray, the API servers
+        # on their stdin.
+        secret = new_cluster_secret()
         self._tmp = tempfile.mkdtemp(prefix="pdserve-")
-        metrics = RouterMetrics(name)
+        metrics = RouterMetrics(name, cache_config=cache_config_info(cfg))
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
-                                          gateways_expected=api_servers, block_size=cfg.block_size)
+                                          gateways_expected=api_servers, block_size=cfg.block_size, secret=secret)
         self._listen = self._listen_socket()
         metrics_dir = os.path.join(self._tmp, "metrics")
         os.mkdir(metrics_dir)
         self.api_servers = APIServerPool(api_servers, self._listen, api_server_settings(
             cfg, router_address=self.router_server.address, model_dir=str(model_dir), served_model_name=name,
             max_model_len=max_model_len, sink_host=stream_host,
-            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel())), metrics_dir)
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            chat_template=served.chat_template, sampling_defaults=served.sampling_defaults.as_dict(),
+            cluster_secret=secret), metrics_dir)
         self.api_servers.start()  # they load the tokenizer while the workers load the model
 
         workers = self.workers
-        workers.place(str(model_dir), self.router_server.stats_sink)
+        workers.place(str(model_dir), self.router_server.stats_sink, secret)
         workers.kv_group = self._form_transport_group(workers.prefill, workers.decode, cfg, store_host=stream_host,
-                                                      device=workers.device, namespace=self.tag)
+                                                      device=workers.device, namespace=self.tag, secret=secret)
         if cfg.warmup:
             workers.warm_up(workers.handles)
 
@@ -152,20 +162,18 @@ class ServingCluster:
             arrivals=ArrivalStats(window_s=cfg.planner_window_s) if cfg.planner else None,
         )
         self.router.rejoin = workers.rejoin
+        self.router.gone_check = workers.gone
         self.router_server.attach(self.router)
         if cfg.planner:
             self.planner = PlannerLoop.for_cluster(self, self.router, metrics)
 
-    def _model_dir(self) -> Path:
-        if self.cfg.model is None:
-            return ensure_demo_model()
-        p = Path(self.cfg.model).expanduser().resolve()
-        if not (p / "config.json").is_file():
-            raise PdserveError(f"{p} is not a Hugging Face model directory (no config.json)")
-        return p
-
     def _local_ray(self) -> bool:
         return self.cfg.address is None
+
+    def _one_node(self) -> bool:
+        """The cluster is this node alone: a local Ray, or a joined Ray cluster with one node alive.
+        (A node that joins later cannot reach loopback sockets: give such a cluster token_stream_host.)"""
+        return self._local_ray() or sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
     # -- role switches (the P:D planner's RoleSwitcher calls these) -------------------------------
     def retire_worker(self, worker_id: str) -> int:
@@ -264,9 +272,14 @@ class ServingCluster:
             await asyncio.sleep(0.05)
         self._stop.set()
 
-    def serve_forever(self) -> None:
-        """The CLI: blocks until Ctrl-C or SIGTERM (which drains first), then shuts everything down."""
+    def serve_forever(self) -> int:
+        """The CLI: blocks until Ctrl-C or SIGTERM (which drains first), then shuts everything down.
+        Returns the exit code. A check that fails before anything started (check()) raises its
+        PdserveError (the CLI prints it); an error after that is printed here as `error: ...`,
+        before the `pdserve: stopped` line that ends every run that started something."""
+        self.check()
         previous = signal.getsignal(signal.SIGTERM)
+        error: PdserveError | None = None
 
         async def main():
             loop = asyncio.get_running_loop()
@@ -279,15 +292,22 @@ class ServingCluster:
             asyncio.run(main())
         except KeyboardInterrupt:
             pass
+        except PdserveError as e:
+            error = e
         finally:
             self.shutdown()
             signal.signal(signal.SIGTERM, previous)
+        if error is None and self.failure:
+            error = PdserveError(self.failure)
+        if error is not None:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        print("pdserve: stopped", file=sys.stderr, flush=True)
+        code = 2 if error is not None else 0
         if self.ray_unresponsive:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if self.failure else 0)  # not through Ray's atexit hook (see shutdown)
-        if self.failure:
-            raise PdserveError(self.failure)
+            os._exit(code)  # not through Ray's atexit hook (see shutdown)
+        return code
 
     def _stop_now(self) -> None:
         if self._stop is not None:
@@ -350,7 +370,6 @@ class ServingCluster:
         self.workers.kv_group = None  # after the workers: they may still talk to it while shutting down
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
-        print("pdserve: stopped", file=sys.stderr, flush=True)
 
     def _stop_ray_now(self) -> None:
         """The workers, then (if this process started it) Ray itself."""

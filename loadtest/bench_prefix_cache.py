@@ -9,13 +9,21 @@ Per (workload, rate) one row is written to --out (rows of the same setup, cache,
 replaced):
 - hit_rate: prompt tokens the server did not compute (`usage.prompt_tokens_details.cached_tokens`) /
   prompt tokens; theoretical_reuse: the same for a perfect cache (loadtest.prefix_workload);
-  server_hit_rate_prefill / _decode: the workers' own counters over the row (`pdserve:prefix_cache_*`
+  server_hit_rate_prefill / _decode: the workers' own counters over the row (`vllm:prefix_cache_*`
   on /metrics; a decode worker's hits are KV it did not need transferred);
 - ttft_p50_ms / ttft_p99_ms / tpot_p50_ms, client-side; goodput_rps: requests meeting both SLOs per
   second of the run (DistServe's goodput), throughput_rps: completed requests per second;
 - prefill_tokens_per_s: prompt tokens served per second; computed_prefill_tokens_per_s: those the
   server computed (prompt - cached);
-- kv_transfer_bytes: KV moved prefill -> decode during the row (the gateway's `pdserve:kv_transfer_bytes`).
+- kv_transfer_bytes: KV moved prefill -> decode during the row (the gateway's `pdserve:kv_transfer_bytes`);
+- server_ttft_parts_p50_ms: the server's own split of each request's TTFT (`/stats` request records:
+  queue, prefill, transfer, the rest up to the first token at the gateway) and
+  server_local_prefill_fraction: where a cached request's cost goes, and the fixed part of it.
+
+`--cache uncached` measures the same traffic on the same server (caching on) with every prompt made
+unique at its first token (an id no other prompt starts with, at the same length), so no block
+matches: what the prompts cost without a hit, with no second server to start (the one-call GPU run);
+`--cache off` labels a run against a server with caching off.
 
     python -m loadtest.bench_prefix_cache --url http://127.0.0.1:8000 --setup one_gpu --cache on \
         --rates 4 --out loadtest/results/prefix_cache_h200.json
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import socket
@@ -33,12 +42,13 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.prefix_workload import WorkloadRequest, few_shot, multi_turn, theoretical_reuse
+from loadtest.prefix_cache_report import check_summary
+from loadtest.prefix_workload import TOKEN_HI, TOKEN_LO, WorkloadRequest, few_shot, multi_turn, theoretical_reuse
 from loadtest.report import percentile
-from loadtest.server_stats import parse_counter_totals
+from loadtest.server_stats import ServerStatsPoller, parse_counter_totals, summarize_requests
 
 TRANSFER_BYTES = "pdserve:kv_transfer_bytes_total"
-PREFIX_QUERIES, PREFIX_HITS = "pdserve:prefix_cache_queries_total", "pdserve:prefix_cache_hits_total"
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 WORKLOADS = ("multi_turn", "few_shot")
 
 
@@ -128,6 +138,15 @@ def build_workload(name: str, args, seed: int) -> list[WorkloadRequest]:
     raise SystemExit(f"error: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
+def unshared(reqs: list[WorkloadRequest]) -> list[WorkloadRequest]:
+    """The same requests, each prompt's first two tokens replaced by a pair no other prompt starts
+    with, so no KV block of one matches another's (the lengths stay)."""
+    span = TOKEN_HI - TOKEN_LO
+    assert len(reqs) <= span * span, "more requests than distinct salts"
+    return [dataclasses.replace(r, prompt=(TOKEN_LO + i // span, TOKEN_LO + i % span) + tuple(r.prompt[2:]))
+            for i, r in enumerate(reqs)]
+
+
 def server_counters(client: httpx.Client) -> dict[str, float]:
     """KV bytes moved and the prefix-cache counters per role, from the gateway's /metrics."""
     r = client.get("/metrics")
@@ -148,7 +167,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--setup", required=True, help="label, e.g. one_gpu or disaggregated")
-    ap.add_argument("--cache", required=True, choices=["on", "off"], help="the server's enable_prefix_caching")
+    ap.add_argument("--cache", required=True, choices=["on", "off", "uncached"],
+                    help="the server's enable_prefix_caching (on / off), or uncached: caching on, no prompt shares a block")
     ap.add_argument("--workloads", default="multi_turn,few_shot")
     ap.add_argument("--rates", default="4", help="request rates (requests/s), comma-separated")
     ap.add_argument("--sessions", type=int, default=32)
@@ -176,10 +196,16 @@ def main(argv=None) -> int:
             for ri, rate in enumerate(rates):
                 seed = args.seed + 1000 * wi + ri
                 reqs = build_workload(name, args, seed)
+                if args.cache == "uncached":
+                    reqs = unshared(reqs)
                 hits, total = theoretical_reuse([r.prompt for r in reqs], args.block_size)
                 before = server_counters(client)
-                results, elapsed = asyncio.run(run_workload(args.url, model, reqs, rate, seed))
-                time.sleep(0.5)  # the router polls the workers' counters every stats_interval_s
+                poller = ServerStatsPoller(args.url, interval_s=0.25).start()
+                try:
+                    results, elapsed = asyncio.run(run_workload(args.url, model, reqs, rate, seed))
+                    time.sleep(0.5)  # the router polls the workers' counters every stats_interval_s
+                finally:
+                    poller.stop()
                 after = server_counters(client)
                 moved = after["bytes"] - before["bytes"]
                 row = {"setup": args.setup, "cache": args.cache, "workload": name, "request_rate": rate,
@@ -187,7 +213,10 @@ def main(argv=None) -> int:
                        "theoretical_reuse": hits / total, "prompt_tokens": total,
                        "server_hit_rate_prefill": server_hit_rate(before, after, "prefill"),
                        "server_hit_rate_decode": server_hit_rate(before, after, "decode"),
-                       "kv_transfer_bytes": moved, "kv_transfer_bytes_per_prompt_token": moved / total}
+                       "kv_transfer_bytes": moved, "kv_transfer_bytes_per_prompt_token": moved / total,
+                       **{k: v for k, v in summarize_requests(poller.requests).items()
+                          if k in ("server_requests", "server_ttft_p50_ms", "server_ttft_parts_p50_ms",
+                                   "server_local_prefill_fraction")}}
                 key = ("setup", "cache", "workload", "request_rate")
                 doc["rows"] = [r for r in doc["rows"] if tuple(r.get(k) for k in key) != tuple(row[k] for k in key)]
                 doc["rows"].append(row)
@@ -195,6 +224,7 @@ def main(argv=None) -> int:
                     {k: getattr(args, k) for k in ("sessions", "turns", "system_tokens", "few_shot_requests",
                                                     "template_tokens", "output_tokens", "block_size", "ttft_slo_s",
                                                     "tpot_slo_s")})
+                doc["checks"] = check_summary(doc["rows"])  # the targets over every row so far (met / missed)
                 print(json.dumps(row), flush=True)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(doc, indent=2) + "\n")

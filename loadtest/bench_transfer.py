@@ -1,14 +1,25 @@
 """KV transfer benchmark, Llama-3.1-8B KV shape by default (bf16, 32 layers, 8 KV heads, head_dim 128).
 
 Prefill and decode run in two processes (torch.multiprocessing spawn) sharing one TCPStore, each with
-its real transport; no Ray. Each transfer is begun (claimed, its Begin pushed) `lead_ms` before its KV
-is ready, as the prefill worker begins before the forward (whose 8B weights alone take 3.3 ms to read
-at the H200's 4.8 TB/s, so no real forward is shorter than the default lead): the decode side has
-posted its receives by then. Path "nccl_cold" has no lead (receives posted while the bytes wait).
-Per path and prompt length, one row:
-  bytes, seconds       KV ready on the prefill side (its `kv_done`) -> the decode process saw the
-                       arrival (poll_arrivals after its wake-up); both processes read CLOCK_MONOTONIC.
-  GBps                 bytes / seconds (bytes moved once)
+its real transport; no Ray. The prefill side runs the served path's order (prefill_worker.py): claim
+(`begin`, before the forward), the forward (here a wait of `lead_ms`: the 8B weights alone take 3.3 ms
+to read at the H200's 4.8 TB/s, so no real forward is shorter than the default lead; the decode side
+posts its receives meanwhile; path "nccl_cold" has no lead, its receives posted while the bytes
+wait), `kv_done`, the first-token draw's sync of the compute stream, `commit`, then the payload's
+future. Layer-wise shipping as the served path picks it (by prompt length: the transport's
+layerwise_min_tokens) unless the caller forces it (bench_nccl: off). Per path and prompt length, one
+row (medians):
+  bytes, seconds       what a request's TTFT pays for the transfer: the prefill done (its compute
+                       stream synced, as after the first-token draw) -> the decode process saw the
+                       arrival (poll_arrivals after its wake-up); both processes read CLOCK_MONOTONIC
+  served_transfer_s    the served path's own record of it (PrefillResult.transfer_s: prefill done ->
+                       the payload's future resolved on the prefill side)
+  commit_to_arrival_s  the commit sent -> the decode side saw the arrival (the control message, the
+                       completion query, the wake-up)
+  kv_ready_to_arrival_s  KV ready (`kv_done`) -> the decode side saw it: the copy itself included
+                       (issue 25's transfer time)
+  GBps                 bytes / kv_ready_to_arrival_s (bytes moved once)
+  layerwise, lead_ms   the shipping mode and the begin -> KV ready lead of the row
   send_s               the prefill side alone: KV ready -> its payload done (source blocks reusable)
   claim_s              the store compare-and-set that claims the transfer; the prefill worker makes it
                        before the prompt's forward, so it is not part of `seconds`
@@ -165,7 +176,7 @@ def decode_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, q
     t.close()
 
 
-def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, lead_s, q, go):
+def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, lead_s, layerwise, q, go):
     device = _device(device)
     spec = TransportSpec(**spec_d)
     nb = max(sizes) // shape.block_size + 2
@@ -182,16 +193,20 @@ def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, 
         if src.is_cuda:
             torch.cuda.synchronize()
         c0 = time.monotonic()
-        sh = t.begin([KVSend(res, n, blocks)], layerwise=False)  # the worker claims before the forward
+        sh = t.begin([KVSend(res, n, blocks)], layerwise=layerwise)  # the worker claims before the forward
         c1 = time.monotonic()
         if lead_s:
             time.sleep(lead_s)  # the forward (the decode side posts its receives meanwhile)
         t0 = time.monotonic()
-        sh.kv_done()
+        sh.kv_done()  # every layer not shipped yet goes now, while the first token is drawn
+        if src.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the draw's .tolist(): the compute stream only
+        t_done = time.monotonic()
         sh.commit({res.request_id: 7})
+        t_commit = time.monotonic()
         st = sh.futures[res.request_id].result(timeout=120)
         t1 = time.monotonic()
-        rows.append((seq, n, rep, st.bytes, c1 - c0, t0, t1 - t0))
+        rows.append((seq, n, rep, st.bytes, c1 - c0, t0, t1 - t0, t_done, t_commit, t1 - t_done))
     copy, kernel = {}, {}
     for n in sizes:  # the copy ceiling for the same bytes, this process, same run
         nbytes = shape.bytes_for(n)
@@ -233,8 +248,9 @@ def _time(fn, reps=20) -> float:
 
 
 def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", shape: KVShape = KV_SHAPES["llama-8b"],
-             quick: bool = False) -> dict:
-    """One path, prefill and decode in two fresh processes (devices as seen from this process)."""
+             quick: bool = False, layerwise: bool | None = None) -> dict:
+    """One path, prefill and decode in two fresh processes (devices as seen from this process);
+    `layerwise` None: as the served path picks it (by prompt length)."""
     kind, backend, extra, lead_s = PATH_SPECS[path]
     store = start_store("127.0.0.1", 0)
     spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend,
@@ -242,7 +258,8 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=decode_proc, args=(spec, decode_device, shape, sizes, path, quick, q)),
-             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, lead_s, q, go))]
+             ctx.Process(target=prefill_proc, args=(spec, prefill_device, shape, sizes, path, quick, lead_s, layerwise,
+                                                        q, go))]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -269,15 +286,21 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
     landed, dsums, dmetrics = out["decode"]
     rows = []
     for n in sizes:
-        meas = [(b, c, t0, s, seq) for seq, m, rep, b, c, t0, s in raw if m == n and rep > 0]
-        secs = sorted(landed[seq] - t0 for _, _, t0, _, seq in meas if seq in landed)
-        if not secs:
+        meas = [(b, c, t0, s, seq, done, commit, served) for seq, m, rep, b, c, t0, s, done, commit, served in raw
+                if m == n and rep > 0 and seq in landed]
+        if not meas:
             continue
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        secs = sorted(landed[seq] - done for _, _, _, _, seq, done, _, _ in meas)
+        ready = [landed[seq] - t0 for _, _, t0, _, seq, _, _, _ in meas]
         nbytes, sec = meas[0][0], med(secs)
-        row = {"path": path, "prompt_tokens": n, "bytes": nbytes, "seconds": sec, "GBps": nbytes / sec / 1e9,
-               "lead_ms": lead_s * 1e3, **plan_of(kind, spec, shape, n),
-               "send_s": med([s for _, _, _, s, _ in meas]), "claim_s": med([c for _, c, _, _, _ in meas]),
+        lw = layerwise if layerwise is not None else n >= TransportSpec(**spec).layerwise_min_tokens
+        row = {"path": path, "prompt_tokens": n, "bytes": nbytes, "seconds": sec,
+               "served_transfer_s": med([m[7] for m in meas]),
+               "commit_to_arrival_s": med([landed[m[4]] - m[6] for m in meas]),
+               "kv_ready_to_arrival_s": med(ready), "GBps": nbytes / med(ready) / 1e9,
+               "layerwise": lw, "lead_ms": lead_s * 1e3, **plan_of(kind, spec, shape, n),
+               "send_s": med([m[3] for m in meas]), "claim_s": med([m[1] for m in meas]),
                "p90_s": percentile(secs, 90), "copy_GBps": copy[n] / 1e9,
                "exact": psums.get(n) is not None and psums.get(n) == dsums.get(n), "reps": len(secs)}
         if n in kernel:
@@ -291,7 +314,6 @@ def plan_of(kind: str, spec: dict, shape: KVShape, tokens: int) -> dict:
     """The torch_dist plan of one transfer: how many launches (messages), of at most how much."""
     if kind != "torch_dist":
         return {}
-    from cluster.transport.factory import TransportSpec
     from cluster.transport.plan import PlanSpec, plan_launches
 
     staging = TransportSpec(**spec).staging_bytes
@@ -347,10 +369,12 @@ def plot(rows, path: Path):
 
 
 def print_rows(rows) -> None:
-    print(f"{'path':11} {'tokens':>6} {'MB':>8} {'ms':>8} {'send ms':>8} {'GB/s':>8} {'copy':>8} {'kernel':>8} {'%copy':>6} "
-          f"{'ttft%':>6} exact")
+    print(f"{'path':11} {'tokens':>6} {'MB':>8} {'ms':>8} {'served':>8} {'commit>':>8} {'ready>':>8} {'send ms':>8} "
+          f"{'GB/s':>8} {'copy':>8} {'kernel':>8} {'%copy':>6} {'ttft%':>6} exact")
     for r in rows:
         print(f"{r['path']:11} {r['prompt_tokens']:6d} {r['bytes'] / 1e6:8.1f} {r['seconds'] * 1e3:8.3f} "
+              f"{r.get('served_transfer_s', 0) * 1e3:8.3f} {r.get('commit_to_arrival_s', 0) * 1e3:8.3f} "
+              f"{r.get('kv_ready_to_arrival_s', 0) * 1e3:8.3f} "
               f"{r['send_s'] * 1e3:8.3f} {r['GBps']:8.1f} {r['copy_GBps']:8.1f} {r.get('copy_kernel_GBps', 0):8.1f} "
               f"{100 * r['GBps'] / r['copy_GBps']:6.1f} {100 * r.get('ttft_transfer_share', 0):6.2f} {r['exact']}")
 

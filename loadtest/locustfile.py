@@ -7,11 +7,19 @@ report); by hand:
         --steps 1,2,4 --step-duration 20 --output-tokens 128 --events-dir /tmp/lt
 
 Each user sends one `POST /v1/completions` (`stream`, `ignore_eos`, `temperature: 0`, usage on) at a
-time, back to back, so the decode batch equals the number of users. Timing follows vLLM's serving
-benchmark: TTFT from the request's start to the first token chunk, ITL every gap between later token
-chunks, TPOT = (latency - TTFT) / (output tokens - 1). Chunks are timestamped with `perf_counter()`
-the moment `readline()` returns them, and nothing else happens inside the read loop (no JSON
-parsing, no Locust events, no file I/O): all of that runs after the stream has ended.
+time, back to back, so the decode batch equals the number of users. The prompt is text by default
+(words of the demo corpus; `--prompt-ids` sends random token ids instead).
+
+Timing is per token. The request asks for `stream_options.continuous_usage_stats` (vLLM's), so every
+chunk says how many tokens the stream has carried so far: a chunk's tokens are the difference. TTFT is
+the request's start to the chunk carrying its first token (the server sends an event for every token,
+even one whose text the detokenizer still holds back, so the first token is not "the first visible
+character"); ITL is one sample per token after the first: a chunk of k tokens after a gap g counts k
+gaps of g / k (tokens that came with the first one count 0); `chunk_itl` keeps the raw gaps between
+chunks. TPOT = (latency - TTFT) / (output tokens - 1). Against a server without continuous usage every
+chunk counts one token. Chunks are timestamped with `perf_counter()` the moment `readline()` returns
+them, and nothing else happens inside the read loop (no JSON parsing, no Locust events, no file
+I/O): all of that runs after the stream has ended.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from locust import LoadTestShape, constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadtest.records import EventWriter, append_step_log
+from loadtest.records import PROMPT_WORDS, EventWriter, append_step_log, timing_rows, token_chunks
 
 
 ERROR_BACKOFF_S = 0.5
@@ -49,11 +57,13 @@ def _env(name: str, default: str) -> str:
 def _add_arguments(parser) -> None:
     g = parser.add_argument_group("pdserve load test")
     g.add_argument("--prompt-tokens", type=int, default=int(_env("PROMPT_TOKENS", "128")),
-                   help="prompt length in tokens (sent as token ids unless --prompt-text)")
+                   help="prompt length in tokens (text, or token ids with --prompt-ids)")
     g.add_argument("--output-tokens", type=int, default=int(_env("OUTPUT_TOKENS", "128")),
                    help="max_tokens of every request (ignore_eos keeps it fixed)")
-    g.add_argument("--prompt-text", action="store_true", default=_env("PROMPT_TEXT", "") == "1",
-                   help="send the prompt as text (one word per token, roughly) instead of token ids")
+    g.add_argument("--prompt-text", action="store_true", default=True,
+                   help="send the prompt as text, one word per token roughly (the default)")
+    g.add_argument("--prompt-ids", action="store_true", default=_env("PROMPT_IDS", "") == "1",
+                   help="send random token ids (--prompt-id-range) instead of text")
     g.add_argument("--prompt-id-range", default=_env("PROMPT_ID_RANGE", "10,250"),
                    help="LOW,HIGH: random prompt token ids are drawn from [LOW, HIGH)")
     g.add_argument("--model-name", default=_env("MODEL", "pdserve"), help="the request's `model` field")
@@ -137,9 +147,9 @@ class CompletionStreamUser(FastHttpUser):
 
     def _prompt(self):
         n = max(1, self.opts.prompt_tokens)
-        if self.opts.prompt_text:
-            return " ".join(self.rng.choice(("the", "sea", "a", "ship", "light", "on", "of", "wind")) for _ in range(n))
-        return [self.rng.randrange(*self.id_range) for _ in range(n)]
+        if self.opts.prompt_ids:
+            return [self.rng.randrange(*self.id_range) for _ in range(n)]
+        return " ".join(self.rng.choice(PROMPT_WORDS) for _ in range(n))
 
     @staticmethod
     def _read_stream(raw, stall_timeout: float, t0: float, chunks: list[tuple[float, bytes]]) -> bool:
@@ -164,28 +174,6 @@ class CompletionStreamUser(FastHttpUser):
                 raise StallError(f"no token for {stall_timeout:g} s after {len(chunks)} chunks")
 
     @staticmethod
-    def _token_chunks(chunks: list[tuple[float, bytes]]) -> tuple[list[float], int | None, str | None]:
-        """Arrival times of the chunks that carry a token, the usage's completion_tokens, an error."""
-        times: list[float] = []
-        completion_tokens = None
-        for t, line in chunks:
-            d = json.loads(line[5:])
-            if "error" in d:
-                err = d["error"]
-                return times, completion_tokens, err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            choices = d.get("choices")
-            if choices:
-                c = choices[0]
-                # A chunk that only says finish_reason carries no token; an empty non-final chunk
-                # does (the detokenizer held back an incomplete character).
-                if c.get("text") or c.get("finish_reason") is None:
-                    times.append(t)
-            usage = d.get("usage")
-            if usage:
-                completion_tokens = usage.get("completion_tokens")
-        return times, completion_tokens, None
-
-    @staticmethod
     def _fire(environment, kind: str, name: str, ms: float, exc: Exception | None = None) -> None:
         environment.events.request.fire(request_type=kind, name=name, response_time=ms, response_length=0,
                                         exception=exc, context={})
@@ -198,7 +186,8 @@ class CompletionStreamUser(FastHttpUser):
     def _request(self) -> None:
         o = self.opts
         body = {"model": o.model_name, "prompt": self._prompt(), "max_tokens": o.output_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         step, name = _STEP["index"], _step_name()
         t_wall0, t0 = time.time(), time.perf_counter()
         chunks: list[tuple[float, bytes]] = []
@@ -207,24 +196,17 @@ class CompletionStreamUser(FastHttpUser):
         except GreenletExit:
             # Locust stopped this user mid-stream (end of the run, or a step down): keep the gaps that
             # arrived, or the last step would lose its final request's worth of tokens.
-            times, _, _ = self._token_chunks(chunks)
-            self._record(self._timing_rows(times, step, t_wall0, t0, name, fire=False))
+            carried, _, _ = token_chunks(chunks)
+            self._record(self._timing_rows(carried, step, t_wall0, t0, name, fire=False))
             raise
 
-    def _timing_rows(self, times: list[float], step: int, t_wall0: float, t0: float, name: str,
+    def _timing_rows(self, carried: list[tuple[float, int]], step: int, t_wall0: float, t0: float, name: str,
                      fire: bool = True) -> list[tuple[float, int, str, float]]:
-        rows: list[tuple[float, int, str, float]] = []
-        if not times:
-            return rows
-        ttft = (times[0] - t0) * 1000
-        rows.append((t_wall0 + times[0] - t0, step, "ttft", ttft))
+        rows = timing_rows(carried, step, t_wall0, t0)
         if fire:
-            self._fire(self.environment, "TTFT", name, ttft)
-        for a, b in zip(times, times[1:]):
-            gap = (b - a) * 1000
-            rows.append((t_wall0 + b - t0, step, "itl", gap))
-            if fire:
-                self._fire(self.environment, "ITL", name, gap)
+            for _, _, kind, value in rows:
+                if kind in ("ttft", "itl"):
+                    self._fire(self.environment, kind.upper(), name, value)
         return rows
 
     def _stream(self, body: dict, name: str, step: int, t_wall0: float, t0: float,
@@ -246,7 +228,8 @@ class CompletionStreamUser(FastHttpUser):
                     raw.release()  # an unfinished response closes its socket rather than pooling it
                 except Exception as e:  # noqa: BLE001 - connection reset etc.; GreenletExit is not caught
                     failure = StreamError(f"{type(e).__name__}: {e}")
-            times, completion_tokens, err = self._token_chunks(chunks)
+            carried, completion_tokens, err = token_chunks(chunks)
+            times = [t for t, _ in carried]
             if err and failure is None:
                 failure = StreamError(f"error event in the stream: {err}")
             end = times[-1] if times else time.perf_counter()
@@ -256,7 +239,7 @@ class CompletionStreamUser(FastHttpUser):
             else:
                 resp.success()
 
-        rows = self._timing_rows(times, step, t_wall0, t0, name)
+        rows = self._timing_rows(carried, step, t_wall0, t0, name)
         wall = t_wall0 + end - t0
         if stalled_at is not None:
             since = (stalled_at - (times[-1] if times else t0)) * 1000
@@ -265,7 +248,7 @@ class CompletionStreamUser(FastHttpUser):
         elif failure is not None:
             rows.append((wall, step, "error", 0.0))
         elif times:
-            n_out = completion_tokens or len(times)
+            n_out = completion_tokens or sum(k for _, k in carried)
             latency = (end - t0) * 1000
             rows += [(wall, step, "e2e", latency), (wall, step, "tokens", float(n_out)),
                      (wall, step, "chunks", float(len(times)))]

@@ -5,9 +5,11 @@ appends exact per-event rows to `events-<pid>.csv` in the output directory, and 
 appends one JSON line per step transition to `steps.jsonl`. The report reads both back and joins
 them by wall-clock time (`time.time()`), which is also the clock of the server's step records.
 
-Event kinds (`value` unit in brackets):
-  ttft [ms]     request start -> first token chunk; `t` is the first chunk's arrival
-  itl [ms]      one gap between two consecutive token chunks; `t` is the later chunk's arrival
+Event kinds (`value` unit in brackets), per token (see timing_rows):
+  ttft [ms]     request start -> the chunk carrying the first token; `t` is that chunk's arrival
+  itl [ms]      one per token after the first: a chunk of k tokens after a gap g gives k of g / k
+                (tokens that came with the first give 0); `t` is the chunk's arrival
+  chunk_itl [ms] one gap between two consecutive token chunks
   tpot [ms]     (latency - ttft) / (output tokens - 1); `t` is the last chunk's arrival
   e2e [ms]      request start -> last token chunk; `t` as for tpot
   tokens [n]    output tokens of the request (usage.completion_tokens, else the chunk count)
@@ -25,7 +27,11 @@ from pathlib import Path
 from typing import Iterable
 
 EVENT_FIELDS = ("t", "step", "kind", "value")
-EVENT_KINDS = ("ttft", "itl", "tpot", "e2e", "tokens", "chunks", "stall", "error")
+# Text prompts (the load test's default): words the demo tokenizer (trained on
+# cluster/model/demo_corpus.txt) and any real one encode as about one token each.
+PROMPT_WORDS = ("the", "sea", "a", "ship", "light", "on", "of", "wind", "and", "was", "in", "it", "to", "he",
+                "that", "with", "night", "water", "came", "over")
+EVENT_KINDS = ("ttft", "itl", "chunk_itl", "tpot", "e2e", "tokens", "chunks", "stall", "error")
 STEPS_FILE = "steps.jsonl"
 EVENTS_GLOB = "events-*.csv"
 
@@ -54,6 +60,55 @@ class EventWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def token_chunks(chunks: list[tuple[float, bytes]]) -> tuple[list[tuple[float, int]], int | None, str | None]:
+    """SSE data lines (arrival, b"data: {...}") of one stream -> (arrival, tokens) of the chunks that
+    carry tokens, the last completion_tokens seen, the stream's error message (or None).
+
+    With `stream_options.continuous_usage_stats` a chunk's tokens are the growth of its
+    usage.completion_tokens; without, a chunk with text or without finish_reason counts one token
+    (pdserve sends an event for every token, even when the detokenizer holds its text back)."""
+    out: list[tuple[float, int]] = []
+    completion_tokens = None
+    for t, line in chunks:
+        d = json.loads(line[5:])
+        if "error" in d:
+            err = d["error"]
+            return out, completion_tokens, err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        choices = d.get("choices")
+        usage = d.get("usage")
+        counted = usage is not None and usage.get("completion_tokens") is not None
+        if choices:
+            c = choices[0]
+            if counted:
+                n = usage["completion_tokens"] - (completion_tokens or 0)
+            else:
+                n = 1 if c.get("text") or c.get("finish_reason") is None else 0  # a finish-only chunk: none
+            if n > 0:
+                out.append((t, n))
+        if counted:
+            completion_tokens = usage["completion_tokens"]
+    return out, completion_tokens, None
+
+
+def timing_rows(carried: list[tuple[float, int]], step: int, t_wall0: float, t0: float
+                ) -> list[tuple[float, int, str, float]]:
+    """Per-token event rows of one stream from its (perf_counter arrival, tokens) chunks: ttft, one
+    itl per later token, one chunk_itl per gap between chunks; `t` in wall time (t_wall0 ~ t0)."""
+    rows: list[tuple[float, int, str, float]] = []
+    if not carried:
+        return rows
+    first, k = carried[0]
+    at = t_wall0 + first - t0
+    rows.append((at, step, "ttft", (first - t0) * 1000))
+    rows += [(at, step, "itl", 0.0)] * (k - 1)  # tokens that came with the first one
+    for (a, _), (b, k) in zip(carried, carried[1:]):
+        gap = (b - a) * 1000
+        at = t_wall0 + b - t0
+        rows.append((at, step, "chunk_itl", gap))
+        rows += [(at, step, "itl", gap / k)] * k
+    return rows
 
 
 def read_events(out_dir: Path) -> list[Event]:

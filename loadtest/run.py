@@ -35,6 +35,12 @@ from loadtest.report import build_rows, format_table, progress_line, target_chec
 from loadtest.server_stats import ServerStatsPoller
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def default_out_dir(now: float | None = None) -> Path:
+    """Where a run writes when --out is not given: the current directory's pdserve-loadtest/ (an
+    installed pdserve lives in site-packages, which is no place for results)."""
+    return Path.cwd() / "pdserve-loadtest" / time.strftime("run-%Y%m%d-%H%M%S", time.localtime(now))
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
@@ -60,7 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: a third of --step-duration)")
     w.add_argument("--prompt-tokens", type=int, default=128)
     w.add_argument("--output-tokens", type=int, default=128)
-    w.add_argument("--prompt-text", action="store_true", help="send text prompts instead of token ids")
+    w.add_argument("--prompt-text", action="store_true", default=True,
+                   help="send text prompts (the default: a workload that decodes to text)")
+    w.add_argument("--prompt-ids", action="store_true",
+                   help="send random token ids (--prompt-id-range) instead of text prompts")
     w.add_argument("--prompt-id-range", default="10,250", help="LOW,HIGH for random prompt token ids")
     w.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds without a token after which a stream counts as stalled (failed)")
@@ -70,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--processes", type=int, default=None,
                    help="Locust worker processes (default: 1 up to 16 users, else min(4, cpus / 4))")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, help="output directory (default: loadtest/results/run-<time>)")
+    o.add_argument("--out", default=None, help="output directory (default: ./pdserve-loadtest/run-<time>, under "
+                   "the current directory: never inside the installed package)")
     o.add_argument("--summary", default=None, help="JSON summary path (default: OUT/summary.json)")
     o.add_argument("--plot", default=None, help="PNG path (default: OUT/itl.png)")
     o.add_argument("--stats-interval", type=float, default=0.5, help="seconds between /stats polls")
@@ -181,8 +191,8 @@ def _locust_command(args: argparse.Namespace, url: str, out: Path, model: str, p
            "--prompt-id-range", args.prompt_id_range, "--model-name", model,
            "--stall-timeout", f"{args.stall_timeout:g}", "--start-stagger", f"{stagger:g}",
            "--events-dir", str(out)]
-    if args.prompt_text:
-        cmd.append("--prompt-text")
+    if args.prompt_ids:
+        cmd.append("--prompt-ids")
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if processes > 1:
@@ -200,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         raise PdserveError("--warmup must be >= 0 and shorter than --step-duration")
     stagger = min(2.0, warmup / 2) if args.start_stagger is None else args.start_stagger
     processes = args.processes or (1 if max(steps) <= 16 else max(1, min(4, (os.cpu_count() or 4) // 4)))
-    out = Path(args.out or REPO / "loadtest" / "results" / time.strftime("run-%Y%m%d-%H%M%S")).resolve()
+    out = Path(args.out or default_out_dir()).resolve()
     if out.exists():
         for stale in list(out.glob("events-*.csv")) + [out / "steps.jsonl", out / "server_steps.jsonl"]:
             stale.unlink(missing_ok=True)  # records are appended; a rerun must not mix with the last
@@ -265,6 +275,9 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
     rows = build_rows(read_events(out), windows, poller.summarize)
     config = {"url": url, "model": model, "steps": steps, "step_duration_s": args.step_duration, "warmup_s": warmup,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+              "prompt": "token ids" if args.prompt_ids else "text",
+              "timing": "per token: TTFT to the first token's chunk, ITL one sample per token (a chunk of k tokens "
+                        "after a gap g counts k gaps of g / k; chunk_itl_* are the gaps between chunks)",
               "stall_timeout_s": args.stall_timeout, "start_stagger_s": stagger, "locust_processes": processes,
               "started_cluster": bool(args.start_cluster), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     summary = Path(args.summary) if args.summary else out / "summary.json"
@@ -277,8 +290,8 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
     made = write_plot(rows, plot, args.title)
     print()
     print(format_table(rows))
-    print(f"\ntargets: ITL p50 within 10% of server step: {checks['itl_p50_within_10pct_of_step']}; "
-          f"ITL p50 batch 64 / batch 1: {checks['itl_bs64_over_bs1']}")
+    print("\ntargets: " + "; ".join(f"{k} {v['target']}: {'met' if v['met'] else 'missed' if v['met'] is False else '-'}"
+                                      for k, v in checks.items()))
     print(f"summary: {summary}\nplot: {made or '(no data)'}\nlocust CSVs and raw events: {out}")
     if poller.gaps:
         print(f"note: {poller.gaps} /stats polls found records missing since the previous poll "

@@ -3,7 +3,8 @@
 # on GPU 0 and one decode worker on GPU 1 (KV over NCCL, long prompts shipped layer-wise), greedy
 # streams kept going while loadtest/chaos.py kills the prefill or the decode worker every INTERVAL
 # seconds (ray.kill with restart: Ray restarts the actor, it rejoins the transport under a new
-# incarnation). Long prompts keep the prefill worker computing and shipping most of the time, so a kill
+# incarnation), kills single KV transfers mid-payload (NCCL: the pair's communicator aborted), wedges
+# one (both sides give up at transfer_timeout_s) or cancels storms of long-prompt streams. Long prompts keep the prefill worker computing and shipping most of the time, so a kill
 # lands mid-transfer; the JSON counts, per fault kind, the kills with KV in flight
 # (`kills_mid_transfer`, `with_kv_in_flight`), the requests affected, finished exactly, hung, errors,
 # blocks leaked, and seconds until the worker was back. The decode worker is the only one: while it
@@ -31,5 +32,8 @@ else
     --long-prompt-words 1500 --deadline-s 240"
 fi
 # shellcheck disable=SC2086
+# One decode worker: the faults that need two (rejoin_peer_death, simultaneous_restart) or take one away
+# for good (restart_limit) are left out.
 timeout ${TIMEOUT:-540} $PY -m loadtest.chaos $ARGS --prefill-workers 1 --decode-workers 1 --sole-decode-kills \
+  --faults prefill,decode,transfer,stuck_transfer,cancel_storm \
   --out "$OUT/chaos_h200x2.json" 2>&1 | tee "$OUT/chaos_h200x2.log" | grep -v "^\s*$" | tail -40

@@ -3,7 +3,8 @@
 Primary source, `GET /stats?cursor=C`:
 
     {"decode_steps": [{"worker_id": str, "t": unix_time_float, "batch_size": int, "bucket": int,
-                       "padded_rows": int, "step_ms": float, "graph": bool}, ...],
+                       "padded_rows": int, "step_ms": float, "graph": bool, "interval_ms": float | null,
+                       "prefill_ms", "idle_ms", "gap_ms", "host_ms", "publish_lag_ms": float}, ...],
      "requests": [...], "cursor": int, "missed": int, "now": unix_time_float}
 
 the step records since cursor C (at most a bounded number per answer; the next poll asks from the
@@ -42,11 +43,64 @@ class StepRecord:
     padded_rows: int
     step_ms: float
     graph: bool
+    # The interval since the previous step and what filled it (cluster.messages.StepTiming); None /
+    # 0 from a server that does not report them.
+    interval_ms: float | None = None
+    prefill_ms: float = 0.0
+    idle_ms: float = 0.0
+    gap_ms: float = 0.0
+    host_ms: float = 0.0
+    publish_lag_ms: float = 0.0
 
     @classmethod
     def from_json(cls, d: dict) -> "StepRecord":
+        iv = d.get("interval_ms")
         return cls(str(d["worker_id"]), float(d["t"]), int(d["batch_size"]), int(d.get("bucket") or 0),
-                   int(d.get("padded_rows") or 0), float(d["step_ms"]), bool(d.get("graph", False)))
+                   int(d.get("padded_rows") or 0), float(d["step_ms"]), bool(d.get("graph", False)),
+                   None if iv is None else float(iv), float(d.get("prefill_ms") or 0.0), float(d.get("idle_ms") or 0.0),
+                   float(d.get("gap_ms") or 0.0), float(d.get("host_ms") or 0.0), float(d.get("publish_lag_ms") or 0.0))
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request as the server timed it (`/stats` "requests": the gateway's arrival and
+    first-token times, the router's placement, the prefill worker's timings)."""
+
+    t_first: float  # unix time of its first token at the gateway
+    ttft_ms: float
+    e2e_ms: float
+    output_tokens: int
+    local_prefill: bool
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    transfer_ms: float | None = None
+    first_step_ms: float | None = None
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RequestRecord | None":
+        if d.get("ttft_ms") is None:
+            return None  # never got a token
+        finished, e2e, ttft = float(d["t"]), float(d["e2e_ms"]), float(d["ttft_ms"])
+        return cls(finished - (e2e - ttft) / 1e3, ttft, e2e, int(d.get("output_tokens") or 0),
+                   bool(d.get("local_prefill")), d.get("queue_ms"), d.get("prefill_ms"), d.get("transfer_ms"),
+                   d.get("first_step_ms"))
+
+
+def summarize_requests(recs: list[RequestRecord]) -> dict:
+    """The server's own TTFT over the requests whose first token fell in a window, and its parts."""
+    out = {"server_requests": len(recs), "server_ttft_p50_ms": None, "server_ttft_p99_ms": None,
+           "server_ttft_parts_p50_ms": None}
+    if recs:
+        ttft = [r.ttft_ms for r in recs]
+        out.update(server_ttft_p50_ms=round(statistics.median(ttft), 3), server_ttft_p99_ms=round(_percentile(ttft, 99), 3))
+        parts = {}
+        for k in ("queue_ms", "prefill_ms", "transfer_ms", "first_step_ms"):
+            vals = [getattr(r, k) for r in recs if getattr(r, k) is not None]
+            if vals:
+                parts[k[:-3]] = round(statistics.median(vals), 3)
+        out["server_ttft_parts_p50_ms"] = parts or None
+        out["server_local_prefill_fraction"] = round(sum(r.local_prefill for r in recs) / len(recs), 3)
+    return out
 
 
 def parse_histogram_totals(text: str, names=METRIC_HISTOGRAMS) -> dict[str, tuple[float, float]]:
@@ -89,6 +143,7 @@ class ServerStatsPoller:
     raw_path: Path | None = None  # every new /stats record is appended here as JSON
     source: str | None = None  # "stats" | "metrics" | None (undecided or neither)
     records: list[StepRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
     snapshots: list[tuple[float, dict[str, tuple[float, float]]]] = field(default_factory=list)
     gaps: int = 0  # polls that found records dropped before this poller read them
 
@@ -145,7 +200,8 @@ class ServerStatsPoller:
                 body = self._client.get("/stats", params={"cursor": self._cursor}).json()
                 self._cursor = body["cursor"]
                 self.gaps += body.get("missed", 0) > 0
-                self._add([StepRecord.from_json(d) for d in body.get("decode_steps", [])])
+                self._add([StepRecord.from_json(d) for d in body.get("decode_steps", [])],
+                          [r for r in map(RequestRecord.from_json, body.get("requests", [])) if r is not None])
                 if not body.get("more"):
                     break
         elif self.source == "metrics":
@@ -153,29 +209,39 @@ class ServerStatsPoller:
             with self._lock:
                 self.snapshots.append((time.time(), parse_histogram_totals(text)))
 
-    def _add(self, fresh: list[StepRecord]) -> None:
+    def _add(self, fresh: list[StepRecord], requests: list[RequestRecord] = ()) -> None:
         with self._lock:
             self.records.extend(fresh)
-        if fresh and self.raw_path is not None:
+            self.requests.extend(requests)
+        if (fresh or requests) and self.raw_path is not None:
             with open(self.raw_path, "a") as f:
                 for r in fresh:
                     f.write(json.dumps(r.__dict__) + "\n")
+                for r in requests:
+                    f.write(json.dumps({"request": r.__dict__}) + "\n")
 
     def summarize(self, t0: float, t1: float) -> dict:
         """The server columns of one report row, over [t0, t1)."""
         with self._lock:
             if self.source == "stats":
-                return summarize_records([r for r in self.records if t0 <= r.t < t1])
+                return {**summarize_records([r for r in self.records if t0 <= r.t < t1]),
+                        **summarize_requests([r for r in self.requests if t0 <= r.t_first < t1])}
             if self.source == "metrics":
                 return summarize_snapshots(self.snapshots, t0, t1)
         return empty_summary(None)
+
+
+INTERVAL_PARTS = ("prefill", "idle", "gap")  # interval = previous step + these (cluster.messages.StepTiming)
 
 
 def empty_summary(source: str | None) -> dict:
     return {"server_source": source, "server_steps": 0, "server_workers": None, "server_batch_size": None,
             "server_batch_size_mean": None, "server_bucket": None, "server_padded_rows": None,
             "server_padding_ratio": None, "server_step_ms": None, "server_step_p90_ms": None,
-            "server_graph_fraction": None}
+            "server_step_mean_ms": None, "server_graph_fraction": None, "server_interval_ms": None,
+            "server_interval_p90_ms": None, "server_interval_mean_ms": None,
+            "server_interval_parts_ms": None, "server_host_ms": None, "server_publish_lag_ms": None,
+            "server_publish_lag_p90_ms": None, "server_rows_per_s": None}
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -204,7 +270,27 @@ def summarize_records(recs: list[StepRecord]) -> dict:
         server_step_ms=round(statistics.median(r.step_ms for r in recs), 4),
         server_step_p90_ms=round(_percentile([r.step_ms for r in recs], 90), 4),
         server_graph_fraction=round(sum(r.graph for r in recs) / len(recs), 4),
+        server_step_mean_ms=round(statistics.fmean(r.step_ms for r in recs), 4),
     )
+    # Rows the steps computed per second of step time: what the window could deliver at most.
+    step_s = sum(r.step_ms for r in recs) / 1e3
+    out["server_rows_per_s"] = round(sum(bs) / step_s, 2) if step_s > 0 else None
+    timed = [r for r in recs if r.interval_ms is not None]
+    if timed:
+        iv = [r.interval_ms for r in timed]
+        out.update(
+            server_interval_ms=round(statistics.median(iv), 4),
+            server_interval_p90_ms=round(_percentile(iv, 90), 4),
+            server_interval_mean_ms=round(statistics.fmean(iv), 4),
+            # Means, which add up: mean interval = mean previous step + these (medians of the parts
+            # would be 0 for a part that fills a few intervals a lot, local prefill chunks say).
+            server_interval_parts_ms={
+                "step": round(statistics.fmean(r.step_ms for r in timed), 4),
+                **{k: round(statistics.fmean(getattr(r, f"{k}_ms") for r in timed), 4) for k in INTERVAL_PARTS}},
+            server_host_ms=round(statistics.median(r.host_ms for r in timed), 4),
+        )
+    lag = [r.publish_lag_ms for r in recs]
+    out.update(server_publish_lag_ms=round(statistics.median(lag), 4), server_publish_lag_p90_ms=round(_percentile(lag, 90), 4))
     return out
 
 

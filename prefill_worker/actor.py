@@ -47,12 +47,15 @@ class PrefillWorkerActor:
             return
         w = self.worker
         w.set_transport(create_transport(spec, w.kv_cache, w.worker_id, "prefill", group=w.group,
-                                         kv_heads=w.arch.num_kv_heads), send_timeout_s=spec.transfer_timeout_s)
+                                         kv_heads=w.arch.num_kv_heads, numerics=w.kv_numerics_info()),
+                        send_timeout_s=spec.transfer_timeout_s)
 
-    def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
-        """Forms and warms the KV channel to every decode worker (seconds each); blocks until done.
-        Every decode worker's init_transport must have been called (it publishes its endpoint)."""
-        return self.worker.transport.connect(decode_worker_ids)
+    async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
+        """Forms and warms the KV channel to every decode worker (seconds each); returns when done.
+        Every decode worker's init_transport must have been called (it publishes its endpoint). On a
+        thread: the actor's loop goes on answering (stats, peer_died: a peer that dies while its pair
+        forms fails that pair at once)."""
+        return await asyncio.to_thread(self.worker.transport.connect, decode_worker_ids)
 
     async def warmup(self) -> dict:
         """Before serving (the launcher calls it before /ready): every prefill shape class, twice.
@@ -84,6 +87,9 @@ class PrefillWorkerActor:
     def transfer_metrics(self) -> dict:
         t = self.worker.transport
         return t.metrics() if t is not None and hasattr(t, "metrics") else {}
+
+    def inject_transport_fault(self, kind: str, seconds: float = 0.0) -> None:
+        self.worker.transport.inject_fault(kind, seconds)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

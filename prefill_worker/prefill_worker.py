@@ -52,6 +52,7 @@ from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.structured.request_grammar import RequestGrammar
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
+from cluster.transport.plan import KVNumerics
 from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import WorkerModel
@@ -92,12 +93,14 @@ class PrefillWorker:
         wm = WorkerModel.load(cfg, group, model=model, arch=arch)
         self.group = wm.group if group is not None and group.size > 1 else None
         self.arch = wm.arch
-        dtype = wm.dtype
         self.model = wm.model
         self.spec = wm.spec
         self.runner = wm.runner
+        # FP8 weights or an FP8 cache compute other K/V: the prefix-cache salt and the KV transport's
+        # pair check both take this tag (the decode workers compute the same one: WorkerModel).
+        self.kv_numerics = wm.kv_numerics
         self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
-                                                prefix_cache_salt(cfg.model_dir, str(dtype), cfg.block_size),
+                                                prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
                                                 cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
         self._computed_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self.transport = transport
@@ -236,6 +239,10 @@ class PrefillWorker:
         self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "grammar_seconds": round(grammar_s, 3),
                             "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
         return self.warmup_info
+
+    def kv_numerics_info(self) -> KVNumerics:
+        """What this cache's K/V is, for the KV transport's pair check (cluster/transport/plan.py)."""
+        return KVNumerics(str(self.spec.dtype).removeprefix("torch."), self.kv_numerics)
 
     def set_transport(self, transport: KVSender, send_timeout_s: float | None = None) -> None:
         self.transport = transport
@@ -413,8 +420,11 @@ class PrefillWorker:
         """The first token sits at position len(prompt): the same draw the engine would make.
         -> (tokens, per job its logprobs or None)."""
         reqs = [j.task.request for j in jobs]
+        # A migrated request's prompt ends with the tokens it generated before (resumed_tokens): its
+        # penalties and bad words count them as generated, as they did on its first placement.
         return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
                              [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
+                             [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
                              grammars=[j.grammar for j in jobs])
 
     # -- transfer and completion ----------------------------------------------------------------

@@ -6,8 +6,9 @@ which stops taking the dead placement's tokens at once and calls `migrate` with 
 client already got. The request is placed again as prompt + those tokens, with max_tokens less
 those and the same seed, under the worker-side id the gateway chose (`<id>.m<k>`); the stream
 continues from the next token, so there is no gap and no duplicate, and greedy or seeded output is
-what it would have been. A request whose prefill worker dies is placed again the same way (nothing
-generated yet). At most `max_migrations` moves per request.
+what it would have been. A request whose prefill worker dies, or whose prompt's computation or KV
+transfer fails, is placed again the same way (nothing generated yet), not through that prefill and
+decode pair. At most `max_migrations` moves per request.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class Migrator:
             # The decode side may see a transfer break (and fail the request) before the router has
             # noticed that the prefill worker died: nothing was streamed yet, so run it elsewhere.
             rs.lost = f"prefill worker {rs.prefill_worker_id} died"
+        if rs.lost is None and rs.decode_worker_id in self.health.workers.views:
+            # A failure reported before the router saw its cause: the decode worker may have died or
+            # restarted meanwhile (a new incarnation answers lost() with False: it never had the
+            # request). A poll now finds either, and marks its requests lost.
+            await self.health.poll(self.health.workers.views[rs.decode_worker_id])
         if rs.lost is None and rs.decode_worker_id is not None and await self.health.lost_on(
                 rs.decode_worker_id, worker_request_id=rs.worker_request_id):
             # Its decode worker failed it for a failure of its own (a loop exception, the process
@@ -61,6 +67,8 @@ class Migrator:
         if rs.lost is None or not self.cfg.migrate_on_worker_death:
             return "error", failure
         why, rs.lost = rs.lost, None
+        if not generated and rs.prefill_worker_id is not None and rs.decode_worker_id is not None:
+            rs.avoid_pairs.add((rs.prefill_worker_id, rs.decode_worker_id))  # its KV transfer failed there
         origin = rs.origin
         done = len(generated)
         left = origin.params.max_tokens - done
@@ -80,7 +88,8 @@ class Migrator:
         log.warning("request %s: %s; migrating with %d tokens so far as %s", rs.request_id, why, done,
                     rs.worker_request_id)
         try:
-            await self.walk.place(rs, self.cfg.migration_wait_s, wait_for_restart=self.cfg.workers_restart)
+            # While a decode worker is down but not gone (Ray restarts it), a migration waits for it.
+            await self.walk.place(rs, self.cfg.migration_wait_s, wait_for_restart=self.health.may_come_back("decode"))
         except asyncio.CancelledError:
             raise
         except Exception as e:

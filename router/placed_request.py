@@ -3,7 +3,7 @@ gateway what happened to it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.messages import GenerateRequest, PrefillResult
@@ -28,6 +28,9 @@ class PlacedRequest:
     placed_time: float = 0.0
     first_token_time: float | None = None
     prefill_result: PrefillResult | None = None
+    # (prefill, decode) pairs whose KV transfer failed this request: it is not placed on them again
+    # (its prompt is prefilled on the decode worker, or through another prefill worker).
+    avoid_pairs: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self):
         if self.origin is None:

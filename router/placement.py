@@ -83,6 +83,7 @@ class WorkerView:
     draining: bool = False  # being taken out (a role switch): no new placements
     inflight: set[str] = field(default_factory=set)  # request ids the router has placed here
     placed_total: int = 0  # requests ever placed here: the last tie-break, so idle equals alternate
+    restart_seen: str | None = None  # the last new incarnation (a Ray restart) the router counted
 
     @property
     def placeable(self) -> bool:

@@ -63,13 +63,14 @@ class PlacementWalk:
         self.spawn = spawn
         self.metrics = metrics
 
-    def cached_blocks(self, req: GenerateRequest) -> dict[str, int]:
-        """The prompt's leading blocks each decode worker reported caching (empty when no policy
-        keeps the index): a worker holding them needs only the rest of the prompt's blocks free,
-        as its reservation pins the cached ones. Stale entries only cost a refused reservation."""
-        if "decode" not in self.policies.indexed_roles or self.kv_index.block_size is None:
+    def cached_blocks(self, req: GenerateRequest, role: str = "decode") -> dict[str, int]:
+        """The prompt's leading blocks each worker of `role` reported caching (empty when no policy
+        keeps the index for it): a decode worker holding them needs only the rest of the prompt's
+        blocks free, as its reservation pins the cached ones; a cached prefix is not computed again
+        (the prefill cost model). Stale entries only cost a refused reservation or a misestimate."""
+        if role not in self.policies.indexed_roles or self.kv_index.block_size is None:
             return {}
-        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.workers.ids("decode"))
+        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.workers.ids(role))
 
     async def place(self, rs: PlacedRequest, wait_s: float | None = None, wait_for_restart: bool = False) -> None:
         """Places the request, waiting up to `wait_s` (default reserve_wait_s) for a decode worker with
@@ -80,13 +81,16 @@ class PlacementWalk:
         prompt_len = len(req.prompt_token_ids)
         need = self.admission.blocks_for(prompt_len + 1)
         cached = self.cached_blocks(req)
+        bs = self.kv_index.block_size or 0
+        cached_tokens = {w: n * bs for w, n in {**self.cached_blocks(req, "prefill"), **cached}.items()}
         wait_s = self.cfg.reserve_wait_s if wait_s is None else wait_s
         started = time.monotonic()
         mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
         while True:
             prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
             for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
-                choice = self.prefill_choice.choose(prompt_len, d, prefill_ranked, self.cost, mean_output)
+                ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
+                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
                 rs.decode_worker_id = d.worker_id
                 new_blocks = need - cached.get(d.worker_id, 0)
                 if choice.local:
@@ -106,6 +110,7 @@ class PlacementWalk:
     async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
         wrid = rs.worker_request_id
         d.begin(wrid, need, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         try:
             cached = await self.workers.clients[d.worker_id].submit_local(rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
@@ -132,6 +137,7 @@ class PlacementWalk:
         wrid = rs.worker_request_id
         d.begin(wrid, need, 0)
         p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         call = asyncio.ensure_future(self.workers.clients[d.worker_id].reserve(
             ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s))
         try:
@@ -196,9 +202,7 @@ class PlacementWalk:
                 error = result.error or "prefill failed"
             elif result.transfer_s > 0:
                 self.cost.observe_transfer(len(task.request.prompt_token_ids), result.transfer_s)
-            if result.ok and self.metrics:
-                self.metrics.queue.observe(result.queue_s)
-                self.metrics.prefill.observe(result.prefill_s)
+            if result.ok and self.metrics:  # its queue and prefill phases are observed when it finishes
                 self.metrics.kv_transfer.observe(result.transfer_s)
                 self.metrics.kv_transfer_size.observe(result.transfer_bytes)
                 self.metrics.kv_transfer_bytes.inc(result.transfer_bytes)
@@ -218,5 +222,10 @@ class PlacementWalk:
                     self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
+            if self.cfg.migrate_on_worker_death:
+                # Nothing was generated yet, and the prompt's computation or its KV transfer failed:
+                # a failure of the cluster, not of the request. Its gateway's Migrate places it again,
+                # not through this pair (router.migrator).
+                rs.lost = error
             self.notify(rs, error)
             self.abort_on(rs.decode_worker_id, wrid)

@@ -8,8 +8,10 @@ Inputs, all measured while serving (and seeded by the workers' warm-up before /r
 - the KV transfer's cost, fitted here from the prefill workers' `PrefillResult` timings;
 - the mean output length of recent requests (`ArrivalStats`).
 
-Estimates, in seconds (q = tokens queued ahead, n = the prompt, C = the decode worker's chunk cap,
-r = requests decoding there):
+Estimates, in seconds (q = tokens queued ahead, n = the prompt's tokens that path computes: the prompt
+less what that worker already caches, when the router's KV index knows it; C = the decode worker's
+chunk cap, r = requests decoding there; the transfer moves the prompt less what the decode worker
+caches):
     remote(P, n) = q_P x per-token_P (+ overhead_P when q_P > 0)  +  pass_P(n)  +  transfer(n)
     local(D, n)  = pass_D(q_D + n)                                                  when r = 0
                  = (k - 1) x step_D(r) + k x overhead_D + (q_D + n) x per-token_D   when r > 0,
@@ -94,11 +96,16 @@ class PrefillCostModel:
         return decoding * stall / max(1.0, mean_output_tokens) * self.itl_cost_weight
 
     # -- the comparison -------------------------------------------------------------------------
-    def estimate(self, n: int, d: WorkerView, p: WorkerView | None, mean_output_tokens: float) -> PrefillEstimate:
+    def estimate(self, n: int, d: WorkerView, p: WorkerView | None, mean_output_tokens: float,
+                 cached_on_d: int = 0, cached_on_p: int = 0) -> PrefillEstimate:
+        """`cached_on_d` / `cached_on_p`: prompt tokens each worker already holds (its prefix cache, as
+        the router's index last saw it): a cached prefix is neither computed again nor moved."""
         remote = None
+        local_n = max(1, n - cached_on_d)
         if p is not None and p.stats.prefill_rate is not None:
-            remote = self.remote_wait_s(p) + p.stats.prefill_rate.seconds(n) + self.transfer_s(n)
-        return PrefillEstimate(remote, self.local_s(d, n), self.itl_cost_s(d, n, mean_output_tokens))
+            remote = (self.remote_wait_s(p) + p.stats.prefill_rate.seconds(max(1, n - cached_on_p))
+                      + self.transfer_s(local_n))
+        return PrefillEstimate(remote, self.local_s(d, local_n), self.itl_cost_s(d, local_n, mean_output_tokens))
 
     def best_queue_wait_s(self, prefill: list[WorkerView], decode: list[WorkerView]) -> float:
         """The shortest wait any healthy path offers a new prompt before its prefill starts (0 when a

@@ -33,7 +33,7 @@ from typing import Coroutine, Mapping
 from cluster.messages import GenerateRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
-from router.errors import CapacityShortError, DrainingError
+from router.errors import DrainingError
 from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.migrator import Migrator
@@ -42,7 +42,7 @@ from router.placement import PlacementPolicies, WorkerView
 from router.placement_walk import PlacementWalk
 from router.router_config import RouterConfig
 from router.worker_client import WorkerClient
-from router.worker_health import Rejoin, WorkerHealth
+from router.worker_health import GoneCheck, Rejoin, WorkerHealth
 from router.worker_set import WorkerSet
 
 # Defined in their own modules; the gateway, the router's channel and the launcher import them from here.
@@ -63,6 +63,9 @@ class Router:
         self.notify: Notify = notify or (lambda rs, error: None)
         self.prefilled: Prefilled = lambda rs: None
         self.rejoin: Rejoin | None = None  # the launcher's; without it a restarted worker serves as it is
+        # The launcher's: whether a dead worker is dead for good (Ray will not restart it); without it
+        # only the restarts the router counted against worker_max_restarts say so.
+        self.gone_check: GoneCheck | None = None
         self.workers = WorkerSet(prefill, decode)
         self.inflight: dict[str, PlacedRequest] = {}
         self._arrivals = arrivals or ArrivalStats()
@@ -73,11 +76,14 @@ class Router:
         # set them after construction.
         self.health = WorkerHealth(self.workers, cfg, self.kv_index, policies.indexed_roles, self.inflight,
                                    notify=lambda rs, error: self.notify(rs, error), rejoin=self._rejoin,
-                                   spawn=self._spawn, polled=self._polled, metrics=metrics)
+                                   spawn=self._spawn, polled=self._polled, metrics=metrics,
+                                   gone_check=self._gone_check)
         self.walk = PlacementWalk(self.workers, cfg, policies, admission, self.health, self.kv_index, self._arrivals,
                                   self.inflight, notify=lambda rs, error: self.notify(rs, error),
                                   prefilled=lambda rs: self.prefilled(rs), abort_on=self.abort_on, spawn=self._spawn,
                                   metrics=metrics)
+        # A request that starts to wait in the admission queue asks for fresh stats (shared by a burst).
+        admission.on_queued = lambda: self._spawn(self.refresh(max_wait_s=1.0), name="admission-refresh")
         self.migrator = Migrator(cfg, self.inflight, self.health, self.walk,
                                  forget_placement=lambda rs: self._forget_placement(rs, abort=True), metrics=metrics)
         self.cfg = cfg
@@ -134,13 +140,17 @@ class Router:
         return task
 
     def _polled(self) -> None:
+        self.admission.pump()  # fresh stats: waiting requests may fit now
         if self.metrics:
             self.metrics.running.set(sum(v.stats.running for v in self.decode_views() if v.healthy))
-            self.metrics.waiting.set(self.admission.num_waiting)
+            self.metrics.waiting.set(self.admission.num_queued)
 
     async def _rejoin(self, worker_id: str, role: str, peers: list[str]) -> None:
         if self.rejoin is not None:
             await self.rejoin(worker_id, role, peers)
+
+    async def _gone_check(self, worker_id: str) -> bool:
+        return self.gone_check is not None and await self.gone_check(worker_id)
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -220,20 +230,16 @@ class Router:
                              wait, self.walk.cached_blocks(req))
 
     async def submit(self, req: GenerateRequest) -> PlacedRequest:
-        """Admits and places the request; returns once a decode worker holds it. Raises
-        InvalidRequestError (400), OverloadedError (429) or NoHealthyWorkerError (503). The request's
-        gateway listens for its tokens (at `req.reply_to`) before it submits."""
+        """Admits the request (waiting in the admission queue while it does not fit) and places it;
+        returns once a decode worker holds it. Raises InvalidRequestError (400), OverloadedError
+        (429) or NoHealthyWorkerError (503). The request's gateway listens for its tokens (at
+        `req.reply_to`) before it submits; a cancellation while it waits leaves nothing behind."""
         rid = req.request_id
         self.admission.check_open()
         self._arrivals.record_arrival(len(req.prompt_token_ids), req.params.max_tokens)
-        try:
-            self._admit(req)
-        except CapacityShortError:
-            # Decided on polled state: ask the workers again before refusing (an idle server whose
-            # last poll predates a finish must not answer 429). Bounded: under real overload the
-            # workers answer slowly, and a 429 must still come at once.
-            await self.refresh(max_wait_s=max(0.05, min(0.25, 2 * self.cfg.stats_interval_s)))
-            self._admit(req)
+        waited = await self.admission.enter(rid, req.reply_to or "", lambda: self._admit(req))
+        if self.metrics:
+            self.metrics.admission_queue_time.observe(waited)
         rs = PlacedRequest(req)
         self.inflight[rid] = rs
         try:
@@ -243,6 +249,8 @@ class Router:
             # worker already holds for this request is aborted there.
             self.finish(rid, abort=True)
             raise
+        finally:
+            self.admission.placed(rid)  # its worker's view counts it now (or it is gone)
         rs.placed_time = time.time()
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
@@ -261,10 +269,10 @@ class Router:
         rs = self.inflight.pop(request_id, None)
         if rs is None:
             return
-        self.admission.release(request_id)
         if not abort and generated is not None:
             self._arrivals.record_finish(generated)
         self._forget_placement(rs, abort, generated)
+        self.admission.release(request_id)  # after the views count its blocks free: a waiting one may fit
 
     async def migrate(self, request_id: str, worker_request_id: str, generated: tuple[int, ...],
                       emitted_chars: int, failure: str) -> tuple[str, str | None] | None:

@@ -21,8 +21,15 @@ class RouterConfig:
     reserve_wait_s: float = 2.0  # how long a request may wait for a D with room before a 429
     migration_wait_s: float = 60.0  # how long a migrated request may wait for room (or a restart)
     migrate_on_worker_death: bool = True  # re-place a dead worker's requests (else: an error event)
-    workers_restart: bool = False  # Ray restarts dead workers: a migration waits for one to come back
+    # How often Ray restarts a dead worker (-1: always, 0: never, the router alone does not assume it).
+    # While it may, a migration waits for one to come back; past it, the worker is gone for good.
+    worker_max_restarts: int = 0
     max_migrations: int = 3  # per request
     unhealthy_after_failures: int = 3  # missed stats polls (a dead Ray actor counts at once)
     prefill_policy: str = "least_outstanding_tokens"
     decode_policy: str = "least_loaded"
+
+    @property
+    def workers_restart(self) -> bool:
+        """Ray restarts dead workers: a migration waits for one to come back."""
+        return self.worker_max_restarts != 0

@@ -1,7 +1,7 @@
 """Recent decode steps and request timings, kept by the router for `GET /stats`.
 
-The decode workers send every step's record (batch size, bucket, step time) to the router's stats
-sink, and each gateway reports a finished request's client-side timings; the router adds what it
+The decode workers send every step's record (batch size, bucket, step time, the interval since the
+previous step and what filled it) to the router's stats sink, and each gateway reports a finished request's client-side timings; the router adds what it
 knows (placement, prefill and transfer times). Load tests join the client's inter-token latency with
 what actually ran on the server from these, without asking any worker.
 
@@ -47,6 +47,11 @@ class StepStats:
             "worker_id": r.worker_id, "t": r.t, "step": r.step, "batch_size": r.batch_size, "bucket": r.bucket,
             "padded_rows": max(0, r.bucket - r.batch_size) if r.bucket else 0, "step_ms": r.step_time_s * 1e3,
             "graph": r.bucket > 0,
+            # Where the interval since the previous step went (cluster.messages.StepTiming), and how long
+            # the worker's publisher held the step's tokens.
+            "interval_ms": None if r.interval_s is None else r.interval_s * 1e3, "prefill_ms": r.prefill_s * 1e3,
+            "idle_ms": r.idle_s * 1e3, "gap_ms": r.gap_s * 1e3, "host_ms": r.host_s * 1e3,
+            "publish_lag_ms": r.publish_lag_s * 1e3,
         })
 
     def record_request(self, request_id: str, arrival: float, placed: float, first_token: float | None,

@@ -2,7 +2,9 @@
 
 Each decode worker PUSHes to this gateway's PULL socket a `StreamBatch` holding only the deltas of
 the requests this gateway holds (their `reply_to` is `address`), already detokenized. The receiver
-runs on the gateway's event loop; per frame it does one msgspec decode (typed, no dict per row) and
+runs on the gateway's event loop; per frame it checks the MAC under the cluster's secret
+(cluster/frame_auth.py: a frame from anyone else is dropped and counted), does one msgspec decode
+(typed, no dict per row) and
 appends each delta to its request's `TokenMailbox`, waking the request's reader if it waits. Deltas of
 requests nobody waits for (finished, aborted, or a dead worker's late frames) are dropped.
 
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import zmq
 import zmq.asyncio
 
+from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
 from cluster.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,8 @@ class TokenMailbox:
 
     async def next(self) -> StreamDelta:
         """Every delta that arrived since the last call, merged into one (up to and including the first
-        that ends the request): a reader that falls behind sends one chunk with several tokens."""
+        that ends the request, and only those of the first one's placement): a reader that falls
+        behind sends one chunk with several tokens."""
         while not self.pending:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -58,6 +63,8 @@ class TokenMailbox:
         n = 0
         logprobs = None
         for d in self.pending:
+            if d.request_id != first.request_id:
+                break  # another placement's (a migrated request's mailbox): never merged into this one
             n += 1
             tokens.extend(d.token_ids)
             text.append(d.text)
@@ -73,7 +80,9 @@ class TokenMailbox:
 
 
 class TokenStreamReceiver:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token_timeout_s: float = 600.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token_timeout_s: float = 600.0, secret: bytes = b""):
+        """secret: the cluster's (cluster/frame_auth.py); a frame without its MAC is dropped and counted
+        (`frames_rejected`, and `on_rejected()`, the gateway's metric)."""
         # Bound at construction (before any loop runs): the address goes out in every request.
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -89,6 +98,12 @@ class TokenStreamReceiver:
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batches_received = 0
+        self._verifier = FrameVerifier(secret, TOKEN_STREAM)
+        self.on_rejected: Callable[[], None] = lambda: None
+
+    @property
+    def frames_rejected(self) -> int:
+        return self._verifier.rejected
 
     @property
     def open_streams(self) -> int:
@@ -129,7 +144,13 @@ class TokenStreamReceiver:
         boxes = self._mailboxes
         while True:
             try:
-                batch = decode_stream_batch(await self._sock.recv(copy=False))
+                payload = self._verifier.open(await self._sock.recv_multipart(copy=False))
+                if payload is None:  # not from a holder of the cluster's secret (or a replay): never decoded
+                    log.warning("dropped a token stream frame without a valid MAC (%d so far)",
+                                self._verifier.rejected)
+                    self.on_rejected()
+                    continue
+                batch = decode_stream_batch(payload)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:

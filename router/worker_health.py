@@ -11,7 +11,10 @@
   (`peer_died`), so that they drop their KV transfers with it before the requests move.
 - Restarts: a worker's stats carry the incarnation of its process (`extra["incarnation"]`, new on
   every Ray restart of its actor). A new incarnation is kept unhealthy until the launcher's `rejoin`
-  (KV transport, warm-up) succeeded; a restart the router never saw fail is a death first.
+  (KV transport, warm-up) succeeded; a restart the router never saw fail is a death first. Workers of
+  the other role that restarted at the same time get their pair in the same rejoin. A worker that
+  dies once more after as many restarts as `worker_max_restarts` allows is gone (`gone`, /ready,
+  `pdserve:worker_gone`): the cluster serves on the others, and migrations stop waiting for it.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ log = logging.getLogger(__name__)
 Rejoin = Callable[[str, str, list[str]], Awaitable[None]]
 # Runs a coroutine in the background, on the router's books (Router.stop waits for it, then cancels it).
 Spawn = Callable[..., asyncio.Task]
+# (worker id) -> whether the worker is dead for good (Ray will not restart it again): the launcher's.
+GoneCheck = Callable[[str], Awaitable[bool]]
 
 
 class WorkerHealth:
     def __init__(self, workers: WorkerSet, cfg: RouterConfig, kv_index: KVBlockIndex, indexed_roles: frozenset[str],
                  inflight: dict[str, PlacedRequest], notify: Notify, rejoin: Rejoin, spawn: Spawn,
-                 polled: Callable[[], None], metrics: RouterMetrics | None = None):
+                 polled: Callable[[], None], metrics: RouterMetrics | None = None,
+                 gone_check: GoneCheck | None = None):
         """indexed_roles: roles whose block events are polled (a policy ranks them by cache overlap).
         inflight: the router's admitted requests (shared). notify: tells a request's gateway that its
         worker failed it. rejoin: the launcher's. polled: called after every complete poll."""
@@ -63,6 +69,10 @@ class WorkerHealth:
         self._incarnations: dict[str, str] = {}  # worker id -> the incarnation it serves as
         self._rejoining: dict[str, asyncio.Task] = {}
         self._rejoin_after: dict[str, float] = {}  # worker id -> when a failed rejoin may be retried
+        self._restarts: dict[str, int] = {}  # worker id -> restarts seen (new incarnations answering)
+        self.gone: set[str] = set()  # workers dead past their restart limit: never back
+        self.gone_check = gone_check
+        self._gone_asked: dict[str, float] = {}  # worker id -> when gone_check was last asked
 
     # -- polls --------------------------------------------------------------------------------------
     def start_polling(self) -> None:
@@ -187,6 +197,37 @@ class WorkerHealth:
         if v.healthy and (dead or v.consecutive_failures >= self.cfg.unhealthy_after_failures):
             log.error("worker %s is unhealthy: %s: %s", v.worker_id, e.__class__.__name__, e)
             self._worker_failed(v, dead, f"Ray reports worker {v.worker_id} dead")
+        if dead and v.worker_id not in self.gone:
+            if self._past_restart_limit(v.worker_id):
+                self._mark_gone(v)
+            elif self.gone_check is not None and time.monotonic() - self._gone_asked.get(v.worker_id, -1e9) > 1.0:
+                self._gone_asked[v.worker_id] = time.monotonic()
+                self.spawn(self._ask_gone(v), name=f"gone-{v.worker_id}")
+
+    async def _ask_gone(self, v: WorkerView) -> None:
+        try:
+            gone = await self.gone_check(v.worker_id)
+        except Exception as e:  # noqa: BLE001 - asked again at the next failed call
+            log.debug("asking whether %s is gone failed: %s", v.worker_id, e)
+            return
+        if gone and v.worker_id not in self.gone and v.worker_id in self.workers.views and not v.healthy:
+            self._mark_gone(v)
+
+    def _mark_gone(self, v: WorkerView) -> None:
+        self.gone.add(v.worker_id)
+        log.error("worker %s died past its restart limit (%d restarts seen): it is gone; the cluster serves on "
+                  "the others", v.worker_id, self._restarts.get(v.worker_id, 0))
+        if self.metrics:
+            self.metrics.worker_gone(v.worker_id, v.role)
+
+    def _past_restart_limit(self, worker_id: str) -> bool:
+        limit = self.cfg.worker_max_restarts
+        return limit >= 0 and self._restarts.get(worker_id, 0) >= limit
+
+    def may_come_back(self, role: str) -> bool:
+        """Some worker of `role` is unhealthy but not gone: Ray may still bring it back."""
+        return self.cfg.workers_restart and any(
+            not self.workers.views[w].healthy and w not in self.gone for w in self.workers.ids(role))
 
     def _worker_failed(self, v: WorkerView, dead: bool, why: str) -> None:
         v.healthy = False
@@ -198,8 +239,11 @@ class WorkerHealth:
     def _tell_peers(self, v: WorkerView, why: str) -> None:
         """A worker died: every worker of the other role drops its KV transfers with it now (a decode
         worker frees the blocks it reserved for them), instead of after its transport's heartbeat
-        timeout. Before the requests are moved, so their new placements find the blocks free."""
-        for wid in self.workers.healthy_peers(v.role):
+        timeout. Before the requests are moved, so their new placements find the blocks free. Also
+        the peers that are not healthy now: one rejoining (a restarted worker forming its pairs)
+        must not wait for a pair with the dead one until the rendezvous gives up."""
+        other = "decode" if v.role == "prefill" else "prefill"
+        for wid in self.workers.ids(other):
             client = self.workers.clients[wid]
 
             async def tell(client=client):
@@ -240,6 +284,13 @@ class WorkerHealth:
         known = self._incarnations.setdefault(wid, inc)
         if inc == known:
             return False
+        if inc != v.restart_seen:  # the first poll of this incarnation: Ray restarted the worker once more
+            v.restart_seen = inc
+            self._restarts[wid] = self._restarts.get(wid, 0) + 1
+            if wid in self.gone:  # it was not past its limit after all (a restart the router missed)
+                self.gone.discard(wid)
+                if self.metrics:
+                    self.metrics.worker_gone(wid, v.role, False)
         if was_healthy:
             log.error("worker %s restarted (incarnation %s) between two polls", wid, inc)
             self._worker_failed(v, True, f"worker {wid} restarted")
@@ -248,12 +299,31 @@ class WorkerHealth:
             self._rejoining[wid] = self.spawn(self._rejoin(v, inc), name=f"rejoin-{wid}")
         return True
 
+    def _joined_peers(self, role: str) -> list[str]:
+        """Workers of the other role that serve: healthy, or rejoined and waiting for the poll that
+        marks them healthy (their current incarnation is the one the router has)."""
+        other = "decode" if role == "prefill" else "prefill"
+        out = []
+        for w in self.workers.ids(other):
+            v = self.workers.views[w]
+            if v.healthy or (w not in self._rejoining and v.stats.extra.get("incarnation") is not None
+                             and self._incarnations.get(w) == v.stats.extra.get("incarnation")):
+                out.append(w)
+        return out
+
     async def _rejoin(self, v: WorkerView, inc: str) -> None:
         wid = v.worker_id
         peers = self.workers.healthy_peers(v.role)
         t0 = time.monotonic()
         try:
             await self.rejoin(wid, v.role, peers)
+            # A peer that restarted together with this worker (each saw the other unhealthy when its
+            # rejoin began) and has rejoined since: the pair between them is formed now too. No await
+            # between the last look and taking the new incarnation below: of two workers rejoining
+            # together, the one that finishes second sees the first one joined.
+            while more := [p for p in self._joined_peers(v.role) if p not in peers]:
+                await self.rejoin(wid, v.role, more)
+                peers = peers + more
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - retried a moment later, from a poll

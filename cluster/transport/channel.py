@@ -12,7 +12,9 @@ Messages are msgspec Structs on msgpack (no pickle), tagged by kind:
   Commit  the bundle's first tokens (or per-transfer failure); the decode side reports arrivals
           once the payload has landed too
   Abort   one claimed transfer carries no KV (the prefill failed or was aborted before its forward)
-A frame that does not decode as one of them is dropped and counted. The Inbox also wakes on
+  Broken  the prefill broke the pair (the pair, not a worker, failed); a new Hello re-forms it
+Every frame carries a MAC under the cluster's secret (cluster/frame_auth.py); one without it, or that
+does not decode as one of them, is dropped and counted. The Inbox also wakes on
 `wake()` (an os pipe), so the decode side's other threads hand it work without a socket each.
 """
 
@@ -26,6 +28,7 @@ from typing import Union
 import msgspec
 import zmq
 
+from cluster.frame_auth import KV_CONTROL, FrameSigner, FrameVerifier
 from cluster.logprobs import PrefillLogprobs
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class Hello(msgspec.Struct, tag="h"):
     layout: dict  # the prefill's PlanSpec (plan.py: KV layout, payload): must equal the decode side's
     events: list[bytes] = []  # same-GPU: IPC handles of the pair's doorbell events
     inc: int = 0  # the prefill's incarnation (control.py: restarts)
+    gen: int = 0  # the pair's generation between these two incarnations (a broken pair re-formed)
 
 
 class Begin(msgspec.Struct, tag="b"):
@@ -63,7 +67,16 @@ class Abort(msgspec.Struct, tag="a"):
     request_id: str
 
 
-Message = Union[Hello, Begin, Commit, Abort]
+class Broken(msgspec.Struct, tag="x"):
+    """The prefill broke the pair (its payload channel failed, or a fault was injected): the decode
+    side fails what was in flight on it now, and waits for the next Hello."""
+
+    p: str
+    gen: int
+    why: str
+
+
+Message = Union[Hello, Begin, Commit, Abort, Broken]
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
@@ -74,9 +87,10 @@ def _context() -> zmq.Context:
 
 
 class Inbox:
-    """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`)."""
+    """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`).
+    secret: the cluster's (cluster/frame_auth.py): a frame without its MAC is dropped and counted."""
 
-    def __init__(self, host: str | None, name: str):
+    def __init__(self, host: str | None, name: str, secret: bytes = b""):
         self._sock = _context().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
@@ -91,7 +105,8 @@ class Inbox:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.dropped = 0  # frames that were not a control message
+        self.dropped = 0  # frames that were not a control message, or not from a holder of the secret
+        self._verifier = FrameVerifier(secret, KV_CONTROL)
 
     def recv(self, timeout_s: float) -> list[Message]:
         """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
@@ -105,14 +120,24 @@ class Inbox:
         out = []
         while True:
             try:
-                raw = self._sock.recv(zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            raw = self._verifier.open(parts)
+            if raw is None:  # not from a holder of the cluster's secret (or a replay): never decoded
+                self.dropped += 1
+                log.warning("dropped a KV control frame without a valid MAC (%d so far)", self._verifier.rejected)
+                continue
             try:
                 out.append(_DECODER.decode(raw))  # data only: nothing on this socket is ever unpickled
             except msgspec.DecodeError:
                 self.dropped += 1
                 log.warning("dropped a KV control frame that is not a control message (%d bytes)", len(raw))
+
+    @property
+    def rejected(self) -> int:
+        """Frames dropped for a missing or bad MAC."""
+        return self._verifier.rejected
 
     def wake(self) -> None:
         """Any thread: makes a pending or the next recv() return at once."""
@@ -131,21 +156,23 @@ class Inbox:
 
 
 class Outbox:
-    """Prefill side: the PUSH socket to one decode worker. Thread-safe (one lock per socket)."""
+    """Prefill side: the PUSH socket to one decode worker. Thread-safe (one lock per socket); every
+    frame carries a MAC under the cluster's secret."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, secret: bytes = b""):
         self._sock = _context().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
+        self._signer = FrameSigner(secret, KV_CONTROL)
 
     def send(self, msg: Message) -> None:
         """Queues one message; never blocks. Raises ConnectionError if the peer stopped reading."""
         raw = _ENCODER.encode(msg)
-        with self._lock:
+        with self._lock:  # (the signer's counter too: frames go out in the order they are signed)
             try:
-                self._sock.send(raw, zmq.NOBLOCK)
+                self._sock.send_multipart(self._signer.sign(raw), zmq.NOBLOCK)
             except zmq.Again:
                 raise ConnectionError(f"{_MAX_QUEUED} control messages queued for a peer that does not read them") from None
 

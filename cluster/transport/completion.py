@@ -184,31 +184,41 @@ class Waiter(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._cv = threading.Condition()
         self._q: deque[tuple[Completion, Callable[[], None]]] = deque()
-        self._stop = False
+        self._stopping = False  # (not `_stop`: that is threading.Thread's own, which join() calls)
 
     def put(self, completion: Completion, then: Callable[[], None]) -> None:
         with self._cv:
-            self._q.append((completion, then))
-            self._cv.notify()
+            if not self._stopping:
+                self._q.append((completion, then))
+                self._cv.notify()
+                return
+        # HAZARD: stopped (the pair was given up: re-formed, or its peer restarted) while a bundle on it
+        # was still being sealed or committed. Its `then` must still run (it resolves the transfer's
+        # futures), so it gets a thread of its own; its completion was abandoned or fails.
+        threading.Thread(target=self._one, args=(completion, then), name=f"{self.name}-late", daemon=True).start()
 
     def stop(self) -> None:
         with self._cv:
-            self._stop = True
+            self._stopping = True
             self._cv.notify()
 
     def run(self) -> None:
         while True:
             with self._cv:
-                while not self._q and not self._stop:
+                while not self._q and not self._stopping:
                     self._cv.wait()
                 if not self._q:
                     return
                 c, then = self._q.popleft()
-            try:
-                c.wait()
-            except Exception:  # noqa: BLE001 - a failed wait shows in the completion's error
-                log.exception("waiting for a KV payload failed")
-            try:
-                then()
-            except Exception:  # noqa: BLE001
-                log.exception("KV completion callback failed")
+            self._one(c, then)
+
+    @staticmethod
+    def _one(c: Completion, then: Callable[[], None]) -> None:
+        try:
+            c.wait()
+        except Exception:  # noqa: BLE001 - a failed wait shows in the completion's error
+            log.exception("waiting for a KV payload failed")
+        try:
+            then()
+        except Exception:  # noqa: BLE001
+            log.exception("KV completion callback failed")

@@ -12,7 +12,8 @@ only, never anything a transfer waits for:
   {ns}/hb/W      heartbeat counter of worker W (store.add every heartbeat_s); -1e9 after a clean close.
   {ns}/inc/W     W's incarnation counter: each transport a worker starts (a Ray restart of its actor
                  starts another) takes the next number.
-  {ns}/verdict/P.i/D.j  decode D's answer to prefill P's hello ("ok", or why it refuses the pair), read
+  {ns}/verdict/P.i/D.j/gG  decode D's answer to prefill P's hello for pair generation G ("ok", or why it
+                 refuses the pair), read
                  and deleted by P before it forms its half of the payload channel (pair.py).
   {ns}/ctl/D     decode worker D's control endpoint, incarnation, PlanSpec (plan.py: KV layout and payload,
                  which the prefill's must equal) and payload extras (its IPC pool).
@@ -77,8 +78,8 @@ from cluster.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
 from cluster.transport.channel import Commit, Hello, Inbox
 from cluster.transport.completion import Completion
-from cluster.transport.pair import Pair, PeerDeadError
-from cluster.transport.plan import ItemPlan, Launch, PlanSpec
+from cluster.transport.pair import Pair, PeerDeadError, down_key
+from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec
 from cluster.transport.receiver_side import InBundle, ReceiverSide
 from cluster.transport.sender_side import OutBundle, SenderSide
 
@@ -114,6 +115,14 @@ def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
 
 
+def kv_payload_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The tensor a transport moves: an FP8 cache as its uint8 view (same storage: the model's writes
+    are what is sent; the payloads send bytes and gloo has no float8 type), any other cache as it is."""
+    if kv_cache.element_size() == 1 and kv_cache.dtype != torch.uint8:
+        return kv_cache.view(torch.uint8)
+    return kv_cache
+
+
 class ControlledTransport(KVTransport):
     """Claims, cancels, heartbeats, the push channel, deadlines, completions and metrics. Subclasses
     implement the `_payload_*` hooks; the sides call them with `pair.io` held where they touch a channel.
@@ -122,11 +131,13 @@ class ControlledTransport(KVTransport):
     thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
 
     def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory,
-                 tp: tuple[int, int] | None = None):
+                 tp: tuple[int, int] | None = None, numerics: KVNumerics | None = None):
         """tp: (ranks of this worker's tensor-parallel group, the model's KV heads) when this transport is
-        its rank 0 (tp_payload.py); None: one process holds every head (kv_cache's)."""
+        its rank 0 (tp_payload.py); None: one process holds every head (kv_cache's).
+        numerics: what the cache's K/V is (plan.KVNumerics); a pair whose two sides differ is refused."""
         assert role in ("prefill", "decode"), role
         self.spec = spec
+        self.numerics = numerics
         self.kv_cache = kv_cache
         self.worker_id = worker_id
         self.role = role
@@ -142,6 +153,9 @@ class ControlledTransport(KVTransport):
         self._liveness: dict[str, tuple[int, float]] = {}
         self._records: deque[dict] = deque(maxlen=1024)
         self._totals = {"transfers": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
+        self.faults: list[tuple[str, float]] = []  # inject_fault(): armed, not fired yet
+        self.faults_fired = 0
+        self.fired: deque[dict] = deque(maxlen=64)  # the faults that fired: kind, peer, pair generation
         store = self.store()
         self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
         store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
@@ -165,10 +179,11 @@ class ControlledTransport(KVTransport):
             host = None
             if spec.store_host:
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
-            self._inbox = Inbox(host, f"{self.ns}/{worker_id}")
+            self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret)
             self.receiver = ReceiverSide(self, self._inbox)
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
-                    "incarnation": self.incarnation, **self._payload_info()}
+                    "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
+                    **self._payload_info()}
             store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
@@ -262,6 +277,13 @@ class ControlledTransport(KVTransport):
     def _payload_commit(self, pair: Pair, b: InBundle, msg: Commit) -> None:
         """Decode: the commit arrived (same-GPU binds the completion event it names)."""
 
+    def _payload_kill(self, pair: Pair, bundles: list, then: Callable[[], None]) -> None:
+        """Fault injection ("transfer", prefill side): tear the pair's channel down as a failed link
+        would, so that the decode side's receives in flight fail now, then `then()` (the pair is
+        marked broken and the decode side told). By default the abort, at once."""
+        self._payload_abort(pair)
+        then()
+
     @abstractmethod
     def _payload_abort(self, pair: Pair) -> None:
         """Tear down the pair's channel so nothing in flight can still complete or write."""
@@ -309,15 +331,25 @@ class ControlledTransport(KVTransport):
             if self.sender is not None:
                 try:
                     self.sender.watch_outgoing(store)
+                    self.sender.watch_pairs(store)  # broken by the decode side? re-form what broke
                 except Exception:  # noqa: BLE001
-                    log.exception("watching KV transfers failed")
+                    if not self.closed.is_set():  # (closing: the store may be gone first)
+                        log.exception("watching KV transfers failed")
             self.closed.wait(self.spec.heartbeat_s)
 
     def check_alive(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer is marked dead, closed its transport, or stopped beating."""
         if peer in self.dead_peers:
             raise PeerDeadError(f"peer {peer} is marked dead: {self.dead_peers[peer]}")
-        v, now = store.add(f"{self.ns}/hb/{peer}", 0), time.monotonic()
+        self.check_beating(store, peer)
+
+    def heartbeat_of(self, store, peer: str) -> int:
+        return int(store.add(f"{self.ns}/hb/{peer}", 0))
+
+    def check_beating(self, store, peer: str) -> None:
+        """Raises PeerDeadError if the peer closed its transport or stopped beating (whatever this
+        side decided about the pair)."""
+        v, now = self.heartbeat_of(store, peer), time.monotonic()
         if v < 0:
             raise PeerDeadError(f"peer {peer} has shut down its KV transport")
         with self.lock:
@@ -329,15 +361,39 @@ class ControlledTransport(KVTransport):
                 raise PeerDeadError(f"peer {peer} silent for {now - since:.1f}s (no heartbeat within "
                                     f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")
 
-    def mark_dead(self, peer: str, why: str) -> None:
-        """Any thread. Fails every transfer with the peer, each once nothing can write its blocks."""
+    def mark_dead(self, peer: str, why: str, pair_only: bool = False, of: Pair | None = None) -> None:
+        """Any thread. Fails every transfer with the peer, each once nothing can write its blocks.
+
+        of: the pair whose payload or deadline found the failure. HAZARD: a pair already given up
+        (re-formed, or its peer restarted) fails late on its own thread (gloo: its receives end when
+        the old group's sockets close); that must not break the pair that replaced it: ignored.
+
+        pair_only: the pair broke (its payload failed or stalled, a protocol error), not the peer as
+        far as we know: the prefill side re-forms it once the peer is seen beating
+        (SenderSide.watch_pairs), the decode side tells the prefill through the store (down_key) and
+        takes its next Hello. Otherwise the peer is dead (its heartbeat stopped, it shut down, Ray
+        said so): nothing is re-formed until a new incarnation shows up."""
         with self.lock:
-            if peer in self.dead_peers:
-                return
-            self.dead_peers[peer] = why
-            pair = self.pairs.get(peer)
-            bundles = list(pair.bundles) if pair is not None else []
-        log.warning("KV transport %s: peer %s is dead: %s", self.worker_id, peer, why)
+            if of is not None and self.pairs.get(peer) is not of:
+                return  # a stale pair's late failure (see `of`)
+            known = peer in self.dead_peers
+            if not known:
+                self.dead_peers[peer] = why
+                pair = self.pairs.get(peer)
+                bundles = list(pair.bundles) if pair is not None else []
+        if known:
+            if not pair_only and self.sender is not None:
+                self.sender.forget_broken(peer)  # (a broken pair whose peer then died: not re-formed)
+            return
+        log.warning("KV transport %s: %s %s is dead: %s", self.worker_id, "the pair with" if pair_only else "peer",
+                    peer, why)
+        if self.sender is not None:
+            if pair_only:
+                self.sender.note_broken(peer)
+            else:
+                self.sender.forget_broken(peer)
+        elif pair is not None:
+            self._publish_down(peer, pair)
         if pair is not None:
             pair.dead = why
             for b in bundles:  # decided before the abort: a bundle already complete landed intact
@@ -355,9 +411,80 @@ class ControlledTransport(KVTransport):
             self._inbox.wake()  # the control thread fails the peer's pending transfers
             self.receiver.wake()
 
+    def _publish_down(self, peer: str, pair: Pair) -> None:
+        """Decode side: the prefill learns from the store that this side broke the pair."""
+        try:
+            self.store().set(down_key(self.ns, peer, self.worker_id, self.incarnation), str(pair.gen))
+        except Exception:  # noqa: BLE001 - the store is gone (shutting down); the peer finds out by itself
+            log.warning("KV transport %s: could not publish that the pair with %s broke", self.worker_id, peer)
+
     def peer_died(self, peer: str, why: str) -> None:
         """The caller knows the peer is dead (Ray said so): fail everything with it now."""
         self.mark_dead(peer, why)
+
+    # -- fault injection (chaos and reliability tests) ------------------------------------------------
+    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Prefill side: "transfer": the next bundle's pair is killed right after its first launch (the
+        payload channel torn down as a failed link would be: the decode side's receives fail at once);
+        "stuck_transfer": the next bundle's payload never moves (the pair's channel wedges: nothing
+        more goes out on it, both sides find the stall at transfer_timeout_s). Decode side:
+        "slow_hello": the next pair formed here waits `seconds` first (a window in which its prefill
+        peer can die while the pair forms)."""
+        faults = ("transfer", "stuck_transfer") if self.sender is not None else ("slow_hello",)
+        if kind not in faults:
+            raise ValueError(f"unknown KV transport fault {kind!r} for a {self.role} worker; choose from {faults}")
+        with self.lock:
+            self.faults.append((kind, seconds))
+
+    def take_fault(self, kind: str, pair: Pair | None = None) -> float | None:
+        """The armed fault of this kind (its seconds), now disarmed and recorded as fired on `pair`;
+        None if none."""
+        with self.lock:
+            for i, (k, sec) in enumerate(self.faults):
+                if k == kind:
+                    del self.faults[i]
+                    self.faults_fired += 1
+                    self.fired.append({"kind": kind, "peer": pair.peer if pair else None,
+                                       "gen": pair.gen if pair else None})
+                    return sec
+        return None
+
+    def check_incarnation(self, store, peer: str, inc: int) -> None:
+        """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
+        one we are forming a pair with is gone; its control entry may not be replaced yet)."""
+        now = int(store.add(f"{self.ns}/inc/{peer}", 0))
+        if now > inc:
+            raise PeerDeadError(f"peer {peer} restarted (incarnation {now}) while we formed a pair with "
+                                f"incarnation {inc}")
+
+    def form_interruptibly(self, peer: str, form: Callable[[], None], what: str, inc: int | None = None) -> None:
+        """Runs `form()` (a pair's payload rendezvous, which blocks until both ends joined) on a helper
+        thread and returns when it did; raises PeerDeadError as soon as the peer is marked dead (the
+        router told us), stops beating or (inc) restarts, instead of waiting out the rendezvous' own timeout. An
+        abandoned formation ends on its own (it is never used)."""
+        done, err = threading.Event(), []
+
+        def run():
+            try:
+                form()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                err.append(e)
+            finally:
+                done.set()
+        threading.Thread(target=run, name=f"kv-form-{self.worker_id}-{peer}", daemon=True).start()
+        store, next_live = self.store(), 0.0
+        while not done.wait(0.02):
+            if self.closed.is_set():
+                raise RuntimeError(f"KV transport of {self.worker_id} closed while {what}")
+            if peer in self.dead_peers:
+                raise PeerDeadError(f"peer {peer} died while {what}: {self.dead_peers[peer]}")
+            if time.monotonic() >= next_live:
+                self.check_beating(store, peer)
+                if inc is not None:
+                    self.check_incarnation(store, peer, inc)
+                next_live = time.monotonic() + self.spec.heartbeat_s
+        if err:
+            raise err[0]
 
     def forget_incarnation(self, peer: str, why: str) -> None:
         """Control thread or connect(): a new incarnation of `peer` shows up. Everything with the old
@@ -394,12 +521,20 @@ class ControlledTransport(KVTransport):
                 self._totals["failures"] += 1
         return st
 
+    @property
+    def frames_rejected(self) -> int:
+        """Decode side: control frames dropped for a missing or bad MAC (cluster/frame_auth.py)."""
+        return self._inbox.rejected if self._inbox is not None else 0
+
     def metrics(self) -> dict:
         """Totals plus the last transfers ({side, peer, request_id, bytes, seconds, GBps, ok})."""
         with self.lock:
             t = dict(self._totals)
             t["GBps"] = t["bytes"] / t["seconds"] / 1e9 if t["seconds"] > 0 else 0.0
             t["dead_peers"] = dict(self.dead_peers)
+            t["pairs"] = {p: {"gen": x.gen, "peer_inc": x.peer_inc, "dead": x.dead} for p, x in self.pairs.items()}
+            t["faults_fired"] = self.faults_fired
+            t["fired"] = list(self.fired)
             t["recent"] = list(self._records)
         t.update(self._payload_metrics())
         return t
@@ -422,8 +557,10 @@ class ControlledTransport(KVTransport):
                     receiver.handle(m)
                 except Exception as e:  # noqa: BLE001 - the pair's state is unknown now
                     log.exception("KV control message %s from %s failed", type(m).__name__, m.p)
-                    self.mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}")
+                    self.mark_dead(m.p, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}",
+                                   pair_only=True)
             try:
+                receiver.take_formed()
                 receiver.run_deadlines(store)
                 if time.monotonic() >= next_live:
                     receiver.watch_incoming(store)

@@ -10,25 +10,35 @@ from __future__ import annotations
 import torch
 
 from cluster.transport.base import KVTransport
-from cluster.transport.transport_spec import KINDS, TransportSpec, store_factory  # noqa: F401 - re-exported
+from cluster.transport.control import kv_payload_view
+from cluster.transport.plan import KVNumerics
+from cluster.transport.transport_spec import KINDS, TransportSpec, store_factory
+
+__all__ = ["KINDS", "TransportSpec", "create_transport", "kv_payload_view", "store_factory"]  # (re-exported)
 
 
-def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str, group=None,
-                     kv_heads: int | None = None) -> KVTransport:
+def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str,
+                     numerics: KVNumerics | None = None, group=None, kv_heads: int | None = None) -> KVTransport:
     """role: "prefill" | "decode". Returns at once; a prefill worker then `connect`s its decode peers.
     group: the worker's TPGroup when it is tensor-parallel (this process its rank 0; kv_heads: the
-    model's KV heads): its followers' payload agents join (tp_payload.py)."""
+    model's KV heads): its followers' payload agents join (tp_payload.py).
+    numerics: what the cache holds (plan.KVNumerics); None describes the cache's own dtype. An FP8
+    cache moves as its uint8 view (`kv_payload_view`), and the pair formation compares the numerics
+    instead (plan.check_pair_numerics)."""
+    if numerics is None:
+        numerics = KVNumerics(str(kv_cache.dtype).removeprefix("torch."), str(kv_cache.dtype))
+    kv_cache = kv_payload_view(kv_cache)
     factory = store_factory(spec)
     if group is not None and group.size > 1:
         if spec.kind != "torch_dist":
             raise ValueError(f"a tensor-parallel worker moves KV over torch_dist, not {spec.kind!r}")
         from cluster.transport.tp_payload import TPTorchDistTransport
 
-        return TPTorchDistTransport(spec, kv_cache, worker_id, role, factory, group, kv_heads)
+        return TPTorchDistTransport(spec, kv_cache, worker_id, role, factory, group, kv_heads, numerics)
     if spec.kind == "torch_dist":
         from cluster.transport.torch_dist import TorchDistTransport
 
-        return TorchDistTransport(spec, kv_cache, worker_id, role, factory)
+        return TorchDistTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)
     from cluster.transport.same_gpu import SameGPUTransport
 
-    return SameGPUTransport(spec, kv_cache, worker_id, role, factory)
+    return SameGPUTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)

@@ -16,11 +16,18 @@ from cluster.transport.completion import Waiter
 CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 
-def verdict_key(namespace: str, prefill: str, prefill_inc: int, decode: str, decode_inc: int) -> str:
+def down_key(namespace: str, prefill: str, decode: str, decode_inc: int) -> str:
+    """{ns}/down/P/D.i: the last generation of the pair that incarnation i of D broke (a stalled or
+    failed payload): the prefill re-forms the pair once it reads it (its heartbeat thread)."""
+    return f"{namespace}/down/{prefill}/{decode}.{decode_inc}"
+
+
+def verdict_key(namespace: str, prefill: str, prefill_inc: int, decode: str, decode_inc: int, gen: int = 0) -> str:
     """The decode side's answer to a prefill's hello ("ok", or why it refuses the pair, e.g. its staging
     memory is spent), which the prefill reads before it forms its half of the payload channel: a
-    refused pair fails fast on both sides instead of at a rendezvous timeout. Connecting only."""
-    return f"{namespace}/verdict/{prefill}.{prefill_inc}/{decode}.{decode_inc}"
+    refused pair fails fast on both sides instead of at a rendezvous timeout. Per pair generation (a
+    broken pair formed anew between the same incarnations says hello again). Connecting only."""
+    return f"{namespace}/verdict/{prefill}.{prefill_inc}/{decode}.{decode_inc}/g{gen}"
 
 
 def claim_key(namespace: str, prefill: str, decode: str, decode_inc: int, seq: int) -> str:
@@ -39,6 +46,7 @@ class Pair:
     def __init__(self, peer: str, me: str):
         self.peer = peer
         self.peer_inc = 0  # the peer's incarnation this pair was formed with
+        self.gen = 0  # the pair's generation (a broken pair between the same incarnations is re-formed)
         self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
         self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
         self.outbox: Outbox | None = None
@@ -47,3 +55,4 @@ class Pair:
         self.waiter = Waiter(f"kv-wait-{me}-{peer}")
         self.bundles: list = []  # in flight: sender_side.OutBundle or receiver_side.InBundle
         self.dead: str | None = None
+        self.wedged = False  # fault "stuck_transfer" (prefill side): nothing goes out on it any more

@@ -35,8 +35,11 @@ link that moves every head of both ranks' caches (`HeadLink.whole`: N = M) gathe
 without tensor parallelism. Both sides compute the links from the spec they agreed on; the fingerprint
 covers every launch's link, so a plan with another head mapping would be refused.
 
-Extending it: `PlanSpec` is the one place both sides check (once, when the pair forms); a KV dtype
-with scales would add fields there.
+Extending it: `PlanSpec` is the one place both sides check the bytes' layout (once, when the pair
+forms); a KV dtype with scales would add fields there. What the bytes mean (`KVNumerics`: the cache's
+element type and the numerics it was computed with; an FP8 cache travels as its uint8 view, so
+PlanSpec.dtype no longer says it) is checked at the same point, before the layout, by
+`check_pair_numerics`.
 """
 
 from __future__ import annotations
@@ -242,3 +245,43 @@ def plan_copies(spec: PlanSpec, n_blocks: int, layerwise: bool) -> list[Launch]:
 def fingerprint(items: list[ItemPlan], launches: list[Launch]) -> int:
     """Both sides compare it: a plan computed differently would mismatch sends and receives."""
     return zlib.crc32(repr(([it.n for it in items], [(la.l0, la.l1, la.b0, la.b1, la.link) for la in launches])).encode())
+
+
+# -- what a pair must agree on besides the layout -----------------------------------------------------
+@dataclass(frozen=True)
+class KVNumerics:
+    """What the K/V in a worker's cache is, beyond its shape: the cache's element type and the
+    numerics tag (cluster.kv_cache.kv_numerics_tag: activation dtype, weight quantization, cache dtype).
+    An FP8 cache may travel as its uint8 view (gloo and NCCL send bytes), so the transport's own tensor
+    no longer says it is FP8: this does."""
+
+    kv_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
+    tag: str
+
+    def as_dict(self) -> dict:
+        return {"kv_dtype": self.kv_dtype, "tag": self.tag}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "KVNumerics | None":
+        return None if not d else cls(str(d["kv_dtype"]), str(d["tag"]))
+
+
+class KVNumericsMismatch(RuntimeError):
+    """A prefill and a decode worker whose KV is not interchangeable: the pair is refused."""
+
+
+def check_pair_numerics(prefill_id: str, prefill: KVNumerics | None, decode_id: str, decode: KVNumerics | None) -> None:
+    """At pair formation: a prefill worker ships its K/V bytes as they are into the decode worker's
+    cache, so both must store the same element type computed the same way (bf16 KV read as FP8, or
+    KV from FP8 weights under a bf16 prefix-cache salt, would be silently wrong text). A side that
+    does not say (None: an older worker, a test transport) is not checked."""
+    if prefill is None or decode is None:
+        return
+    if prefill.kv_dtype != decode.kv_dtype:
+        raise KVNumericsMismatch(
+            f"KV cache dtype mismatch: prefill worker {prefill_id} stores {prefill.kv_dtype}, decode worker "
+            f"{decode_id} {decode.kv_dtype}; serve both with the same --kv-cache-dtype")
+    if prefill.tag != decode.tag:
+        raise KVNumericsMismatch(
+            f"KV numerics mismatch: prefill worker {prefill_id} computes KV as {prefill.tag!r}, decode worker "
+            f"{decode_id} as {decode.tag!r}; serve both with the same --dtype, --quantization and --kv-cache-dtype")

@@ -11,6 +11,8 @@ Begin (or Abort) is on the way and the transfer gets transfer_timeout_s more ins
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,13 +23,15 @@ import numpy as np
 
 from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
-from cluster.transport.channel import Abort, Begin, Commit, Hello, Inbox, Message
+from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Inbox, Message
 from cluster.transport.completion import Completion
 from cluster.transport.pair import CANCEL, Pair, PeerDeadError, claim_key, verdict_key
 from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -77,6 +81,9 @@ class ReceiverSide(KVReceiver):
         self._in_flight: list[InBundle] = []
         self._done_keys: deque[str] = deque()  # claim keys to delete (the control thread does)
         self._wakeup: Callable[[], None] | None = None
+        # Pairs forming on a helper thread (control thread only): peer -> (pair, thread, errors,
+        # the peer's messages that came meanwhile, handled once the pair is in place).
+        self._forming: dict[str, tuple[Pair, threading.Thread, list, list]] = {}
 
     def _key(self, peer: str, seq: int) -> str:
         return claim_key(self.t.ns, peer, self.t.worker_id, self.t.incarnation, seq)
@@ -152,8 +159,9 @@ class ReceiverSide(KVReceiver):
 
     # -- the control thread's side ----------------------------------------------------------------------
     def next_timeout(self) -> float:
-        """How long the control thread may wait for a message: until the soonest expect deadline."""
-        heartbeat_s = self.t.spec.heartbeat_s
+        """How long the control thread may wait for a message: until the soonest expect deadline
+        (briefly while a pair forms: it is taken in once its helper thread is done)."""
+        heartbeat_s = 0.02 if self._forming else self.t.spec.heartbeat_s
         now = time.monotonic()
         with self.t.lock:
             soonest = min((e.deadline for e in self._pending.values()), default=now + heartbeat_s)
@@ -164,10 +172,18 @@ class ReceiverSide(KVReceiver):
         if isinstance(m, Hello):
             self._on_hello(m)
             return
+        forming = self._forming.get(peer)
+        if forming is not None:
+            forming[3].append(m)  # in order, once the pair is formed
+            return
         with t.lock:
             pair = t.pairs.get(peer)
         if pair is None:
             raise RuntimeError(f"{type(m).__name__} from {peer} before its hello")
+        if isinstance(m, Broken):
+            if m.gen == pair.gen and pair.dead is None:
+                t.mark_dead(peer, f"the prefill broke the pair: {m.why}", pair_only=True)
+            return
         if pair.dead is not None:
             return  # everything of a dead peer has failed already; its late messages change nothing
         if isinstance(m, Begin):
@@ -179,31 +195,76 @@ class ReceiverSide(KVReceiver):
 
     def _on_hello(self, m: Hello) -> None:
         """Answers a prefill's hello (the verdict key: "ok", or why not), then forms this side's half
-        of the pair while the prefill forms its own."""
+        of the pair while the prefill forms its own: a new incarnation of the prefill, or a new
+        generation of a pair that broke. The forming is on a helper thread: a prefill that dies while
+        the pair forms holds up neither this thread nor its other pairs (take_formed)."""
         t, peer = self.t, m.p
         store = t.store()
-        key = verdict_key(t.ns, peer, m.inc, t.worker_id, t.incarnation)
+        key = verdict_key(t.ns, peer, m.inc, t.worker_id, t.incarnation, m.gen)
         pair = Pair(peer, t.worker_id)
-        pair.peer_inc = m.inc
+        pair.peer_inc, pair.gen = m.inc, m.gen
         try:
             theirs = PlanSpec.from_wire(m.layout, peer)  # the pair's, as the prefill joined it
             pair.spec = t.plan_spec.joined(theirs, "decode")
             pair.spec.check_peer(theirs, peer)
-            t.forget_incarnation(peer, f"it restarted (incarnation {m.inc})")
+            t.forget_incarnation(peer, f"it said hello again (incarnation {m.inc}, pair generation {m.gen})")
+            earlier = self._forming.pop(peer, None)  # an earlier formation that never finished is given up
+            if earlier is not None:
+                t._payload_release(earlier[0])
             t._payload_admit(pair, m)
         except Exception as e:
             store.set(key, f"{type(e).__name__}: {e}".encode())
             raise
         store.set(key, b"ok")
-        try:
-            with pair.io:
-                t._payload_accept(pair, m)
-        except Exception:
-            t._payload_release(pair)
-            raise
-        pair.waiter.start()
-        with t.lock:
-            t.pairs[peer] = pair
+        errors: list = []
+        delay = t.take_fault("slow_hello", pair)
+
+        def form():
+            try:
+                if delay:
+                    time.sleep(delay)  # fault "slow_hello": a window in which the prefill can die
+                with pair.io:
+                    t._payload_accept(pair, m)
+            except BaseException as e:  # noqa: BLE001 - the control thread reports it
+                errors.append(e)
+            finally:
+                self._inbox.wake()
+        th = threading.Thread(target=form, name=f"kv-accept-{t.worker_id}-{peer}", daemon=True)
+        self._forming[peer] = (pair, th, errors, [])
+        th.start()
+
+    def take_formed(self) -> None:
+        """Control thread: pairs whose helper finished are taken in (the messages their prefill sent
+        meanwhile handled now, in order); a formation that failed, or whose prefill died meanwhile,
+        leaves the peer dead (its pending transfers fail) and gives its staging back."""
+        t = self.t
+        for peer, (pair, th, errors, queued) in list(self._forming.items()):
+            dead = t.dead_peers.get(peer)
+            if th.is_alive() and dead is None:
+                try:
+                    t.check_beating(t.store(), peer)
+                    continue
+                except PeerDeadError as e:
+                    dead = str(e)
+            del self._forming[peer]
+            if dead is not None or errors:
+                why = dead or f"forming the pair failed: {type(errors[0]).__name__}: {errors[0]}"
+                log.warning("KV transport %s: the pair with %s did not form: %s", t.worker_id, peer, why)
+                t._payload_release(pair)  # (a helper still forming it ends on its own; the pair is never used)
+                with t.lock:
+                    t.dead_peers.setdefault(peer, why)
+                continue
+            pair.waiter.start()
+            with t.lock:
+                t.pairs[peer] = pair
+            for m in queued:
+                try:
+                    self.handle(m)
+                except Exception as e:  # noqa: BLE001 - as the control loop does
+                    log.exception("KV control message %s from %s failed", type(m).__name__, peer)
+                    t.mark_dead(peer, f"protocol error on {type(m).__name__}: {type(e).__name__}: {e}",
+                                pair_only=True)
+                    break
 
     def _on_begin(self, pair: Pair, m: Begin) -> None:
         t, peer, entries = self.t, pair.peer, m.items
@@ -229,14 +290,14 @@ class ReceiverSide(KVReceiver):
             b.completion, err = t._payload_post(pair, b)
         if err is not None:
             b.failed = f"posting receives failed: {err}"
-            t.mark_dead(peer, b.failed)
+            t.mark_dead(peer, b.failed, pair_only=True, of=pair)
         pair.waiter.put(b.completion, lambda: self._landed(b))
 
     def _landed(self, b: InBundle) -> None:
         """Waiter thread: the bundle's payload is done; a failed one means the pair is broken."""
         err = b.completion.error()
         if err is not None:
-            self.t.mark_dead(b.pair.peer, f"a KV payload failed: {err}")
+            self.t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
         self.wake()
 
     def _on_commit(self, pair: Pair, m: Commit) -> None:
@@ -274,7 +335,7 @@ class ReceiverSide(KVReceiver):
             res, dead = e.reservation, t.dead_peers.get(e.peer)
             if e.state == "claimed" and dead is None:
                 t.mark_dead(e.peer, f"transfer {res.transfer_seq} was claimed but no KV came within "
-                                    f"transfer_timeout_s={spec.transfer_timeout_s}")
+                                    f"transfer_timeout_s={spec.transfer_timeout_s}", pair_only=True)
                 dead = t.dead_peers[e.peer]
             key = self._key(e.peer, res.transfer_seq)
             v = store.compare_set(key, "", CANCEL)
@@ -298,7 +359,7 @@ class ReceiverSide(KVReceiver):
             self._arrive(KVArrival(res, None, TransferStats(0, 0.0), error=why))
         for b in stalled:
             t.mark_dead(b.pair.peer, f"a KV bundle was not {'done' if b.committed else 'committed'} within "
-                                     f"transfer_timeout_s={spec.transfer_timeout_s}")
+                                     f"transfer_timeout_s={spec.transfer_timeout_s}", pair_only=True, of=b.pair)
 
     def watch_incoming(self, store) -> None:
         """Control thread, every heartbeat_s: a peer we expect KV from must stay alive."""

@@ -11,7 +11,9 @@ launches go out in the order of their Begins, which is the order the decode side
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,13 +27,15 @@ import numpy as np
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import Reservation
 from cluster.transport.base import KVSend, KVSender, Shipment
-from cluster.transport.channel import Abort, Begin, Commit, Hello, Outbox
+from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import Completion, ReadyCompletion
-from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, verdict_key
-from cluster.transport.plan import ItemPlan, Launch, PlanSpec, fingerprint
+from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
+from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec, check_pair_numerics, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -51,10 +55,30 @@ class OutBundle:
     failed: str | None = None
     t_kv: float = 0.0  # monotonic: the forward finished (the transfer's exposed part starts)
     unlocked: bool = False
+    fault: str | None = None  # injected fault this bundle carries ("": none; None: not looked at yet)
 
     def intact(self) -> bool:
         """This side's payload is done without error: the decode side has every byte."""
         return self.completion is not None and self.completion.done() and self.completion.error() is None
+
+
+class WedgedCompletion(Completion):
+    """Fault "stuck_transfer": a payload that never completes, until the pair is given up (abandon)."""
+
+    def __init__(self):
+        self._given_up = threading.Event()
+
+    def done(self) -> bool:
+        return self._given_up.is_set()
+
+    def wait(self) -> None:
+        self._given_up.wait()
+
+    def error(self) -> str | None:
+        return "the KV payload never completed (the pair's channel wedged)" if self._given_up.is_set() else None
+
+    def abandon(self) -> None:
+        self._given_up.set()
 
 
 class _Shipment(Shipment):
@@ -99,6 +123,10 @@ class SenderSide(KVSender):
         self.t = transport
         self._pair_locks: dict[str, threading.Lock] = {}
         self._bundle_ids = itertools.count()
+        self._gens: dict[str, tuple[int, int]] = {}  # decode peer -> (its incarnation, the last pair generation)
+        # Pairs that broke while their peer lived on: peer -> its heartbeat count when the pair broke.
+        # Re-formed (watch_pairs) once the peer is seen beating after that (guarded by t.lock).
+        self._broken: dict[str, int] = {}
 
     # -- pairs ----------------------------------------------------------------------------------------
     def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
@@ -136,7 +164,52 @@ class SenderSide(KVSender):
                     pair = self._open_pair(peer)
         if pair.dead is not None:
             raise PeerDeadError(f"peer {peer} is marked dead: {pair.dead}")
+        if pair.wedged:
+            raise PeerDeadError(f"the KV pair with {peer} is wedged (injected fault)")
         return pair
+
+    # -- pairs that break (not their peers) -----------------------------------------------------------
+    def note_broken(self, peer: str) -> None:
+        """mark_dead(pair_only): the pair broke; re-formed once the peer is seen beating after now."""
+        try:
+            hb = self.t.heartbeat_of(self.t.store(), peer)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to re-form with
+            return
+        with self.t.lock:
+            self._broken[peer] = hb
+
+    def forget_broken(self, peer: str) -> None:
+        with self.t.lock:
+            self._broken.pop(peer, None)
+
+    def watch_pairs(self, store) -> None:
+        """Heartbeat thread: a pair the decode side broke (its down_key names the pair's generation)
+        breaks here too; a broken pair whose peer still beats is formed anew (the next generation),
+        so the cluster keeps its P->D path without a restart."""
+        t = self.t
+        with t.lock:
+            live = [p for p in t.pairs.values() if p.dead is None]
+            broken = dict(self._broken)
+        for pair in live:
+            key = down_key(t.ns, t.worker_id, pair.peer, pair.peer_inc)
+            if store.check([key]) and int(store.get(key)) >= pair.gen:
+                t.mark_dead(pair.peer, f"the decode worker broke the pair (generation {pair.gen})", pair_only=True)
+        for peer, hb in broken.items():
+            try:
+                if t.heartbeat_of(store, peer) <= hb:
+                    continue  # not seen beating since the pair broke (yet)
+                t.forget_incarnation(peer, "re-forming a broken pair")
+                with t.lock:
+                    self._broken.pop(peer, None)
+                gc.collect()  # the old pair's channel goes now (gloo: its sockets close, the peer's receives end)
+                self._pair(peer)
+                log.warning("KV transport %s: the pair with %s re-formed (generation %d)", t.worker_id, peer,
+                            t.pairs[peer].gen)
+            except Exception as e:  # noqa: BLE001 - retried next heartbeat while the peer beats
+                log.warning("KV transport %s: re-forming the pair with %s failed: %s", t.worker_id, peer, e)
+                with t.lock:
+                    if peer in t.dead_peers:
+                        self._broken[peer] = hb
 
     def _open_pair(self, peer: str) -> Pair:
         """Any failure leaves the peer dead: its half of the channel may exist, ours never will."""
@@ -152,23 +225,33 @@ class SenderSide(KVSender):
                                    f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
+            check_pair_numerics(t.worker_id, t.numerics, peer, KVNumerics.from_dict(info.get("numerics")))
+            with t.lock:  # a pair re-formed between the same incarnations takes the next generation
+                gen = self._gens.get(peer)
+                pair.gen = 0 if gen is None or gen[0] != pair.peer_inc else gen[1] + 1
+                self._gens[peer] = (pair.peer_inc, pair.gen)
             theirs = PlanSpec.from_wire(info["layout"], peer)
             pair.spec = t.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
             pair.spec.check_peer(theirs.joined(t.plan_spec, "decode"), peer)
-            pair.outbox = Outbox(info["endpoint"])
+            pair.outbox = Outbox(info["endpoint"], t.spec.secret)
             events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation))
-            key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc)
+            pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation, pair.gen))
+            key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)
             verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
-                                     "its answer to our hello")
+                                     "its answer to our hello", inc=pair.peer_inc)
             if verdict is None:
                 raise TimeoutError(f"decode worker {peer} did not answer our hello within "
                                    f"transfer_timeout_s={t.spec.transfer_timeout_s}")
             t.store().delete_key(key)
             if verdict != b"ok":
                 raise RuntimeError(f"decode worker {peer} refused the pair: {verdict.decode(errors='replace')}")
-            with pair.io:
-                t._payload_warm(pair)
+
+            def warm():
+                with pair.io:
+                    t._payload_warm(pair)
+            # NOTE: the rendezvous blocks until the decode side joins; a peer that dies meanwhile
+            # (the router tells us, or its heartbeat stops) fails it now, not at its own timeout.
+            t.form_interruptibly(peer, warm, f"forming the KV pair with {peer}", inc=pair.peer_inc)
         except Exception as e:
             if pair.outbox is not None:
                 pair.outbox.close()
@@ -181,9 +264,10 @@ class SenderSide(KVSender):
             t.pairs[peer] = pair
         return pair
 
-    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str) -> bytes | None:
+    def _wait_key(self, store, key: str, peer: str, deadline: float, what: str, inc: int | None = None) -> bytes | None:
         """Connecting only (never on a transfer's path): polls until `key` exists; None at the deadline;
-        raises if the peer died meanwhile."""
+        raises if the peer died meanwhile, or (inc) if a later incarnation than `inc` of it started:
+        our hello went to one that is gone and nobody will answer it."""
         t = self.t
         delay, next_live = 1e-4, 0.0
         while True:
@@ -196,6 +280,8 @@ class SenderSide(KVSender):
                 raise RuntimeError(f"KV transport of {t.worker_id} closed while waiting for {what}")
             if now >= next_live:
                 t.check_alive(store, peer)
+                if inc is not None:
+                    t.check_incarnation(store, peer, inc)
                 next_live = now + t.spec.heartbeat_s
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, 0.05)
@@ -224,7 +310,7 @@ class SenderSide(KVSender):
                 for s in todo:
                     if not sh.futures[s.reservation.request_id].done():
                         self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
-                self.t.mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}")
+                self.t.mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}", pair_only=True)
                 continue
             if b is None:
                 pair.order.release()
@@ -286,38 +372,73 @@ class SenderSide(KVSender):
         try:
             pair.outbox.send(msg)
         except Exception as e:  # noqa: BLE001 - the decode side never hears of these claims
-            t.mark_dead(pair.peer, f"pushing a begin failed: {e}")
+            t.mark_dead(pair.peer, f"pushing a begin failed: {e}", pair_only=True, of=pair)
         return b
 
     def _issue_through(self, b: OutBundle, layer: int | None, ready) -> None:
         """Issues b's launches whose layers are all computed (every one when layer is None)."""
         pair = b.pair
         while b.issued < len(b.launches) and (layer is None or b.launches[b.issued].last_layer <= layer):
-            if pair.dead is not None or b.failed is not None:
+            if pair.dead is not None or b.failed is not None or pair.wedged:
                 b.issued = len(b.launches)  # the channel is gone: nothing more can be sent
+                break
+            if b.fault is None and b.issued == 0:
+                b.fault = next((k for k in ("transfer", "stuck_transfer")
+                                if self.t.take_fault(k, pair) is not None), "")
+            if b.fault == "stuck_transfer":
+                # Injected: the pair's channel wedges here. Nothing of this bundle, nor anything
+                # after it, goes out on the pair; its completion never comes (WedgedCompletion).
+                pair.wedged = True
+                b.issued = len(b.launches)
                 break
             try:
                 with pair.io:
                     self.t._payload_issue(pair, b, b.launches[b.issued], ready)
             except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
                 b.failed = f"{type(e).__name__}: {e}"
-                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}")
+                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}", pair_only=True, of=pair)
                 b.issued = len(b.launches)
                 break
             b.issued += 1
+            if b.fault == "transfer":  # injected: the pair dies mid-payload, after this first launch
+                b.fault = ""
+                self._kill_pair(pair, "injected fault: the KV pair was killed mid-payload")
         if b.issued == len(b.launches) and not b.unlocked:
             b.unlocked = True
             pair.order.release()
 
+    def _kill_pair(self, pair: Pair, why: str) -> None:
+        """The pair breaks here (fault "transfer"): its channel is torn down, it is marked dead (the
+        pair only: re-formed while the peer lives), and the decode side is told at once (Broken)."""
+        t = self.t
+        with t.lock:
+            bundles = list(pair.bundles)
+
+        def broken() -> None:
+            try:
+                pair.outbox.send(Broken(t.worker_id, pair.gen, why))
+            except Exception:  # noqa: BLE001 - it finds out from its receives
+                pass
+            t.mark_dead(pair.peer, why, pair_only=True, of=pair)
+        with pair.io:
+            try:
+                t._payload_kill(pair, bundles, broken)
+            except Exception:  # noqa: BLE001
+                log.exception("tearing down the KV channel to %s failed", pair.peer)
+                broken()
+
     def _seal(self, b: OutBundle) -> None:
         b.t_kv = time.monotonic()
+        if b.pair.wedged and b.completion is None:
+            b.completion = WedgedCompletion()  # (fault "stuck_transfer") done once the pair is given up
+            return
         try:
             with b.pair.io:
                 b.completion, b.commit_event = self.t._payload_seal(b.pair, b)
         except Exception as e:  # noqa: BLE001
             b.failed = b.failed or f"{type(e).__name__}: {e}"
             b.completion = ReadyCompletion()
-            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}")
+            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}", pair_only=True, of=b.pair)
 
     def _commit(self, b: OutBundle, first_tokens: Mapping[str, int | None],
                 logprobs: Mapping[str, PrefillLogprobs]) -> None:
@@ -329,7 +450,7 @@ class SenderSide(KVSender):
             try:
                 b.pair.outbox.send(msg)
             except Exception as e:  # noqa: BLE001
-                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}")
+                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}", pair_only=True, of=b.pair)
         b.pair.waiter.put(b.completion, lambda: self._finish_out(b))
 
     def _finish_out(self, b: OutBundle) -> None:
@@ -338,7 +459,7 @@ class SenderSide(KVSender):
         seconds = time.monotonic() - b.t_kv
         err = b.failed or b.completion.error()
         if err is not None:
-            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}")
+            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
         with t.lock:
             if b in b.pair.bundles:
                 b.pair.bundles.remove(b)
@@ -368,7 +489,7 @@ class SenderSide(KVSender):
                 if b.t_kv and b.completion is not None and not b.completion.done() \
                         and now - b.t_kv > t.spec.transfer_timeout_s:
                     t.mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
-                                           f"{t.spec.transfer_timeout_s}")
+                                           f"{t.spec.transfer_timeout_s}", pair_only=True, of=pair)
                     break
 
     def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:

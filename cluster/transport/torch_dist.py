@@ -53,6 +53,7 @@ the copy kernel.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,12 +165,13 @@ class TorchDistPayload:
         return [(i, x) for i, x in enumerate(spec.links) if getattr(x, side) == self.tp_rank]
 
     # -- the pair's channel ---------------------------------------------------------------------------
-    def _form(self, peer: str, peer_inc: int, link: _Link) -> None:
-        # The rendezvous is per pair of incarnations (a restarted worker never meets its old keys) and
-        # per link (each a two-rank group between one rank of each side).
+    def _form(self, peer: str, peer_inc: int, gen: int, link: _Link) -> None:
+        # The rendezvous is per pair of incarnations (a restarted worker never meets its old keys), per
+        # generation of their pair (a broken pair formed anew never meets them either) and per link
+        # (each a two-rank group between one rank of each side).
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/L{link.index}/", self._new_store())
+        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/", self._new_store())
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
@@ -218,7 +220,7 @@ class TorchDistPayload:
         transfer through the real path (forms the NCCL communicator, compiles the copy kernel). Links in
         index order on every rank: the lowest link not formed yet always has both ends forming it."""
         for link in pair.payload.values():
-            self._form(pair.peer, pair.peer_inc, link)
+            self._form(pair.peer, pair.peer_inc, pair.gen, link)
             with self._on_stream(link.stream):  # the ring belongs to the pair stream's allocator pool
                 link.ring = StagingRing(self.spec.staging_slots, self.spec.staging_bytes, self.kv_cache.device)
             self._warm(pair, link, send)
@@ -277,6 +279,38 @@ class TorchDistPayload:
         for link in pair.payload.values():
             if link.pg is not None:
                 link.pg.abort()
+
+    def _payload_kill(self, pair: Pair, bundles: list, then) -> None:
+        """Fault injection ("transfer"): NCCL, the abort. gloo has no way to end a peer's operation in
+        flight but closing the sockets, which it does once nothing references the group any more: on
+        the pair's thread, in order after the launches issued so far, their sends are waited for (the
+        decode side posted those receives at the Begin), the rings are given back and the groups of
+        this rank's links dropped, so the decode side's later receives fail at once ("Connection
+        closed by peer"); then `then()`. Launches after it fail (no ring)."""
+        if self.backend == "nccl":
+            self._payload_abort(pair)
+            then()
+            return
+        links = list(pair.payload.values()) if pair.payload else []
+
+        def kill() -> None:
+            for b in bundles:
+                io = b.payload
+                if io is None:
+                    continue
+                for w in io.all_works():
+                    try:
+                        w.wait()
+                    except Exception:  # noqa: BLE001 - it failed: nothing left in flight
+                        pass
+                io.works.clear()  # (the works hold the groups)
+                io.error = io.error or "the pair was killed (injected fault)"
+            self._payload_release(pair)
+            for link in links:
+                link.pg = link.ring = None
+            gc.collect()
+            then()
+        pair.waiter.put(HostCompletion(kill), _noop)
 
     def _payload_release(self, pair: Pair) -> None:
         if pair.payload is None:

@@ -24,6 +24,7 @@ takes its worker down (cluster/distributed/watchdog.py): its peers see that work
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from cluster.transport.completion import AllCompletion, Completion
+from cluster.transport.control import kv_payload_view
 from cluster.transport.transport_spec import TransportSpec, store_factory
 from cluster.transport.pair import Pair
 from cluster.transport.plan import Launch, PlanSpec, bundle_blocks, plan_item
@@ -53,6 +55,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     peer: str
     peer_inc: int
     spec: dict  # the pair's PlanSpec
+    gen: int = 0  # the pair's generation (pair.py): the links' rendezvous keys name it
 
 
 class Form(msgspec.Struct, tag="form"):
@@ -68,11 +71,19 @@ class Post(msgspec.Struct, tag="post"):
 
 class Abort(msgspec.Struct, tag="abort"):
     peer: str
+    peer_inc: int
+    gen: int
     why: str = ""
 
 
 class Release(msgspec.Struct, tag="release"):
+    """HAZARD: rank 0 gives up a pair (re-formed, its peer restarted, a formation abandoned) while a
+    newer one with the same peer may already be reserved on the followers: the call names the pair's
+    incarnation and generation, and a follower's pair of another one is left alone."""
+
     peer: str
+    peer_inc: int
+    gen: int
 
 
 Call = Union[Attach, Reserve, Form, Post, Abort, Release]
@@ -95,6 +106,7 @@ class ShipBundle(msgspec.Struct, array_like=True):
     bundle: int
     src: bytes  # <i8: the prefill worker's block ids in plan order
     launches: list[tuple[int, int, int, int, int]]
+    gen: int = 0  # the pair's generation
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -146,14 +158,16 @@ class TPTorchDistTransport(TorchDistTransport):
     driving its followers' payload agents."""
 
     def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory_, group,
-                 kv_heads: int):
+                 kv_heads: int, numerics=None):
         self.group = group
         self._parts: dict[tuple, _FollowerParts] = {}
         self._early: dict[tuple, dict[int, str]] = {}  # Done notifications ahead of their bundle's seal/post
         self._parts_lock = threading.Lock()
         group.rpc.on_notify = self._on_notify
-        super().__init__(spec, kv_cache, worker_id, role, store_factory_, tp=(group.size, kv_heads))
-        self._wait_all(self._call(range(1, group.size), Attach(spec, worker_id, role, self.incarnation)))
+        super().__init__(spec, kv_cache, worker_id, role, store_factory_, tp=(group.size, kv_heads), numerics=numerics)
+        # (Without the cluster's secret: a follower never sends on the control channel.)
+        attach = Attach(dataclasses.replace(spec, secret=b""), worker_id, role, self.incarnation)
+        self._wait_all(self._call(range(1, group.size), attach))
 
     # -- calls to the followers -------------------------------------------------------------------
     def _ranks_in(self, pair: Pair) -> list[int]:
@@ -212,10 +226,10 @@ class TPTorchDistTransport(TorchDistTransport):
 
     def _reserve_followers(self, pair: Pair) -> None:
         try:
-            self._wait_all(self._call(self._ranks_in(pair), Reserve(pair.peer, pair.peer_inc, pair.spec.to_wire())))
+            self._wait_all(self._call(self._ranks_in(pair), Reserve(pair.peer, pair.peer_inc, pair.spec.to_wire(), pair.gen)))
         except Exception:
             super()._payload_release(pair)
-            self._call(self._ranks_in(pair), Release(pair.peer))
+            self._call(self._ranks_in(pair), Release(pair.peer, pair.peer_inc, pair.gen))
             raise
 
     def _payload_warm(self, pair: Pair) -> None:
@@ -248,12 +262,12 @@ class TPTorchDistTransport(TorchDistTransport):
     def _payload_abort(self, pair: Pair) -> None:
         super()._payload_abort(pair)
         if pair.spec is not None:
-            self._call(self._ranks_in(pair), Abort(pair.peer, pair.dead or ""))
+            self._call(self._ranks_in(pair), Abort(pair.peer, pair.peer_inc, pair.gen, pair.dead or ""))
 
     def _payload_release(self, pair: Pair) -> None:
         super()._payload_release(pair)
         if pair.spec is not None:
-            self._call(self._ranks_in(pair), Release(pair.peer))
+            self._call(self._ranks_in(pair), Release(pair.peer, pair.peer_inc, pair.gen))
 
     # -- prefill: what the followers ship with a pass ----------------------------------------------------
     def shipment_for_followers(self, shipment) -> bytes:
@@ -262,7 +276,7 @@ class TPTorchDistTransport(TorchDistTransport):
         if shipment is None:
             return b""
         out = [ShipBundle(b.pair.peer, b.pair.peer_inc, b.id, np.asarray(bundle_blocks(b.items, "src"), dtype="<i8").tobytes(),
-                          _launch_rows(b.launches))
+                          _launch_rows(b.launches), b.pair.gen)
                for b in shipment.bundles if b.pair.spec is not None and self._ranks_in(b.pair)]
         return _ENC.encode(out) if out else b""
 
@@ -310,7 +324,7 @@ class PayloadAgent(TorchDistPayload):
             if old is not None:
                 self._drop(old)
             pair = Pair(msg.peer, f"{self.worker_id}.r{self.tp_rank}")
-            pair.peer_inc, pair.spec = msg.peer_inc, PlanSpec.from_wire(msg.spec, msg.peer)
+            pair.peer_inc, pair.gen, pair.spec = msg.peer_inc, msg.gen, PlanSpec.from_wire(msg.spec, msg.peer)
             self._reserve(pair)
             pair.waiter.start()
             self.pairs[msg.peer] = pair
@@ -321,15 +335,21 @@ class PayloadAgent(TorchDistPayload):
         elif isinstance(msg, Post):
             self._post(msg)
         elif isinstance(msg, Abort):
-            pair = self.pairs.get(msg.peer)
+            pair = self._pair_of(msg.peer, msg.peer_inc, msg.gen)
             if pair is not None:
                 pair.dead = msg.why or "aborted by rank 0"
                 with pair.io:
                     self._payload_abort(pair)
         elif isinstance(msg, Release):
-            pair = self.pairs.pop(msg.peer, None)
+            pair = self._pair_of(msg.peer, msg.peer_inc, msg.gen)
             if pair is not None:
+                del self.pairs[msg.peer]
                 self._drop(pair)
+
+    def _pair_of(self, peer: str, peer_inc: int, gen: int) -> Pair | None:
+        """This rank's pair with `peer` if it is the one rank 0 names (see Release)."""
+        pair = self.pairs.get(peer)
+        return pair if pair is not None and (pair.peer_inc, pair.gen) == (peer_inc, gen) else None
 
     def _drop(self, pair: Pair) -> None:
         pair.waiter.stop()
@@ -357,8 +377,9 @@ class PayloadAgent(TorchDistPayload):
             return
         for sb in _SHIPMENT.decode(raw):
             pair = self.pairs.get(sb.peer)
-            if pair is None or pair.peer_inc != sb.peer_inc:
-                raise RuntimeError(f"a bundle for {sb.peer} (incarnation {sb.peer_inc}), whose links this rank has not formed")
+            if pair is None or (pair.peer_inc, pair.gen) != (sb.peer_inc, sb.gen):
+                raise RuntimeError(f"a bundle for {sb.peer} (incarnation {sb.peer_inc}, pair generation {sb.gen}), "
+                                   f"whose links this rank has not formed")
             self._pass.append(_Bundle(sb.bundle, pair, _ids(sb.src), sb.launches))
 
     def _mark(self):
@@ -407,7 +428,7 @@ class AgentHost:
         msg = _CALLS.decode(body)
         if isinstance(msg, Attach):
             if self.agent is None:
-                self.agent = PayloadAgent(self.group, self.kv_cache(), msg)
+                self.agent = PayloadAgent(self.group, kv_payload_view(self.kv_cache()), msg)
         elif self.agent is None:
             raise RuntimeError(f"a {type(msg).__name__} before this rank's transport was attached")
         else:

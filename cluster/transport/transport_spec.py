@@ -5,7 +5,7 @@ cluster/transport/factory.py builds transports from it."""
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -32,6 +32,8 @@ class TransportSpec:
     staging_bytes: int = 32 << 20
     staging_slots: int = 2
     staging_cap_bytes: int = 1 << 30
+    # The cluster's secret (cluster/frame_auth.py): the control channel's frames carry a MAC under it.
+    secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -162,6 +162,7 @@ class ClusterState(_Msg):
     gateways_up: int
     gateways_expected: int
     draining: bool
+    workers_gone: tuple[str, ...] = ()  # dead past their restart limit: the cluster serves without them
 
 
 class Drain(_Msg):

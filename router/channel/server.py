@@ -6,7 +6,8 @@ Runs on the launcher's asyncio loop (the Ray driver: the router calls the worker
   `error_to_wire`); it pushes each gateway the failures of its own requests, the cluster's state
   (what /health and /ready answer from) and the drain on SIGTERM;
 - a PULL socket the decode workers send their step records to (`stats_sink`): /stats and the
-  step-level metrics, recorded once per step however many gateways there are;
+  step-level metrics, recorded once per step however many gateways there are; it takes frames
+  carrying a MAC under the cluster's secret only (cluster/frame_auth.py);
 - gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
   every request it held aborted on the workers, so its clients' KV blocks come back.
 
@@ -25,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.errors import InvalidRequestError
+from cluster.frame_auth import STATS_SINK, FrameVerifier
 from cluster.stream_messages import StreamDelta, decode_step_records
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
@@ -52,7 +54,8 @@ class GatewayInfo:
 class RouterServer:
     def __init__(self, router_address: str, stats_host: str, metrics: RouterMetrics, *,
                  gateways_expected: int = 1, block_size: int = 16, gateway_timeout_s: float = 5.0,
-                 state_interval_s: float = 0.25):
+                 state_interval_s: float = 0.25, secret: bytes = b""):
+        """secret: the cluster's (cluster/frame_auth.py): the stats sink takes frames carrying its MAC only."""
         # Both sockets are bound at construction (before any loop runs): their addresses go to the
         # gateway processes and the decode workers when those are started.
         self._ctx = zmq.asyncio.Context()
@@ -67,6 +70,7 @@ class RouterServer:
         self._stats.setsockopt(zmq.RCVHWM, 0)
         port = self._stats.bind_to_random_port(f"tcp://{stats_host}")
         self.stats_sink = f"tcp://{stats_host}:{port}"
+        self._stats_verifier = FrameVerifier(secret, STATS_SINK)
         self.metrics = metrics
         self.step_stats = StepStats()
         self.gateways_expected = gateways_expected
@@ -159,7 +163,8 @@ class RouterServer:
         return ClusterState(
             ready=r.ready, healthy_decode=len(decode), healthy_prefill=sum(v.healthy for v in r.prefill_views()),
             kv_capacity_tokens=max((v.total_blocks for v in decode), default=0) * self.block_size,
-            gateways_up=self.gateways_up, gateways_expected=self.gateways_expected, draining=self.draining)
+            gateways_up=self.gateways_up, gateways_expected=self.gateways_expected, draining=self.draining,
+            workers_gone=tuple(sorted(r.health.gone)))
 
     def _push_state(self, force: bool = False) -> None:
         state = self.cluster_state()
@@ -200,11 +205,14 @@ class RouterServer:
             if task is not None:
                 task.cancel()  # the client left while the request was being placed: undo the placement
             rs = r.inflight.get(msg.request_id)
+            r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)  # first: nothing below may leak it
             if rs is not None and not msg.abort:
-                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, rs.placed_time or
-                                               rs.origin.arrival_time, msg.first_token_time, msg.finished_time,
-                                               msg.completion_tokens, rs.prefill_result, rs.local_prefill)
-            r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)
+                placed = rs.placed_time or rs.origin.arrival_time
+                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, placed, msg.first_token_time,
+                                               msg.finished_time, msg.completion_tokens, rs.prefill_result,
+                                               rs.local_prefill)
+                self.metrics.request_finished(rs.origin.arrival_time, placed, msg.first_token_time, msg.finished_time,
+                                              None if rs.local_prefill else rs.prefill_result)
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):
@@ -266,7 +274,13 @@ class RouterServer:
     async def _collect_steps(self) -> None:
         while True:
             try:
-                batch = decode_step_records(await self._stats.recv(copy=False))
+                payload = self._stats_verifier.open(await self._stats.recv_multipart(copy=False))
+                if payload is None:  # not from a holder of the cluster's secret (or a replay): never decoded
+                    log.warning("dropped a step record frame without a valid MAC (%d so far)",
+                                self._stats_verifier.rejected)
+                    self.metrics.frame_rejected("stats_sink")
+                    continue
+                batch = decode_step_records(payload)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
@@ -306,7 +320,7 @@ class RouterServer:
         log.warning("gateway %s (pid %d) %s; aborted its %d requests", g.gateway_id, g.pid, why, len(held))
 
     def _observe_gauges(self) -> None:
-        self.metrics.waiting.set(self.router.admission.num_waiting)
+        self.metrics.waiting.set(self.router.admission.num_queued)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

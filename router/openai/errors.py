@@ -78,6 +78,11 @@ def body_too_large(max_bytes: int) -> APIError:
 def invalid_body(e: RequestValidationError) -> APIError:
     """A body that is not JSON, or does not validate against the request model (its first error)."""
     errs = e.errors()
+    unknown = [".".join(str(x) for x in err.get("loc", ()) if x != "body") for err in errs
+               if err.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's answer to a key it does not know, naming every one
+        return APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", "invalid_request_error",
+                        unknown[0])
     first = errs[0] if errs else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":

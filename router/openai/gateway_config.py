@@ -1,13 +1,15 @@
 """GatewayConfig: the OpenAI gateway's frozen settings (router/openai/gateway.py).
 
-Its own module, importing nothing, so that the application's ClusterConfig (deploy/config.py) takes
+Its own module, importing nothing heavy (the sampling defaults' dataclass only), so that the application's ClusterConfig (deploy/config.py) takes
 the gateway's defaults from here without importing FastAPI and the router (Ray): `pdserve serve
 --help` stays light, and a default lives in one place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from cluster.generation_defaults import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -21,3 +23,6 @@ class GatewayConfig:
     vocab_size: int | None = None  # the model's (token ids in sampling parameters must be below it)
     tool_call_parser: str | None = None  # router/openai/tool_parsers name; None: tool calls are not parsed
     enable_auto_tool_choice: bool = False  # tool_choice "auto" is served (it needs tool_call_parser)
+    # What a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or max_tokens
+    # unset gets (--generation-config: the model's generation_config.json, as vLLM).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)

@@ -60,13 +60,19 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None, DeltaLogprobs | None]]:
         """Yields (new text, finish reason or None, the new tokens' logprobs or None); the last piece
-        carries the finish reason. A piece may have logprobs and no text (held-back bytes)."""
+        carries the finish reason. One piece per delta that carries tokens, even when the detokenizer
+        held their text back (an incomplete UTF-8 character, a possible stop string): a client that
+        counts chunks or times tokens sees every token when it is made, its text arriving later."""
         gw, m = self.gw, self.gw.metrics
         last = None
         abort = True  # unless a worker itself finished the request
         try:
             while True:
                 d = await self.mailbox.next()
+                if d.request_id != self.worker_request_id:
+                    # A placement the request has left (a second failure notice of the worker that
+                    # failed it, queued before the move): nothing of it may reach the client.
+                    continue
                 if d.token_ids:
                     now = time.time()
                     if last is None:
@@ -81,20 +87,25 @@ class Generation:
                 if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
                     self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
                 if finish == "error" or d.error is not None:
+                    # The tokens and text read together with the failure (the mailbox merges what
+                    # arrived meanwhile) go out first, and count in what the client has *before* the
+                    # router is asked to move the request: the new worker's detokenizer resumes after
+                    # `emitted_chars` (sent after the migration, that text would come twice).
+                    if text or (logprobs is not None and logprobs.tokens):
+                        self.emitted_chars += len(text)
+                        yield text, None, logprobs
+                    text, logprobs = "", None
                     if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
                         end = ("error", d.error)
                     else:
                         end = await self._recover(d.error or "the decode worker failed the request")
-                    if end is None:  # placed again: the tokens read with the failure still go out
-                        if text or (logprobs is not None and logprobs.tokens):
-                            self.emitted_chars += len(text)
-                            yield text, None, logprobs
+                    if end is None:  # placed again: its tokens follow in the same mailbox
                         continue
                     finish, error = end
                     if finish == "error":
                         self.finish_reason = "error"
                         raise GenerationError(error or "the decode worker failed the request")
-                if text or finish is not None or (logprobs is not None and logprobs.tokens):
+                if d.token_ids or text or finish is not None or (logprobs is not None and logprobs.tokens):
                     self.emitted_chars += len(text)
                     self.finish_reason = finish
                     yield text, finish, logprobs

@@ -3,9 +3,12 @@
 Requests are validated strictly: a wrong JSON type is a 400, never a silent coercion ("5" is not an
 integer). `null` is accepted wherever OpenAI's schema allows it and means the field's default. Every
 text field rejects invalid Unicode (a lone UTF-16 surrogate, which JSON can spell as "\\ud800") with a
-400: it cannot be tokenized or written back out. Fields we know but do not implement (beam search,
-legacy function calling, ...: `UNSUPPORTED_FIELDS`) are rejected with a 400 naming the field, never
-ignored, so a client never gets an answer it did not ask for. The sampling fields' ranges are
+400: it cannot be tokenized or written back out. The models below are the one list of accepted
+fields: any other key is a 400 naming it ("Unrecognized request argument supplied: ...", as OpenAI
+answers; `extra="forbid"`). Fields we know but do not implement (beam search, legacy function
+calling, stored completions, reasoning effort, ...: `UNSUPPORTED_FIELDS`) are rejected with a 400 naming the field
+unless their value asks for nothing, never ignored, so a client never gets an answer it did not ask
+for. Every other field has an effect (tests/router/openai/test_request_fields.py proves each). The sampling fields' ranges are
 SamplingParams' to check (cluster/sampling_params.py). These models are also the OpenAPI schema the
 gateway serves at /openapi.json.
 
@@ -27,7 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 from cluster.errors import InvalidRequestError
 from cluster.sampling_params import MAX_LOGPROBS
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 # Integers that reach the workers become int64 tensors: anything wider is a 400 here, never an
 # overflow inside a decode step (which would fail every request on that worker).
@@ -54,6 +57,16 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "legacy function calling is not supported; use tool_choice",
     "use_beam_search": "beam search is not supported",
     "suffix": "suffix is not supported",
+    "reasoning_effort": "the served model is not a reasoning model",
+    "store": "stored completions are not supported (store: false is the only value)",
+    "metadata": "metadata is kept with stored completions only, which are not supported",
+    "service_tier": "there is one service tier ('auto' / 'default')",
+    "modalities": "the only output modality is text",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    # chat messages (ChatMessage.check)
+    "refusal": "an assistant message's refusal cannot be rendered (give it as content)",
 }
 # /v1/completions has no chat template to render tools with, nor messages to put calls in.
 _CHAT_ONLY = {name: "tool calling is served by /v1/chat/completions only"
@@ -68,7 +81,23 @@ def _no_op(name: str, value: Any) -> bool:
         return value is False
     if name == "suffix":
         return value == ""
+    if name == "store":
+        return value is False
+    if name == "metadata":
+        return value == {}
+    if name == "service_tier":
+        return value in ("auto", "default")
+    if name == "modalities":
+        return value == ["text"]
     return False
+
+
+def refuse_unsupported(obj: BaseModel) -> None:
+    """A 400 naming the first field of the object's refusal map (its class's `unsupported`, else
+    `UNSUPPORTED_FIELDS`) the object declares and sets to something other than a no-op value."""
+    for name, why in getattr(type(obj), "unsupported", UNSUPPORTED_FIELDS).items():
+        if name in type(obj).model_fields and not _no_op(name, getattr(obj, name)):
+            raise InvalidRequestError(f"{name}: {why}", name)
 
 
 class _Request(BaseModel):
@@ -87,6 +116,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    # vLLM's extension: every chunk carries its choice's usage so far (completion_tokens counts the
+    # tokens streamed up to and including that chunk), so a client can time each token.
+    continuous_usage_stats: bool | None = False
 
 
 # -- structured output ------------------------------------------------------------------------------
@@ -214,7 +246,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[Text, float] | None = None  # token id (as a string, JSON keys are) -> bias
     allowed_token_ids: list[Int64] | None = None  # extension (vLLM)
     bad_words: list[Text] | None = None  # extension (vLLM): never generated, whole
-    user: Text | None = None
+    user: Text | None = None  # an end user's id: logged with the request's id (as OpenAI uses it: attribution)
     skip_special_tokens: bool | None = True  # extension (vLLM): special tokens give no text
     prompt_logprobs: Int64 | None = None  # extension (vLLM): per prompt token, its logprob and this many top ones
     # Structured output: at most one of these (router/openai/structured_fields.py).
@@ -232,9 +264,7 @@ class _SamplingFields(_Request):
     unsupported: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     def check_unsupported(self) -> None:
-        for name, why in self.unsupported.items():
-            if name in type(self).model_fields and not _no_op(name, getattr(self, name)):
-                raise InvalidRequestError(f"{name}: {why}", name)
+        refuse_unsupported(self)
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_CHOICES}]", "n")
         if self.stream_options is not None and not self.stream:
@@ -255,6 +285,11 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):
@@ -297,9 +332,15 @@ class TextContentPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
-    name: Text | None = None
+    name: Text | None = None  # the participant's name: given to the chat template (templates that read it use it)
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: Text | None = None  # a tool's result: the call it answers
+    # What OpenAI's SDK hands back for an assistant message (a client often sends it back as it is):
+    # null / empty asks for nothing; anything else is a 400 naming it (UNSUPPORTED_FIELDS).
+    refusal: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> "ChatMessage":
@@ -308,6 +349,12 @@ class ChatMessage(_Request):
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("only a tool message has a tool_call_id")
         return self
+
+    def check(self) -> None:
+        refuse_unsupported(self)
+        if self.annotations:
+            raise InvalidRequestError("annotations: message annotations (url citations) cannot be rendered",
+                                      "annotations")
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -323,6 +370,8 @@ class ChatMessage(_Request):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
         return d
 
 
@@ -344,9 +393,20 @@ class ChatCompletionRequest(_SamplingFields):
     # none: "auto" with tools (as OpenAI and vLLM), else "none".
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most one call per reply
+    # Known, not implemented (UNSUPPORTED_FIELDS): a value that asks for something is a 400 naming it.
+    reasoning_effort: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for m in self.messages:
+            m.check()
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
@@ -374,6 +434,8 @@ class TokenizeRequest(_Request):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        for m in self.messages or ():
+            m.check()
 
 
 class DetokenizeRequest(_Request):

@@ -154,12 +154,19 @@ def build_app(gw: Gateway) -> FastAPI:
         healthy = st.healthy_decode if st is not None and gw.client.connected else 0
         body = {"status": "ok" if healthy else "unhealthy", "healthy_decode_workers": healthy,
                 "healthy_prefill_workers": st.healthy_prefill if st is not None else 0}
+        if st is not None and st.workers_gone:
+            body["workers_gone"] = list(st.workers_gone)
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/ready")
     async def ready():
+        # Ready while a decode worker serves; workers dead past their restart limit are named (the
+        # cluster serves without them).
         ok = gw.ready
         body = {"ready": ok, "draining": True} if gw.draining else {"ready": ok}
+        st = gw.client.state
+        if st is not None and st.workers_gone:
+            body["workers_gone"] = list(st.workers_gone)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -20,6 +20,7 @@ request with that seed. One choice failing, or the client leaving, aborts them a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class RequestOptions:
     skip_special_tokens: bool = True
     tools: ToolCalling | None = None  # chat only
 
+log = logging.getLogger(__name__)
+
 
 class Choice:
     """One choice of a response: its generation, and what echo puts before its text."""
@@ -63,9 +66,10 @@ class Choice:
         self.echo = echo  # the prompt's text (echo), else None
         self.tokenizer = tokenizer
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list]]:
-        """(text, finish reason or None, logprob positions of the piece's tokens); with echo, the first
-        piece starts with the prompt's text and (when logprobs are asked) the prompt's logprobs."""
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, list, int]]:
+        """(text, finish reason or None, logprob positions of the piece's tokens, completion tokens so
+        far); with echo, the first piece starts with the prompt's text and (when logprobs are asked)
+        the prompt's logprobs."""
         first = self.echo is not None
         async for text, finish, lp in self.gen.pieces():
             positions = list(lp.tokens) if lp is not None else []
@@ -74,7 +78,7 @@ class Choice:
                 text = self.echo + text
                 if self.gen.params.prompt_logprobs is not None:
                     positions = self._prompt_positions() + positions
-            yield text, finish, positions
+            yield text, finish, positions, self.gen.completion_tokens
 
     def prompt_logprobs(self) -> tuple:
         """The prompt's logprobs, one per prompt token (the first None), as the worker sent them."""
@@ -89,7 +93,7 @@ class Choice:
 
     async def collect(self) -> tuple[str, list]:
         text, positions = [], []
-        async for t, _, lp in self.pieces():
+        async for t, _, lp, _ in self.pieces():
             text.append(t)
             positions.extend(lp)
         return "".join(text), positions
@@ -101,8 +105,9 @@ class ChunkFormat:
     def opening(self, index: int) -> list[str]:
         return []
 
-    def piece(self, index: int, text: str, finish: str | None, positions) -> str:
-        """positions: the logprobs of this piece's tokens (empty unless asked)."""
+    def piece(self, index: int, text: str, finish: str | None, positions, usage: UsageInfo | None = None) -> str:
+        """positions: the logprobs of this piece's tokens (empty unless asked); usage: the choice's so
+        far, with `stream_options.continuous_usage_stats` (else None)."""
         raise NotImplementedError
 
     def usage(self, usage: UsageInfo) -> str:
@@ -165,16 +170,20 @@ class OpenAIServing:
                 bias = {int(k): v for k, v in body.logit_bias.items()}
             except ValueError:
                 raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
+        d = gw.cfg.sampling_defaults  # the model's recommendations (--generation-config), where the body is silent
+
+        def pick(value, default, api_default):
+            return value if value is not None else (default if default is not None else api_default)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=pick(body.temperature, d.temperature, 1.0),
+            top_p=pick(body.top_p, d.top_p, 1.0),
+            top_k=pick(body.top_k, d.top_k, 0),
+            min_p=pick(body.min_p, d.min_p, 0.0),
             seed=body.seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty, 1.0),
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
             bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -201,6 +210,8 @@ class OpenAIServing:
         echo = self.echo(body)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         single = len(prompts) * body.n == 1
+        if body.user is not None:  # what OpenAI's `user` is for: attributing a request to an end user
+            log.info("%s: user %r", rid, body.user)
 
         async def place_all() -> list[Choice]:
             choices: list[Choice] = []
@@ -210,6 +221,7 @@ class OpenAIServing:
                     params = self.sampling_params(body, opts, max_tokens, num_logprobs,
                                                   self.prompt_logprobs(body, num_logprobs, echo, max_tokens))
                     echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
+                    gw.metrics.prompt_placed(body.n, params.max_tokens)
                     for i in range(body.n):
                         index = p * body.n + i
                         seed = None if body.seed is None else (body.seed + i) % 2**63
@@ -240,6 +252,7 @@ class OpenAIServing:
             finally:  # one failed (or the client left): the others stop too, and abort
                 for t in tasks:
                     t.cancel()
+            observe_finished(gw, choices, body.n)
             return self.response(rid, body, opts, choices, results, await usage(choices))
         return await unless_disconnected(request, collect())
 
@@ -249,13 +262,17 @@ class OpenAIServing:
             for c in choices:
                 for ev in fmt.opening(c.index):
                     yield ev
+            prompt_len = {c.index: len(c.prompt_ids) for c in choices} if body.continuous_usage else None
             if len(choices) == 1:  # the common case: no task, no queue
                 c = choices[0]
-                async for text, finish, positions in c.pieces():
-                    yield fmt.piece(c.index, text, finish, positions)
+                async for text, finish, positions, n in c.pieces():
+                    yield fmt.piece(c.index, text, finish, positions,
+                                    UsageInfo.of(prompt_len[c.index], n) if prompt_len else None)
             else:
-                async for index, (text, finish, positions) in merged(choices):
-                    yield fmt.piece(index, text, finish, positions)
+                async for index, (text, finish, positions, n) in merged(choices):
+                    yield fmt.piece(index, text, finish, positions,
+                                    UsageInfo.of(prompt_len[index], n) if prompt_len else None)
+            observe_finished(self.gw, choices, body.n)
             if body.include_usage:
                 yield fmt.usage(await usage(choices))
         except GenerationError as e:
@@ -293,6 +310,13 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, tuple]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def observe_finished(gw: Gateway, choices: list[Choice], n: int) -> None:
+    """Every choice finished: the most tokens any of a prompt's n choices generated (vLLM's
+    request_max_num_generation_tokens; choices p*n .. p*n+n-1 are prompt p's)."""
+    for p in range(0, len(choices), n):
+        gw.metrics.request_max_num_generation_tokens.observe(max(c.gen.completion_tokens for c in choices[p:p + n]))
 
 
 async def usage(choices: list[Choice]) -> UsageInfo:

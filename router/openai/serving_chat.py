@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:  # like vLLM: as much as the context (and the KV cache) leaves
             cfg = self.gw.cfg
             room = min(cfg.max_model_len, self.gw.kv_capacity_tokens() or cfg.max_model_len) - len(ids)
-            max_tokens = max(1, room)
+            max_tokens = max(1, min(room, cfg.sampling_defaults.max_tokens or room))  # the model's max_new_tokens
         return max_tokens
 
     def num_logprobs(self, body: ChatCompletionRequest) -> int | None:
@@ -92,7 +92,7 @@ class _ChatChunks(ChunkFormat):
         self.tools = tools if tools is not None and tools.parses else None
         self.parsers: dict[int, ToolParser] = {}  # per choice, with tools
 
-    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=()) -> str:
+    def _chunk(self, index: int, delta: DeltaMessage, finish: str | None, positions=(), usage=None) -> str:
         logprobs = None
         if self.body.num_logprobs is not None and positions:
             logprobs = chat_logprobs(positions, self.body.num_logprobs)
@@ -102,15 +102,17 @@ class _ChatChunks(ChunkFormat):
         d = c.model_dump(exclude_none=True)
         d["choices"][0]["finish_reason"] = finish  # always present, null until the end
         if self.body.include_usage:
-            d["usage"] = None
+            d["usage"] = None if usage is None else {"prompt_tokens": usage.prompt_tokens,
+                                                    "completion_tokens": usage.completion_tokens,
+                                                    "total_tokens": usage.total_tokens}
         return event(json.dumps(d, separators=(",", ":")))
 
     def opening(self, index):
         return [self._chunk(index, DeltaMessage(role="assistant", content=""), None)]
 
-    def piece(self, index, text, finish, positions):
+    def piece(self, index, text, finish, positions, usage=None):
         if self.tools is None:
-            return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions)
+            return self._chunk(index, DeltaMessage(content=text) if text else DeltaMessage(), finish, positions, usage)
         parser = self.parsers.get(index)
         if parser is None:
             parser = self.parsers[index] = self.tools.new_parser()
@@ -121,7 +123,7 @@ class _ChatChunks(ChunkFormat):
             finish = self.tools.finish_reason(parser.called, finish)
         calls = [DeltaToolCall.model_validate(x.to_openai()) for x in self.tools.kept_deltas(d.tool_calls)]
         delta = DeltaMessage(content=d.content or None, tool_calls=calls or None)
-        return self._chunk(index, delta, finish, positions)
+        return self._chunk(index, delta, finish, positions, usage)
 
     def usage(self, usage):
         c = ChatCompletionChunk(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)

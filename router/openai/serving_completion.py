@@ -1,9 +1,10 @@
 """/v1/completions: one or more prompts (text or token ids) in, `text_completion` objects out.
 
 The endpoint's hooks of `OpenAIServing` (router/openai/serving.py): the prompts as given, max_tokens
-`default_max_tokens` unless asked (16, OpenAI's default), legacy logprobs (`logprobs: N`) and echo,
-vLLM's prompt_logprobs (non-streamed), and the response and chunk shapes. A chunk is built by hand
-around its fixed parts: it is the hot path, one event per token per request.
+the model's max_new_tokens (generation_config.json) or `default_max_tokens` (16, OpenAI's default)
+unless asked, legacy logprobs (`logprobs: N`) and echo, vLLM's prompt_logprobs (non-streamed), and
+the response and chunk shapes. A chunk is built by hand around its fixed parts: it is the hot path,
+one event per token per request (per delta from the decode worker, even when its text is held back).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return encode_prompt(self.gw.tokenizer, prompt)
 
     def max_tokens(self, body: CompletionRequest, ids) -> int:
-        return body.max_tokens if body.max_tokens is not None else self.gw.cfg.default_max_tokens
+        if body.max_tokens is not None:
+            return body.max_tokens
+        cfg = self.gw.cfg  # the model's max_new_tokens (--generation-config), else OpenAI's 16
+        return cfg.sampling_defaults.max_tokens or cfg.default_max_tokens
 
     def num_logprobs(self, body: CompletionRequest) -> int | None:
         return body.logprobs
@@ -60,15 +64,18 @@ class _CompletionChunks(ChunkFormat):
         self.tail = ',"usage":null}\n\n' if body.include_usage else '}\n\n'
         self.logprobs: dict[int, CompletionLogprobsBuilder] = {}  # per choice (text offsets go on)
 
-    def piece(self, index, text, finish, positions):
+    def piece(self, index, text, finish, positions, usage=None):
         lp = "null"
         if self.body.logprobs is not None:
             builder = self.logprobs.get(index)
             if builder is None:
                 builder = self.logprobs[index] = CompletionLogprobsBuilder(self.body.logprobs)
             lp = builder.add(positions).model_dump_json()
+        tail = self.tail if usage is None else (
+            f',"usage":{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
+            f'"total_tokens":{usage.total_tokens}}}}}\n\n')
         return (f'{self.head}{index},"text":{json.dumps(text)},"logprobs":{lp},'
-                f'"finish_reason":{json.dumps(finish)}}}]{self.tail}')
+                f'"finish_reason":{json.dumps(finish)}}}]{tail}')
 
     def usage(self, usage):
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.body.model, choices=[], usage=usage)

@@ -165,3 +165,99 @@ def test_engine_stops_on_a_replacement_character_stop_string(reference_engine):
                                                                      seed=seed, stop=("\ufffd",)))[0]
             assert (out.finish_reason, out.text, len(out.token_ids)) == ("stop", free.text[:cut], k), (seed, max_tokens)
     assert found >= 2
+
+
+# -- a migration's resume at any point (issue 29): a hypothesis property ---------------------------
+
+def _byte_tokens(tokenizer) -> dict[str, list[int]]:
+    """The demo tokenizer's single-byte tokens by UTF-8 role: ASCII, continuation, 2/3/4-byte leads."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_of = {ch: b for b, ch in enumerate(sorted(ByteLevel.alphabet(), key=lambda c: _BYTE_ORDER(c)))}
+    roles: dict[str, list[int]] = {"ascii": [], "cont": [], "lead2": [], "lead3": [], "lead4": []}
+    for piece, tid in tokenizer.get_vocab().items():
+        if len(piece) != 1 or piece not in byte_of:
+            continue
+        b = byte_of[piece]
+        role = ("ascii" if b < 0x80 else "cont" if b < 0xC0 else "lead2" if b < 0xE0 else "lead3" if b < 0xF0
+                else "lead4" if b < 0xF5 else None)
+        if role:
+            roles[role].append(tid)
+    return roles
+
+
+def _BYTE_ORDER(ch: str) -> int:
+    """GPT-2's byte -> printable character map, inverted (what ByteLevel's alphabet spells)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip((chr(c) for c in cs), bs))[ch]
+
+
+def _run(tokenizer, prompt, ids, stop, cuts, use_decode_stream):
+    """The client's text of a stream of `ids` whose worker fails after each token count in `cuts` (the
+    publisher's error finish: take_new_text() without a flush) and resumes on a new detokenizer from
+    prompt + the tokens so far and the characters the client has; stops as the worker would."""
+    got, done, start = "", 0, 0
+    cuts = sorted(set(c for c in cuts if 0 < c < len(ids))) + [len(ids)]
+    for end in cuts:
+        det = IncrementalDetokenizer(tokenizer, list(prompt) + list(ids[:start]), stop, resumed_tokens=start,
+                                     resumed_chars=len(got), use_decode_stream=use_decode_stream)
+        for t in ids[start:end]:
+            det.add(t)
+            done += 1
+            got += det.take_new_text()
+            if det.stopped:
+                return got + det.take_new_text(final=True), done
+        last = end == len(ids)
+        got += det.take_new_text(final=last)  # a failure flushes nothing (token_publisher)
+        start = end
+    return got, done
+
+
+def test_resume_at_random_points_never_diverges(tokenizer):
+    """A migrated stream equals the unfailed one at every cut, any number of cuts: token sequences
+    made of valid multi-byte characters split over byte tokens, lone and truncated sequences, ASCII
+    and word tokens; stop strings taken from the text itself (multi-byte and U+FFFD ones included) or
+    never matching; both decoders."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    roles = _byte_tokens(tokenizer)
+    assert all(len(v) >= 10 for k, v in roles.items() if k != "lead4") and roles["lead4"], roles
+    words = tokenizer(" the sea is deep, 128 and", add_special_tokens=False).input_ids
+    prompt = tokenizer("Once upon", add_special_tokens=True).input_ids
+
+    def char(n):  # a valid n-byte character as its n byte tokens, or a truncated one
+        lead = {2: "lead2", 3: "lead3", 4: "lead4"}[n]
+        return st.tuples(st.sampled_from(roles[lead]), st.lists(st.sampled_from(roles["cont"]), min_size=n - 1,
+                                                                  max_size=n - 1), st.integers(1, n)).map(
+            lambda x: [x[0], *x[1]][: x[2] if x[2] < n else n])
+
+    piece = st.one_of(char(2), char(3), char(4), st.sampled_from(roles["cont"]).map(lambda t: [t]),
+                      st.sampled_from(roles["ascii"] + words).map(lambda t: [t]))
+    tokens = st.lists(piece, min_size=1, max_size=24).map(lambda ps: [t for p in ps for t in p])
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(ids=tokens, data=st.data(), use_stream=st.booleans())
+    def check(ids, data, use_stream):
+        full = tokenizer.decode(ids)
+        stops = ()
+        kind = data.draw(st.sampled_from(["none", "text", "fffd", "never"]))
+        if kind == "text" and len(full) > 1:
+            i = data.draw(st.integers(0, len(full) - 1))
+            stops = (full[i : i + data.draw(st.integers(1, 4))],)
+        elif kind == "fffd":
+            stops = ("\ufffd" * data.draw(st.integers(1, 3)),)
+        elif kind == "never":
+            stops = ("\x00never\x00",)
+        ref, ref_done = _run(tokenizer, prompt, ids, stops, [], use_stream)
+        cuts = data.draw(st.lists(st.integers(1, max(1, len(ids) - 1)), max_size=4))
+        got, done = _run(tokenizer, prompt, ids, stops, cuts, use_stream)
+        assert (got, done) == (ref, ref_done), (ids, stops, cuts)
+
+    check()

@@ -37,3 +37,16 @@ def test_padding_waste_of_the_default_policy_is_under_4_percent():
     assert padding_waste([1, 2, 3], [5, 6]) == 0.0  # above the largest bucket: eager, unpadded
     assert padding_waste([4], iter([1, 3])) == pytest.approx(0.5)  # any iterable of batch sizes
     assert padding_waste([4], []) == 0.0
+
+
+def test_the_features_variant_is_captured_at_a_coarser_subset():
+    from cluster.graph_buckets import feature_bucket_sizes
+
+    plain = bucket_sizes("vllm", 256)
+    f = feature_bucket_sizes(plain)
+    assert f == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    assert set(f) <= set(plain) and f[-1] == plain[-1]  # eager above the same size as the plain step
+    assert len(f) <= len(plain) // 2 and padding_waste(f, range(1, 257)) <= 0.10
+    assert feature_bucket_sizes([3, 5, 7]) == [7] and feature_bucket_sizes([1, 24, 48]) == [1, 48]
+    for n in range(1, 257):  # a features batch never pads below the plain rule
+        assert padded_size(f, n) >= padded_size(plain, n)

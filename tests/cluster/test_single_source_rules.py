@@ -151,6 +151,24 @@ def test_kv_pool_sizing_rule():
     assert kv_pool_blocks(WorkerConfig(model_dir="x", cpu_num_blocks=33), arch, torch.bfloat16, torch.device("cpu")) == 33
 
 
+def test_kv_pool_counts_the_decode_graphs_features_state(monkeypatch):
+    """The features variant's state (per-slot tables, step outputs) is allocated by the decode graph
+    runner after the pool: the sizing rule leaves room for it, measured from the allocators."""
+    import cluster.sampler
+    from cluster.sampler import features_state_bytes
+
+    arch, gib = _arch(), 1 << 30
+    cfg = WorkerConfig(model_dir="x", device="cuda", max_num_seqs=256, max_prefill_tokens=4096)
+    mem = DeviceMemory(total=140 * gib, free=124 * gib, reserved_here=16 * gib)
+    per_block = KVCacheSpec.for_model(arch, 16, 1, torch.bfloat16).bytes_per_block
+    counted = kv_pool_blocks(cfg, arch, torch.bfloat16, torch.device("cuda"), mem)
+    monkeypatch.setattr(cluster.sampler, "features_state_bytes", lambda rows, vocab: 0)
+    uncounted = kv_pool_blocks(cfg, arch, torch.bfloat16, torch.device("cuda"), mem)
+    state = features_state_bytes(256, arch.vocab_size)
+    assert 8 * 256 * arch.vocab_size <= state < 9 * 256 * arch.vocab_size  # counts + processed logits + ...
+    assert abs((uncounted - counted) - state * cfg.kv_memory_fraction / per_block) <= 1
+
+
 # -- the served context length and "does this request fit" (cluster.request_limits) ---------------
 def test_served_max_model_len_is_one_rule(demo_model_dir):
     """The decode worker, the prefill worker and the engine serve the context length the rule gives
@@ -272,7 +290,8 @@ def test_cluster_config_takes_every_shared_default_from_its_component():
     same_name = {n for c in components for n in _defaults(c) if n in fields}
     declared = set(COMPONENT_DEFAULTS) | set(DEPLOY_CHOICES)
     assert same_name <= declared, same_name - declared
-    assert {f.name for f in dataclasses.fields(WorkerConfig)} - declared == {"model_dir", "gpu_share"}  # the launcher's
+    assert {f.name for f in dataclasses.fields(WorkerConfig)} - declared == {"model_dir", "gpu_share",
+                                                                              "cluster_secret"}  # the launcher's
 
 
 def test_default_cluster_config_builds_each_component_with_its_own_defaults():
@@ -289,7 +308,7 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
 
     cfg = ClusterConfig()
     assert worker_config(cfg, "/m", "cpu") == WorkerConfig(model_dir="/m")
-    assert router_config(cfg) == replace(RouterConfig(), workers_restart=True)
+    assert router_config(cfg) == replace(RouterConfig(), worker_max_restarts=3)
     assert admission_limits(cfg, 512) == AdmissionLimits(max_model_len=512, block_size=16, max_prefill_queue_s=5.0)
     spec = APIServerSpec(index=0, listen_fd=3, parent_pid=1, **api_server_settings(
         cfg, router_address="ipc://r", model_dir="/m", served_model_name="m", max_model_len=512, sink_host="h",

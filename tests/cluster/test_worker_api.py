@@ -100,7 +100,7 @@ def workers(demo_model_dir):
     try:
         d.init_transport(spec)
         p.init_transport(spec)
-        p.connect_transport(["d0"])
+        asyncio.run(p.connect_transport(["d0"]))
         yield WorkerClient("d0", "decode", d), WorkerClient("p0", "prefill", p)
     finally:
         p.shutdown()

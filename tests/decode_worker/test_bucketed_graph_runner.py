@@ -63,6 +63,37 @@ def test_padded_rows_write_only_the_null_block_and_match_unpadded_decode(setup):
     assert tok2 == ref2.argmax(-1).tolist()
 
 
+def test_a_features_batch_pads_to_the_features_variants_buckets(setup):
+    """A batch where some row asks for logprobs (or penalties) runs the features variant, padded by
+    cluster.graph_buckets.feature_bucket_sizes; the same rows without it pad by the plain rule."""
+    model, spec, runner = setup
+    gr = BucketedGraphRunner(model, runner.kv_cache, spec.block_size, max_num_seqs=8, max_blocks_per_seq=16,
+                             buckets=(1, 3, 6, 8))
+    assert gr.feature_buckets == [1, 8]
+    rng = random.Random(5)
+    plain, feat, blocks = [], [], 1
+    for i, n in enumerate((4, 9, 17)):
+        table = list(range(blocks, blocks + spec.blocks_for_tokens(n + 1)))
+        blocks += len(table)
+        prompt = [rng.randrange(5, 500) for _ in range(n)]
+        runner.prefill([PrefillChunk(prompt, 0, table)])
+        for out, params in ((plain, SamplingParams(temperature=0.0)),
+                            (feat, SamplingParams(temperature=0.0, logprobs=1 if i == 1 else None))):
+            s = Sequence(f"r{i}-{len(out)}", prompt, params, seed=0)
+            s.block_table = table
+            out.append(s)
+    kv0 = runner.kv_cache.clone()
+    h = gr.launch([DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in plain])
+    assert (h.info.bucket, h.info.features) == (3, False) and h.logprobs() is None
+    greedy = h.tokens()
+    runner.kv_cache.copy_(kv0)
+    h = gr.launch([DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in feat])
+    assert (h.info.bucket, h.info.features) == (8, True) and gr.padded_size(3, features=True) == 8
+    assert h.tokens() == greedy  # greedy either way; the padding rows change nothing
+    lp, ids, _ = h.logprobs()
+    assert len(lp) == 3 and ids[1][0] == greedy[1]  # the greedy token is its row's most likely one
+
+
 def test_kernel_path_samples_like_the_reference_path(setup):
     """The step as the GPU runs it (decode-input, rotary/KV, norm, attention and sampling kernels; on
     CPU under Triton's interpreter) against the torch references, for greedy, sampled and top-k/top-p

@@ -227,6 +227,7 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     deltas of the requests that name it (reply_to), as text equal to the engine's; every step's
     record goes to the stats sink once."""
     zmq = pytest.importorskip("zmq")
+    from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
     from cluster.stream_messages import decode_step_records, decode_stream_batch
 
     ctx = zmq.Context.instance()
@@ -238,7 +239,9 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     ps = prompts(6, [15, 60, 22, 9])
     params = SamplingParams(max_tokens=12, **GREEDY)
     ref = engine.generate(ps, params)
-    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
+    secret = b"k" * 32  # every frame carries a MAC under the cluster's secret (cluster/frame_auth.py)
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4, cluster_secret=secret)
+    checks = [FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, STATS_SINK)]
     worker = DecodeWorker("d1", cfg, stats_sink=addrs[2])
     got = [Collector(worker), Collector(worker)]
     texts: dict[str, str] = {}
@@ -250,19 +253,20 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
             assert time.time() - t0 < 60
             for k in (0, 1):
                 while sinks[k].poll(10):
-                    b = decode_stream_batch(sinks[k].recv())
+                    b = decode_stream_batch(checks[k].open(sinks[k].recv_multipart()))
                     assert b.worker_id == "d1"
                     got[k].add(b)
                     for d in b.deltas:
                         texts[d.request_id] = texts.get(d.request_id, "") + d.text
         time.sleep(0.2)
         while sinks[2].poll(10):
-            records += decode_step_records(sinks[2].recv()).records
+            records += decode_step_records(checks[2].open(sinks[2].recv_multipart())).records
         for i, r in enumerate(ref):
             mine, other = got[i % 2], got[1 - i % 2]
             assert mine.tokens[f"r{i}"] == list(r.token_ids) and f"r{i}" not in other.tokens
             assert texts[f"r{i}"] == r.text
         steps = [r.step for r in records]
+        assert not any(c.rejected for c in checks)
         assert steps and steps == sorted(set(steps)) and all(r.worker_id == "d1" and r.batch_size >= 1 for r in records)
     finally:
         worker.shutdown()
@@ -339,3 +343,131 @@ def test_prefix_cache_hits_on_the_decode_worker_keep_greedy_output_exact(demo_mo
         worker.check_blocks()
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_a_fault_after_k_tokens_fires_right_after_the_kth_token_of_its_request(demo_model_dir, k):
+    """inject_fault(kind, after_tokens=K, seed=S): the request sampled with seed S sends exactly K
+    tokens (the other running requests' tokens of that batch still go out), then the loop fails and
+    every request ends with an error, lost (the router moves them); fired once, reported in stats."""
+    ps = prompts(3, [9, 20, 14])
+    worker = make_worker(demo_model_dir, max_loop_restarts=5)
+    try:
+        col = Collector(worker)
+        worker.inject_fault("loop", after_tokens=k, seed=2)
+        for i, p in enumerate(ps):
+            req = GenerateRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=30, **GREEDY), i, 0.0)
+            assert worker.submit_local(req) is not None
+        col.wait(lambda: len(col.finish) == len(ps))
+        assert len(col.tokens["r2"]) == k
+        assert set(col.finish.values()) == {"error"} and all(worker.lost(f"r{i}") for i in range(3))
+        fired = worker.stats().extra["faults_fired"]
+        assert [(f["kind"], f["after_tokens"], f["request_id"]) for f in fired] == [("loop", k, "r2")]
+        # A migrated request resumes past K: counted with the tokens it resumed from, it never fires again.
+        worker.inject_fault("loop", after_tokens=3, seed=9)
+        p = tuple(ps[0]) + (7, 8, 9)
+        worker.submit_local(GenerateRequest("m", p, SamplingParams(max_tokens=5, **GREEDY), 9, 0.0, resumed_tokens=3))
+        col.wait(lambda: "m" in col.finish)
+        assert col.finish["m"] == "length" and len(worker.stats().extra["faults_fired"]) == 1
+        worker.clear_faults()
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks)
+        assert worker.stats().healthy and worker.loop_failures == 1
+    finally:
+        worker.shutdown()
+
+
+def test_the_restart_fault_stops_everything_silently_and_calls_on_restart(demo_model_dir):
+    worker = make_worker(demo_model_dir)
+    restarted = []
+    try:
+        col = Collector(worker)
+        with pytest.raises(ValueError):
+            worker.inject_fault("restart", after_tokens=2)  # nobody to bring up a new incarnation
+        worker.on_restart = lambda: restarted.append(True)
+        worker.inject_fault("restart", after_tokens=2)
+        req = GenerateRequest("r", tuple(prompts(4, [10])[0]), SamplingParams(max_tokens=30, **GREEDY), 0, 0.0)
+        worker.submit_local(req)
+        col.wait(lambda: restarted)
+        time.sleep(0.3)
+        col.poll()
+        assert len(col.tokens["r"]) == 2 and "r" not in col.finish  # a crash: no error from the worker itself
+        assert not worker.stats().healthy
+    finally:
+        worker.shutdown()
+def test_step_records_say_where_each_interval_went(demo_model_dir):
+    """Every step's record (to the router's stats sink) carries its interval since the previous
+    step's start and its parts: previous step + local prefill + idle + host gap = the interval; a
+    prompt prefilled between two steps shows as that interval's prefill."""
+    zmq = pytest.importorskip("zmq")
+    from cluster.frame_auth import STATS_SINK, FrameVerifier
+    from cluster.stream_messages import decode_step_records
+
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4)
+    worker = DecodeWorker("d2", cfg, stats_sink=addr)
+    c = Collector(worker)
+    long_, short = prompts(8, [40, 120])
+    try:
+        worker.submit_local(GenerateRequest("a", tuple(long_), SamplingParams(max_tokens=40, **GREEDY), 0, 0.0))
+        c.wait(lambda: len(c.tokens.get("a", [])) >= 5)
+        worker.submit_local(GenerateRequest("b", tuple(short), SamplingParams(max_tokens=5, **GREEDY), 0, 0.0))
+        c.wait(lambda: len(c.finish) == 2)
+        time.sleep(0.2)
+        records = []
+        verify = FrameVerifier(cfg.cluster_secret, STATS_SINK)  # the stats sink's frames are signed
+        while sink.poll(50):
+            records += decode_step_records(verify.open(sink.recv_multipart())).records
+    finally:
+        worker.shutdown()
+        sink.close()
+    by_step = {r.step: r for r in records}
+    timed = [r for r in records if r.interval_s is not None and r.step - 1 in by_step]
+    assert len(timed) >= 30
+    for r in timed:
+        prev = by_step[r.step - 1]
+        parts = prev.step_time_s + r.prefill_s + r.idle_s + r.gap_s
+        # The gap is what the other parts leave (never negative: a clamped gap means they overran it).
+        assert r.gap_s >= 0 and (r.interval_s == pytest.approx(parts, abs=1e-6) or r.gap_s == 0), r
+        assert r.host_s >= 0 and r.publish_lag_s >= 0
+    assert sum(r.prefill_s > 0 for r in timed) >= 1  # b's prompt, prefilled between two of a's steps
+
+
+def test_the_token_publisher_runs_in_its_own_process(demo_model_dir, engine):
+    """Detokenizing never competes with the decode loop for the interpreter: the publisher is another
+    process (its local frames and stop-string matches come back); a publisher process that died makes
+    the worker unhealthy, so the router moves its requests; nothing of it outlives the worker."""
+    from decode_worker.publisher_process import PublisherProcess
+
+    worker = make_worker(demo_model_dir)
+    pub = worker.publisher
+    assert isinstance(pub, PublisherProcess) and pub.alive and pub.proc.pid != __import__("os").getpid()
+    c = Collector(worker)
+    try:
+        p = prompts(11, [12])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("x", tuple(p), SamplingParams(max_tokens=6, **GREEDY), 0, 0.0))
+        c.wait(lambda: "x" in c.finish)
+        assert c.tokens["x"] == list(ref.token_ids) and worker.stats().healthy
+        pub.proc.kill()
+        pub.proc.wait(timeout=10)
+        assert not worker.stats().healthy
+    finally:
+        worker.shutdown()
+    assert pub.proc.poll() is not None
+
+
+def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
+    cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=8)
+    worker = DecodeWorker("d0", cfg, token_publisher="thread")
+    c = Collector(worker)
+    try:
+        p = prompts(12, [20])[0]
+        ref = engine.generate([p], SamplingParams(max_tokens=5, **GREEDY))[0]
+        worker.submit_local(GenerateRequest("y", tuple(p), SamplingParams(max_tokens=5, **GREEDY), 0, 0.0))
+        c.wait(lambda: "y" in c.finish)
+        assert c.tokens["y"] == list(ref.token_ids)
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="token_publisher"):
+        DecodeWorker("d0", cfg, token_publisher="fibre")

@@ -29,11 +29,15 @@ def test_graph_replay_equals_eager_for_every_bucket(demo_model_dir, backend):
     eager = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=32, max_blocks_per_seq=32, buckets="vllm",
                                 use_cuda_graph=False)
     graphs.capture(progress=False)
-    assert set(graphs.capture_stats) == set(graphs.buckets) == {1, 2, 4, 8, 16, 24, 32}
-    assert all(s["seconds"] > 0 and s["bytes"] >= 0 for s in graphs.capture_stats.values())
+    # The plain step at every bucket, the features variant at the coarser subset (cluster.graph_buckets).
+    assert set(graphs.capture_stats["plain"]) == set(graphs.buckets) == {1, 2, 4, 8, 16, 24, 32}
+    assert set(graphs.capture_stats["features"]) == set(graphs.feature_buckets) == {1, 2, 4, 8, 16, 32}
+    assert all(s["seconds"] > 0 and s["bytes"] >= 0 for per in graphs.capture_stats.values() for s in per.values())
+    summary = graphs.capture_summary()
+    assert summary["graphs"] == graphs.num_captures == 7 + 6 and summary["features_state_bytes"] > 0
     rng = random.Random(0)
     next_block = 1
-    seqs = []
+    seqs, fseqs = [], []
     for i in range(32):
         n = rng.randrange(1, 300)
         table = list(range(next_block, next_block + spec.blocks_for_tokens(n + 1)))
@@ -44,23 +48,37 @@ def test_graph_replay_equals_eager_for_every_bucket(demo_model_dir, backend):
         s = Sequence(f"r{i}", prompt, SamplingParams(temperature=temp, top_p=0.9 if i % 3 == 2 else 1.0), seed=i)
         s.block_table = table
         seqs.append(s)
+        # The same prompt and blocks, every other one with penalties and logprobs: the features variant.
+        f = Sequence(f"f{i}", prompt, SamplingParams(temperature=temp, presence_penalty=0.5, logprobs=2)
+                     if i % 2 == 0 else s.params, seed=i)
+        f.block_table = table
+        fseqs.append(f)
     kv0 = runner.kv_cache.clone()
     for n in sorted({b for b in graphs.buckets} | {b - 1 for b in graphs.buckets if b > 1}):
-        for kind in ("greedy", "mixed"):
-            chosen = seqs[:n] if kind == "mixed" else [s for s in seqs if s.params.greedy][:n]
+        for kind in ("greedy", "mixed", "features"):
+            chosen = {"mixed": seqs[:n], "features": fseqs[:n]}.get(kind) or [s for s in seqs if s.params.greedy][:n]
             rows = [DecodeRow(s, s.last_token_id, -1, s.num_tokens - 1) for s in chosen]
             runner.kv_cache.copy_(kv0)
             h = graphs.launch(rows)
-            assert h.info.graph and h.info.bucket == graphs.padded_size(len(rows))
-            got = h.tokens()
+            features = kind == "features"
+            assert h.info.graph and h.info.features == features
+            assert h.info.bucket == graphs.padded_size(len(rows), features)
+            assert h.info.bucket in (graphs.feature_buckets if features else graphs.buckets)
+            got, got_lp = h.tokens(), h.logprobs()
+            got_lp = None if got_lp is None else [a.copy() for a in got_lp]  # views of the runner's pinned slot
             kv_graph = runner.kv_cache.clone()
             runner.kv_cache.copy_(kv0)
-            want = eager.launch(rows).tokens()
+            he = eager.launch(rows)
+            want, want_lp = he.tokens(), he.logprobs()
             assert got == want, f"batch {len(rows)} ({kind})"
+            if features:
+                torch.testing.assert_close(torch.from_numpy(got_lp[0]), torch.from_numpy(want_lp[0].copy()),
+                                           rtol=1e-4, atol=1e-4)
             # float32: the torch backend's eager step gathers only `width` blocks, the graph all of them,
             # so its sums run in another order (H200: 3 of 16M values off by 1.4e-5).
             torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=1e-4, atol=1e-4)
-    assert graphs.num_captures == len(graphs.buckets)  # one graph per bucket covers every sampling mode
+    # One plain graph per bucket covers every sampling mode; one features graph per feature bucket.
+    assert graphs.num_captures == len(graphs.buckets) + len(graphs.feature_buckets)
 
 
 def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch):
@@ -70,8 +88,9 @@ def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", device="cuda", attention_backend="triton",
                        num_blocks=1024, max_num_seqs=16)
     worker = DecodeWorker("g0", cfg)
-    captured = worker.graph_runner.num_captures
-    assert captured == len(worker.graph_runner.buckets)
+    gr = worker.graph_runner
+    captured = gr.num_captures
+    assert captured == len(gr.buckets) + len(gr.feature_buckets)
     calls = []
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda *a, **k: calls.append(a))
     rng = random.Random(1)
@@ -91,7 +110,8 @@ def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch
         m = worker.step_metrics()
         assert m["graph_steps_total"] == m["steps_total"] > 0 and m["eager_steps_total"] == 0
         assert m["graphs_captured"] == captured and not calls
-        assert m["capture_seconds"] > 0 and len(m["capture_stats"]) == len(worker.graph_runner.buckets)
+        assert m["capture_seconds"] > 0 and m["capture"]["plain"]["graphs"] == len(gr.buckets)
+        assert m["capture"]["features"]["graphs"] == len(gr.feature_buckets) == len(m["feature_graph_buckets"])
         print(f"capture: {m['capture_seconds']:.2f}s, {m['capture_bytes'] / 2**20:.1f} MiB")
     finally:
         worker.shutdown()

@@ -19,12 +19,13 @@ from router.router_config import RouterConfig
 NOT_DEFAULT = dict(
     dtype="float16", attention_backend="triton", block_size=32, num_blocks=77, kv_memory_fraction=0.5,
     cpu_num_blocks=99, max_num_seqs=7, max_prefill_tokens=1000, local_prefill_chunk_tokens=33, max_model_len=999,
-    enable_prefix_caching=False, graph_buckets=(1, 3), use_cuda_graph=False, seed=5,
+    enable_prefix_caching=False, graph_buckets=(1, 3), use_cuda_graph=False, seed=5, gpu_memory_utilization=0.7,
+    quantization="fp8", kv_cache_dtype="fp8", max_loop_restarts=9,
     prefill_placement="static", local_prefill_threshold=9, itl_cost_weight=3.5, stats_interval_s=0.7,
     call_timeout_s=11.0, prefill_timeout_s=12.0, reserve_wait_s=0.3, migration_wait_s=13.0,
     migrate_on_worker_death=False, prefill_policy="round_robin", decode_policy="round_robin",
-    max_waiting_requests=17, max_inflight_tokens=1234, retry_after_s=4,
-    api_key="k", max_body_bytes=2048, token_timeout_s=14.0,
+    max_waiting_requests=17, queue_timeout_s=9.5, max_inflight_tokens=1234, retry_after_s=4,
+    api_key="k", max_body_bytes=2048, token_timeout_s=14.0, tool_call_parser="hermes", enable_auto_tool_choice=True,
     planner_hysteresis=0.5, planner_confirmations=5, planner_min_dwell_s=15.0, planner_tpot_target_s=0.02,
 )
 
@@ -53,8 +54,12 @@ def test_every_setting_reaches_its_component():
         assert getattr(built[component], field) == getattr(cfg, name), name
     w, r, a = built[WorkerConfig], built[RouterConfig], built[AdmissionLimits]
     assert (w.model_dir, w.device, w.gpu_share) == ("/m", "cuda", 0.5)
-    assert r.workers_restart is False and router_config(ClusterConfig()).workers_restart is True
+    assert r.workers_restart is False and r.worker_max_restarts == 0
+    assert router_config(ClusterConfig()).workers_restart is True and router_config(ClusterConfig()).worker_max_restarts == 3
     assert (a.max_model_len, a.block_size, a.max_prefill_queue_s) == (512, 32, 2.5)
+    # vLLM's --enforce-eager: no graphs, whatever use_cuda_graph says
+    assert worker_config(ClusterConfig(enforce_eager=True), "/m", "cuda").use_cuda_graph is False
+    assert worker_config(ClusterConfig(), "/m", "cuda").use_cuda_graph is True
     s = built[GatewayConfig]
     assert (s.router_address, s.served_model_name, s.max_model_len, s.sink_host, s.drain_timeout_s) == \
         ("ipc://r", "m", 512, "h", cfg.drain_timeout_s)

@@ -48,7 +48,7 @@ def test_workers_warmed_up_before_serving(cluster):
         assert warm["prefill_passes"] > 0, wid
         assert warm["finished_at"] < cluster.serving_since, wid
         if wid.startswith("decode"):
-            assert warm["requests"] == 4  # the local-prefill path, once per sampler variant (+ one decoding)
+            assert warm["requests"] == 5  # the local-prefill path once per sampler variant, one under a grammar (+ one decoding)
     # The warm-up seeded the measured rates the router plans with.
     views = cluster.router.views
     assert all(v.stats.prefill_rate is not None for v in views.values())

@@ -65,3 +65,27 @@ def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(240)
+def test_an_error_after_start_is_printed_before_the_stopped_line(demo_model_dir):
+    """Ray started (so there is something to stop), then the port is taken: `error: ...` once, then
+    `pdserve: stopped`, exit code 2."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
+                            "--device", "cpu", "--port", str(port), "--no-warmup"],
+                           capture_output=True, text=True, timeout=200, env=dict(os.environ, RAY_ADDRESS=""))
+    finally:
+        taken.close()
+    lines = r.stderr.splitlines()
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("error: ")]
+    stopped = [i for i, ln in enumerate(lines) if ln == "pdserve: stopped"]
+    assert r.returncode == 2, r.stderr
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[errors[0]], r.stderr
+    assert len(stopped) == 1 and errors[0] < stopped[0], r.stderr

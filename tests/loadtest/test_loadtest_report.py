@@ -5,9 +5,10 @@ import json
 import pytest
 
 from loadtest.make_model import model_config, write_model
-from loadtest.records import Event, EventWriter, read_events, step_windows
-from loadtest.report import build_rows, format_table, percentile
-from loadtest.server_stats import StepRecord, parse_histogram_totals, summarize_records, summarize_snapshots
+from loadtest.records import Event, EventWriter, read_events, step_windows, timing_rows, token_chunks
+from loadtest.report import build_rows, format_table, percentile, target_checks
+from loadtest.server_stats import (RequestRecord, StepRecord, parse_histogram_totals, summarize_records,
+                                   summarize_requests, summarize_snapshots)
 
 
 def test_percentile_matches_numpy_linear():
@@ -90,3 +91,66 @@ def test_make_model_shapes(tmp_path, demo_model_dir):
     out = LLMEngine(str(d), device="cpu").generate(["Hello"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     demo_vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
     assert len(out[0].token_ids) == 6 and max(out[0].token_ids) < demo_vocab  # padded ids are never chosen
+
+
+def _sse(d: dict) -> bytes:
+    return b"data: " + json.dumps(d).encode()
+
+
+def test_tokens_are_timed_per_token_from_continuous_usage():
+    """A chunk's tokens are its usage's growth: TTFT at the first token, one ITL per later token (a
+    chunk of k tokens after a gap g gives k of g / k), the raw chunk gaps apart; a token with no text
+    (held back by the detokenizer) is a token."""
+    lines = [(1.0, _sse({"choices": [{"text": "", "finish_reason": None}], "usage": {"completion_tokens": 1}})),
+             (1.010, _sse({"choices": [{"text": "ab", "finish_reason": None}], "usage": {"completion_tokens": 3}})),
+             (1.012, _sse({"choices": [{"text": "c", "finish_reason": "length"}], "usage": {"completion_tokens": 4}})),
+             (1.013, _sse({"choices": [], "usage": {"completion_tokens": 4}}))]
+    carried, n, err = token_chunks(lines)
+    assert carried == [(1.0, 1), (1.010, 2), (1.012, 1)] and n == 4 and err is None
+    rows = timing_rows(carried, 0, 100.0, 0.5)
+    kinds = [k for _, _, k, _ in rows]
+    assert kinds.count("ttft") == 1 and kinds.count("itl") == 3 and kinds.count("chunk_itl") == 2
+    assert rows[0][3] == pytest.approx(500.0) and rows[0][0] == pytest.approx(100.5)
+    assert [v for _, _, k, v in rows if k == "itl"] == pytest.approx([5.0, 5.0, 2.0])
+    # Without continuous usage: a chunk with text, or any non-final chunk, is one token.
+    plain = [(1.0, _sse({"choices": [{"text": "", "finish_reason": None}]})),
+             (1.1, _sse({"choices": [{"text": "", "finish_reason": "stop"}]})),
+             (1.2, _sse({"error": {"message": "boom"}}))]
+    carried, n, err = token_chunks(plain)
+    assert carried == [(1.0, 1)] and n is None and err == "boom"
+
+
+def test_interval_parts_targets_and_explanations():
+    """The server's step intervals next to its steps: medians, the mean parts (which add up), the
+    checks, and a row that says which part made the interval or the client's ITL longer."""
+    recs = [StepRecord("d0", 10.0 + 0.01 * i, 256, 256, 0, 6.0, True, 9.0 if i % 2 else 8.0,
+                       prefill_ms=2.0 if i % 2 else 0.0, idle_ms=0.0, gap_ms=1.0 if i % 2 else 2.0,
+                       host_ms=0.5, publish_lag_ms=3.0) for i in range(100)]
+    s = summarize_records(recs)
+    assert s["server_step_ms"] == 6.0 and s["server_interval_ms"] == 8.5 and s["server_interval_mean_ms"] == 8.5
+    parts = s["server_interval_parts_ms"]
+    assert parts == {"step": 6.0, "prefill": 1.0, "idle": 0.0, "gap": 1.5}
+    assert sum(parts.values()) == pytest.approx(s["server_interval_mean_ms"])
+    assert s["server_rows_per_s"] == pytest.approx(256 / 0.006) and s["server_publish_lag_ms"] == 3.0
+    row = {"batch_size": 256, "itl_p50_ms": 12.0, "tokens_per_s": 30000.0, **s}
+    from loadtest.report import explain
+
+    why = explain(row)
+    assert len(why) == 2 and "mostly gap" in why[0] and "publisher held tokens 3.00 ms" in why[1]
+    rows = [dict(row, itl_p50_over_step=2.0, interval_over_step=1.42, delivered_over_capacity=0.7),
+            {"batch_size": 1, "itl_p50_ms": 2.0, "itl_p50_over_step": 1.05, "interval_over_step": 1.01,
+             "delivered_over_capacity": 0.99}]
+    c = target_checks(rows)
+    assert c["itl_p50_over_step"]["met"] is False and c["itl_p50_over_step"]["per_batch"]["1"] == 1.05
+    assert c["interval_over_step"]["met"] is False and c["delivered_over_capacity_at_256"] == {
+        "value": 0.7, "target": ">= 0.9", "met": False}
+    assert c["itl_bs64_over_bs1"]["met"] is None
+    assert target_checks(rows[1:])["interval_over_step"]["met"] is True
+    # Requests: the server's own TTFT over the requests whose first token fell in the window.
+    reqs = [RequestRecord.from_json({"t": 5.0 + i, "ttft_ms": 20.0 + i, "e2e_ms": 500.0, "output_tokens": 8,
+                                     "local_prefill": i % 2 == 0, "queue_ms": 1.0, "prefill_ms": 10.0,
+                                     "transfer_ms": 0.5, "first_step_ms": 2.0}) for i in range(5)]
+    assert reqs[0].t_first == pytest.approx(5.0 - 0.48)
+    assert RequestRecord.from_json({"t": 1.0, "ttft_ms": None, "e2e_ms": 3.0}) is None
+    r = summarize_requests(reqs)
+    assert r["server_ttft_p50_ms"] == 22.0 and r["server_ttft_parts_p50_ms"]["prefill"] == 10.0

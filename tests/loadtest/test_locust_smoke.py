@@ -91,13 +91,17 @@ class FakeDecodeServer:
         q: asyncio.Queue = asyncio.Queue()
         self.active[rid] = q
         try:
+            continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
             for i in range(n):
                 if self.stall_after is not None and i >= self.stall_after:
                     await asyncio.sleep(3600)  # a hung stream: the client must give up
                 await q.get()
                 finish = "length" if i == n - 1 else None
-                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "model": body["model"],
-                                             "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}) + "\n\n"
+                chunk = {"id": rid, "object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": " x", "finish_reason": finish}]}
+                if continuous:  # vLLM's continuous usage: the tokens streamed so far
+                    chunk["usage"] = {"prompt_tokens": 1, "completion_tokens": i + 1, "total_tokens": i + 2}
+                yield "data: " + json.dumps(chunk) + "\n\n"
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                      "total_tokens": len(body["prompt"]) + n}
             yield "data: " + json.dumps({"id": rid, "choices": [], "usage": usage}) + "\n\n"
@@ -148,7 +152,8 @@ def test_steps_against_fake_server_report_itl_and_server_batches(tmp_path):
     assert (out / "itl.png").read_bytes()[:4] == b"\x89PNG"
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["server_stats_source"] == "stats" and "itl_p50_within_10pct_of_step" in summary["checks"]
+    assert summary["server_stats_source"] == "stats" and "itl_p50_over_step" in summary["checks"]
+    assert summary["config"]["prompt"] == "text"
     rows = summary["rows"]
     assert [row["batch_size"] for row in rows] == [1, 2]
     for row in rows:

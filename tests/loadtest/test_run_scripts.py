@@ -75,7 +75,8 @@ def test_faults_script_dry_run(tmp_path):
     """run_faults_h200x2.sh: kills under load (gloo on CPU) -> chaos_h200x2.json."""
     _run("run_faults_h200x2.sh", tmp_path, timeout=240, DURATION="6", INTERVAL="3")
     summary = json.loads((tmp_path / "chaos_h200x2.json").read_text())["summary"]
-    assert summary["by_fault"]["prefill"]["injected"] + summary["by_fault"]["decode"]["injected"] >= 1, summary
+    # One fault of the script's kinds (prefill, decode, transfer, stuck_transfer, cancel_storm), drawn at random.
+    assert sum(k["injected"] for k in summary["by_fault"].values()) >= 1, summary
     # (http_5xx is not 0 here: while the sole decode worker restarts, new requests get 503 by design)
     assert summary["hung"] == summary["mismatched"] == summary["blocks_leaked"] == 0, summary
 

@@ -36,7 +36,8 @@ class FakeDecodeWorker:
         self.engine = LLMEngine(cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks or cfg.cpu_num_blocks,
                                 max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens)
         self.step_delay_s = step_delay_s
-        self.publisher = TokenPublisher(worker_id, self.engine.tokenizer, stats_sink, on_stop=self.abort)
+        self.publisher = TokenPublisher(worker_id, self.engine.tokenizer, stats_sink, on_stop=self.abort,
+                                        secret=cfg.cluster_secret)
         self._lock = threading.Lock()
         self._reserved: dict[str, tuple[GenerateRequest, int]] = {}
         self._tracked: dict[str, tuple[object, int]] = {}  # request id -> (Sequence, tokens emitted)

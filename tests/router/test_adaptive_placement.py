@@ -122,3 +122,20 @@ def test_admission_refuses_when_every_prefill_path_is_too_deep():
     decode.append(dview("decode-1"))  # an idle decode worker is a path with no wait
     assert cost.best_queue_wait_s(prefill, decode) == 0.0
     ac.admit("r", 100, 10, decode, cost.best_queue_wait_s(prefill, decode))
+
+
+def test_each_path_pays_only_for_the_tokens_it_computes():
+    """A multi-turn prompt the decode worker caches almost whole (the previous turn and its answer)
+    costs it a short local pass and no transfer; the same prompt uncached goes remote. A prefix the
+    prefill worker caches shortens the remote path the same way."""
+    policy, cost = AdaptivePrefill(), PrefillCostModel()
+    for n in (100, 1000, 4000):
+        cost.observe_transfer(n, 0.001 + n * 1e-6)
+    d, p = dview(running=32), pview()
+    assert not policy.choose(2048, d, [p], cost, 128).local  # uncached: remote (as above)
+    choice = policy.choose(2048, d, [p], cost, 128, cached={"decode-0": 1920})
+    assert choice.local and choice.reason == "cheaper_local"
+    full = cost.estimate(2048, d, p, 128)
+    hit = cost.estimate(2048, d, p, 128, cached_on_d=1920, cached_on_p=1024)
+    assert hit.local_s == pytest.approx(cost.local_s(d, 128)) and hit.itl_cost_s < full.itl_cost_s / 10
+    assert hit.remote_s == pytest.approx(PREFILL.seconds(1024) + cost.transfer_s(128))

@@ -147,12 +147,12 @@ def test_dead_worker_kv_gauge_is_removed(demo_model_dir):
                         RouterConfig(unhealthy_after_failures=1, **STALE), metrics)
         await router.poll_once()
         text = metrics.render().decode()
-        assert 'kv_cache_usage_perc{model_name="m",worker_id="decode-0"}' in text
+        assert 'vllm:kv_cache_usage_perc{engine="decode-0",model_name="m"}' in text
         assert 'worker_id="decode-1"' in text  # its health gauge, at 0
         router.clients["decode-0"].handle = Dead()
         await router.poll_once()
         text = metrics.render().decode()
-        assert "kv_cache_usage_perc{" not in text  # no frozen last value for a dead worker
+        assert "vllm:kv_cache_usage_perc{" not in text  # no frozen last value for a dead worker
         assert 'pdserve:worker_healthy{model_name="m",role="decode",worker_id="decode-0"} 0.0' in text
 
     try:

@@ -119,3 +119,44 @@ def test_a_prompt_whose_prefill_worker_died_is_placed_again():
         router.finish("r1", abort=True)
         await router.stop()
     asyncio.run(main())
+
+
+def test_a_failure_seen_before_the_decode_workers_restart_is_a_death():
+    """The decode worker restarted (a new incarnation answers) before the router noticed, and the
+    request's failure reaches it first (a transfer to the dead incarnation broke): a poll now finds
+    the restart, and the request moves, instead of being failed because the new incarnation does not
+    know it (lost() False)."""
+    async def main():
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        router, _ = make_router(decode=[d0, d1])
+        await router.start()
+        rs = await router.submit(request())
+        assert rs.decode_worker_id == "d0"
+        d0.incarnation = "i1"  # restarted between two polls; it knows nothing of r1
+        assert await router.migrate("r1", "r1.m1", (11,), 2, "KV transfer failed") is None
+        assert rs.decode_worker_id == "d1" and rs.migrations == 1
+        router.finish("r1", abort=True)
+        await router.stop()
+    asyncio.run(main())
+
+
+def test_a_request_whose_transfer_failed_is_not_placed_on_that_pair_again():
+    async def main():
+        p0 = StubWorker("p0", "prefill")
+        d0 = StubWorker("d0", "decode", free_blocks=100)
+        router, notified = make_router(prefill=[p0], decode=[d0], local_prefill_threshold=0)
+        await router.start()
+        req = GenerateRequest("r1", tuple(range(5, 45)), SamplingParams(max_tokens=10, temperature=0.0), 1, 0.0)
+        p0.prefill_ok = False  # the prompt's computation / transfer fails
+        rs = await router.submit(req)
+        assert rs.prefill_worker_id == "p0"
+        for _ in range(100):
+            if notified:
+                break
+            await asyncio.sleep(0.01)
+        assert notified and rs.lost  # a failure of the cluster: it moves
+        assert await router.migrate("r1", "r1.m1", (), 0, notified[0][1]) is None
+        assert rs.local_prefill and rs.prefill_worker_id is None and ("p0", "d0") in rs.avoid_pairs
+        router.finish("r1", abort=True)
+        await router.stop()
+    asyncio.run(main())

@@ -1,4 +1,5 @@
-"""429 under overload (with Retry-After and an OpenAI error body), and service again after."""
+"""429 under overload once the admission queue is full (with Retry-After and an OpenAI error body),
+the queued requests served, and service again after."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def test_429_under_overload_then_recovery(ray_session, demo_model_dir):
     import ray
 
     sc = start_cluster(demo_model_dir, fakes=True, prefill_workers=0, decode_workers=1,
-                       max_inflight_tokens=120, reserve_wait_s=0.2, retry_after_s=2)
+                       max_inflight_tokens=120, max_waiting_requests=3, reserve_wait_s=0.2, retry_after_s=2)
     try:
         decode = next(iter(sc.workers.decode.values()))
         ray.get(decode.set_step_delay.remote(0.02))
@@ -28,11 +29,13 @@ def test_429_under_overload_then_recovery(ray_session, demo_model_dir):
         ok = [r for r in rs if r.status_code == 200]
         limited = [r for r in rs if r.status_code == 429]
         assert ok and limited and len(ok) + len(limited) == len(rs), [r.status_code for r in rs]
-        assert len(ok) <= 3  # 120 in-flight tokens hold at most three (8 + 30)-token requests
+        # 120 in-flight tokens hold at most three (8 + 30)-token requests; three more wait their turn.
+        assert len(ok) <= 6 and len(limited) >= 6
         for r in limited:
             assert r.headers["retry-after"] == "2"
             err = r.json()["error"]
             assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+            assert "max_waiting_requests=3" in err["message"]
         assert all(r.json()["usage"]["completion_tokens"] == 30 for r in ok)
         wait_idle(sc)
         # Recovered: the same burst size, sent one at a time, all succeed.

@@ -139,18 +139,21 @@ def test_dead_worker_fails_its_requests_and_503_when_none_left(workers):
 def test_token_stream_dispatch_over_zmq():
     import zmq
 
+    from cluster.frame_auth import TOKEN_STREAM, FrameSigner
     from cluster.stream_messages import StreamBatch, StreamDelta, encode
 
     async def main():
-        stream = TokenStreamReceiver()
+        stream = TokenStreamReceiver(secret=b"k" * 32)
         stream.start()
         mailbox = stream.register("r1")
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(stream.address)
-        sock.send(b"not msgpack")  # dropped, the stream survives
-        sock.send(encode(StreamBatch("d0", 1, (StreamDelta("r1", (5,), "a"), StreamDelta("gone", (1,), "x")))))
-        sock.send(encode(StreamBatch("d0", 2, (StreamDelta("r1", (6,), "b"),))))
-        sock.send(encode(StreamBatch("d0", 3, (StreamDelta("r1", (7,), "c", "length"), StreamDelta("r1", (8,))))))
+        signer = FrameSigner(b"k" * 32, TOKEN_STREAM)
+        sock.send_multipart(signer.sign(b"not msgpack"))  # dropped, the stream survives
+        for batch in (StreamBatch("d0", 1, (StreamDelta("r1", (5,), "a"), StreamDelta("gone", (1,), "x"))),
+                      StreamBatch("d0", 2, (StreamDelta("r1", (6,), "b"),)),
+                      StreamBatch("d0", 3, (StreamDelta("r1", (7,), "c", "length"), StreamDelta("r1", (8,))))):
+            sock.send_multipart(signer.sign(encode(batch)))
         await asyncio.sleep(0.5)
         # Everything queued comes out merged, up to the delta that ends the request.
         assert await asyncio.wait_for(mailbox.next(), 5) == StreamDelta("r1", (5, 6, 7), "abc", "length")

@@ -29,7 +29,11 @@ def test_cursor_returns_each_record_once_in_order():
     assert seen == list(range(10)) + ["r"] and cursor == st.cursor == 11
     s = json.loads(st.since(0, 1))["decode_steps"][0]
     assert s == {"worker_id": "decode-0", "t": 1000.0, "step": 0, "batch_size": 4, "bucket": 8, "padded_rows": 4,
-                 "step_ms": 2.0, "graph": True}
+                 "step_ms": 2.0, "graph": True, "interval_ms": None, "prefill_ms": 0.0, "idle_ms": 0.0, "gap_ms": 0.0,
+                 "host_ms": 0.0, "publish_lag_ms": 0.0}
+    st.record_step(DecodeStepRecord("decode-0", 1, 1001.0, 4, 8, 0.002, 0.003, 0.0005, 0.0, 0.0005, 0.0002, 0.001))
+    s = json.loads(st.since(st.cursor - 1, 1))["decode_steps"][0]
+    assert (s["interval_ms"], s["prefill_ms"], s["gap_ms"], s["publish_lag_ms"]) == (3.0, 0.5, 0.5, 1.0)
 
 
 def test_bounded_log_reports_what_a_slow_reader_missed():

@@ -195,3 +195,84 @@ def test_lost_on_asks_whether_the_worker_dropped_the_request():
         assert await h.health.lost_on("d0", "r2") and not h.workers.views["d0"].healthy  # dead: lost
         await h.settle()
     asyncio.run(main())
+
+
+# -- issue 29: restarts together, deaths during a rejoin, the restart limit --------------------------
+
+def test_workers_restarting_together_get_their_pair_in_the_rejoin():
+    """A prefill and a decode worker restart at once: each rejoin began while the other was
+    unhealthy; the one that finishes second forms the pair with the first (it sees it joined)."""
+    async def main():
+        release = {"p0": asyncio.Event(), "d0": asyncio.Event()}
+        h = None
+
+        async def rejoin(wid, role, peers):
+            h.rejoined.append((wid, role, list(peers)))
+            if wid in release and not release[wid].is_set():
+                await release[wid].wait()
+        p0, d0, d1 = StubWorker("p0", "prefill"), StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([p0], [d0, d1], rejoin=rejoin)
+        await h.health.poll_once()
+        p0.incarnation, d0.incarnation = "i1", "i1"  # both restarted between two polls
+        await h.health.poll_once()
+        assert not h.workers.views["p0"].healthy and not h.workers.views["d0"].healthy
+        await asyncio.sleep(0.01)
+        assert sorted(h.rejoined) == [("d0", "decode", []), ("p0", "prefill", ["d1"])]
+        release["p0"].set()  # the prefill worker's rejoin finishes first ...
+        await asyncio.sleep(0.05)
+        release["d0"].set()  # ... then the decode worker's: it sees p0 joined and forms their pair
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        assert ("d0", "decode", ["p0"]) in h.rejoined
+        await h.health.poll_once()
+        assert all(h.workers.views[w].healthy for w in ("p0", "d0", "d1"))
+    asyncio.run(main())
+
+
+def test_a_death_is_told_to_the_peers_that_are_rejoining_too():
+    async def main():
+        p0, d0, d1 = StubWorker("p0", "prefill"), StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([p0], [d0, d1])
+        await h.health.poll_once()
+        h.workers.views["p0"].healthy = False  # p0 is rejoining (not healthy yet)
+        d1.fail = RayActorError()
+        await h.health.poll_once()
+        await asyncio.sleep(0.01)
+        assert ("peer_died", "d1") in [c[:2] for c in p0.calls]
+    asyncio.run(main())
+
+
+def test_a_worker_past_its_restart_limit_is_gone():
+    async def main():
+        d0, d1 = StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([], [d0, d1], worker_max_restarts=1)
+        await h.health.poll_once()
+        d0.incarnation = "i1"  # its one restart
+        await h.health.poll_once()
+        await asyncio.sleep(0.01)
+        await h.health.poll_once()
+        assert h.workers.views["d0"].healthy and not h.health.gone
+        assert h.health.may_come_back("decode") is False  # nothing is down
+        d0.fail = RayActorError()  # and dies again: no restart left
+        await h.health.poll_once()
+        assert h.health.gone == {"d0"} and not h.health.may_come_back("decode")
+        d1.fail = RayActorError()  # d1 has its restart left: it may come back
+        await h.health.poll_once()
+        assert h.health.gone == {"d0"} and h.health.may_come_back("decode")
+    asyncio.run(main())
+
+
+def test_the_launchers_gone_check_names_a_worker_killed_for_good():
+    async def main():
+        d0, d1 = StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([], [d0, d1], worker_max_restarts=-1)  # restarts always: only Ray knows it is gone
+
+        async def gone(wid):
+            return wid == "d0"
+        h.health.gone_check = gone
+        await h.health.poll_once()
+        d0.fail = RayActorError()
+        await h.health.poll_once()
+        await asyncio.sleep(0.01)
+        assert h.health.gone == {"d0"}
+    asyncio.run(main())

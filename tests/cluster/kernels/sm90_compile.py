@@ -77,11 +77,21 @@ def main():
                dict(Logits=dtype, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", LogMinP="*fp32",
                     Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32", Hist="*i32", V=i32),
                dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, NBINS=sampling.NBINS, NBP=nbp), num_warps=8)
-        report(f"sampling/finish/{dtype}", sampling._finish_kernel,
+        report(f"sampling/threshold/{dtype}", sampling._threshold_kernel,
                dict(Logits=dtype, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", LogMinP="*fp32",
-                    Seeds="*i64", Pos="*i64", PartF="*fp32", PartI="*i32", Hist="*i32", Out="*i64", V=i32,
-                    num_chunks=i32),
-               dict(CP=16, BLOCK=sampling.FINISH_BLOCK, NBINS=sampling.NBINS, NBP=nbp), num_warps=8)
+                    PartF="*fp32", PartI="*i32", Hist="*i32", Out="*i64", RowF="*fp32", RowI="*i32", UncN="*i32",
+                    V=i32, num_chunks=i32),
+               dict(CP=16, NBINS=sampling.NBINS, NBP=nbp), num_warps=8)
+        report(f"sampling/candidates/{dtype}", sampling._candidate_kernel,
+               dict(Logits=dtype, stride_row=i32, Temp="*fp32", Seeds="*i64", Pos="*i64", RowF="*fp32", RowI="*i32",
+                    CandF="*fp32", CandI="*i32", UncX="*fp32", UncId="*i32", UncN="*i32", V=i32),
+               dict(CHUNK=sampling.CHUNK, BLOCK=sampling.BLOCK, NBINS=sampling.NBINS, CAP=sampling.CAP), num_warps=8)
+        report(f"sampling/resolve/{dtype}", sampling._resolve_kernel,
+               dict(Logits=dtype, stride_row=i32, Temp="*fp32", TopK="*i32", TopP="*fp32", LogMinP="*fp32",
+                    Seeds="*i64", Pos="*i64", RowF="*fp32", RowI="*i32", CandF="*fp32", CandI="*i32", UncX="*fp32",
+                    UncId="*i32", UncN="*i32", Out="*i64", V=i32, num_chunks=i32),
+               dict(CP=16, BLOCK=sampling.FINISH_BLOCK, NBINS=sampling.NBINS, CAP=sampling.CAP, UB=sampling.UB),
+               num_warps=8)
     report("logits_processing/process", logits_processing._process_kernel,
            dict(Logits=bf16, stride_l=i32, Out="*fp32", stride_o=i32, RowSlot="*i32", Counts="*i32", Prompt="*i32",
                 Allowed="*i32", FParams="*fp32", IParams="*i32", BiasIds="*i32", BiasVals="*fp32", BadIds="*i32",

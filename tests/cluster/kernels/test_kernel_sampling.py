@@ -66,6 +66,22 @@ def test_top_k_on_flat_logits_matches_reference():
         assert got[i] in logits[i].topk(k).indices
 
 
+def test_uncertain_tokens_resolved_exactly_and_past_the_list_by_the_serial_search():
+    """Rows whose first winner is not surely kept: their uncertain tokens (the bins between surely kept
+    and surely cut) are ranked exactly (a handful: top-k on flat rows, several chunks); a row with more
+    than CAP of them (an almost constant row's top-p boundary) takes the serial exact search. Both
+    equal the reference."""
+    from cluster.kernels.sampling import CAP, CHUNK
+
+    g = torch.Generator().manual_seed(7)
+    vocab = 2 * CHUNK + 1234
+    rows = [(1.0, 5, 1.0), (0.8, 50, 0.9), (1.0, 300, 0.5), (1.0, 2, 1.0), (1.0, 0, 0.5), (1.0, 3 * CAP, 1.0)]
+    logits = (0.5 * torch.randn(len(rows), vocab, generator=g))
+    logits[4:] = 1.0 + 0.001 * torch.randn(2, vocab, generator=g)  # boundaries in one crowded bin
+    got, want = _both(logits.to(DEVICE), rows, seed0=21)
+    assert got.tolist() == want.tolist()
+
+
 def test_rows_of_nan_or_inf_logits_end():
     # Degenerate rows must not hang the kernel (inside a CUDA graph that would hang the worker).
     logits = torch.randn(4, 3000).to(DEVICE)

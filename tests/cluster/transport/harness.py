@@ -94,6 +94,8 @@ def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
                        max_prefill_tokens=opts.get("budget", 64))
     w = PrefillWorker(worker_id, cfg)
     t = create_transport(spec, w.kv_cache, worker_id, "prefill")
+    if opts.get("fault"):
+        t.inject_fault(opts["fault"])  # "transfer" | "stuck_transfer": the first bundle carries it
     begin, die_after, slow = t.begin, opts.get("die_after_sends"), opts.get("slow", {})
     die_at = opts.get("die_at")  # "layer": killed mid-payload; "commit": payload sent, first token never
     sends = itertools.count(1)

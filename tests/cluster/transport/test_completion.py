@@ -54,3 +54,21 @@ def test_an_unreadable_result_is_no_error():
             raise RuntimeError("ProcessGroup work getFutureResult not implemented")
 
     assert work_error(Unreadable(RuntimeError("x"), binding_broken=True)) is None
+
+
+def test_a_completion_put_on_a_stopped_waiter_still_runs_its_callback():
+    """A pair given up (re-formed, its peer restarted) while a bundle on it was still committing: the
+    bundle's callback resolves its transfer's futures, so it must run even after the waiter stopped."""
+    import threading
+
+    from cluster.transport.completion import ReadyCompletion, Waiter
+
+    w = Waiter("kv-wait-test")
+    w.start()
+    ran = [threading.Event(), threading.Event()]
+    w.put(ReadyCompletion(), ran[0].set)
+    w.stop()
+    w.join(5)
+    assert not w.is_alive() and ran[0].is_set()
+    w.put(ReadyCompletion(), ran[1].set)  # after the stop
+    assert ran[1].wait(5)

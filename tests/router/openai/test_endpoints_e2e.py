@@ -85,8 +85,8 @@ def test_cancelled_requests_are_counted(fake_cluster):
         return httpx.get(f"{url}/metrics", timeout=30).text
 
     before = scrape()
-    aborts0 = _metric(before, "pdserve:request_success_total", finished_reason="abort")
-    tokens0 = _metric(before, "pdserve:generation_tokens_total")
+    aborts0 = _metric(before, "vllm:request_success_total", finished_reason="abort")
+    tokens0 = _metric(before, "vllm:generation_tokens_total")
 
     async def leave_after(n: int) -> int:
         got = 0
@@ -107,8 +107,8 @@ def test_cancelled_requests_are_counted(fake_cluster):
     wait_clean(fake_cluster)
     after = scrape()
     # Several API servers share the port: the sum over every gateway process is what /metrics shows.
-    assert _metric(after, "pdserve:request_success_total", finished_reason="abort") == aborts0 + 1
-    streamed = _metric(after, "pdserve:generation_tokens_total") - tokens0
+    assert _metric(after, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1
+    streamed = _metric(after, "vllm:generation_tokens_total") - tokens0
     assert 5 <= streamed < 400
-    assert "pdserve:num_preemptions_total" in after
+    assert "vllm:num_preemptions_total" in after
     assert "pdserve:kv_cache_usage_perc_cluster" in after

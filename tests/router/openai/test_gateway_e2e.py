@@ -69,6 +69,28 @@ def test_streaming_completion_with_usage(fake_cluster, reference_engine):
     assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
 
 
+def test_continuous_usage_counts_every_chunks_tokens(fake_cluster, reference_engine):
+    """stream_options.continuous_usage_stats (vLLM's): each chunk carries its choice's usage so far, so
+    a client knows how many tokens each chunk brought; completions and chat alike."""
+    ref = _greedy(reference_engine, PROMPTS[3], 18, ignore_eos=True)
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[3]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}]})):
+        with httpx.stream("POST", f"{fake_cluster.url}{path}", timeout=60, json={
+                "model": MODEL, "max_tokens": 18, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **body}) as r:
+            assert r.status_code == 200, r.read()
+            events = _sse(r.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 18
+        chunks = [e for e in events[:-2] if e["choices"] and e.get("usage")]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 18 and counts[0] >= 1
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in chunks)
+        if path == "/v1/completions":
+            assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+            assert chunks[0]["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+
+
 def test_chat_plain_http_and_streaming(fake_cluster, reference_engine):
     from cluster.tokenizer import encode_chat
 
@@ -252,12 +274,14 @@ def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
     httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=60)
     text = httpx.get(f"{url}/metrics").text
-    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "kv_transfer_seconds",
-                 "kv_transfer_bytes_total", "decode_batch_size", "graph_padding_ratio", "kv_cache_usage_perc",
-                 "num_requests_running", "num_requests_waiting"]:
-        assert f"pdserve:{name}" in text, name
-    assert 'pdserve:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
+    for name in ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds", "pdserve:kv_transfer_seconds",
+                 "pdserve:kv_transfer_bytes_total", "pdserve:decode_batch_size", "pdserve:graph_padding_ratio",
+                 "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"]:
+        assert name in text, name
+    assert 'vllm:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
     # Per finished request: its prompt and generated token counts (vLLM's request_*_tokens histograms).
     from cluster.tokenizer import encode_prompt, load_tokenizer
 
@@ -272,8 +296,8 @@ def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
 
 
 def _hist_count(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_count"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:{name}_count"))
 
 
 def _hist_sum(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}_sum"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:{name}_sum"))

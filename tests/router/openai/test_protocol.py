@@ -62,9 +62,11 @@ def test_lone_surrogates_in_messages_are_rejected(messages):
         ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
 
 
-def test_ints_are_accepted_for_floats_and_unknown_fields_ignored():
-    r = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 0, "top_p": 1, "whatever": 3})
+def test_ints_are_accepted_for_floats_and_unknown_fields_refused():
+    r = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 0, "top_p": 1})
     assert r.temperature == 0.0 and r.top_p == 1.0
+    with pytest.raises(ValidationError, match="whatever"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "whatever": 3})
 
 
 @pytest.mark.parametrize("extra,param", [

@@ -1,0 +1,64 @@
+"""What `pdserve serve` checks before anything starts (no Ray, no worker, no port): the model, its
+tokenizer, the chat template, the sampling defaults and the quantization it would serve with.
+
+Each of these would otherwise fail inside a worker or an API-server process half a minute later,
+after Ray and both workers started, its message cut by the actor's error report. Here it is one
+PdserveError, whole, printed once by the CLI (and no "pdserve: stopped" line: nothing started).
+`check_model` returns what the launcher then serves with (ServedModel), so nothing is resolved twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.distributed.sharding import check_tensor_parallel
+from cluster.errors import InvalidRequestError, ModelLoadError
+from cluster.generation_defaults import SamplingDefaults, load_sampling_defaults
+from cluster.model.config import ModelArchConfig
+from cluster.model.demo import ensure_demo_model
+from cluster.model.hub import resolve_model_dir
+from cluster.model.quantization import QuantConfig
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import check_chat_template, load_chat_template, load_tokenizer
+from deploy.config import ClusterConfig
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    model_dir: Path  # the directory every worker and API server loads (a hub id's cached snapshot)
+    name: str  # what clients pass as `model`
+    arch: ModelArchConfig
+    chat_template: str | None  # --chat-template's text (None: the tokenizer's own)
+    sampling_defaults: SamplingDefaults
+
+
+def check_model(cfg: ClusterConfig) -> ServedModel:
+    """Raises PdserveError (ModelLoadError) naming what is wrong; returns what to serve."""
+    model_dir = ensure_demo_model() if cfg.model is None else resolve_model_dir(cfg.model)
+    arch = ModelArchConfig.from_dir(model_dir)
+    for role in ("prefill", "decode"):  # a model the workers cannot split fails here, before Ray starts
+        check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
+                              f"{model_dir.name} ({role}_tp)")
+    config_path = model_dir / "config.json"
+    QuantConfig.from_checkpoint(json.loads(config_path.read_text()), cfg.quantization, str(config_path))
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
+    tokenizer = load_tokenizer(model_dir, template)
+    check_chat_template(tokenizer, "--chat-template" if template is not None else str(model_dir))
+    defaults = load_sampling_defaults(model_dir, cfg.generation_config)
+    try:  # a default no request could be served with (temperature -1) is the model's error, not every request's
+        SamplingParams(max_tokens=defaults.max_tokens or 16, temperature=defaults.temperature if
+                       defaults.temperature is not None else 1.0, top_p=defaults.top_p if defaults.top_p is not None
+                       else 1.0, top_k=defaults.top_k or 0, min_p=defaults.min_p or 0.0,
+                       repetition_penalty=defaults.repetition_penalty or 1.0)
+    except InvalidRequestError as e:
+        raise ModelLoadError(f"the sampling defaults of {model_dir}/generation_config.json are invalid: {e} "
+                             f"(--generation-config vllm ignores them)") from None
+    name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else _default_name(cfg.model, model_dir))
+    return ServedModel(model_dir, name, arch, template, defaults)
+
+
+def _default_name(given: str, model_dir: Path) -> str:
+    """A directory serves under its folder's name (as before); a hub id under the id itself (as vLLM)."""
+    return model_dir.name if Path(given).expanduser().exists() else given

@@ -1,0 +1,84 @@
+"""A new user's first run, timed: a README command in a brand-new virtual environment on a fresh clone.
+
+    python loadtest/fresh_install.py quickstart      # ./quickstart.sh
+    python loadtest/fresh_install.py tests           # the README's test command
+
+Each run: `python3 -m venv` in a new temporary folder, `git clone` of this checkout's committed HEAD
+into it, then the command from the clone's root with the venv active and nothing of this session's
+environment that would help it (PYTHONPATH, VIRTUAL_ENV, a demo model already written: PDSERVE_HOME
+points into the temporary folder). pip's download cache (~/.cache/pip) is the machine's: the row
+says whether it was empty (`pip_cache`: "cold") or held the wheels already ("warm"). The row
+`{command, seconds, ok, ...}` replaces the one of the same command and commit in
+loadtest/results/fresh_install.json (runs of other commits stay: the spread between runs is this
+shared machine's load). It starts Ray and servers: run it alone (on a shared machine
+under the heavy-test lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "loadtest" / "results" / "fresh_install.json"
+COMMANDS = {
+    "quickstart": "./quickstart.sh",
+    "tests": 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q',
+}
+
+
+def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
+    command = COMMANDS[which]
+    base = Path(tempfile.mkdtemp(prefix="pdserve-fresh-"))
+    pip_cache = Path.home() / ".cache" / "pip"
+    cache_state = "warm" if pip_cache.is_dir() and any(pip_cache.iterdir()) else "cold"
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PDSERVE_HOME")}
+    env["PDSERVE_HOME"] = str(base / "pdserve-home")
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if "/venv/" not in p)
+    script = (f"python3 -m venv {base}/v && . {base}/v/bin/activate && git clone -q {REPO} {base}/p && "
+              f"cd {base}/p && {command}")
+    log = base / "log.txt"
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(["bash", "-c", script], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    seconds = time.monotonic() - t0
+    tail = log.read_text(errors="replace").splitlines()[-15:]
+    row = {"command": command, "seconds": round(seconds, 1), "ok": rc == 0, "exit_code": rc, "commit": commit,
+           "pip_cache": cache_state, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
+    if not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    else:
+        row["dir"] = str(base)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", choices=sorted(COMMANDS))
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (venv, clone, log)")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    row = run(args.which, keep=args.keep)
+    out = Path(args.out)
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    rows = [r for r in rows if (r.get("command"), r.get("commit")) != (row["command"], row["commit"])] + [row]
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({k: row[k] for k in ("command", "seconds", "ok")}))
+    return 0 if row["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

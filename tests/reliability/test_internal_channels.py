@@ -1,0 +1,106 @@
+"""Internal channels admit only the cluster (issue 29 item 4), on a real cluster (1 prefill + 1 decode
+worker, KV over gloo, the API server a separate process): a process on the cluster's network without
+the cluster's secret sends well-formed frames to the token stream of a request in flight, to the
+router's stats sink and to the decode worker's KV control inbox. Each is dropped (the stream's text
+is the reference's, no step record or transfer appears) and counted in /metrics
+(`pdserve:frames_rejected_total{channel=...}`), and the cluster serves on. (The sockets bind the
+loopback in a one-node cluster: test_disconnects.py::test_internal_sockets_listen_on_loopback_only;
+the frame checks themselves: test_security.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from cluster.sampling_params import SamplingParams
+from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
+from cluster.transport.channel import Abort, Begin
+from reliability_harness import MODEL, start_cluster, wait_clean
+
+PROMPT = "Story 3: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_module, demo_model_dir):
+    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, local_prefill_threshold=10)
+    yield sc
+    sc.shutdown()
+
+
+def _rejected(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^pdserve:frames_rejected_total\{channel="([a-z_]+)",model_name="[^"]+"\} (\S+)$', text, re.M)}
+
+
+def _push(endpoint: str, frames) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    for f in frames:
+        sock.send_multipart(f) if isinstance(f, list) else sock.send(f)
+    sock.close()
+
+
+def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, reference_engine):
+    sc, router = cluster, cluster.router
+    ref = reference_engine.generate([PROMPT], [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)])[0]
+    store = sc.workers.kv_group.store
+    inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0"))["endpoint"]
+    sink = next(iter(sc.router_server.gateways.values())).sink
+    before = _rejected(sc.url)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=sc.url, timeout=120) as c:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            text = ""
+            forged = False
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    text += ev["choices"][0]["text"] or ""
+                    if not forged and router.inflight:
+                        forged = True
+                        rs = next(iter(router.inflight.values()))
+                        wrid = rs.worker_request_id
+                        # Someone else's text into this stream, its end, and a bogus transfer and step.
+                        fake = encode(StreamBatch("decode-0", 10**6, (StreamDelta(wrid, (7,), " INJECTED"),
+                                                                      StreamDelta(wrid, (), "", "stop"))))
+                        _push(sink, [fake, [b"\x00" * 32, fake], [fake, fake]])
+                        _push(sc.router_server.stats_sink, [encode(StepRecordBatch(
+                            (DecodeStepRecord("decode-0", 1, time.time(), 999, 1024, 9.0),)))])
+                        begin = msgspec.msgpack.encode(Begin("prefill-0", 999, False, 0, [(10**6, wrid, 16, b"\0" * 4)]))
+                        _push(inbox, [begin, [b"\x01" * 32, msgspec.msgpack.encode(Abort("prefill-0", 0, wrid))]])
+            return text, forged
+
+    text, forged = asyncio.run(main())
+    assert forged and text == ref.text and "INJECTED" not in text
+    deadline = time.monotonic() + 10
+    while True:  # the decode worker's count reaches /metrics with the router's next stats poll
+        got = _rejected(sc.url)
+        delta = {k: got.get(k, 0.0) - before.get(k, 0.0) for k in ("token_stream", "stats_sink", "kv_control")}
+        if delta == {"token_stream": 3.0, "stats_sink": 1.0, "kv_control": 2.0} or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    print(f"\nforged frames dropped and counted: {delta}")
+    assert delta == {"token_stream": 3.0, "stats_sink": 1.0, "kv_control": 2.0}
+    steps = json.loads(httpx.get(f"{sc.url}/stats", params={"limit": 1000}).text)["decode_steps"]
+    assert not any(s["batch_size"] == 999 for s in steps)
+    # The cluster serves on: a remote prefill (through the KV control inbox) and a local one.
+    for prompt in (PROMPT, "Story 4: w1"):
+        r = httpx.post(f"{sc.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    wait_clean(sc)
