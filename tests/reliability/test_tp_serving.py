@@ -39,13 +39,6 @@ def _prompts(n: int, words: int, ids=None) -> list[str]:
     return [f"Story {i}: " + " ".join(f"w{(i * 13 + k) % 40}" for k in range(words)) for i in (ids or range(n))]
 
 
-# Prompts whose greedy continuation on the demo model is ASCII text (checked below): no token of theirs
-# ends in an incomplete UTF-8 sequence, so no bytes are ever held back by the detokenizer when the worker
-# dies. Text exactness across a migration of held-back bytes (not flushing them as U+FFFD on an 'error'
-# finish) is the token publisher's rule and is tested where that rule lives, not here.
-_ASCII_SHORT, _ASCII_LONG = (0, 2, 6, 7), (2, 3, 4, 9)
-
-
 def _refs(engine, prompts, n):
     return [r.text for r in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)]
                                             * len(prompts))]
@@ -94,10 +87,12 @@ def test_tp2_prefill_and_decode_workers_serve_exactly(cluster, reference_engine)
 
 def test_a_killed_follower_restarts_the_group_and_its_requests_migrate_exactly(cluster, reference_engine):
     router = cluster.router
-    prompts = _prompts(0, 3, _ASCII_SHORT) + _prompts(0, 40, _ASCII_LONG)
+    # Some of these continue in non-ASCII text: bytes the detokenizer holds back when the worker dies
+    # must resume exactly after the migration (not be flushed as U+FFFD: token_publisher/generation.py).
+    prompts = _prompts(4, 3) + _prompts(4, 40)
     n = 48
     refs = _refs(reference_engine, prompts, n)
-    assert all(r.isascii() for r in refs), "pick prompts whose reference text is ASCII (see _ASCII_SHORT)"
+    assert not all(r.isascii() for r in refs)
     before = _ranks(worker_stats(cluster)["decode-0"])
     inc = router.incarnation("decode-0")
     seen = {"events": 0}
