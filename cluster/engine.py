@@ -10,6 +10,10 @@ InvalidRequestError), compiled on the GrammarCompiler's pool; a prompt is prefil
 is ready (others go ahead; with nothing else to run the engine waits for it), and every token is
 sampled under its grammar's mask (cluster.sampler.sample_tokens). A prompt-scoring request
 (max_tokens 0) ends after its prefill with its prompt logprobs and no token.
+
+With tensor_parallel_size=N > 1 the model is split over N processes (this one is rank 0; the others
+are spawned, cluster/distributed/rank_launcher.py) that run every pass it announces (`run_engine_rank`);
+call `close()` when done with it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from cluster.block_hash import prefix_cache_salt
 from cluster.block_pool import PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.detokenizer import IncrementalDetokenizer
+from cluster.distributed.follower import RankFollower
+from cluster.distributed.rank_launcher import exit_now
+from cluster.distributed.step_messages import EagerDecode, PrefillPass
 from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
@@ -37,6 +44,29 @@ from cluster.sampling_params import SamplingParams
 from cluster.sequence import Sequence, SequenceStatus
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import encode_prompt, load_tokenizer
+from cluster.worker_config import WorkerConfig
+from cluster.worker_model import join_group, lead_group, rank_config, tensor_parallel
+
+
+def _engine_runner(model_dir: Path, group, *, dtype, device, attention_backend, quantization, kv_cache_dtype,
+                   block_size, num_blocks):
+    """(model, spec, runner) of one rank of the engine: the same on rank 0 and its followers."""
+    arch = ModelArchConfig.from_dir(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device, attention_backend=attention_backend,
+                       quantization=quantization, tp=tensor_parallel(group, arch))
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype or arch.dtype))
+    spec = KVCacheSpec.for_model(arch, block_size, num_blocks, kv_dtype, model.num_kv_heads)
+    return model, spec, ModelRunner(model, spec, device, group=group)
+
+
+def run_engine_rank(rank: int, rendezvous, model_dir: str, options: dict) -> None:
+    """A follower rank of a tensor-parallel LLMEngine (a spawned process): runs rank 0's passes."""
+    cfg = rank_config(WorkerConfig(str(model_dir), dtype=options["dtype"], device=options["device"]), rank)
+    group = join_group(cfg, rank, rendezvous)
+    _, _, runner = _engine_runner(Path(model_dir), group, **{**options, "device": cfg.device})
+    RankFollower(group, {PrefillPass: runner.execute, EagerDecode: runner.execute}).run()
+    group.close()
+    exit_now(0)
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         quantization: str | None = None,  # "fp8": quantize a float checkpoint at load (FP8 checkpoints: None)
         kv_cache_dtype: str = "auto",  # "fp8": an e4m3 KV cache
+        tensor_parallel_size: int = 1,  # > 1: the model split over that many processes (this one is rank 0)
     ):
         if model_dir is None:
             from cluster.model.demo import ensure_demo_model
@@ -74,12 +105,18 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.arch = ModelArchConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, dtype=dtype, device=device, attention_backend=attention_backend,
-                                quantization=quantization)
+        self.group = None
+        options = dict(dtype=dtype, device=device, attention_backend=attention_backend, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_blocks=num_blocks)
+        if tensor_parallel_size > 1:
+            from cluster.distributed.rank_launcher import ProcessRankLauncher
+
+            self._launcher = ProcessRankLauncher(run_engine_rank, str(self.model_dir), options)
+            self.group = lead_group(WorkerConfig(str(self.model_dir), dtype=dtype, device=device,
+                                                 tensor_parallel_size=tensor_parallel_size), self._launcher.launch)
+        self.model, self.spec, self.runner = _engine_runner(self.model_dir, self.group, **options)
         self.dtype = resolve_dtype(dtype or self.arch.dtype)
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        self.spec = KVCacheSpec.for_model(self.arch, block_size, num_blocks, kv_dtype)
-        self.runner = ModelRunner(self.model, self.spec, device)
+        kv_dtype = self.spec.dtype
         numerics = kv_numerics_tag(self.dtype, self.model.quant.tag, kv_dtype)  # FP8 computes other KV
         self.allocator = PrefixCachingBlockPool(num_blocks, block_size,
                                                 prefix_cache_salt(self.model_dir, numerics, block_size),
@@ -249,6 +286,13 @@ class LLMEngine:
             self.running.remove(seq)
             self.allocator.free(seq.block_table)
             seq.block_table = []
+
+    def close(self) -> None:
+        """Tensor parallelism: stops the follower ranks (nothing to do for one process)."""
+        if self.group is not None:
+            self.group.close()
+            self._launcher.join()
+            self.group = None
 
     # -- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]) -> list[CompletionOutput]:

@@ -5,6 +5,10 @@ The cache's dtype is the model's activation dtype, or float8_e4m3fn with `--kv-c
 per GB and half the bytes per transferred block. Each attention layer then stores K / k_scale and
 V / v_scale (cluster.model.llama.Attention).
 
+Under tensor parallelism each rank's cache holds only its KV heads (`num_kv_heads` = the model's
+`num_kv_heads` attribute, cluster/distributed/sharding.py); block ids mean the same blocks on every rank
+of a worker (one allocator, on rank 0, hands them out).
+
 Block 0 is reserved (NULL_BLOCK): the allocator never hands it out, padded rows of a graph-replayed
 batch point their block tables and slot mappings at it, so their writes land nowhere that matters.
 """
@@ -59,8 +63,10 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, cfg: ModelArchConfig, block_size: int, num_blocks: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, num_blocks, dtype)
+    def for_model(cls, cfg: ModelArchConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
+                  num_kv_heads: int | None = None) -> "KVCacheSpec":
+        """num_kv_heads: this rank's (tensor parallelism); None: all of the model's."""
+        return cls(cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.head_dim, block_size, num_blocks, dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,7 +100,8 @@ def device_memory(device: torch.device) -> DeviceMemory:
 
 
 def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                   memory: DeviceMemory | None = None, kv_dtype: torch.dtype | None = None) -> int:
+                   memory: DeviceMemory | None = None, kv_dtype: torch.dtype | None = None,
+                   num_kv_heads: int | None = None) -> int:
     """THE KV pool sizing rule, for prefill and decode workers alike (call it after the weights load).
 
     - `cfg.num_blocks` if set; on CPU `cfg.cpu_num_blocks`.
@@ -108,7 +115,9 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
       and KV together take at most that fraction of the share) the KV gets that fraction of the share
       less the weights and the headroom, and kv_memory_fraction is not applied.
     `dtype` is the activations' (the headroom), `kv_dtype` the cache's (None: the same; FP8: one byte
-    an element, twice the blocks). Returns blocks including the reserved NULL_BLOCK."""
+    an element, twice the blocks), `num_kv_heads` this rank's under tensor parallelism (the ranks of a
+    worker then take the smallest of their counts: cluster/distributed/shard_setup.py).
+    Returns blocks including the reserved NULL_BLOCK."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if device.type != "cuda":
@@ -131,10 +140,11 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     else:
         mine = int(share) - mem.reserved_here
         budget = int((min(mine, mem.free) - headroom - features) * cfg.kv_memory_fraction)
-    return max(2, blocks_that_fit(arch, cfg.block_size, kv_dtype or dtype, budget) + 1)
+    return max(2, blocks_that_fit(arch, cfg.block_size, kv_dtype or dtype, budget, num_kv_heads) + 1)
 
 
-def blocks_that_fit(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def blocks_that_fit(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                    num_kv_heads: int | None = None) -> int:
     """How many blocks a memory budget holds (e.g. a fraction of free GPU memory after weights)."""
-    spec = KVCacheSpec.for_model(cfg, block_size, 1, dtype)
+    spec = KVCacheSpec.for_model(cfg, block_size, 1, dtype, num_kv_heads)
     return max(0, budget_bytes // spec.bytes_per_block)

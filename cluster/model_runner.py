@@ -2,6 +2,11 @@
 
 Shared by the in-process engine, the prefill worker (packed variable-length prefill) and the
 decode worker (whose graph runner reuses `build_decode_metadata` for its eager fallback).
+
+Tensor parallelism: on rank 0 of a group (`group`, a cluster.distributed.TPGroup), every pass is first
+announced to the followers (a PrefillPass / EagerDecode step message), which run the same pass through
+`execute` (cluster/distributed/follower.py); the model's collectives then pair up. Only rank 0 uses the
+logits (the followers compute them too: the LM head's all-gather is a collective).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 import torch
 
 from cluster.attention import AttentionMetadata
+from cluster.distributed.step_messages import Chunk, EagerDecode, PrefillPass, PromptLogprobsWant, pack_ids, unpack_ids
 from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
 from cluster.logprobs import prompt_logprobs
 from cluster.model.llama import LlamaForCausalLM
@@ -46,12 +52,38 @@ def _tables(tables: Seq[Seq[int]], width: int) -> np.ndarray:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, device: str | torch.device, kv_cache: torch.Tensor | None = None):
+    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, device: str | torch.device, kv_cache: torch.Tensor | None = None,
+                 group=None):
+        """group: this rank's TPGroup (rank 0 announces its passes to the followers), or None."""
         self.model = model
         self.spec = spec
         self.device = torch.device(device)
         self.kv_cache = kv_cache if kv_cache is not None else spec.allocate(self.device)
+        self.group = group if group is not None and group.size > 1 else None
+        self.shipment_of_pass = None  # rank 0, prefill worker: () -> the pass's KV shipment (bytes) for followers
         model.bind_kv_cache(self.kv_cache)
+
+    # -- tensor parallelism ---------------------------------------------------------------------------
+    def _announce_prefill(self, chunks: Seq[PrefillChunk], wants, all_logits: bool) -> None:
+        if self.group is None or not self.group.is_leader:
+            return
+        ship = self.shipment_of_pass() if self.shipment_of_pass is not None else b""
+        self.group.publish(PrefillPass(
+            [Chunk(pack_ids(c.token_ids), c.start, pack_ids(c.block_table)) for c in chunks],
+            [] if wants is None else [None if w is None else PromptLogprobsWant(pack_ids(w[0]), w[1]) for w in wants],
+            all_logits, ship or b""))
+
+    def execute(self, msg) -> None:
+        """A follower: runs the pass rank 0 announced (its results stay here: only rank 0 uses them)."""
+        if isinstance(msg, EagerDecode):
+            self._decode(unpack_ids(msg.token_ids), unpack_ids(msg.positions), [unpack_ids(t) for t in msg.block_tables])
+            return
+        chunks = [PrefillChunk(unpack_ids(c.token_ids), c.start, unpack_ids(c.block_table)) for c in msg.chunks]
+        if msg.wants:
+            wants = [None if w is None else (unpack_ids(w.prompt), w.k) for w in msg.wants]
+            self._prefill_with_prompt_logprobs(chunks, wants)
+        else:
+            self._prefill(chunks, msg.all_logits)
 
     def build_prefill_inputs(self, chunks: Seq[PrefillChunk]):
         """(input_ids, positions, metadata, index of each chunk's last token), uploaded in one copy."""
@@ -79,15 +111,18 @@ class ModelRunner:
         )
         return ids_d, pos_d, meta, last_d
 
-    @torch.inference_mode()
     def prefill(self, chunks: Seq[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
         """One packed forward over every chunk (no padding); logits of each chunk's last token
         ([num_chunks, vocab]), or of every token with all_logits=True ([num_tokens, vocab])."""
+        self._announce_prefill(chunks, None, all_logits)
+        return self._prefill(chunks, all_logits)
+
+    @torch.inference_mode()
+    def _prefill(self, chunks: Seq[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
         ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
         return self.model.compute_logits(hidden if all_logits else hidden[last])
 
-    @torch.inference_mode()
     def prefill_with_prompt_logprobs(self, chunks: Seq[PrefillChunk], wants: Seq[tuple[Seq[int], int] | None]):
         """prefill(chunks) -> (last-token logits [num_chunks, vocab], per chunk: None, or for
         wants[i] = (prompt, k) the logprobs of the prompt tokens its positions predict
@@ -95,6 +130,11 @@ class ModelRunner:
         Without any want it is prefill(chunks) and Nones."""
         if all(w is None for w in wants):
             return self.prefill(chunks), [None] * len(chunks)
+        self._announce_prefill(chunks, wants, False)
+        return self._prefill_with_prompt_logprobs(chunks, wants)
+
+    @torch.inference_mode()
+    def _prefill_with_prompt_logprobs(self, chunks, wants):
         ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
         logits = self.model.compute_logits(hidden[last])
@@ -124,8 +164,13 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots_d, block_tables=tables_d, context_lens=ctx_d)
         return meta if token_ids is None else (ids_d, pos_d, meta)
 
-    @torch.inference_mode()
     def decode(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> torch.Tensor:
         """One eager decode step: one token per sequence; returns logits [B, vocab]."""
+        if self.group is not None and self.group.is_leader:
+            self.group.publish(EagerDecode(pack_ids(token_ids), pack_ids(positions), [pack_ids(t) for t in block_tables]))
+        return self._decode(token_ids, positions, block_tables)
+
+    @torch.inference_mode()
+    def _decode(self, token_ids, positions, block_tables) -> torch.Tensor:
         ids, pos, meta = self.build_decode_metadata(positions, block_tables, token_ids=token_ids)
         return self.model.compute_logits(self.model(ids, pos, meta))

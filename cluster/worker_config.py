@@ -32,6 +32,9 @@ class WorkerConfig:
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     seed: int = 0
+    # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
+    # (cluster/distributed/tp_group.py). 1: the worker is this one process.
+    tensor_parallel_size: int = 1
     quantization: str | None = None  # "fp8": quantize the float checkpoint's weights at load (None: as stored)
     kv_cache_dtype: str = "auto"  # cluster.kv_cache.resolve_kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3"
     # Decode worker: a loop that raised more often than this (each time its requests are moved) stays

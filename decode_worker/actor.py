@@ -4,6 +4,11 @@ Its methods are the decode worker interface, cluster.worker_api.DecodeWorkerAPI 
 
 The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, stats_sink)`;
 tokens go to the gateway each request names (`GenerateRequest.reply_to`), step records to `stats_sink`.
+
+Tensor parallelism (cfg.tensor_parallel_size = N > 1): this actor is rank 0. Its constructor starts
+the N - 1 followers through `rank_launcher` (deploy/ray_rank_launcher.py: actors in this worker's
+placement-group bundle, owned by this actor, so they die with it) and forms the group with them; a Ray
+restart of this actor starts a new group the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import lead_group
 from decode_worker.decode_worker import DecodeWorker
 
 if TYPE_CHECKING:
@@ -23,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class DecodeWorkerActor:
-    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None):
+    def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None, rank_launcher=None):
         # NOTE: the decode loop shares this interpreter with Ray's call threads, the KV transport's
         # control and waiter threads (the token publisher has a process of its own); with the
         # default 5 ms GIL switch interval the loop could wait that long for the GIL behind one of
@@ -32,6 +38,12 @@ class DecodeWorkerActor:
         # A Ray restart runs this again: a new incarnation, which the router sees in stats() and has
         # rejoined (KV transport, warm-up) before it places on the worker again.
         self._args = (worker_id, cfg, stats_sink)
+        self._group = None
+        if cfg.tensor_parallel_size > 1:
+            if rank_launcher is None:
+                raise ValueError(f"decode worker {worker_id} has tensor_parallel_size {cfg.tensor_parallel_size} "
+                                 "but no rank launcher to start its followers")
+            self._group = lead_group(cfg, rank_launcher.launch)
         # (worker, incarnation), replaced as one (the fault "restart" brings up a new incarnation in
         # this process): stats() never pairs one incarnation's id with the other's state.
         self._state = (self._new_worker(), uuid.uuid4().hex)
@@ -45,8 +57,10 @@ class DecodeWorkerActor:
         return self._state[1]
 
     def _new_worker(self, model=None) -> DecodeWorker:
-        w = DecodeWorker(*self._args, model=model)
-        w.on_restart = self._restart_in_place
+        w = DecodeWorker(*self._args, model=model, group=self._group)
+        # A tensor-parallel worker is never restarted in place: its followers ran the old one's passes
+        # (a new incarnation takes a new group: a Ray restart of this actor). The fault "restart" is refused.
+        w.on_restart = self._restart_in_place if self._group is None else None
         return w
 
     def _restart_in_place(self) -> None:
@@ -114,7 +128,8 @@ class DecodeWorkerActor:
         w = self.worker
         if w.transport is not None:
             return
-        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode", w.kv_numerics_info()))
+        w.attach_transport(create_transport(spec, w.kv_cache, w.worker_id, "decode", group=w.group,
+                                            kv_heads=w.arch.num_kv_heads, numerics=w.kv_numerics_info()))
 
     def transfer_metrics(self) -> dict:
         t = self.worker.transport

@@ -38,6 +38,13 @@
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
 - Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
   overwrite step t's unread tokens) filled by a non-blocking copy and guarded by a CUDA event.
+- Tensor parallelism (`group`): every rank captures the same graphs (the model's all-reduces and the
+  LM head's all-gather inside them). On rank 0, `launch` announces each step to the followers (a
+  DecodeStep: the packed words it copies, the bucket, the width, the variant, the sampling-state slots
+  its new sequences take, the constrained rows' grammar masks) before replaying; a follower's `replay_step` writes the same slots, copies the
+  same words and replays the same graph. Every rank samples the same tokens (the logits are gathered
+  whole on every rank, the draw is seeded), so step t+1's input ids come from each rank's own
+  out_tokens and the followers never read a token.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import torch
 
 from cluster import kernels
 from cluster.attention import AttentionMetadata
+from cluster.distributed.step_messages import DecodeStep, SlotInit, pack_ids, unpack_ids
 from cluster.graph_buckets import bucket_sizes, feature_bucket_sizes, padded_size
 from cluster.kernels.step_layout import DecodeStepLayout
 from cluster.kv_cache import NULL_BLOCK
@@ -134,6 +142,7 @@ class BucketedGraphRunner:
         use_cuda_graph: bool = True,
         keep_graphs: bool = False,  # keep each cudaGraph_t for inspection (kernels_per_step)
         grammar_masks: bool = True,  # the mask kernel in every graph (False: benchmarks' baseline only)
+        group=None,  # this rank's TPGroup (rank 0 announces each step to the followers), or None
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -146,6 +155,8 @@ class BucketedGraphRunner:
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         self.keep_graphs = keep_graphs
         self.grammar_masks = grammar_masks
+        self.group = group if group is not None and group.size > 1 else None
+        self._slot_inits: list[SlotInit] | None = None  # rank 0: this step's new slots, for the followers
 
         dev, mb = self.device, self.max_bs
         words = DecodeStepLayout(mb).words(self.max_blocks)
@@ -207,6 +218,16 @@ class BucketedGraphRunner:
         self.num_captures = 0  # graphs captured so far; must not move once serving starts
         # variant ("plain" | "features") -> bucket -> {"seconds", "bytes"} of its capture
         self.capture_stats: dict[str, dict[int, dict[str, float]]] = {v: {} for v in VARIANTS}
+
+    @classmethod
+    def for_worker(cls, wm, cfg, max_model_len: int, capture_progress: bool = True) -> "BucketedGraphRunner":
+        """The decode worker's runner over a WorkerModel (cluster/worker_model.py), captured: built the
+        same way on every rank of a tensor-parallel worker (their captures' collectives pair up)."""
+        runner = cls(wm.model, wm.kv_cache, cfg.block_size, cfg.max_num_seqs,
+                     max_blocks_per_seq=wm.spec.blocks_for_tokens(max_model_len), buckets=cfg.graph_buckets,
+                     use_cuda_graph=cfg.use_cuda_graph, group=wm.group)
+        runner.capture(progress=capture_progress)
+        return runner
 
     # -- the captured region ----------------------------------------------------------------------
     def _forward(self, b: int, width: int, features: bool = False) -> None:
@@ -440,6 +461,9 @@ class BucketedGraphRunner:
             self.sampling_state.init_slots([sl for _, sl in new], [q.params for q, _ in new],
                                            [q.prompt_token_ids for q, _ in new],
                                            [q.generated_token_ids for q, _ in new])
+            if self._slot_inits is not None:
+                self._slot_inits += [SlotInit(sl, q.params, pack_ids(q.prompt_token_ids),
+                                              pack_ids(q.generated_token_ids)) for q, sl in new]
 
     @torch.inference_mode()
     def launch(self, rows) -> StepHandle:
@@ -454,9 +478,16 @@ class BucketedGraphRunner:
         if cuda:
             start_ev, end_ev = self._events[self._launches % len(self._events)]
         self._launches += 1
+        leader = self.group is not None and self.group.is_leader
+        self._slot_inits = [] if leader else None
         width, features, constrained_rows = self._update_rows(rows)  # may queue sampling-state writes
         b = self.padded_size(n, features)
         words, constrained = self._stage(rows, b, slot, width, constrained_rows)
+        if leader:  # before our own replay: the followers start theirs at once
+            masks = self._host_masks[slot][:constrained].numpy().tobytes() if constrained else b""
+            self.group.publish(DecodeStep(self._np_packed[slot][:words].tobytes(), b, width, features,
+                                          self._slot_inits, masks, constrained))
+            self._slot_inits = None
         t_step = time.perf_counter()
         if cuda:
             start_ev.record()  # the step on the device starts with its input copy
@@ -491,3 +522,29 @@ class BucketedGraphRunner:
                 handle.interval_s = t_step - self._prev_start
         self._prev_start = start_ev if cuda else t_step
         return handle
+
+    @torch.inference_mode()
+    def replay_step(self, msg: DecodeStep) -> None:
+        """A follower: runs the step rank 0 announced, as rank 0 runs it (its tokens stay on the device:
+        the next step reads them from out_tokens, as rank 0's does)."""
+        if msg.slot_inits:
+            self.sampling_state.init_slots([x.slot for x in msg.slot_inits], [x.params for x in msg.slot_inits],
+                                           [unpack_ids(x.prompt) for x in msg.slot_inits],
+                                           [unpack_ids(x.output) for x in msg.slot_inits])
+        words = np.frombuffer(msg.words, dtype=np.int32)
+        host = torch.from_numpy(words.copy())
+        if self.device.type == "cuda":
+            # NOTE: a fresh pinned buffer per step (PyTorch's caching host allocator keeps it until the
+            # copy ran): a follower never waits for its steps, so it cannot reuse staging slots as rank 0 does.
+            host = host.pin_memory()
+        self.packed[: words.size].copy_(host, non_blocking=True)
+        if msg.constrained:  # the constrained rows' grammar masks, as rank 0 computed them
+            masks = torch.from_numpy(np.frombuffer(msg.masks, dtype=np.int32).copy()).view(msg.constrained, -1)
+            if self.device.type == "cuda":
+                masks = masks.pin_memory()
+            self.token_bitmask[: msg.constrained].copy_(masks, non_blocking=True)
+        graph = (self.feature_graphs if msg.features else self.graphs).get(msg.bucket) if self.use_cuda_graph else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(msg.bucket, msg.width, msg.features)

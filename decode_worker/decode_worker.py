@@ -19,6 +19,12 @@ input token from the device, so the host never waits for the GPU to form the nex
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
 short lock: reserve(), submit_local(), abort(), stats(), step_metrics().
 
+Tensor parallelism: with a TPGroup (`group`, this process is its rank 0), everything above runs here
+unchanged; the model is this rank's shard, and every forward (local prefill, decode step) is announced
+to the followers first (cluster/model_runner.py, bucketed_graph_runner.py; decode_worker/rank_follower.py
+runs them). A failure of the loop then takes the whole worker down (`TPGroup.fail`: the ranks may have
+run different passes), instead of restarting the loop: Ray restarts the worker, the router migrates.
+
 A request is refused (400) by the one fit rule, cluster.request_limits (its context length is the
 served max_model_len, its KV this worker's pool). Before serving, warmup() runs DecodeWorkerWarmup
 (decode_worker/warmup.py) beside the idle loop.
@@ -38,13 +44,10 @@ import torch
 
 from cluster.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
                               WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
-from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import SampledTokens, sample_tokens_async
@@ -54,6 +57,7 @@ from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
 from cluster.transport.plan import KVNumerics
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import WorkerModel
 from decode_worker.block_manager import BlockManager
 from decode_worker.local_prefill_pacer import LocalPrefillPacer
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
@@ -115,46 +119,39 @@ class _Launched:
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
-                 token_publisher: str = "process"):
+                 token_publisher: str = "process", group=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
-        `token_publisher`: "process" (the served path) or "thread" (see _make_publisher)."""
+        `token_publisher`: "process" (the served path) or "thread" (see _make_publisher).
+        `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
+        scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
         self.publisher = _make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
         try:
-            self._setup(model, capture_progress, start)
+            self._setup(model, capture_progress, start, group)
         except BaseException:
             self.publisher.close()  # its process must not outlive a worker that never started
             raise
 
-    def _setup(self, model: LlamaForCausalLM | None, capture_progress: bool, start: bool) -> None:
+    def _setup(self, model: LlamaForCausalLM | None, capture_progress: bool, start: bool, group) -> None:
         cfg = self.cfg
-        if model is None:
-            model = load_model(cfg.model_dir, dtype=cfg.dtype, device=self.device, attention_backend=cfg.attention_backend,
-                               quantization=cfg.quantization)
-        self.model = model
-        self.arch: ModelArchConfig = model.cfg
-        # The activation dtype: the configured one, else the embedding's (the checkpoint's torch_dtype);
-        # never the first parameter's, which FP8 weights keep in float8_e4m3fn.
-        self.dtype = resolve_dtype(cfg.dtype) if cfg.dtype else model.embed_tokens.weight.dtype
+        wm = WorkerModel.load(cfg, group, model=model)
+        self.group = wm.group if group is not None and group.size > 1 else None
+        self.model = wm.model
+        self.arch: ModelArchConfig = wm.arch
+        # The activation dtype: the configured one, else the embedding's (WorkerModel).
+        self.dtype = wm.dtype
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
-
-        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)
-        num_blocks = kv_pool_blocks(cfg, self.arch, self.dtype, self.device, kv_dtype=kv_dtype)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size, num_blocks, kv_dtype)
+        self.spec = wm.spec
+        num_blocks = self.spec.num_blocks
         # What the K/V it holds depends on (PrefillWorker.kv_numerics: the same rule, so both salt alike).
-        self.kv_numerics = kv_numerics_tag(self.dtype, model.quant.tag, kv_dtype)
-        # The KV pool. A transport writes arriving prompts' K/V straight into this tensor's blocks.
-        self.kv_cache: torch.Tensor = self.spec.allocate(self.device)
-        self.prefill_runner = ModelRunner(model, self.spec, self.device, kv_cache=self.kv_cache)
-        self.graph_runner = BucketedGraphRunner(
-            model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
-            max_blocks_per_seq=self.spec.blocks_for_tokens(self.max_model_len),
-            buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph,
-        )
-        self.graph_runner.capture(progress=capture_progress)
+        self.kv_numerics = wm.kv_numerics
+        # The KV pool (this rank's KV heads). A transport writes arriving prompts' K/V straight into its blocks.
+        self.kv_cache: torch.Tensor = wm.kv_cache
+        self.prefill_runner = wm.runner
+        self.graph_runner = BucketedGraphRunner.for_worker(wm, cfg, self.max_model_len, capture_progress)
 
         self.blocks = BlockManager(num_blocks, cfg.block_size,
                                    prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
@@ -349,6 +346,7 @@ class DecodeWorker:
                        "loop_failures": self.loop_failures, "faults_fired": list(self.faults_fired),
                        # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
                        "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
+                       **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
                        **self.blocks.allocator.stats_extra()},
                 prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
                 # The local-prefill pass size while decoding: the pacer's latest budget (<= the cap).
@@ -394,13 +392,16 @@ class DecodeWorker:
         self.grammars.close()
         if self.transport is not None:
             self.transport.close()
+        if self.group is not None:
+            self.group.close()
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         """Runs the loop; an exception in it fails the requests it held as *lost* (the router moves
         them, like a dead worker's), settles the device and the block accounting, and starts the loop
         again, up to `cfg.max_loop_restarts` times; after that (or a CUDA error, which poisons the
-        context) the worker reports itself unhealthy."""
+        context) the worker reports itself unhealthy. A tensor-parallel worker's loop is never
+        restarted: its failure fails the whole group (TPGroup.fail)."""
         while True:
             try:
                 self._run_loop()
@@ -409,6 +410,15 @@ class DecodeWorker:
                 log.exception("decode loop of %s failed", self.worker_id)
                 self.loop_failures += 1
                 why = f"decode worker {self.worker_id} failed: {type(e).__name__}: {e}"
+                if self.group is not None:
+                    # The followers may have run passes this rank did not (or the reverse): the group
+                    # cannot go on, whatever cfg.max_loop_restarts says. Its requests are lost here;
+                    # the whole worker goes down (by default its process ends, and Ray restarts it as
+                    # a new group).
+                    self._fail_all(why, lost=True)
+                    self.error = why
+                    self.group.fail(why)
+                    return
                 recoverable = (self._settle_after_failure(why)
                                and self.loop_failures <= self.cfg.max_loop_restarts)
                 if not recoverable or self._stop.is_set():

@@ -37,9 +37,12 @@ def _cmd_generate(args) -> None:
     model = resolve_model_dir(args.model) if args.model is not None else None
     dtype = {"auto": None, "half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     engine = LLMEngine(model, dtype=dtype, device=args.device, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype)
-    for out in engine.generate(prompts, params):
-        print(out.text)
+                       kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        for out in engine.generate(prompts, params):
+            print(out.text)
+    finally:
+        engine.close()
 
 
 def version() -> str:
@@ -79,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: quantize the weights to FP8 at load (default: as the checkpoint is stored)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache dtype (auto: the activation dtype)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:i (tensor-parallel ranks take cuda:i, i+1, ...)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (one GPU each on CUDA)")
     g.set_defaults(func=_cmd_generate, parser=g)
 
     _add_extra_commands(sub)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cluster.errors import PdserveError
 from cluster.worker_config import WorkerConfig
 from deploy.config import ClusterConfig
 from router.admission import AdmissionLimits
@@ -19,9 +20,10 @@ from router.router_config import RouterConfig
 
 
 def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: float = 1.0,
-                  cluster_secret: bytes = b"") -> WorkerConfig:
-    """What every worker actor is started with. gpu_share: the fraction of one GPU each actor is given
-    (< 1 when actors share a GPU). cluster_secret: the launcher's (cluster/frame_auth.py)."""
+                  role: str | None = None, cluster_secret: bytes = b"") -> WorkerConfig:
+    """What every worker actor of `role` is started with (None: a role-independent base, TP 1).
+    gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU).
+    cluster_secret: the launcher's (cluster/frame_auth.py)."""
     return WorkerConfig(
         model_dir=model_dir, dtype=cfg.dtype, device=device, attention_backend=cfg.attention_backend,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
@@ -30,7 +32,8 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
         max_prefill_tokens=cfg.max_prefill_tokens, local_prefill_chunk_tokens=cfg.local_prefill_chunk_tokens,
         max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
         graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph and not cfg.enforce_eager,
-        seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization, quantization=cfg.quantization,
+        seed=cfg.seed, tensor_parallel_size=1 if role is None else cfg.tp_of(role),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, quantization=cfg.quantization,
         kv_cache_dtype=cfg.kv_cache_dtype, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,
     )
 
@@ -78,12 +81,22 @@ def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:
 
 
 def gpus_per_actor(cfg: ClusterConfig, cluster_gpus: float) -> float:
-    """1 GPU each when there are enough; an equal share (1/k of one GPU) when actors must share."""
+    """1 GPU each when there are enough; an equal share (1/k of one GPU) when actors must share. An
+    actor is one rank of a worker: a tensor-parallel worker of N ranks is N actors, which never share a
+    GPU (NCCL puts one rank of a group on a device), so they need a GPU each (PdserveError otherwise)."""
+    tp = max(cfg.prefill_tp, cfg.decode_tp)
     if cfg.gpus_per_worker is not None:
+        if tp > 1 and 0 < cfg.gpus_per_worker < 1:
+            raise PdserveError(f"gpus_per_worker {cfg.gpus_per_worker} shares GPUs between tensor-parallel ranks; "
+                               "each rank needs a whole GPU")
         return cfg.gpus_per_worker
     if cfg.device == "cpu" or cluster_gpus < 1:
         return 0.0
-    n = cfg.prefill_workers + cfg.decode_workers
+    n = cfg.prefill_workers * cfg.prefill_tp + cfg.decode_workers * cfg.decode_tp
     if cluster_gpus >= n:
         return 1.0
+    if tp > 1:
+        raise PdserveError(f"{cfg.prefill_workers} prefill x TP {cfg.prefill_tp} + {cfg.decode_workers} decode x TP "
+                           f"{cfg.decode_tp} workers are {n} ranks, one GPU each; the Ray cluster has "
+                           f"{cluster_gpus:g} GPUs")
     return 1.0 / math.ceil(n / int(cluster_gpus))

@@ -77,6 +77,8 @@ DEPLOY_CHOICES: dict[str, tuple[type, str, str]] = {
                             "(3 times); the router alone does not assume it"),
     "device": (WorkerConfig, "device", "'auto' is resolved per actor (cuda when it holds a GPU); a worker is "
                "given the resolved device"),
+    "tensor_parallel_size": (WorkerConfig, "tensor_parallel_size", "an alias that sets prefill_tp and decode_tp "
+                             "(None: each role's own, whose default is the component's)"),
 }
 
 
@@ -113,6 +115,16 @@ class ClusterConfig(BaseModel):
     """Prefill actors (0: every prompt is prefilled on its decode worker)."""
     decode_workers: int = Field(1, ge=1, le=1024)
     """Decode actors."""
+    prefill_tp: int = Field(_default(WorkerConfig, "tensor_parallel_size"), ge=1, le=64)
+    """Tensor-parallel ranks of each prefill worker: one process and one GPU each, on one node; the
+    router sees one worker (its rank 0). The model's attention heads must split evenly (KV heads are
+    replicated when fewer than the ranks)."""
+    decode_tp: int = Field(_default(WorkerConfig, "tensor_parallel_size"), ge=1, le=64)
+    """Tensor-parallel ranks of each decode worker (see prefill_tp); the KV moves between prefill and
+    decode workers of different sizes by KV head."""
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64)
+    """Sets prefill_tp and decode_tp at once (vLLM's --tensor-parallel-size); a role's own setting may
+    only repeat it."""
     gpus_per_worker: float | None = Field(None, ge=0.0, le=8.0)
     """GPUs per actor; none: 1 when there are enough GPUs, an equal share when actors must share GPUs, 0 without."""
     cpus_per_worker: float = Field(1.0, ge=0.0)
@@ -284,6 +296,19 @@ class ClusterConfig(BaseModel):
     planner_drain_timeout_s: float = Field(60.0, ge=0.0)
     """How long a worker being switched may finish what it holds; what is left then migrates."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_alias(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("tensor_parallel_size") is None:
+            return data
+        tp = data["tensor_parallel_size"]
+        data = dict(data)
+        for role in ("prefill_tp", "decode_tp"):
+            if data.get(role) is not None and data[role] != tp:
+                raise ValueError(f"tensor_parallel_size {tp} conflicts with {role} {data[role]}; give one of them")
+            data[role] = tp
+        return data
+
     @field_validator("prefill_resources", "decode_resources", mode="before")
     @classmethod
     def _resources(cls, v: Any) -> Any:
@@ -388,7 +413,17 @@ class ClusterConfig(BaseModel):
             if self.prefill_resources != self.decode_resources:
                 raise ValueError("the planner moves workers between roles on the same bundle: prefill_resources "
                                  "and decode_resources must be equal")
+            if self.prefill_tp != self.decode_tp:
+                raise ValueError("the planner moves workers between roles on the same bundle: prefill_tp and "
+                                 "decode_tp must be equal")
+        if self.kv_transport == "same_gpu" and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError("the same_gpu KV transport shares one GPU between one prefill and one decode process; "
+                             "tensor-parallel workers move KV over torch_dist")
         return self
+
+    def tp_of(self, role: str) -> int:
+        """The tensor-parallel size of a role's workers."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod

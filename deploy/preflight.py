@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.distributed.sharding import check_tensor_parallel
 from cluster.errors import InvalidRequestError, ModelLoadError
 from cluster.generation_defaults import SamplingDefaults, load_sampling_defaults
 from cluster.model.config import ModelArchConfig
@@ -37,6 +38,9 @@ def check_model(cfg: ClusterConfig) -> ServedModel:
     """Raises PdserveError (ModelLoadError) naming what is wrong; returns what to serve."""
     model_dir = ensure_demo_model() if cfg.model is None else resolve_model_dir(cfg.model)
     arch = ModelArchConfig.from_dir(model_dir)
+    for role in ("prefill", "decode"):  # a model the workers cannot split fails here, before Ray starts
+        check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
+                              f"{model_dir.name} ({role}_tp)")
     config_path = model_dir / "config.json"
     QuantConfig.from_checkpoint(json.loads(config_path.read_text()), cfg.quantization, str(config_path))
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None

@@ -1,7 +1,9 @@
 """RayWorkers: the prefill and decode workers of one serving cluster as Ray actors.
 
 - placement: one placement group (PACK), a bundle per worker (its CPUs, its GPU or share of one,
-  its role's custom resources); `place` creates every actor in its bundle and waits until all have
+  its role's custom resources; a tensor-parallel worker's bundle holds N GPUs and N actors' CPUs: a
+  bundle is on one node, so all its ranks are too); `place` creates every worker's rank-0 actor in its
+  bundle (which starts its followers there: deploy/ray_rank_launcher.py) and waits until all have
   loaded the model;
 - warm-up: every worker's warmup() at once, before /ready;
 - role switches (the P:D planner): `retire` frees a worker's bundle, `spawn` starts a worker of the
@@ -23,11 +25,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.errors import PdserveError
 from decode_worker.actor import DecodeWorkerActor
+from decode_worker.rank_follower import DecodeRankFollower
 from deploy.component_configs import gpus_per_actor, worker_config
 from deploy.config import ClusterConfig
 from deploy.kv_transport_group import KVTransportGroup
+from deploy.ray_rank_launcher import RayRankLauncher
 from deploy.ray_runtime import RAY_STOP_BUDGET_S
 from prefill_worker.actor import PrefillWorkerActor
+from prefill_worker.rank_follower import PrefillRankFollower
+
+_FOLLOWERS = {"prefill": PrefillRankFollower, "decode": DecodeRankFollower}
 
 log = logging.getLogger("pdserve.launch")
 
@@ -38,9 +45,10 @@ def _remote(cls):
 
 
 class RayWorkers:
-    def __init__(self, cfg: ClusterConfig, tag: str, *, prefill_actor_cls=None, decode_actor_cls=None):
-        """`tag` names the placement group and prefixes the actors' names; the actor classes default
-        to the real workers' (tests pass fakes)."""
+    def __init__(self, cfg: ClusterConfig, tag: str, *, prefill_actor_cls=None, decode_actor_cls=None,
+                 follower_cls: dict[str, Any] | None = None):
+        """`tag` names the placement group and prefixes the actors' names; the actor classes (and the
+        tensor-parallel followers' by role) default to the real workers' (tests pass fakes)."""
         self.cfg = cfg
         self.tag = tag
         self.prefill: dict[str, Any] = {}  # worker id -> actor handle
@@ -54,9 +62,10 @@ class RayWorkers:
         self.kv_group: Any = None
         self._prefill_cls = prefill_actor_cls or PrefillWorkerActor
         self._decode_cls = decode_actor_cls or DecodeWorkerActor
+        self._followers = {**_FOLLOWERS, **(follower_cls or {})}
         self._gpus = 0.0
         self._extra: dict[str, dict[str, float]] = {}
-        self._worker_cfg = None
+        self._worker_cfgs: dict[str, Any] = {}  # role -> its WorkerConfig
         self._stats_sink: str | None = None
 
     @property
@@ -75,22 +84,22 @@ class RayWorkers:
         self.device = device = "cuda" if gpus > 0 and cfg.device != "cpu" else "cpu"
         if cfg.device == "cuda" and gpus == 0:
             raise PdserveError("device is cuda but the Ray cluster has no GPU")
-        self._worker_cfg = worker_config(cfg, model_dir, device, gpu_share=gpus if 0 < gpus < 1 else 1.0,
-                                         cluster_secret=cluster_secret)
+        self._worker_cfgs = {role: worker_config(cfg, model_dir, device, gpu_share=gpus if 0 < gpus < 1 else 1.0,
+                                                 role=role, cluster_secret=cluster_secret)
+                             for role in ("prefill", "decode")}
         self._stats_sink = stats_sink
         roles = [("prefill", i) for i in range(cfg.prefill_workers)] + [("decode", i) for i in range(cfg.decode_workers)]
-        bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        extra = self._extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}
+        self._extra = {"prefill": dict(cfg.prefill_resources), "decode": dict(cfg.decode_resources)}
         # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
         # spreads them over nodes only when one node can't hold them; custom resources in a role's
-        # bundle pin that role to the nodes that offer them.
-        pg = placement_group([{**bundle, **extra[role]} for role, _ in roles], strategy="PACK", name=self.tag)
+        # bundle pin that role to the nodes that offer them. A worker's bundle holds all its ranks.
+        pg = placement_group([self._bundle(role) for role, _ in roles], strategy="PACK", name=self.tag)
         self.placement_group = pg
         try:
             ray.get(pg.ready(), timeout=cfg.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {bundle} each "
-                               f"(plus {extra['prefill'] or {}} for prefill, {extra['decode'] or {}} for decode) "
+            raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {self._bundle('prefill')} each "
+                               f"for prefill, {self._bundle('decode')} for decode "
                                f"(available: {ray.available_resources()})") from None
         for k, (role, i) in enumerate(roles):
             self._create_actor(role, f"{role}-{i}", k)
@@ -106,7 +115,19 @@ class RayWorkers:
             cause = str(e).strip().splitlines()
             raise PdserveError(f"a worker failed to start: {cause[-1] if cause else e}") from None
 
+    def _bundle(self, role: str) -> dict[str, float]:
+        """A worker's bundle: each of its ranks' CPUs and GPU, and its role's custom resources (asked by
+        its rank 0 alone)."""
+        tp = self.cfg.tp_of(role)
+        return {"CPU": self.cfg.cpus_per_worker * tp, **({"GPU": self._gpus * tp} if self._gpus else {}),
+                **self._extra[role]}
+
     def _create_actor(self, role: str, wid: str, bundle_index: int):
+        wcfg = self._worker_cfgs[role]
+        launcher = None
+        if wcfg.tensor_parallel_size > 1:
+            launcher = RayRankLauncher(self._followers[role], wid, wcfg, self.placement_group, bundle_index,
+                                       self.cfg.cpus_per_worker, self._gpus)
         opts = dict(num_cpus=self.cfg.cpus_per_worker, num_gpus=self._gpus, name=f"{self.tag}-{wid}",
                     resources=self._extra[role] or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
@@ -115,10 +136,11 @@ class RayWorkers:
                     # router's rejoin hook (rejoin); no call is retried: the router moves what a dead
                     # worker held.
                     max_restarts=self.cfg.worker_max_restarts, max_task_retries=0)
+        tp = {} if launcher is None else {"rank_launcher": launcher}
         if role == "prefill":
-            h = self.prefill[wid] = self._prefill_cls.options(**opts).remote(wid, self._worker_cfg)
+            h = self.prefill[wid] = self._prefill_cls.options(**opts).remote(wid, wcfg, **tp)
         else:
-            h = self.decode[wid] = self._decode_cls.options(**opts).remote(wid, self._worker_cfg, self._stats_sink)
+            h = self.decode[wid] = self._decode_cls.options(**opts).remote(wid, wcfg, self._stats_sink, **tp)
         self.bundle[wid] = bundle_index
         return h
 

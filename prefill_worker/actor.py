@@ -8,6 +8,9 @@
 
 Only small typed messages cross Ray; the KV goes through the transport. Its methods are the prefill
 worker interface, cluster.worker_api.PrefillWorkerAPI (documented there).
+
+Tensor parallelism (cfg.tensor_parallel_size > 1): this actor is rank 0 and starts its followers through
+`rank_launcher`, as DecodeWorkerActor does.
 """
 
 from __future__ import annotations
@@ -19,14 +22,21 @@ import uuid
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import lead_group
 from prefill_worker.prefill_worker import PrefillWorker
 
 
 class PrefillWorkerActor:
-    def __init__(self, worker_id: str, cfg: WorkerConfig):
+    def __init__(self, worker_id: str, cfg: WorkerConfig, rank_launcher=None):
         # A Ray restart runs this again: a new incarnation (see DecodeWorkerActor.__init__).
         self.incarnation = uuid.uuid4().hex
-        self.worker = PrefillWorker(worker_id, cfg).start()
+        group = None
+        if cfg.tensor_parallel_size > 1:
+            if rank_launcher is None:
+                raise ValueError(f"prefill worker {worker_id} has tensor_parallel_size {cfg.tensor_parallel_size} "
+                                 "but no rank launcher to start its followers")
+            group = lead_group(cfg, rank_launcher.launch)
+        self.worker = PrefillWorker(worker_id, cfg, group=group).start()
 
     def init_transport(self, spec: TransportSpec) -> None:
         """Connects to the cluster's store; returns at once (connect_transport forms the pairs). Once
@@ -36,7 +46,8 @@ class PrefillWorkerActor:
         if self.worker.transport is not None:
             return
         w = self.worker
-        w.set_transport(create_transport(spec, w.kv_cache, w.worker_id, "prefill", w.kv_numerics_info()),
+        w.set_transport(create_transport(spec, w.kv_cache, w.worker_id, "prefill", group=w.group,
+                                         kv_heads=w.arch.num_kv_heads, numerics=w.kv_numerics_info()),
                         send_timeout_s=spec.transfer_timeout_s)
 
     async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:

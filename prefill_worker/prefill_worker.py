@@ -18,6 +18,12 @@ fails at submit(), and its decode worker is told at once.
 Structured output: a request's grammar is checked at submit (a bad one fails the request at once)
 and compiled on the GrammarCompiler's pool; the request is scheduled once it is ready (the others go
 ahead), and its first token is sampled under the grammar's mask.
+
+Tensor parallelism: with a TPGroup (`group`, this process its rank 0) the model and cache are this
+rank's shard and every forward is announced to the followers first (cluster/model_runner.py;
+prefill_worker/rank_follower.py runs them), with what the pass ships so that each rank sends its own
+heads' KV. A forward that fails then takes the whole worker down (`TPGroup.fail`) instead of failing
+one batch: the ranks' collectives may no longer pair up.
 """
 
 from __future__ import annotations
@@ -35,12 +41,10 @@ from cluster.block_hash import BlockHash, prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.errors import InvalidRequestError
-from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.model.config import ModelArchConfig
-from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
@@ -51,6 +55,7 @@ from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.plan import KVNumerics
 from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker_config import WorkerConfig
+from cluster.worker_model import WorkerModel
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +85,20 @@ class _Job:
 
 class PrefillWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, transport: KVSender | None = None,
-                 send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None):
+                 send_timeout_s: float = 30.0, model=None, arch: ModelArchConfig | None = None, group=None):
+        """`group`: the TPGroup this process leads (tensor parallelism), or None."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.arch = arch or ModelArchConfig.from_dir(cfg.model_dir)
-        dtype = resolve_dtype(cfg.dtype or self.arch.dtype)
-        self.model = model or load_model(cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
-                                         attention_backend=cfg.attention_backend, quantization=cfg.quantization)
-        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
-        self.spec = KVCacheSpec.for_model(self.arch, cfg.block_size,
-                                          kv_pool_blocks(cfg, self.arch, dtype, self.device, kv_dtype=kv_dtype),
-                                          kv_dtype)
-        self.runner = ModelRunner(self.model, self.spec, self.device)
+        wm = WorkerModel.load(cfg, group, model=model, arch=arch)
+        self.group = wm.group if group is not None and group.size > 1 else None
+        self.arch = wm.arch
+        self.model = wm.model
+        self.spec = wm.spec
+        self.runner = wm.runner
         # FP8 weights or an FP8 cache compute other K/V: the prefix-cache salt and the KV transport's
-        # pair check both take this tag (the decode workers compute the same one).
-        self.kv_numerics = kv_numerics_tag(dtype, self.model.quant.tag, kv_dtype)
+        # pair check both take this tag (the decode workers compute the same one: WorkerModel).
+        self.kv_numerics = wm.kv_numerics
         self.allocator = PrefixCachingBlockPool(self.spec.num_blocks, cfg.block_size,
                                                 prefix_cache_salt(cfg.model_dir, self.kv_numerics, cfg.block_size),
                                                 cfg.enable_prefix_caching, event_log_size=WORKER_EVENT_LOG_SIZE)
@@ -116,6 +119,8 @@ class PrefillWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._shipment: Shipment | None = None  # the forward in progress ships these transfers
+        if self.group is not None:  # the followers ship their heads' part of it (cluster/transport/tp_payload.py)
+            self.runner.shipment_of_pass = self._shipment_for_followers
         self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
                                         self.arch.eos_token_ids, on_ready=self._grammar_ready)
         self._hook_layers()
@@ -123,6 +128,10 @@ class PrefillWorker:
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
+
+    def _shipment_for_followers(self) -> bytes:
+        ship = getattr(self.transport, "shipment_for_followers", None)
+        return ship(self._shipment) if ship is not None and self._shipment is not None else b""
 
     def _hook_layers(self) -> None:
         """A forward hook per decoder layer: layer i returned, so its K/V write is enqueued on the
@@ -251,7 +260,10 @@ class PrefillWorker:
         if self.warmup_info:
             extra["warmup"] = self.warmup_info
         self._timer.harvest()
-        return WorkerStats(self.worker_id, "prefill", healthy=not self._stop, free_blocks=self.allocator.num_free,
+        if self.group is not None:
+            extra["tensor_parallel"] = self.group.describe()
+        healthy = not self._stop and (self.group is None or self.group.failed is None)
+        return WorkerStats(self.worker_id, "prefill", healthy=healthy, free_blocks=self.allocator.num_free,
                            total_blocks=self.allocator.capacity, running=extra["sending"],
                            waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra,
                            prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
@@ -274,6 +286,8 @@ class PrefillWorker:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.grammars.close()
+        if self.group is not None:
+            self.group.close()
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -346,6 +360,9 @@ class PrefillWorker:
                                 else ([], []))  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
+            if self.group is not None:  # the group cannot go on (see the module docstring)
+                log.exception("prefill pass of %s failed", self.worker_id)
+                self.group.fail(f"prefill worker {self.worker_id} failed a pass: {type(e).__name__}: {e}")
             if shipment is not None:
                 shipment.commit({})  # their decode workers free the blocks once the payload drained
             with self._cv:

@@ -21,10 +21,14 @@ a `LinearMethod` decides what the parameters are and how the matmul runs.
 Weight loading (as vLLM's): each parameter has a weight loader, `Linear.load(name, tensor, shard)`
 calls it, where `shard` names the part of a fused layer the checkpoint tensor fills ("q"/"k"/"v" of
 qkv_proj, 0/1 of gate_up_proj, None for all of it). The model loader never touches a parameter
-itself, so a tensor-parallel subclass (column/row shards) can override `shard_rows` / `load_rows`
-without touching the FP8 math. `Linear.expected()` lists the (parameter, shard) pairs a checkpoint
-must provide. Loaders are kept by parameter name, not on the parameter: materialising a meta-device
-model (`to_empty`) replaces the parameter objects.
+itself: before reading a tensor it asks `Linear.checkpoint_index(name, shard, shape)` which part of it
+this layer needs (all of it here; the tensor-parallel subclasses of cluster/model/parallel_linear.py
+return their rank's rows or columns, scales included, and the loader reads only those bytes), so the
+FP8 math never knows about tensor parallelism. `LinearMethod.granularity` says how a parameter's
+checkpoint tensor maps onto the weight's rows and columns (a block scale covers 128 x 128).
+`Linear.expected()` lists the (parameter, shard) pairs a checkpoint must provide. Loaders are kept by
+parameter name, not on the parameter: materialising a meta-device model (`to_empty`) replaces the
+parameter objects.
 """
 
 from __future__ import annotations
@@ -122,6 +126,18 @@ class Linear(nn.Module):
         """(parameter name, shard) pairs a checkpoint must fill."""
         return list(self._expected)
 
+    def granularity(self, name: str) -> tuple[int | None, int | None]:
+        """(weight rows, weight columns) one element of parameter `name`'s checkpoint tensor covers along
+        its dims 0 and 1; None where the tensor does not follow the weight's rows / columns."""
+        if name == "bias":
+            return 1, None
+        return self.method.granularity(name)
+
+    def checkpoint_index(self, name: str, shard: str | int | None, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor `name` (of `shape`, for fused part `shard`) this layer loads, as
+        one slice per dimension; None: none of it (the loader reads nothing). Here: all of it."""
+        return tuple(slice(None) for _ in shape)
+
     def shard_rows(self, shard: str | int | None) -> tuple[int, int]:
         """Output rows [start, end) of one fused part (None: all rows)."""
         if shard is None:
@@ -165,6 +181,10 @@ class LinearMethod(ABC):
     def init_buffers(self, layer: Linear) -> None:
         """Called once the layer is materialised on its device (before any weight loads)."""
 
+    def granularity(self, name: str) -> tuple[int | None, int | None]:
+        """See Linear.granularity: the weight maps one to one."""
+        return (1, 1) if name == "weight" else (None, None)
+
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
@@ -205,6 +225,15 @@ class Fp8LinearMethod(LinearMethod):
 
         # The split-K kernel's per-tile counters: zero, and left zero by every launch.
         layer.register_buffer("gemm_locks", make_locks(layer.output_size, layer.weight.device), persistent=False)
+
+    def granularity(self, name: str) -> tuple[int | None, int | None]:
+        if name == "weight":
+            return 1, 1
+        if name == "weight_scale":
+            # A block scale covers block[0] x block[1] of the weight; a channel scale one row ([N] or
+            # [N, 1] on disk); a per-tensor scale is one value per fused part (never split).
+            return self.scheme.block if self.scheme.weight_strategy == "block" else (1, None)
+        return None, None  # input_scale: one value
 
     # -- loaders ---------------------------------------------------------------------------------
     def _quantize_rows(self, layer: Linear, param, t: torch.Tensor, shard) -> None:

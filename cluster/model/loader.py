@@ -4,6 +4,11 @@ Reads `config.json`, then either `model.safetensors.index.json` (sharded) or the
 files beside it, tensor by tensor, straight into the fused parameters on the target device. Linear
 layers take their tensors (weights, biases, FP8 scales) through their own weight loaders
 (cluster.model.linear); FP8 formats are described by cluster.model.quantization.
+
+Tensor parallelism (`tp`): each rank reads only its part of every split tensor, through safetensors'
+`get_slice` (the file is memory-mapped and only the slice's bytes are copied), never the whole tensor;
+the layer says which part (`checkpoint_index`, cluster/model/parallel_linear.py). Replicated tensors
+(embedding, norms) are read whole by every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from cluster.errors import ModelLoadError
 from cluster.model.config import ModelArchConfig
 from cluster.model.linear import Linear
 from cluster.model.llama import LlamaForCausalLM
+from cluster.model.parallel_linear import ParallelLMHead, TensorParallel
 from cluster.model.quantization import QuantConfig
 
 DTYPES = {
@@ -42,28 +48,31 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def empty_model(cfg: ModelArchConfig, dtype: torch.dtype, device: str | torch.device, attention_backend: str = "torch",
-                quant: QuantConfig | None = None) -> LlamaForCausalLM:
+                quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """A model with uninitialised weights on `device` (built on the meta device: no init cost). Every
-    parameter has its final dtype from construction (e4m3 weights and float32 scales for FP8 layers)."""
+    parameter has its final dtype from construction (e4m3 weights and float32 scales for FP8 layers);
+    with `tp`, this rank's part of it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attention_backend, dtype, quant)
+        model = LlamaForCausalLM(cfg, attention_backend, dtype, quant, tp)
     model = model.to_empty(device=device)
     for m in model.modules():
         if isinstance(m, Linear):
             m.method.init_buffers(m)
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()  # to_empty breaks the tie; restore it
     model.rotary.build_tables(device, dtype)
     return model.eval().requires_grad_(False)
 
 
 def random_model(cfg, dtype, device, seed: int = 0, attention_backend: str = "torch",
-                 quantization: str | None = None) -> LlamaForCausalLM:
+                 quantization: str | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """Random weights on `device` (benchmarks build 1B/8B shapes this way, without a checkpoint). With
     quantization="fp8" each linear weight is drawn in `dtype` and quantized as a checkpoint tensor
-    would be at load time (the same draws as the unquantized model's)."""
+    would be at load time (the same draws as the unquantized model's). With `tp`, each rank draws its own
+    part (seeded by seed and rank: a timing model, not the TP-1 model's weights)."""
     quant = QuantConfig.online_fp8() if quantization == "fp8" else QuantConfig.from_checkpoint({}, quantization)
-    model = empty_model(cfg, dtype, device, attention_backend, quant)
+    model = empty_model(cfg, dtype, device, attention_backend, quant, tp)
+    if tp is not None:
+        seed = seed * 1000 + tp.rank
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -79,6 +88,7 @@ def random_model(cfg, dtype, device, seed: int = 0, attention_backend: str = "to
             p.normal_(0.0, 0.02, generator=gen)
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    model.tie_weights()
     return model
 
 
@@ -103,15 +113,18 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Loads a checkpoint; `quantization` is --quantization (None: the checkpoint's own, see
-    cluster.model.quantization). `dtype` is the activation dtype (FP8 weights keep theirs)."""
+    cluster.model.quantization). `dtype` is the activation dtype (FP8 weights keep theirs). With `tp`,
+    this rank's part of the model, reading only its part of each split tensor."""
     model_dir = Path(model_dir)
     cfg = ModelArchConfig.from_dir(model_dir)
     quant = QuantConfig.from_checkpoint(json.loads((model_dir / "config.json").read_text()), quantization,
                                         str(model_dir / "config.json"))
     torch_dtype = resolve_dtype(dtype or cfg.dtype)
-    model = empty_model(cfg, torch_dtype, device, attention_backend, quant)
+    model = empty_model(cfg, torch_dtype, device, attention_backend, quant, tp)
+    lm_head = model.lm_head if isinstance(model.lm_head, ParallelLMHead) else None
     params = dict(model.named_parameters(remove_duplicate=False))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     attns = {f"layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.layers)}
@@ -128,10 +141,18 @@ def load_model(
                 pname, shard = target
                 module, _, leaf = pname.rpartition(".")
                 if module in linears:
+                    lin = linears[module]
                     try:
-                        linears[module].load(leaf, f.get_tensor(name), shard)
+                        index = lin.checkpoint_index(leaf, shard, tuple(f.get_slice(name).get_shape()))
+                        lin.load(leaf, None if index is None else _read(f, name, index), shard)
                     except ModelLoadError as e:
                         raise ModelLoadError(f"tensor {name!r} in {path.name}: {e}") from None
+                elif lm_head is not None and pname == "lm_head.weight":
+                    try:
+                        lm_head.load(_read(f, name, lm_head.checkpoint_index(tuple(f.get_slice(name).get_shape()))))
+                    except ModelLoadError as e:
+                        raise ModelLoadError(f"tensor {name!r} in {path.name}: {e}") from None
+                    pending.discard(pname)
                 elif module in attns and leaf in ("k_scale", "v_scale"):
                     if not quant.kv_cache_scales:
                         raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: k/v scales without "
@@ -153,7 +174,15 @@ def load_model(
     missing = sorted(pending) + sorted(f"{m}.{p}" for m, lin in linears.items() for p, _ in lin.missing())
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:5])}")
+    model.tie_weights()  # a tied, padded LM-head shard is a copy of the embedding's rows: take them now
     return model
+
+
+def _read(f, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """The part `index` of checkpoint tensor `name`: the whole tensor, or only the slice's bytes."""
+    if all(s == slice(None) for s in index):
+        return f.get_tensor(name)
+    return f.get_slice(name)[index]
 
 
 def _scalar(t: torch.Tensor, name: str) -> float:

@@ -4,6 +4,7 @@ decode loop (`done()`) and waited for by one waiter thread per pair (`wait()`), 
     EventCompletion     CUDA: an event recorded on the pair's stream after the payload
     HostCompletion      gloo: payload work the pair's waiter thread runs (sends, receives, scatters)
     DeferredCompletion  same-GPU decode side: the commit names the event to query
+    AllCompletion       several of them at once (tensor parallelism: a rank's links, its followers')
     ReadyCompletion     nothing was left to wait for
 """
 
@@ -33,6 +34,32 @@ class Completion:
 
     def abandon(self) -> None:
         """The peer is dead: stop waiting for anything only it could still provide."""
+
+
+class AllCompletion(Completion):
+    """Done when every part is (tensor parallelism: one per link a rank serves, and its followers' parts,
+    tp_payload.py); the first part's error is its error."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+    def error(self) -> str | None:
+        for p in self.parts:
+            e = p.error()
+            if e is not None:
+                return e
+        return None
+
+    def abandon(self) -> None:
+        for p in self.parts:
+            p.abandon()
 
 
 class ReadyCompletion(Completion):

@@ -115,6 +115,14 @@ def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
 
 
+def kv_payload_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The tensor a transport moves: an FP8 cache as its uint8 view (same storage: the model's writes
+    are what is sent; the payloads send bytes and gloo has no float8 type), any other cache as it is."""
+    if kv_cache.element_size() == 1 and kv_cache.dtype != torch.uint8:
+        return kv_cache.view(torch.uint8)
+    return kv_cache
+
+
 class ControlledTransport(KVTransport):
     """Claims, cancels, heartbeats, the push channel, deadlines, completions and metrics. Subclasses
     implement the `_payload_*` hooks; the sides call them with `pair.io` held where they touch a channel.
@@ -123,8 +131,10 @@ class ControlledTransport(KVTransport):
     thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
 
     def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory,
-                 numerics: KVNumerics | None = None):
-        """numerics: what the cache's K/V is (plan.KVNumerics); a pair whose two sides differ is refused."""
+                 tp: tuple[int, int] | None = None, numerics: KVNumerics | None = None):
+        """tp: (ranks of this worker's tensor-parallel group, the model's KV heads) when this transport is
+        its rank 0 (tp_payload.py); None: one process holds every head (kv_cache's).
+        numerics: what the cache's K/V is (plan.KVNumerics); a pair whose two sides differ is refused."""
         assert role in ("prefill", "decode"), role
         self.spec = spec
         self.numerics = numerics
@@ -152,8 +162,13 @@ class ControlledTransport(KVTransport):
         self._setup_payload()
         payload, chunk_bytes = self._payload_plan()
         c = kv_cache
-        self.plan_spec = PlanSpec(payload, c.shape[0], c.shape[3], c.shape[4], c.shape[5],
-                                  str(c.dtype).removeprefix("torch."), c.element_size(), chunk_bytes)
+        tp_size, kv_heads = tp if tp is not None else (1, c.shape[4])
+        self.tp_rank = 0  # this transport's rank in its worker's group: rank 0 drives the control plane
+        # This side's own spec: the peer's tensor-parallel size is 1 until a pair joins both (PlanSpec.joined).
+        self.plan_spec = PlanSpec(payload, c.shape[0], c.shape[3], kv_heads, c.shape[5],
+                                  str(c.dtype).removeprefix("torch."), c.element_size(), chunk_bytes,
+                                  prefill_tp=tp_size if role == "prefill" else 1,
+                                  decode_tp=tp_size if role == "decode" else 1)
         self.plane_block_bytes = self.plan_spec.plane_block_bytes
         self.bytes_per_block = self.plan_spec.block_bytes
         self.sender: SenderSide | None = None
@@ -223,8 +238,10 @@ class ControlledTransport(KVTransport):
         return {}
 
     @abstractmethod
-    def _plan(self, srcs: list[tuple[int, ...]], dsts: list[tuple[int, ...]], layerwise: bool) -> tuple[list[ItemPlan], list[Launch]]:
-        """The bundle's items and launches; both sides must compute the same."""
+    def _plan(self, pair: Pair, srcs: list[tuple[int, ...]], dsts: list[tuple[int, ...]],
+              layerwise: bool) -> tuple[list[ItemPlan], list[Launch]]:
+        """The bundle's items and launches over the pair's spec (`pair.spec`); both sides must compute
+        the same."""
 
     @abstractmethod
     def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:

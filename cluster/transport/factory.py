@@ -7,88 +7,38 @@
 
 from __future__ import annotations
 
-import datetime
-from dataclasses import dataclass, field
-
 import torch
-import torch.distributed as dist
 
 from cluster.transport.base import KVTransport
+from cluster.transport.control import kv_payload_view
 from cluster.transport.plan import KVNumerics
+from cluster.transport.transport_spec import KINDS, TransportSpec, store_factory
 
-KINDS = ("torch_dist", "same_gpu", "local")
-
-
-@dataclass(frozen=True)
-class TransportSpec:
-    kind: str  # "torch_dist" | "same_gpu" (CUDA IPC; on CPU the in-process "local" pool) | "local" (= same_gpu)
-    store_host: str = ""  # the TCPStore on the cluster's internal address; "" = in-process HashStore (tests)
-    store_port: int = 0
-    backend: str = "gloo"  # torch_dist payload: "gloo" (CPU caches) | "nccl" (GPU caches)
-    bind_host: str = ""  # address gloo and the control inbox bind to; "" = this host's address on the route to store_host
-    namespace: str = "pdserve"  # store key prefix; distinct per launch so stale keys never match
-    expect_timeout_s: float = 120.0  # decode: longest wait for a reserved transfer's header (queue + prefill)
-    transfer_timeout_s: float = 30.0  # either side: longest payload phase once the transfer is claimed
-    peer_timeout_s: float = 10.0  # a peer whose heartbeat stalls this long is dead
-    heartbeat_s: float = 0.5
-    layerwise_min_tokens: int = 1024  # a forward shipping at least this many prompt tokens to one decode
-    # worker sends layer i while layer i+1 computes (0: always; shorter ones go in one piece after it)
-    # torch_dist staging (staging.py): every launch is one message of at most staging_bytes, gathered into
-    # and scattered out of a ring of staging_slots slots per pair and side, allocated when the pair forms;
-    # a worker's rings together stay within staging_cap_bytes (a pair past it is refused when it forms).
-    staging_bytes: int = 32 << 20
-    staging_slots: int = 2
-    staging_cap_bytes: int = 1 << 30
-    # The cluster's secret (cluster/frame_auth.py): the control channel's frames carry a MAC under it.
-    secret: bytes = field(default=b"", repr=False)
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown KV transport kind {self.kind!r}; choose one of {KINDS}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.store_host in ("0.0.0.0", "::"):
-            raise ValueError("store_host must be the cluster's internal address, not a wildcard")
-        if min(self.expect_timeout_s, self.transfer_timeout_s, self.peer_timeout_s, self.heartbeat_s) <= 0:
-            raise ValueError("timeouts must be positive")
-        if self.layerwise_min_tokens < 0 or self.staging_bytes <= 0:
-            raise ValueError("layerwise_min_tokens must be >= 0, staging_bytes > 0")
-        if self.staging_slots < 2:
-            raise ValueError(f"staging_slots must be >= 2 (a receive is posted while the slot before it scatters), "
-                             f"got {self.staging_slots}")
-        if self.staging_cap_bytes < self.staging_slots * self.staging_bytes:
-            raise ValueError(f"staging_cap_bytes={self.staging_cap_bytes} holds not even one pair's ring "
-                             f"({self.staging_slots} x staging_bytes={self.staging_bytes})")
-
-
-_HASH_STORES: dict[str, dist.HashStore] = {}
-
-
-def store_factory(spec: TransportSpec):
-    """A zero-argument function returning a store client (one per thread: clients are not shared)."""
-    if not spec.store_host:
-        store = _HASH_STORES.setdefault(spec.namespace, dist.HashStore())
-        return lambda: store
-    timeout = datetime.timedelta(seconds=max(spec.transfer_timeout_s, 30.0))
-    return lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, wait_for_workers=False,
-                                 timeout=timeout, use_libuv=True)
+__all__ = ["KINDS", "TransportSpec", "create_transport", "kv_payload_view", "store_factory"]  # (re-exported)
 
 
 def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str, role: str,
-                     numerics: KVNumerics | None = None) -> KVTransport:
+                     numerics: KVNumerics | None = None, group=None, kv_heads: int | None = None) -> KVTransport:
     """role: "prefill" | "decode". Returns at once; a prefill worker then `connect`s its decode peers.
+    group: the worker's TPGroup when it is tensor-parallel (this process its rank 0; kv_heads: the
+    model's KV heads): its followers' payload agents join (tp_payload.py).
     numerics: what the cache holds (plan.KVNumerics); None describes the cache's own dtype. An FP8
-    cache moves as its uint8 view (the payloads send bytes: gloo has no float8 type), and the pair
-    formation compares the numerics instead (plan.check_pair_numerics)."""
+    cache moves as its uint8 view (`kv_payload_view`), and the pair formation compares the numerics
+    instead (plan.check_pair_numerics)."""
     if numerics is None:
         numerics = KVNumerics(str(kv_cache.dtype).removeprefix("torch."), str(kv_cache.dtype))
-    if kv_cache.element_size() == 1 and kv_cache.dtype != torch.uint8:
-        kv_cache = kv_cache.view(torch.uint8)  # same storage: the model's writes are what is sent
+    kv_cache = kv_payload_view(kv_cache)
     factory = store_factory(spec)
+    if group is not None and group.size > 1:
+        if spec.kind != "torch_dist":
+            raise ValueError(f"a tensor-parallel worker moves KV over torch_dist, not {spec.kind!r}")
+        from cluster.transport.tp_payload import TPTorchDistTransport
+
+        return TPTorchDistTransport(spec, kv_cache, worker_id, role, factory, group, kv_heads, numerics)
     if spec.kind == "torch_dist":
         from cluster.transport.torch_dist import TorchDistTransport
 
-        return TorchDistTransport(spec, kv_cache, worker_id, role, factory, numerics)
+        return TorchDistTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)
     from cluster.transport.same_gpu import SameGPUTransport
 
-    return SameGPUTransport(spec, kv_cache, worker_id, role, factory, numerics)
+    return SameGPUTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)

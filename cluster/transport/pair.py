@@ -51,6 +51,7 @@ class Pair:
         self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
         self.outbox: Outbox | None = None
         self.payload: Any = None  # the payload subclass's per-pair state
+        self.spec: Any = None  # the pair's PlanSpec (plan.py): both sides' layouts and tensor-parallel sizes
         self.waiter = Waiter(f"kv-wait-{me}-{peer}")
         self.bundles: list = []  # in flight: sender_side.OutBundle or receiver_side.InBundle
         self.dead: str | None = None

@@ -204,7 +204,9 @@ class ReceiverSide(KVReceiver):
         pair = Pair(peer, t.worker_id)
         pair.peer_inc, pair.gen = m.inc, m.gen
         try:
-            t.plan_spec.check_peer(PlanSpec.from_wire(m.layout, peer), peer)
+            theirs = PlanSpec.from_wire(m.layout, peer)  # the pair's, as the prefill joined it
+            pair.spec = t.plan_spec.joined(theirs, "decode")
+            pair.spec.check_peer(theirs, peer)
             t.forget_incarnation(peer, f"it said hello again (incarnation {m.inc}, pair generation {m.gen})")
             earlier = self._forming.pop(peer, None)  # an earlier formation that never finished is given up
             if earlier is not None:
@@ -274,7 +276,7 @@ class ReceiverSide(KVReceiver):
                 raise RuntimeError(f"begin of transfer {seq} ({rid}) that is not expected from {peer}")
             if not 0 < len(src) <= len(e.reservation.block_ids) or -(-ntok // t.block_size) != len(src):
                 raise RuntimeError(f"transfer {seq}: {len(src)} blocks for {ntok} tokens into {len(e.reservation.block_ids)}")
-        items, launches = t._plan(srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
+        items, launches = t._plan(pair, srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
                                   m.layerwise)
         if fingerprint(items, launches) != m.fingerprint:
             raise RuntimeError("the bundle's plan differs between prefill and decode (mismatched code?)")

@@ -82,9 +82,9 @@ class SameGPUTransport(ControlledTransport):
     def _payload_plan(self) -> tuple[str, int]:
         return "same_gpu", 0
 
-    def _plan(self, srcs, dsts, layerwise):
+    def _plan(self, pair, srcs, dsts, layerwise):
         items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
-        return items, plan_copies(self.plan_spec, sum(it.n for it in items), layerwise)
+        return items, plan_copies(pair.spec, sum(it.n for it in items), layerwise)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids, dtype=torch.int32)

@@ -230,10 +230,12 @@ class SenderSide(KVSender):
                 gen = self._gens.get(peer)
                 pair.gen = 0 if gen is None or gen[0] != pair.peer_inc else gen[1] + 1
                 self._gens[peer] = (pair.peer_inc, pair.gen)
-            t.plan_spec.check_peer(PlanSpec.from_wire(info["layout"], peer), peer)
+            theirs = PlanSpec.from_wire(info["layout"], peer)
+            pair.spec = t.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
+            pair.spec.check_peer(theirs.joined(t.plan_spec, "decode"), peer)
             pair.outbox = Outbox(info["endpoint"], t.spec.secret)
             events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, t.plan_spec.to_wire(), events, t.incarnation, pair.gen))
+            pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation, pair.gen))
             key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)
             verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
                                      "its answer to our hello", inc=pair.peer_inc)
@@ -358,7 +360,8 @@ class SenderSide(KVSender):
             return None
         lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= t.layerwise_min_tokens
         srcs = [tuple(s.src_block_ids) for s in claimed]
-        items, launches = t._plan(srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)], lw)
+        items, launches = t._plan(pair, srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)],
+                                  lw)
         b = OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
                        items, launches)
         msg = Begin(t.worker_id, b.id, lw, fingerprint(items, launches),

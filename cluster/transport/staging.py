@@ -76,8 +76,11 @@ class StagingRing:
         self._next = (k + 1) % len(self.bufs)
         return k
 
-    def slot(self, k: int, launch: Launch, nbytes: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def slot(self, k: int, launch: Launch, nbytes: int, cache: torch.Tensor,
+             heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the message: the slot's first `nbytes` as uint8, the same bytes as the launch's
-        [layers, 2, blocks, block_size, kv_heads, head_dim] staging layout in the cache's dtype)."""
+        [layers, 2, blocks, block_size, heads, head_dim] staging layout in the cache's dtype; heads: the
+        launch's link's (tensor parallelism), else all of the cache's)."""
         raw = self.bufs[k][:nbytes]
-        return raw, raw.view(cache.dtype).view((launch.layers, 2, launch.blocks) + tuple(cache.shape[3:]))
+        h = cache.shape[4] if heads is None else heads
+        return raw, raw.view(cache.dtype).view((launch.layers, 2, launch.blocks, cache.shape[3], h, cache.shape[5]))

@@ -32,6 +32,16 @@ One launch is one coalesced group (`_start_coalescing` .. `_end_coalescing`: one
 on the PG's own two-rank communicator; the warm-up uses the same path so that communicator exists
 before the first transfer).
 
+Tensor parallelism (tp_payload.py): a pair of a TP-N prefill worker and a TP-M decode worker moves its
+KV over the head mapping's links (plan.py: PlanSpec.links), each link a two-rank group of its own
+between one prefill rank and one decode rank, with its own stream and staging ring on each side
+(`_Link`, one per link a rank serves: `pair.payload` maps link index -> `_Link`). Every launch names its
+link; a rank issues and posts only its own links' launches. A link that moves part of a rank's heads
+gathers and scatters them with the head-range copy (head_copy.py); a whole link (N = M) copies whole
+blocks. The code here runs on every rank: rank 0 as its worker's transport (TorchDistTransport), the
+followers as payload agents that rank 0 drives (tp_payload.py); without tensor parallelism there is one
+whole link, link 0, and everything is as it was.
+
 gloo (CPU caches, tests, the same plan and ring): a gloo op blocks the thread that waits for it, so
 the pair's waiter thread does the payload work in order (completion.HostCompletion): on the prefill
 side each launch (wait for the send that last read the slot, gather, send) as the shipment issues it,
@@ -53,10 +63,11 @@ import torch
 import torch.distributed as dist
 
 from cluster.transport.block_copy import copy_blocks
-from cluster.transport.completion import EventCompletion, HostCompletion
+from cluster.transport.completion import AllCompletion, EventCompletion, HostCompletion, ReadyCompletion
 from cluster.transport.control import ControlledTransport, local_address_towards
+from cluster.transport.head_copy import copy_block_heads
 from cluster.transport.pair import Pair, PeerDeadError
-from cluster.transport.plan import Launch, bundle_blocks, plan_item, plan_launches
+from cluster.transport.plan import HeadLink, Launch, bundle_blocks, plan_item, plan_launches
 from cluster.transport.staging import StagingBudget, StagingRing
 
 _PAIR_RANK = {"prefill": 0, "decode": 1}
@@ -96,9 +107,14 @@ class _WaitOnce:
 
 @dataclass
 class _Link:
-    """One pair's process group, and this side's stream (CUDA) and staging ring."""
+    """One link of a pair (without tensor parallelism: the pair's only one): its process group, and this
+    side's stream (CUDA) and staging ring, and where its heads sit in this side's cache."""
 
     reserved: int  # bytes of this worker's StagingBudget held for the ring (0 once given back)
+    index: int = 0  # in the pair's PlanSpec.links
+    head0: int = 0  # this side's first local head of the link
+    heads: int = 0  # the link's heads
+    whole: bool = True  # every head of both sides' caches: whole-block copies
     pg: object = None
     peer_rank: int = 0
     stream: torch.cuda.Stream | None = None
@@ -110,11 +126,20 @@ class _BundleIO:
     """One bundle's payload state on this side."""
 
     ids: torch.Tensor | None = None  # this side's block ids in plan order, on the cache's device
-    works: list = field(default_factory=list)
+    works: dict = field(default_factory=dict)  # link index -> its works, in order
     error: str | None = None  # gloo sender: the first launch that failed on the pair's thread
+    keep: list = field(default_factory=list)  # tensors the payload reads until its completion (CUDA ids)
+    link_ids: dict = field(default_factory=dict)  # CUDA sender: link index -> block ids on its stream
+
+    def all_works(self) -> list:
+        return [w for ws in self.works.values() for w in ws]
 
 
-class TorchDistTransport(ControlledTransport):
+class TorchDistPayload:
+    """The torch_dist payload of one rank: what TorchDistTransport (rank 0, with the control plane) and a
+    follower's payload agent (tp_payload.py) share. Needs: spec (TransportSpec), kv_cache, worker_id,
+    incarnation and role of the worker, ns, _new_store, lock, tp_rank, and pairs whose `spec` is set."""
+
     def _setup_payload(self) -> None:
         self.backend = self.spec.backend
         cuda = self.kv_cache.is_cuda
@@ -127,20 +152,26 @@ class TorchDistTransport(ControlledTransport):
     def _payload_plan(self) -> tuple[str, int]:
         return f"torch_dist/{self.backend}", self.spec.staging_bytes
 
-    def _plan(self, srcs, dsts, layerwise):
+    def _plan(self, pair, srcs, dsts, layerwise):
         items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
-        return items, plan_launches(self.plan_spec, sum(it.n for it in items))
+        return items, plan_launches(pair.spec, sum(it.n for it in items))
 
     def _payload_metrics(self) -> dict:
         return {"staging_bytes": self.staging.reserved, "staging_rings": self.staging.rings}
 
+    def my_links(self, spec) -> list[tuple[int, HeadLink]]:
+        """The pair's links this rank is an end of."""
+        side = "prefill_rank" if self.role == "prefill" else "decode_rank"
+        return [(i, x) for i, x in enumerate(spec.links) if getattr(x, side) == self.tp_rank]
+
     # -- the pair's channel ---------------------------------------------------------------------------
     def _form(self, peer: str, peer_inc: int, gen: int, link: _Link) -> None:
-        # The rendezvous is per pair of incarnations and per generation of their pair: a restarted
-        # worker, or a broken pair formed anew, never meets old keys.
+        # The rendezvous is per pair of incarnations (a restarted worker never meets its old keys), per
+        # generation of their pair (a broken pair formed anew never meets them either) and per link
+        # (each a two-rank group between one rank of each side).
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/", self._new_store())
+        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/", self._new_store())
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
@@ -167,20 +198,32 @@ class TorchDistTransport(ControlledTransport):
         link.pg, link.peer_rank, link.stream = pg, 1 - rank, stream
 
     def _reserve(self, pair: Pair) -> None:
-        """Before the pair is answered (decode) or greeted (prefill): this side's ring, counted against
-        staging_cap_bytes (raises past it: the pair is refused, both sides know at once)."""
+        """Before the pair is answered (decode) or greeted (prefill): this side's ring of each of its
+        links, counted against staging_cap_bytes (raises past it: the pair is refused, both sides know
+        at once)."""
         ring_bytes = self.spec.staging_slots * self.spec.staging_bytes
-        self.staging.reserve(ring_bytes, pair.peer)
-        pair.payload = _Link(ring_bytes)
+        side = "src" if self.role == "prefill" else "dst"
+        links = {}
+        try:
+            for i, x in self.my_links(pair.spec):
+                self.staging.reserve(ring_bytes, pair.peer)
+                h0, n = x.heads(side)
+                links[i] = _Link(ring_bytes, i, h0, n, x.whole)
+        except Exception:
+            for link in links.values():
+                self.staging.release(link.reserved)
+            raise
+        pair.payload = links
 
     def _open(self, pair: Pair, send: bool) -> None:
-        """Forms the pair's channel, allocates this side's staging ring, and moves one tiny transfer
-        through the real path (forms the NCCL communicator, compiles the copy kernel)."""
-        link: _Link = pair.payload
-        self._form(pair.peer, pair.peer_inc, pair.gen, link)
-        with self._on_stream(link.stream):  # the ring belongs to the pair stream's allocator pool
-            link.ring = StagingRing(self.spec.staging_slots, self.spec.staging_bytes, self.kv_cache.device)
-        self._warm(link, send)
+        """Forms each of this rank's links of the pair, allocates its staging ring, and moves one tiny
+        transfer through the real path (forms the NCCL communicator, compiles the copy kernel). Links in
+        index order on every rank: the lowest link not formed yet always has both ends forming it."""
+        for link in pair.payload.values():
+            self._form(pair.peer, pair.peer_inc, pair.gen, link)
+            with self._on_stream(link.stream):  # the ring belongs to the pair stream's allocator pool
+                link.ring = StagingRing(self.spec.staging_slots, self.spec.staging_bytes, self.kv_cache.device)
+            self._warm(pair, link, send)
 
     def _p2p(self, link: _Link, msgs: list[torch.Tensor], send: bool) -> list:
         pg = link.pg
@@ -195,17 +238,17 @@ class TorchDistTransport(ControlledTransport):
             return [work]
         return [_WaitOnce((pg.send if send else pg.recv)([m], link.peer_rank, tag)) for tag, m in enumerate(msgs)]
 
-    def _warm(self, link: _Link, send: bool) -> None:
+    def _warm(self, pair: Pair, link: _Link, send: bool) -> None:
         cache = self.kv_cache
-        one = Launch(0, 1, 0, 1)
+        one = Launch(0, 1, 0, 1, link.index)
         with self._on_stream(link.stream):
-            raw, view = link.ring.slot(0, one, one.nbytes(self.plan_spec), cache)
+            raw, view = link.ring.slot(0, one, one.nbytes(pair.spec), cache, link.heads)
             works = self._p2p(link, [raw], send)
             for w in works:
                 w.wait()
             ids = torch.zeros(1, dtype=torch.int32, device=cache.device)
-            copy_blocks(view, None, cache[0:1], ids)  # gather and scatter the NULL block onto itself
-            copy_blocks(cache[0:1], ids, view, None)
+            self._gather(link, view, cache[0:1], ids)  # gather and scatter the NULL block onto itself
+            self._scatter(link, cache[0:1], ids, view)
             if link.stream is None:
                 return
             link.stream.synchronize()
@@ -231,51 +274,67 @@ class TorchDistTransport(ControlledTransport):
         completion events) move on. gloo: nothing; its abort() neither wakes an op in flight nor lets
         it see the peer's socket close any more, while left alone the op fails at that close or at the
         group's timeout (the pair's thread then stops: it posts and sends nothing for a dead pair)."""
-        link = pair.payload
-        if link is not None and self.backend == "nccl":
-            link.pg.abort()
+        if pair.payload is None or self.backend != "nccl":
+            return
+        for link in pair.payload.values():
+            if link.pg is not None:
+                link.pg.abort()
 
     def _payload_kill(self, pair: Pair, bundles: list, then) -> None:
         """Fault injection ("transfer"): NCCL, the abort. gloo has no way to end a peer's operation in
         flight but closing the sockets, which it does once nothing references the group any more: on
         the pair's thread, in order after the launches issued so far, their sends are waited for (the
-        decode side posted those receives at the Begin), the ring is given back and the group dropped,
-        so the decode side's later receives fail at once ("Connection closed by peer"); then `then()`.
-        Launches after it fail (no ring)."""
+        decode side posted those receives at the Begin), the rings are given back and the groups of
+        this rank's links dropped, so the decode side's later receives fail at once ("Connection
+        closed by peer"); then `then()`. Launches after it fail (no ring)."""
         if self.backend == "nccl":
             self._payload_abort(pair)
             then()
             return
-        link: _Link | None = pair.payload
+        links = list(pair.payload.values()) if pair.payload else []
 
         def kill() -> None:
             for b in bundles:
                 io = b.payload
                 if io is None:
                     continue
-                for w in io.works:
+                for w in io.all_works():
                     try:
                         w.wait()
                     except Exception:  # noqa: BLE001 - it failed: nothing left in flight
                         pass
-                io.works.clear()  # (the works hold the group)
+                io.works.clear()  # (the works hold the groups)
                 io.error = io.error or "the pair was killed (injected fault)"
             self._payload_release(pair)
-            if link is not None:
+            for link in links:
                 link.pg = link.ring = None
             gc.collect()
             then()
         pair.waiter.put(HostCompletion(kill), _noop)
 
     def _payload_release(self, pair: Pair) -> None:
-        link = pair.payload
-        if link is None:
+        if pair.payload is None:
             return
-        with self.lock:  # once, whichever of close() and a peer's restart comes first
-            reserved, link.reserved = link.reserved, 0
-        if reserved:
-            link.ring = None  # CUDA: NCCL recorded its streams on the slots; the allocator waits for them
-            self.staging.release(reserved)
+        for link in pair.payload.values():
+            with self.lock:  # once, whichever of close() and a peer's restart comes first
+                reserved, link.reserved = link.reserved, 0
+            if reserved:
+                link.ring = None  # CUDA: NCCL recorded its streams on the slots; the allocator waits for them
+                self.staging.release(reserved)
+
+    # -- gather and scatter of a link's heads ------------------------------------------------------------
+    def _gather(self, link: _Link, view: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> None:
+        """view [layers, 2, n, bs, link heads, hd] <- the link's heads of blocks `ids` of src."""
+        if link.whole:
+            copy_blocks(view, None, src, ids)
+        else:
+            copy_block_heads(view, None, 0, src, ids, link.head0, link.heads)
+
+    def _scatter(self, link: _Link, dst: torch.Tensor, ids: torch.Tensor, view: torch.Tensor) -> None:
+        if link.whole:
+            copy_blocks(dst, ids, view, None)
+        else:
+            copy_block_heads(dst, ids, link.head0, view, None, 0, link.heads)
 
     # -- both sides -------------------------------------------------------------------------------------
     def _upload(self, ids: list[int]) -> torch.Tensor:
@@ -285,15 +344,17 @@ class TorchDistTransport(ControlledTransport):
             return torch.tensor(ids, dtype=torch.int64)
         return torch.tensor(ids, dtype=torch.int32).pin_memory().to(self.kv_cache.device, non_blocking=True)
 
-    def _slot(self, link: _Link, launch: Launch):
+    def _slot(self, pair: Pair, link: _Link, launch: Launch):
         if link.ring is None:  # released: this transport closed, or the peer restarted
             raise PeerDeadError("the pair's channel is closed")
         k = link.ring.take()
-        return (k,) + link.ring.slot(k, launch, launch.nbytes(self.plan_spec), self.kv_cache)
+        return (k,) + link.ring.slot(k, launch, launch.nbytes(pair.spec), self.kv_cache, link.heads)
 
     # -- prefill side -----------------------------------------------------------------------------------
     def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
-        link = pair.payload
+        link = pair.payload.get(launch.link)
+        if link is None:
+            return  # another rank's link (tensor parallelism): that rank issues it
         if b.payload is None:
             b.payload = _BundleIO()
         io: _BundleIO = b.payload
@@ -303,108 +364,126 @@ class TorchDistTransport(ControlledTransport):
         with self._on_stream(link.stream):
             if ready is not None:
                 link.stream.wait_event(ready)  # the layers this launch carries are computed
-            if io.ids is None:
-                io.ids = self._upload(bundle_blocks(b.items, "src"))
-            k, raw, view = self._slot(link, launch)
+            ids = io.link_ids.get(link.index)
+            if ids is None:  # uploaded on this link's stream, which alone reads it
+                ids = io.link_ids[link.index] = self._upload(bundle_blocks(b.items, "src"))
+            k, raw, view = self._slot(pair, link, launch)
             if link.ring.last[k] is not None:
                 link.ring.last[k].wait()  # the pair stream waits for the send that last read this slot
-            copy_blocks(view, None, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1])
+            self._gather(link, view, self.kv_cache[launch.l0:launch.l1], ids[launch.b0:launch.b1])
             works = self._p2p(link, [raw], send=True)
             link.ring.last[k] = works[-1]
-            io.works += works
+            io.works.setdefault(link.index, []).extend(works)
 
     def _send_on_host(self, pair: Pair, b, launch: Launch) -> None:
         """gloo, the pair's waiter thread: one launch. A failure is the bundle's (seal reports it)."""
         io: _BundleIO = b.payload
         if io.error is not None:
             return
-        link = pair.payload
+        link = pair.payload[launch.link]
         try:
             if pair.dead is not None:
                 raise PeerDeadError(f"peer {pair.peer} is marked dead: {pair.dead}")
             if io.ids is None:
                 io.ids = self._upload(bundle_blocks(b.items, "src"))
-            k, raw, view = self._slot(link, launch)
+            k, raw, view = self._slot(pair, link, launch)
             last = link.ring.last[k]
             if last is not None:
                 last.wait()  # the send that last read this slot is done (or raises: the pair broke)
-            copy_blocks(view, None, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1])
+            self._gather(link, view, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1])
             works = self._p2p(link, [raw], send=True)
             link.ring.last[k] = works[-1]
-            io.works += works
+            io.works.setdefault(link.index, []).extend(works)
         except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
             io.error = f"{type(e).__name__}: {e}"
 
     def _payload_seal(self, pair: Pair, b):
-        link, io = pair.payload, b.payload or _BundleIO()
-        if link.stream is None:
+        io = b.payload or _BundleIO()
+        if not pair.payload:  # no link of this pair on this rank (tensor parallelism)
+            return ReadyCompletion(), -1
+        if next(iter(pair.payload.values())).stream is None:
             return HostCompletion(partial(self._sent_on_host, io), io), -1
-        with self._on_stream(link.stream):
-            if io.works:
-                io.works[-1].wait()  # one PG's sends run in order on NCCL's stream: the last one is the end
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(link.stream)
-        return EventCompletion(ev, io.works, io), -1
+        parts = []
+        for link in pair.payload.values():
+            works = io.works.get(link.index, [])
+            with self._on_stream(link.stream):
+                if works:
+                    works[-1].wait()  # one PG's sends run in order on NCCL's stream: the last one is the end
+                ev = torch.cuda.Event(blocking=True)
+                ev.record(link.stream)
+            parts.append(EventCompletion(ev, works, io))
+        return (parts[0] if len(parts) == 1 else AllCompletion(parts)), -1
 
     @staticmethod
     def _sent_on_host(io: _BundleIO) -> None:
         """gloo, the pair's waiter thread, after the bundle's launches: its sends are done."""
-        for w in io.works:
+        for w in io.all_works():
             w.wait()
         if io.error is not None:
             raise RuntimeError(f"a launch failed: {io.error}")
 
     # -- decode side ------------------------------------------------------------------------------------
     def _payload_post(self, pair: Pair, b):
-        link = pair.payload
         io = b.payload = _BundleIO()
-        if link.stream is None:
+        if not pair.payload:  # no link of this pair on this rank (tensor parallelism)
+            return ReadyCompletion(), None
+        if next(iter(pair.payload.values())).stream is None:
             return HostCompletion(partial(self._receive_on_host, pair, b, io), io), None
-        err = None
-        with self._on_stream(link.stream):
-            try:
-                io.ids = self._upload(bundle_blocks(b.items, "dst"))
-                pending = None
-                for launch in b.launches:
-                    _, raw, view = self._slot(link, launch)
-                    works = self._p2p(link, [raw], send=False)  # ordered after every scatter enqueued so far
-                    io.works += works
+        err, parts = None, []
+        for link in pair.payload.values():
+            with self._on_stream(link.stream):
+                try:
+                    ids = self._upload(bundle_blocks(b.items, "dst"))  # on this link's stream (one per link)
+                    pending = None
+                    for launch in b.launches:
+                        if launch.link != link.index:
+                            continue
+                        _, raw, view = self._slot(pair, link, launch)
+                        works = self._p2p(link, [raw], send=False)  # ordered after every scatter enqueued so far
+                        io.works.setdefault(link.index, []).extend(works)
+                        if pending is not None:
+                            self._land(ids, link, *pending)
+                        pending = (works, launch, view)
                     if pending is not None:
-                        self._land(io, *pending)
-                    pending = (works, launch, view)
-                if pending is not None:
-                    self._land(io, *pending)
-            except Exception as e:  # noqa: BLE001 - the completion still covers what was posted
-                err = f"{type(e).__name__}: {e}"
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(link.stream)
-        return EventCompletion(ev, io.works, io), err
+                        self._land(ids, link, *pending)
+                    io.keep.append(ids)
+                except Exception as e:  # noqa: BLE001 - the completion still covers what was posted
+                    err = err or f"{type(e).__name__}: {e}"
+                ev = torch.cuda.Event(blocking=True)
+                ev.record(link.stream)
+            parts.append(EventCompletion(ev, io.works.get(link.index, []), io))
+        return (parts[0] if len(parts) == 1 else AllCompletion(parts)), err
 
-    def _land(self, io: _BundleIO, works, launch: Launch, view) -> None:
-        """CUDA: the pair stream (current) waits for a receive, then scatters its slot."""
+    def _land(self, ids: torch.Tensor, link: _Link, works, launch: Launch, view) -> None:
+        """CUDA: the link's stream (current) waits for a receive, then scatters its slot."""
         for w in works:
             w.wait()
-        copy_blocks(self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view, None)
+        self._scatter(link, self.kv_cache[launch.l0:launch.l1], ids[launch.b0:launch.b1], view)
 
     def _receive_on_host(self, pair: Pair, b, io: _BundleIO) -> None:
-        """gloo, the pair's waiter thread: the bundle's receives, at most one per slot in flight, each
-        scattered once it arrived (then its slot takes the next). Bundles run one after another here,
-        so every slot is free when one starts."""
-        link = pair.payload
+        """gloo, the pair's waiter thread: the bundle's receives, link after link, at most one per slot
+        in flight, each scattered once it arrived (then its slot takes the next). Bundles run one after
+        another here, so every slot is free when one starts."""
         io.ids = self._upload(bundle_blocks(b.items, "dst"))
-        posted: deque = deque()
-        todo = deque(b.launches)
-        slots = len(link.ring.bufs)
-        while todo or posted:
-            while todo and len(posted) < slots:
-                if pair.dead is not None:  # the prefill sends nothing more: a receive would only wait
-                    raise PeerDeadError(f"peer {pair.peer} is marked dead: {pair.dead}")
-                launch = todo.popleft()
-                _, raw, view = self._slot(link, launch)
-                works = self._p2p(link, [raw], send=False)
-                io.works += works
-                posted.append((works, launch, view))
-            works, launch, view = posted.popleft()
-            for w in works:
-                w.wait()
-            copy_blocks(self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view, None)
+        for link in pair.payload.values():
+            posted: deque = deque()
+            todo = deque(la for la in b.launches if la.link == link.index)
+            slots = len(link.ring.bufs)
+            while todo or posted:
+                while todo and len(posted) < slots:
+                    if pair.dead is not None:  # the prefill sends nothing more: a receive would only wait
+                        raise PeerDeadError(f"peer {pair.peer} is marked dead: {pair.dead}")
+                    launch = todo.popleft()
+                    _, raw, view = self._slot(pair, link, launch)
+                    works = self._p2p(link, [raw], send=False)
+                    io.works.setdefault(link.index, []).extend(works)
+                    posted.append((works, launch, view))
+                works, launch, view = posted.popleft()
+                for w in works:
+                    w.wait()
+                self._scatter(link, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view)
+
+
+class TorchDistTransport(TorchDistPayload, ControlledTransport):
+    """The torch_dist transport of a worker process (rank 0 of its group under tensor parallelism):
+    the shared control plane (control.py) over this payload."""

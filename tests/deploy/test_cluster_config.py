@@ -69,3 +69,43 @@ def test_bad_yaml(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(PdserveError, match="mapping"):
         ClusterConfig.load(tmp_path / "list.yaml")
+
+
+def test_tensor_parallel_flags_and_yaml_key(tmp_path):
+    assert (lambda c: (c.prefill_tp, c.decode_tp))(ClusterConfig.load(None, parse([]), env={})) == (1, 1)
+    cfg = ClusterConfig.load(None, parse(["--tensor-parallel-size", "2"]), env={})
+    assert (cfg.prefill_tp, cfg.decode_tp, cfg.tp_of("prefill"), cfg.tp_of("decode")) == (2, 2, 2, 2)
+    cfg = ClusterConfig.load(None, parse(["--prefill-tp", "2", "--decode-tp", "4"]), env={})
+    assert (cfg.prefill_tp, cfg.decode_tp) == (2, 4)
+    y = tmp_path / "c.yaml"
+    y.write_text("tensor_parallel_size: 4\n")
+    assert (lambda c: (c.prefill_tp, c.decode_tp))(ClusterConfig.load(y, {}, env={})) == (4, 4)
+    # The alias and a role's own size may agree; they may not disagree.
+    assert ClusterConfig.load(y, parse(["--decode-tp", "4"]), env={}).decode_tp == 4
+    with pytest.raises(PdserveError, match="tensor_parallel_size 4 conflicts with decode_tp 2"):
+        ClusterConfig.load(y, parse(["--decode-tp", "2"]), env={})
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"prefill_tp": 0}, "prefill_tp"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"planner": True, "prefill_tp": 2, "decode_tp": 1}, "prefill_tp and decode_tp must be equal"),
+    ({"kv_transport": "same_gpu", "decode_tp": 2}, "same_gpu"),
+])
+def test_inconsistent_tensor_parallel_settings_are_refused(bad, needle):
+    with pytest.raises(PdserveError, match=needle):
+        ClusterConfig.load(None, bad, env={})
+
+
+def test_a_size_the_model_cannot_be_split_by_fails_before_ray_starts(demo_model_dir):
+    """The demo model has 4 attention heads and 2 KV heads: TP 3 cannot split it, TP 4 replicates its KV
+    heads. The error names the numbers and comes before Ray is started."""
+    import ray
+
+    from deploy.serving_cluster import ServingCluster
+
+    was_up = ray.is_initialized()
+    cfg = ClusterConfig(model=str(demo_model_dir), decode_tp=3, device="cpu", port=0)
+    with pytest.raises(PdserveError, match="does not divide the 4 attention heads .*decode_tp"):
+        ServingCluster(cfg).start()
+    assert ray.is_initialized() == was_up

@@ -80,3 +80,19 @@ def test_worker_config_and_gpu_shares():
     assert gpus_per_actor(ClusterConfig(prefill_workers=2, decode_workers=3), 2) == pytest.approx(1 / 3)
     assert gpus_per_actor(ClusterConfig(gpus_per_worker=0.25), 8) == 0.25
     assert gpus_per_actor(ClusterConfig(device="cpu"), 8) == 0.0
+
+
+def test_tensor_parallel_workers_take_a_whole_gpu_per_rank():
+    from cluster.errors import PdserveError
+
+    cfg = ClusterConfig(prefill_workers=1, decode_workers=1, prefill_tp=2, decode_tp=2)
+    assert worker_config(cfg, "/m", "cuda", role="prefill").tensor_parallel_size == 2
+    assert worker_config(cfg, "/m", "cuda").tensor_parallel_size == 1  # the role-less base
+    assert gpus_per_actor(cfg, 4) == 1.0  # 4 ranks, 4 GPUs
+    assert gpus_per_actor(cfg, 0) == 0.0  # CPU: ranks are processes
+    with pytest.raises(PdserveError, match="are 4 ranks, one GPU each; the Ray cluster has 3 GPUs"):
+        gpus_per_actor(cfg, 3)
+    with pytest.raises(PdserveError, match="each rank needs a whole GPU"):
+        gpus_per_actor(ClusterConfig(decode_tp=2, gpus_per_worker=0.5), 8)
+    mixed = ClusterConfig(prefill_workers=1, decode_workers=2, prefill_tp=2, decode_tp=1)
+    assert gpus_per_actor(mixed, 4) == 1.0

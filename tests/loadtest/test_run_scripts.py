@@ -79,3 +79,14 @@ def test_faults_script_dry_run(tmp_path):
     assert sum(k["injected"] for k in summary["by_fault"].values()) >= 1, summary
     # (http_5xx is not 0 here: while the sole decode worker restarts, new requests get 503 by design)
     assert summary["hung"] == summary["mismatched"] == summary["blocks_leaked"] == 0, summary
+
+
+def test_tp_script_dry_run(tmp_path):
+    """run_tp_h200x2.sh (issue 26): the two-GPU TP tests collected (they skip on CPU) and bench_tp
+    --dry-run: decode rows of TP 1 and TP 2 against their floors, all-reduce rows over gloo."""
+    out = _run("run_tp_h200x2.sh", tmp_path, timeout=300)
+    assert "gpu tests (CPU: all skip): exit 0" in out, out
+    rows = json.loads((tmp_path / "tp_dry.json").read_text())["rows"]
+    decode = [r for r in rows if r["bench"] == "decode"]
+    assert {r["tp"] for r in decode} == {1, 2} and all(r["step_ms"] > 0 and r["floor_ms"] > 0 for r in decode)
+    assert [r for r in rows if r["bench"] == "allreduce"] and all(r["correct"] for r in rows if r["bench"] == "allreduce")
