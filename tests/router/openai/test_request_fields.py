@@ -100,6 +100,7 @@ def plan(gw, model: type[BaseModel], body: dict):
         return ("refused", getattr(e, "param", None))
     seeds = None if req.seed is None else [(req.seed + i) % 2**63 for i in range(req.n)]
     return {"prompts": prompts, "n": req.n, "seeds": seeds, "stream": req.stream, "usage_chunk": req.include_usage,
+            "usage_per_chunk": req.continuous_usage,
             "echo": echo, "logprobs": n_lp, "tools": opts.tools}
 
 
@@ -200,7 +201,9 @@ def test_message_fields_have_an_effect_or_a_refusal(gw):
         null = {"role": "assistant", "content": "x", field: None}
         assert plan(gw, ChatCompletionRequest, {**CHAT, "messages": [null]}) == \
             plan(gw, ChatCompletionRequest, {**CHAT, "messages": [{"role": "assistant", "content": "x"}]})
-    assert set(StreamOptions.model_fields) == {"include_usage"}  # probed through stream_options
+    assert set(StreamOptions.model_fields) == {"include_usage", "continuous_usage_stats"}  # through stream_options
+    usage = lambda **o: plan(gw, ChatCompletionRequest, {**CHAT, "stream": True, "stream_options": o})  # noqa: E731
+    assert usage(include_usage=True) != usage(include_usage=True, continuous_usage_stats=True)
 
 
 def test_user_is_logged_with_the_request(gw, caplog):
