@@ -152,12 +152,17 @@ class AdmissionController:
         return blocks, slots
 
     def admit(self, request_id: str, prompt_len: int, max_tokens: int, decode_views: list[WorkerView],
-              prefill_wait_s: float = 0.0, cached_blocks: dict[str, int] | None = None) -> None:
+              prefill_wait_s: float = 0.0) -> None:
         """Admits the request now, or raises: InvalidRequestError (400), NoHealthyWorkerError (503),
         CapacityShortError (it does not fit now: `enter` queues it). prefill_wait_s: the shortest
         expected wait before a prompt placed now starts its prefill (PrefillCostModel.best_queue_wait_s).
-        cached_blocks: the prompt's leading blocks each decode worker holds in its prefix cache
-        (router.kv_index); a worker needs only the rest free."""
+
+        A worker must have the prompt's blocks free even when it caches the prompt's prefix: a
+        worker's free blocks include its evictable cached ones (a hit takes them out of that pool, so
+        crediting the hit counted them twice), and the router's KV index may name blocks evicted since
+        (its entries are reports, not pins). Either way the request was admitted into a reservation the
+        worker refused, and got a 429 after reserve_wait_s instead of waiting here. The cost is that a
+        prompt whose prefix is held by running requests waits for room it would not need."""
         self.check_request(prompt_len, max_tokens)
         if request_id in self._tickets:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
@@ -171,17 +176,15 @@ class AdmissionController:
                 f"too many tokens in flight ({self.inflight_tokens} + {tokens} > {lim.max_inflight_tokens}); "
                 "retry later", lim.retry_after_s)
         need = self.blocks_for(prompt_len + 1)
-        cached = cached_blocks or {}
         room = None
         for v in healthy:
             if v.draining:
                 continue
             blocks, slots = self._claimed(v.worker_id)
-            new = need - cached.get(v.worker_id, 0)
             free = v.free_blocks - blocks
-            if free >= new and (not v.stats.max_num_seqs or v.running + slots < v.stats.max_num_seqs):
+            if free >= need and (not v.stats.max_num_seqs or v.running + slots < v.stats.max_num_seqs):
                 if room is None or free > room[1]:
-                    room = (v.worker_id, free, new)
+                    room = (v.worker_id, free, need)
         if room is None:
             raise CapacityShortError(f"no decode worker has {need} free KV blocks and a batch slot for this prompt; "
                                      "retry later", lim.retry_after_s)
@@ -240,7 +243,7 @@ class AdmissionController:
             raise
         self._leave(w)
         if not w.admitted.done():
-            raise OverloadedError(f"the request waited {lim.queue_timeout_s:g}s (queue_timeout_s) for KV and "
+            raise OverloadedError(f"the request waited {lim.queue_timeout_s:g}s (queue_timeout_s={lim.queue_timeout_s:g}) for KV and "
                                   "prefill capacity; retry later", lim.retry_after_s)
         w.admitted.result()  # raises what admitting it raised (400, 503)
         return time.monotonic() - w.since

@@ -92,7 +92,10 @@ class PlacementWalk:
                 ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
                 choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
                 rs.decode_worker_id = d.worker_id
-                new_blocks = need - cached.get(d.worker_id, 0)
+                # What the placement takes out of the worker's free blocks until its next stats
+                # report: all of the prompt's, cached or not (a hit pins evictable cached blocks,
+                # which the worker counts as free; AdmissionController.admit says why).
+                new_blocks = need
                 if choice.local:
                     ok = await self._try_local(rs, d, new_blocks)
                 else:

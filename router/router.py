@@ -227,7 +227,7 @@ class Router:
     def _admit(self, req: GenerateRequest) -> None:
         wait = self.walk.cost.best_queue_wait_s(self.prefill_views(), self.decode_views())
         self.admission.admit(req.request_id, len(req.prompt_token_ids), req.params.max_tokens, self.decode_views(),
-                             wait, self.walk.cached_blocks(req))
+                             wait)
 
     async def submit(self, req: GenerateRequest) -> PlacedRequest:
         """Admits the request (waiting in the admission queue while it does not fit) and places it;

@@ -163,16 +163,26 @@ def test_a_request_cancelled_while_queued_leaves_nothing(cluster, prompts):
     async def main():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=180,
                                      limits=httpx.Limits(max_connections=32)) as c:
-            # Five long-running requests fill the pool; three more wait in the queue.
-            running = [asyncio.ensure_future(_stream(c, p, max_tokens=160)) for p in prompts[:5]]
+            # Five long-running requests fill the pool (5 x ceil((1.5k + 90) / 16) = 500 of its 511 blocks:
+            # they fit to their last token, so none is preempted, and nothing else fits); three more wait
+            # in the queue. (With 160 tokens each they outgrew the pool: a preemption freed room at a
+            # moment only timing decided, and a queued request got in.)
+            running = [asyncio.ensure_future(_stream(c, p, max_tokens=90)) for p in prompts[:5]]
             deadline = time.monotonic() + 60
             while router.admission.num_admitted < 5:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
+            # NOTE: sent once the decode worker's own stats count the five (no placement of theirs left
+            # in the router's correction): sent right after the fifth was admitted, the three were
+            # sometimes admitted too and then refused by the worker (429 after reserve_wait_s). Not
+            # found yet: RELIABILITY.md, "Open".
+            while not all(not v.placing and v.stats.running + v.stats.waiting >= 5 for v in router.decode_views()):
+                assert time.monotonic() < deadline, [(v.placing, v.stats) for v in router.decode_views()]
+                await asyncio.sleep(0.02)
             queued = [asyncio.ensure_future(_stream(c, p)) for p in prompts[5:8]]
             while router.admission.num_queued < 3:
                 assert time.monotonic() < deadline, (router.admission.num_queued, router.admission.num_admitted,
-                                                     [q.result()[:2] for q in queued if q.done()])
+                                                     [q.result() for q in queued if q.done()])
                 await asyncio.sleep(0.02)
             queued[1].cancel()  # its client goes away while it waits
             await asyncio.gather(queued[1], return_exceptions=True)
