@@ -115,6 +115,17 @@ def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
 
 
+def on_stream(stream, device):
+    """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU). Shared by
+    rank 0's transport and its tensor-parallel followers' payload agents (tp_payload.py)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
 def kv_payload_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """The tensor a transport moves: an FP8 cache as its uint8 view (same storage: the model's writes
     are what is sent; the payloads send bytes and gloo has no float8 type), any other cache as it is."""
@@ -305,13 +316,7 @@ class ControlledTransport(KVTransport):
         return ev
 
     def _on_stream(self, stream):
-        """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU)."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.kv_cache.device))
-        stack.enter_context(torch.cuda.stream(stream))
-        return stack
+        return on_stream(stream, self.kv_cache.device)
 
     # -- shared by both sides -----------------------------------------------------------------------
     def store(self):

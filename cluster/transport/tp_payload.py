@@ -23,7 +23,6 @@ takes its worker down (cluster/distributed/watchdog.py): its peers see that work
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from cluster.transport.completion import AllCompletion, Completion
-from cluster.transport.control import kv_payload_view
+from cluster.transport.control import kv_payload_view, on_stream
 from cluster.transport.transport_spec import TransportSpec, store_factory
 from cluster.transport.pair import Pair
 from cluster.transport.plan import Launch, PlanSpec, bundle_blocks, plan_item
@@ -310,12 +309,7 @@ class PayloadAgent(TorchDistPayload):
         self._setup_payload()
 
     def _on_stream(self, stream):
-        if stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.kv_cache.device))
-        stack.enter_context(torch.cuda.stream(stream))
-        return stack
+        return on_stream(stream, self.kv_cache.device)
 
     # -- rank 0's calls (the group's RPC thread, one at a time) -------------------------------------
     def handle(self, msg) -> None:
