@@ -51,7 +51,7 @@ from cluster.messages import GenerateRequest, PrefillTask, Reservation, ReserveR
 from cluster.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
 from cluster.transport.block_copy import copy_blocks  # noqa: E402
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 from cluster.transport.plan import PlanSpec, plan_launches  # noqa: E402
 from loadtest.bench_transfer import KV_SHAPES, SIZES, KVShape, _device, _time, plot, print_rows, run_path  # noqa: E402

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.messages import Reservation  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
 from cluster.transport.block_copy import copy_blocks  # noqa: E402
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 from loadtest.report import percentile  # noqa: E402
 

@@ -95,7 +95,7 @@ class TPGroup:
                **timeouts) -> "TPGroup":
         """Rank 0: hosts the store, calls `launch(rendezvous)` (which starts ranks 1..size-1 with it and
         returns at once), then forms the group with them. Blocking."""
-        from cluster.transport.control import start_store
+        from cluster.transport.rendezvous_store import start_store
 
         master = start_store("127.0.0.1", 0, timeout_s=timeouts.get("join_timeout_s", 300.0))
         rdv = TPRendezvous("127.0.0.1", master.port, f"tp-{uuid.uuid4().hex[:12]}", size, **timeouts)

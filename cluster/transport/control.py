@@ -49,7 +49,7 @@ deadlines, cancels and liveness checks.
 
 The code. `ControlledTransport` (here) is what both roles share: the store and the incarnation, the
 pairs and the dead peers under one lock, liveness, marking a peer dead, the records, the threads, and
-the payload hooks a subclass implements. Like vLLM's KV connectors (one object per role, the connector
+the payload hooks a subclass implements (payload_hooks.py). Like vLLM's KV connectors (one object per role, the connector
 delegating to it), it holds the side of its role: a prefill transport a `SenderSide` (sender_side.py),
 a decode transport a `ReceiverSide` (receiver_side.py) that its control thread feeds; a call of the
 other role raises. The sides import pair.py (Pair, PeerDeadError, claim keys); this file only for types.
@@ -58,30 +58,26 @@ other role raises. The sides import pair.py (Pair, PeerDeadError, claim keys); t
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
-from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 from cluster.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
-from cluster.transport.channel import Commit, Hello, Inbox
-from cluster.transport.completion import Completion
+from cluster.transport.channel import Inbox
 from cluster.transport.pair import Pair, PeerDeadError, down_key
-from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec
-from cluster.transport.receiver_side import InBundle, ReceiverSide
-from cluster.transport.sender_side import OutBundle, SenderSide
+from cluster.transport.payload_hooks import PayloadHooks
+from cluster.transport.plan import KVNumerics, PlanSpec
+from cluster.transport.receiver_side import ReceiverSide
+from cluster.transport.rendezvous_store import local_address_towards
+from cluster.transport.sender_side import SenderSide
 
 log = logging.getLogger(__name__)
 
@@ -99,44 +95,10 @@ def _close_live_transports() -> None:
             pass
 
 
-def local_address_towards(host: str, port: int) -> str:
-    """This machine's address on the route to `host` (the cluster's internal network): what we bind."""
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port or 1))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
-
-
-def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The launcher hosts the rendezvous store (so it outlives any worker) on the internal address.
-    port=0 picks a free port: read it back from `store.port`."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
-
-
-def on_stream(stream, device):
-    """Makes a pair's CUDA stream current, on the cache's device; nothing without one (CPU). Shared by
-    rank 0's transport and its tensor-parallel followers' payload agents (tp_payload.py)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.cuda.device(device))
-    stack.enter_context(torch.cuda.stream(stream))
-    return stack
-
-
-def kv_payload_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The tensor a transport moves: an FP8 cache as its uint8 view (same storage: the model's writes
-    are what is sent; the payloads send bytes and gloo has no float8 type), any other cache as it is."""
-    if kv_cache.element_size() == 1 and kv_cache.dtype != torch.uint8:
-        return kv_cache.view(torch.uint8)
-    return kv_cache
-
-
-class ControlledTransport(KVTransport):
+class ControlledTransport(PayloadHooks, KVTransport):
     """Claims, cancels, heartbeats, the push channel, deadlines, completions and metrics. Subclasses
-    implement the `_payload_*` hooks; the sides call them with `pair.io` held where they touch a channel.
+    implement the `_payload_*` hooks (payload_hooks.py); the sides call them with `pair.io` held where
+    they touch a channel.
 
     For the two sides: `lock` guards `pairs`, `dead_peers` and every bundle list; `store()` is this
     thread's store client; `check_alive`, `mark_dead`, `forget_incarnation` and `record` are shared."""
@@ -236,95 +198,22 @@ class ControlledTransport(KVTransport):
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         self._receiving().set_wakeup(wake)
 
-    # -- payload hooks ----------------------------------------------------------------------------
-    def _setup_payload(self) -> None:
-        """Per-transport payload state (before any thread starts)."""
-
-    @abstractmethod
-    def _payload_plan(self) -> tuple[str, int]:
-        """(the payload's name, its PlanSpec.chunk_bytes): what the peer's must equal."""
-
-    def _payload_info(self) -> dict:
-        """Decode side: extras published with the control endpoint."""
-        return {}
-
-    @abstractmethod
-    def _plan(self, pair: Pair, srcs: list[tuple[int, ...]], dsts: list[tuple[int, ...]],
-              layerwise: bool) -> tuple[list[ItemPlan], list[Launch]]:
-        """The bundle's items and launches over the pair's spec (`pair.spec`); both sides must compute
-        the same."""
-
-    @abstractmethod
-    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
-        """Prefill, connecting: per-pair state from the decode side's info; returns the doorbell
-        events' IPC handles the hello carries (same-GPU), or none."""
-
-    @abstractmethod
-    def _payload_warm(self, pair: Pair) -> None:
-        """Prefill, after the hello: form the channel and move one tiny transfer through it."""
-
-    def _payload_admit(self, pair: Pair, hello: Hello) -> None:
-        """Decode, on a hello, before answering it: reserve what the pair's payload needs (raise to
-        refuse the pair; the prefill reads why)."""
-
-    @abstractmethod
-    def _payload_accept(self, pair: Pair, hello: Hello) -> None:
-        """Decode, after answering "ok": form the channel and take the tiny transfer."""
-
-    @abstractmethod
-    def _payload_issue(self, pair: Pair, b: OutBundle, launch: Launch, ready) -> None:
-        """Prefill: enqueue one launch once `ready` (an event on the compute stream, or None)."""
-
-    @abstractmethod
-    def _payload_seal(self, pair: Pair, b: OutBundle) -> tuple[Completion, int]:
-        """Prefill, after the last launch: the bundle's completion, and the doorbell event the commit
-        names (same-GPU; else -1)."""
-
-    @abstractmethod
-    def _payload_post(self, pair: Pair, b: InBundle) -> tuple[Completion, str | None]:
-        """Decode: post the whole bundle's receives; the completion covers whatever was posted, with
-        an error if posting failed part way."""
-
-    def _payload_commit(self, pair: Pair, b: InBundle, msg: Commit) -> None:
-        """Decode: the commit arrived (same-GPU binds the completion event it names)."""
-
-    def _payload_kill(self, pair: Pair, bundles: list, then: Callable[[], None]) -> None:
-        """Fault injection ("transfer", prefill side): tear the pair's channel down as a failed link
-        would, so that the decode side's receives in flight fail now, then `then()` (the pair is
-        marked broken and the decode side told). By default the abort, at once."""
-        self._payload_abort(pair)
-        then()
-
-    @abstractmethod
-    def _payload_abort(self, pair: Pair) -> None:
-        """Tear down the pair's channel so nothing in flight can still complete or write."""
-
-    def _payload_release(self, pair: Pair) -> None:
-        """The pair is gone for good (its peer restarted, or this transport closed): give back what its
-        payload holds (staging memory). Anything still in flight was aborted or ends on its own."""
-
-    def _payload_metrics(self) -> dict:
-        """Extra entries for metrics() (torch_dist: staging memory reserved)."""
-        return {}
-
-    def _payload_mark(self):
-        """A CUDA event on the current (compute) stream: the KV enqueued so far is ready then."""
-        if not self.kv_cache.is_cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.kv_cache.device))
-        return ev
-
-    def _on_stream(self, stream):
-        return on_stream(stream, self.kv_cache.device)
-
     # -- shared by both sides -----------------------------------------------------------------------
     def store(self):
-        """This thread's store client."""
+        """This thread's store client. None is made after close(): a thread still running then must
+        not spend the store's connect timeout reaching a store that may be gone."""
         s = getattr(self._local, "store", None)
         if s is None:
+            if self.closed.is_set():
+                raise RuntimeError(f"KV transport of {self.worker_id} is closed")
             s = self._local.store = self._new_store()
         return s
+
+    def renew_store(self):
+        """Replaces this thread's store client with a new one. HAZARD: a TCPStore client whose reply
+        stream got out of step (DistStoreError: a reply of the wrong type) never recovers."""
+        self._local.store = None
+        return self.store()
 
     def _beat(self) -> None:
         store, key = self._new_store(), f"{self.ns}/hb/{self.worker_id}"

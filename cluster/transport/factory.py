@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from cluster.transport.base import KVTransport
-from cluster.transport.control import kv_payload_view
+from cluster.transport.payload_hooks import kv_payload_view
 from cluster.transport.plan import KVNumerics
-from cluster.transport.transport_spec import KINDS, TransportSpec, store_factory
+from cluster.transport.rendezvous_store import store_factory
+from cluster.transport.transport_spec import KINDS, TransportSpec
 
 __all__ = ["KINDS", "TransportSpec", "create_transport", "kv_payload_view", "store_factory"]  # (re-exported)
 

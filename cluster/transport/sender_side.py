@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import torch.distributed as dist
 
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import Reservation
@@ -271,8 +272,12 @@ class SenderSide(KVSender):
         t = self.t
         delay, next_live = 1e-4, 0.0
         while True:
-            if store.check([key]):
-                return store.get(key)
+            try:
+                if store.check([key]):
+                    return store.get(key)
+            except dist.DistStoreError as e:  # this client is broken (see renew_store); not the peer
+                log.warning("KV transport %s: store client failed waiting for %s (%s): a new one", t.worker_id, key, e)
+                store = t.renew_store()
             now = time.monotonic()
             if now >= deadline:
                 return None

@@ -64,10 +64,11 @@ import torch.distributed as dist
 
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import AllCompletion, EventCompletion, HostCompletion, ReadyCompletion
-from cluster.transport.control import ControlledTransport, local_address_towards
+from cluster.transport.control import ControlledTransport
 from cluster.transport.head_copy import copy_block_heads
 from cluster.transport.pair import Pair, PeerDeadError
 from cluster.transport.plan import HeadLink, Launch, bundle_blocks, plan_item, plan_launches
+from cluster.transport.rendezvous_store import local_address_towards
 from cluster.transport.staging import StagingBudget, StagingRing
 
 _PAIR_RANK = {"prefill": 0, "decode": 1}

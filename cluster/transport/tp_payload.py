@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from cluster.transport.completion import AllCompletion, Completion
-from cluster.transport.control import kv_payload_view, on_stream
-from cluster.transport.transport_spec import TransportSpec, store_factory
 from cluster.transport.pair import Pair
+from cluster.transport.payload_hooks import kv_payload_view, on_stream
 from cluster.transport.plan import Launch, PlanSpec, bundle_blocks, plan_item
+from cluster.transport.rendezvous_store import store_factory
 from cluster.transport.torch_dist import TorchDistPayload, TorchDistTransport
+from cluster.transport.transport_spec import TransportSpec
 
 log = logging.getLogger(__name__)
 

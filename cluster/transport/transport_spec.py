@@ -1,13 +1,9 @@
-"""TransportSpec: the one frozen description of a cluster's KV transport every worker is given, and
-`store_factory`, how a worker (or a follower rank's payload agent) reaches the cluster's store.
-cluster/transport/factory.py builds transports from it."""
+"""TransportSpec: the one frozen description of a cluster's KV transport every worker is given
+(cluster/transport/factory.py builds transports from it; rendezvous_store.py reaches its store)."""
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
-
-import torch.distributed as dist
 
 KINDS = ("torch_dist", "same_gpu", "local")
 
@@ -52,16 +48,3 @@ class TransportSpec:
         if self.staging_cap_bytes < self.staging_slots * self.staging_bytes:
             raise ValueError(f"staging_cap_bytes={self.staging_cap_bytes} holds not even one pair's ring "
                              f"({self.staging_slots} x staging_bytes={self.staging_bytes})")
-
-
-_HASH_STORES: dict[str, dist.HashStore] = {}
-
-
-def store_factory(spec: TransportSpec):
-    """A zero-argument function returning a store client (one per thread: clients are not shared)."""
-    if not spec.store_host:
-        store = _HASH_STORES.setdefault(spec.namespace, dist.HashStore())
-        return lambda: store
-    timeout = datetime.timedelta(seconds=max(spec.transfer_timeout_s, 30.0))
-    return lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, wait_for_workers=False,
-                                 timeout=timeout, use_libuv=True)

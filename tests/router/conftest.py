@@ -13,6 +13,7 @@ import pytest
 
 import router_fakes
 import serving_harness
+from router_clusters import start_cluster
 
 
 @pytest.fixture(scope="session")
@@ -24,18 +25,6 @@ def ray_session():
     yield ray
     if owned:
         ray.shutdown()
-
-
-def start_cluster(demo_model_dir, fakes: bool, real_prefill: bool = False, **overrides):
-    if fakes:
-        return serving_harness.start_cluster(
-            demo_model_dir, prefill_actor_cls=router_fakes.FakePrefillWorker,
-            decode_actor_cls=router_fakes.FakeDecodeWorker, form_transport_group=router_fakes.fake_transport_group,
-            **overrides)
-    if real_prefill:
-        return serving_harness.start_cluster(demo_model_dir, decode_actor_cls=router_fakes.real_decode_actor_class(),
-                                             **overrides)
-    return serving_harness.start_cluster(demo_model_dir, **overrides)
 
 
 @pytest.fixture(scope="session", params=[1, 2], ids=["api1", "api2"])

@@ -164,7 +164,7 @@ def test_dead_worker_kv_gauge_is_removed(demo_model_dir):
 # -- over HTTP: a client that goes away while its request waits for a decode worker -----------------
 @pytest.fixture(scope="module")
 def refusing_cluster(ray_session, demo_model_dir):
-    from conftest import start_cluster
+    from router_clusters import start_cluster
 
     sc = start_cluster(demo_model_dir, fakes=True, prefill_workers=0, decode_workers=1, reserve_wait_s=60.0)
     yield sc

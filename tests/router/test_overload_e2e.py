@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from conftest import start_cluster
+from router_clusters import start_cluster
 from serving_harness import wait_idle
 
 

@@ -17,7 +17,7 @@ import loopback_pg  # noqa: E402
 
 from cluster.messages import Reservation  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 
 pytestmark = pytest.mark.gpu

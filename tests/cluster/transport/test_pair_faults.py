@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 from test_torch_dist import SMALL_SLOTS, PrefillProc, _spec  # noqa: E402
 
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import create_transport  # noqa: E402
 from cluster.transport.pair import PeerDeadError  # noqa: E402
 

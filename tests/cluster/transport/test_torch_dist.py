@@ -16,14 +16,17 @@ from cluster.engine import LLMEngine  # noqa: E402
 from cluster.messages import PrefillTask, Reservation  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import kv_cache_blocks  # noqa: E402
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec  # noqa: E402
 
 CTX = mp.get_context("spawn")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def store():
+    # One store for the module (each test has its own namespace), as a cluster has one for its
+    # lifetime: a daemon thread a test leaves behind (a pair still forming with a killed peer ends on
+    # its own) never reaches for a store that is gone, which spends the store's connect timeout.
     s = start_store("127.0.0.1", 0)
     yield s
 

@@ -27,7 +27,7 @@ from cluster.engine import LLMEngine  # noqa: E402
 from cluster.messages import GenerateRequest, PrefillTask, ReserveRequest  # noqa: E402
 from cluster.model.config import ModelArchConfig  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.transport.control import start_store  # noqa: E402
+from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 from cluster.transport.plan import head_links  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
