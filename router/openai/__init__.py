@@ -9,7 +9,8 @@
     streaming.py            SSE framing and the watchers of a client's disconnect
     middleware.py           APIKeyAuth, BodySizeLimit
     errors.py               APIError and the one mapping of an error class to HTTP (api_error)
-    protocol.py             the request and response bodies (pydantic; the OpenAPI schema)
+    protocol.py             the request bodies (pydantic; the OpenAPI schema)
+    protocol_responses.py   the response bodies (pydantic; the OpenAPI schema)
     logprobs.py             logprobs in the two endpoints' shapes (and vLLM's prompt_logprobs)
     structured_fields.py    response_format / guided_* / structured_outputs -> the request's one constraint
     tool_calling.py         ToolCalling: a chat request's tools, tool_choice, and its reply's calls

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import PdserveError
-from router.openai.protocol import ErrorResponse
+from router.openai.protocol_responses import ErrorResponse
 
 
 class APIError(Exception):

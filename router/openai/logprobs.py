@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from cluster.stream_messages import PositionLogprobs
-from router.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs,
-                                    TopLogprob)
+from router.openai.protocol_responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                              PromptLogprobs, TopLogprob)
 
 _FLOOR = -9999.0
 

@@ -28,8 +28,9 @@ from router.metrics import CONTENT_TYPE
 from router.openai.errors import APIError, api_error, error_response, http_error, invalid_body, unexpected_error
 from router.openai.gateway import Gateway
 from router.openai.middleware import APIKeyAuth, BodySizeLimit
-from router.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.openai.protocol_responses import (DetokenizeResponse, ModelCard, ModelList, TokenizeResponse,
+                                              VersionResponse)
 from router.openai.serving_chat import OpenAIServingChat
 from router.openai.serving_completion import OpenAIServingCompletion
 from router.step_stats import DEFAULT_LIMIT, MAX_LIMIT
@@ -57,7 +58,8 @@ def build_app(gw: Gateway) -> FastAPI:
         finally:
             await gw.stop()
 
-    # /openapi.json is generated from the request models (router/openai/protocol.py); /docs renders it.
+    # /openapi.json is generated from the request and response models (router/openai/protocol.py,
+    # protocol_responses.py); /docs renders it.
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodySizeLimit, max_bytes=gw.cfg.max_body_bytes)

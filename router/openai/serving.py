@@ -36,7 +36,7 @@ from router.errors import GenerationError
 from router.openai.errors import error_event_data
 from router.openai.generation import Generation
 from router.openai.logprobs import PromptStart
-from router.openai.protocol import UsageInfo
+from router.openai.protocol_responses import UsageInfo
 from router.openai.streaming import DONE, event, sse, unless_disconnected, unless_gone
 from router.openai.structured_fields import Constraint, constraint
 

@@ -19,9 +19,9 @@ import json
 from cluster.errors import InvalidRequestError
 from cluster.tokenizer import encode_chat
 from router.openai.logprobs import chat_logprobs, prompt_logprobs_map
-from router.openai.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatResponseMessage, DeltaMessage, DeltaToolCall,
-                                    ToolCallOut)
+from router.openai.protocol import ChatCompletionRequest
+from router.openai.protocol_responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                              ChatResponseMessage, DeltaMessage, DeltaToolCall, ToolCallOut)
 from router.openai.serving import ChunkFormat, OpenAIServing, RequestOptions
 from router.openai.streaming import event
 from router.openai.structured_fields import Constraint, constraint

@@ -13,7 +13,8 @@ import json
 
 from cluster.tokenizer import encode_prompt
 from router.openai.logprobs import CompletionLogprobsBuilder, prompt_logprobs_map
-from router.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from router.openai.protocol import CompletionRequest
+from router.openai.protocol_responses import CompletionChoice, CompletionResponse
 from router.openai.serving import ChunkFormat, OpenAIServing
 from router.openai.streaming import event
 

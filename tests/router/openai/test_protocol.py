@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import InvalidRequestError
-from router.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, UsageInfo
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.protocol_responses import ErrorResponse, UsageInfo
 
 
 def test_prompt_shapes():
