@@ -3,6 +3,7 @@ below it imports it (tests/test_layering.py).
 
     cli.py                the `pdserve` command line (`serve`, `generate`, `demo-model`, `loadtest`)
     config.py             ClusterConfig: every `pdserve serve` setting (flag and YAML key)
+    config_flags.py       ClusterConfig's fields as `pdserve serve` flags, and the given flags as overrides
     component_configs.py  ClusterConfig -> each component's config (workers, router, admission, API servers)
     serving_cluster.py    ServingCluster: start order, serve_forever, drain, shutdown
     ray_workers.py        RayWorkers: placement group, actors, warm-up, spawn/retire, rejoin

@@ -8,7 +8,8 @@ import sys
 
 from cluster.errors import PdserveError
 from cluster.sampling_params import SamplingParams
-from deploy.config import ClusterConfig, add_config_flags, overrides_from_args
+from deploy.config import ClusterConfig
+from deploy.config_flags import add_config_flags, overrides_from_args
 
 SERVE_DESCRIPTION = ("`pdserve serve`: starts (or joins) Ray, places the workers, forms the KV transfer group, "
                      "runs the router, and starts the API-server processes that serve the OpenAI-compatible HTTP API.")

@@ -1,7 +1,7 @@
 """ClusterConfig: everything `pdserve serve` takes, from the command line or a YAML file.
 
 Every field is both a YAML key (`decode_workers: 2`) and a flag (`--decode-workers 2`); the flags
-are generated from the fields, so the two can't drift apart. Flags override the YAML file, which
+are generated from the fields (deploy/config_flags.py), so the two can't drift apart. Flags override the YAML file, which
 overrides the defaults. Each component gets its own frozen config built from it
 (deploy/component_configs.py: WorkerConfig, RouterConfig, AdmissionLimits, the API servers' spec).
 
@@ -13,13 +13,10 @@ The component configs import nothing heavy: `pdserve serve --help` loads neither
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import re
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -485,46 +482,3 @@ def _one_line(e: ValidationError) -> str:
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         parts.append(f"{loc}: {err['msg']}")
     return "invalid configuration: " + "; ".join(parts)
-
-
-# -- flags ------------------------------------------------------------------------------------------
-_FLAGLESS = {"model"}  # the positional MODEL_DIR
-_TEXT_FLAGS = {"max_model_len"}  # parsed by the field's validator (8k), not by argparse
-
-
-def _flag_type(annotation) -> tuple[Any, dict]:
-    """argparse kwargs for a field's annotation."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType) and len(args) == 1:
-        return _flag_type(args[0])
-    if annotation is bool:
-        return None, {"action": argparse.BooleanOptionalAction}
-    if origin is Literal:
-        return None, {"choices": list(typing.get_args(annotation))}
-    if origin in (typing.Union, types.UnionType):  # e.g. str | tuple[int, ...]: the validator parses text
-        return None, {"type": str}
-    if annotation in (int, float, str):
-        return None, {"type": annotation}
-    return None, {"type": str}
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ClusterConfig field; defaults are suppressed so only given flags override."""
-    for name, field in ClusterConfig.model_fields.items():
-        if name in _FLAGLESS:
-            continue
-        _, kwargs = _flag_type(field.annotation)
-        if name in _TEXT_FLAGS:
-            kwargs = {"type": str}
-        default = field.get_default(call_default_factory=True)
-        shown = json.dumps(default) if isinstance(default, dict) else repr(default)
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
-                            help=(field.description or "").replace("%", "%%") + f" (default: {shown})", **kwargs)
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    d = {k: v for k, v in vars(args).items() if k in ClusterConfig.model_fields}
-    if getattr(args, "model_dir", None):
-        d["model"] = args.model_dir
-    return d

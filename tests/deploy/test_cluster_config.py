@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from deploy.config import ClusterConfig, add_config_flags, overrides_from_args
+from deploy.config import ClusterConfig
+from deploy.config_flags import add_config_flags, overrides_from_args
 from cluster.errors import PdserveError
 
 

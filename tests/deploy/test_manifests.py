@@ -118,7 +118,8 @@ def _started_config(command_line: str):
     import shlex
 
     from deploy.cli import build_parser
-    from deploy.config import ClusterConfig, overrides_from_args
+    from deploy.config import ClusterConfig
+    from deploy.config_flags import overrides_from_args
 
     argv = shlex.split(command_line)
     argv = argv[argv.index("pdserve") + 1:]
