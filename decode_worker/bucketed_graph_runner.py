@@ -36,8 +36,9 @@
   sequence holding a sampling-state slot keeps it across the steps its grammar makes it skip.
 - Graphs are captured largest bucket first into one shared pool at start-up, never while serving.
 - Batches above the largest bucket, and everything on CPU, run the same code eagerly, padded the same.
-- Host reads sampled tokens asynchronously: a pinned buffer (two slots, so step t+1's copy cannot
-  overwrite step t's unread tokens) filled by a non-blocking copy and guarded by a CUDA event.
+- Host reads sampled tokens asynchronously (StepHandle, decode_worker/step_handle.py): a pinned buffer
+  (two slots, so step t+1's copy cannot overwrite step t's unread tokens) filled by a non-blocking
+  copy and guarded by a CUDA event.
 - Tensor parallelism (`group`): every rank captures the same graphs (the model's all-reduces and the
   LM head's all-gather inside them). On rank 0, `launch` announces each step to the followers (a
   DecodeStep: the packed words it copies, the bucket, the width, the variant, the sampling-state slots
@@ -50,7 +51,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import numpy as np
@@ -69,65 +69,10 @@ from cluster.sampling_state import SamplingState
 from cluster.sequence import SequenceStatus
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import fill_bitmasks
+from decode_worker.step_handle import StepHandle, StepInfo
 
 _INT32_MAX = 2**31 - 1
 VARIANTS = ("plain", "features")  # the captured step's variants (see the module docstring)
-
-
-@dataclass
-class StepInfo:
-    batch_size: int
-    bucket: int  # rows computed (padded); equals batch_size for an unpadded eager batch
-    graph: bool
-    features: bool  # the features variant ran (processing, state update, logprobs)
-    host_prepare_s: float  # filling the staging buffer and queueing its copy
-    launch_s: float = 0.0  # graph.replay() (or the eager forward's dispatch) on the host
-    constrained: int = 0  # rows under a grammar mask
-
-
-class StepHandle:
-    """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones).
-
-    After tokens(): `gpu_time_s`, the step on the device (its input copy, the replay, its output
-    copies; on CPU the wall time of the synchronous step), and `interval_s`, from the previous step's
-    start to this one's on the device (None for the first step)."""
-
-    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, prev_start):
-        self.runner, self.slot, self.info = runner, slot, info
-        self._start_ev, self._end_ev, self._prev_start = start_ev, end_ev, prev_start
-        self._tokens: list[int] | None = None
-        self.gpu_time_s = 0.0
-        self.interval_s: float | None = None
-        self.wait_s = 0.0  # how long tokens() blocked the caller
-        self.ran_in_launch_s = 0.0  # the step computed synchronously inside launch() (CPU), not the caller's work
-
-    def ready(self) -> bool:
-        return self._end_ev is None or self._end_ev.query()
-
-    def tokens(self) -> list[int]:
-        if self._tokens is None:
-            if self._end_ev is not None:
-                t0 = time.perf_counter()
-                self._end_ev.synchronize()  # waits for this step only; later steps keep running
-                self.wait_s = time.perf_counter() - t0
-                self.gpu_time_s = self._start_ev.elapsed_time(self._end_ev) / 1e3
-                if self._prev_start is not None:
-                    try:  # both are done (the previous step's start came first on the stream)
-                        self.interval_s = self._prev_start.elapsed_time(self._start_ev) / 1e3
-                    except RuntimeError:  # recorded again by a later launch (a caller kept > 2 steps unread)
-                        self.interval_s = None
-            self._tokens = self.runner._host_out[self.slot, : self.info.batch_size].tolist()
-        return self._tokens
-
-    def logprobs(self):
-        """(logprob [n], top ids [n, MAX_LOGPROBS], top logprobs [n, MAX_LOGPROBS]) as NumPy views of
-        the pinned host buffers for a features step (None for a plain one): valid until the next launch
-        but one (the slot's reuse); the caller converts the rows it needs (a whole [n, 20] table as
-        Python lists costs ~1 ms at 256 rows). Call after tokens()."""
-        if not self.info.features:
-            return None
-        n, r = self.info.batch_size, self.runner
-        return (r._np_lp[self.slot, :n], r._np_top_ids[self.slot, :n], r._np_top_lp[self.slot, :n])
 
 
 class BucketedGraphRunner:

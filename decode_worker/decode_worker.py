@@ -7,13 +7,11 @@ The loop, on its own thread, one iteration per decode step:
 Publishing only enqueues: the TokenPublisher, in a process of its own (decode_worker/publisher_process.py),
 detokenizes, applies stop strings (a match ends the request here, through abort()) and sends each
 gateway its own requests' text; nothing of it competes with the loop for the interpreter.
-The local prefill of an iteration is paced while requests are decoding (LocalPrefillPacer: a pass
-takes what costs about one decode step by the measured rates, at most `local_prefill_chunk_tokens`,
-and waits a few steps for more prompts to share its fixed cost; FCFS chunks, cluster.chunked_prefill),
-so a long local prompt is spread over several iterations, each followed by a decode step: running
-requests see a bounded stall per token, never the whole prompt's prefill. With nothing decoding, the
-whole `max_prefill_tokens` budget is used. A pass's first-token draws are read only after the next
-decode step is launched (they wait for the pass, not for that step), so the device never idles for it.
+The local prefill of an iteration (LocalPrefill, decode_worker/local_prefill.py) is paced while
+requests are decoding, so a long local prompt is spread over several iterations, each followed by a
+decode step: running requests see a bounded stall per token, never the whole prompt's prefill. A
+pass's first-token draws are read only after the next decode step is launched (they wait for the
+pass, not for that step), so the device never idles for it.
 Step t+1 is launched before step t's tokens are read: its rows that continue from step t take their
 input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
 the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
@@ -33,10 +31,8 @@ served max_model_len, its KV this worker's pool). Before serving, warmup() runs 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
-from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,10 +44,9 @@ from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, Reser
                               WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
-from cluster.pass_rate import DevicePassTimer, PassRateMeter
-from cluster.request_limits import check_request_fits, served_max_model_len
-from cluster.sampler import SampledTokens, sample_tokens_async
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.pass_rate import PassRateMeter
+from cluster.request_limits import served_max_model_len
+from cluster.sequence import Sequence
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
@@ -59,53 +54,22 @@ from cluster.transport.plan import KVNumerics
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import WorkerModel
 from decode_worker.block_manager import BlockManager
-from decode_worker.local_prefill_pacer import LocalPrefillPacer
-from decode_worker.bucketed_graph_runner import BucketedGraphRunner, StepHandle
+from decode_worker.bucketed_graph_runner import BucketedGraphRunner
+from decode_worker.expected_transfers import ExpectedTransfers
+from decode_worker.local_prefill import LocalPrefill
 from decode_worker.metrics import StepMetrics, StepRecord
 from decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from decode_worker.sequence_builder import SequenceBuilder
+from decode_worker.step_handle import StepHandle
 from decode_worker.step_interval import LaunchSpan, StepIntervalClock
-from decode_worker.publisher_process import PublisherProcess
-from decode_worker.token_publisher import TokenPublisher
+from decode_worker.publisher_process import make_publisher
+from decode_worker.token_count_fault import TokenCountFaultInjector
 from decode_worker.warmup import DecodeWorkerWarmup
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # the loop's nap when there is nothing to do; new work wakes it at once
 _LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
-
-
-def _make_publisher(worker_id: str, cfg: WorkerConfig, stats_sink: str | None, on_stop, where: str):
-    """The worker's token publisher: in a process of its own ("process", the served path: it never
-    competes with the decode loop for the interpreter), or on a thread of this one ("thread")."""
-    if where not in ("process", "thread"):
-        raise ValueError(f"token_publisher must be 'process' or 'thread', got {where!r}")
-    if where == "process":
-        return PublisherProcess(worker_id, cfg.model_dir, stats_sink, on_stop=on_stop, secret=cfg.cluster_secret)
-    return TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=on_stop,
-                          secret=cfg.cluster_secret)
-
-
-@dataclass
-class _PendingPrefill:
-    done: list[Sequence]  # the sequences whose prompt the pass completed
-    drawn: SampledTokens  # their first tokens, queued on the device
-
-
-@dataclass
-class TokenCountFault:
-    """Fault injection keyed on what a client has received (tests, chaos): fires once, when the first
-    matching request reaches exactly `after_tokens` tokens, counting the tokens it resumed from after a
-    migration (so a request moved at that point never fires it again). The batch carrying that token
-    is published (with none of the request's later tokens), then the fault happens before anything
-    else is: the client has exactly `after_tokens` tokens.
-
-    kind "loop": the decode loop raises (its requests are lost, the loop restarts);
-    kind "restart": the worker's state dies at once as in a crash (nothing more is published, no
-    request is failed by the worker itself) and `DecodeWorker.on_restart` brings up a new incarnation."""
-
-    kind: str
-    after_tokens: int
-    seed: int | None = None  # only the request sampled with this seed (None: any request)
 
 
 @dataclass
@@ -121,14 +85,14 @@ class DecodeWorker:
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
                  token_publisher: str = "process", group=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
-        `token_publisher`: "process" (the served path) or "thread" (see _make_publisher).
+        `token_publisher`: "process" (the served path) or "thread" (see publisher_process.make_publisher).
         `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
         scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
-        self.publisher = _make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
+        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
         try:
             self._setup(model, capture_progress, start, group)
         except BaseException:
@@ -158,19 +122,13 @@ class DecodeWorker:
                                    cfg.enable_prefix_caching)
         self.scheduler = DecodeScheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, self.max_model_len)
         self.metrics = StepMetrics()
-        # Measured costs the router plans with: local prefill per token, decode step per row.
-        self.prefill_meter = PassRateMeter()
-        self._prefill_timer = DevicePassTimer(self.prefill_meter, self.device)
+        # Measured cost the router plans with: decode step per row (local prefill's: self.local_prefill.meter).
         self.step_meter = PassRateMeter()
-        self.prefill_tokens_total = 0
-        self.local_prefill_log: deque[tuple[int, int, int]] = deque(maxlen=1024)
-        self.chunk_tokens = max(1, min(cfg.local_prefill_chunk_tokens, cfg.max_prefill_tokens))
-        self.pacer = LocalPrefillPacer(self.chunk_tokens)
         self._last_step_s: float | None = None  # the latest decode step's device time (the pacer's budget)
         self.warmup_info: dict = {}
         self._warming = False  # warm-up requests run: nothing is published
         self.publisher.wait_ready()
-        self.transport: KVReceiver | None = None
+        self.transfers = ExpectedTransfers(self.worker_id, self.spec.block_size)  # with the transport, once attached
 
         self._lock = threading.RLock()  # reentrant: the loop drains under it
         self._wake = threading.Event()
@@ -178,21 +136,21 @@ class DecodeWorker:
         # Structured output: grammars compile on their own pool; a finished compile wakes the loop.
         self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
                                         self.arch.eos_token_ids, on_ready=self._wake.set)
-        self._transfer_seq: dict[str, int] = defaultdict(int)  # per prefill peer
-        self._expected: dict[str, tuple[Reservation, str]] = {}  # request id -> (reservation, prefill peer) of
-        # the transfers that may still land
+        self.sequences = SequenceBuilder(self.worker_id, self.arch, self.max_model_len, self.spec.block_size,
+                                         self.blocks, self.grammars)
         self._outbox: list[TokenDelta] = []  # deltas from outside the loop (aborts), published next step
         self._step = 0
         # (step time, batch size, bucket, step, StepTiming) of the last finished step
         self._last_step_info = (0.0, 0, 0, -1, None)
         self._interval_clock = StepIntervalClock(self.device.type == "cuda")
-        self._rng = random.Random(cfg.seed)
+        self.local_prefill = LocalPrefill(self.scheduler, self.prefill_runner, self._interval_clock, self.device,
+                                          max(1, min(cfg.local_prefill_chunk_tokens, cfg.max_prefill_tokens)),
+                                          self._lock)
         self.error: str | None = None
         self.loop_failures = 0
         self._lost: dict[str, str] = {}  # request id -> why: dropped by a failed loop (insertion order)
         self._fault: str | None = None  # inject_fault(): "loop" raises at the loop's next iteration
-        self._count_fault: TokenCountFault | None = None  # inject_fault(kind, after_tokens=K)
-        self.faults_fired: list[dict] = []  # what the injected faults did (stats()["extra"])
+        self.count_fault = TokenCountFaultInjector(self._lock)  # inject_fault(kind, after_tokens=K)
         # Fault "restart": called on the loop's thread once the worker's state is dead (the actor brings
         # up a new incarnation); None: that fault is refused.
         self.on_restart: Callable[[], None] | None = None
@@ -209,67 +167,38 @@ class DecodeWorker:
         """Binds the KV transport (built over `self.kv_cache`); reserve() then calls its expect(). The
         transport wakes the loop when an arrival may be ready, so an idle loop notices it at once."""
         with self._lock:
-            self.transport = transport
+            self.transfers.transport = transport
         transport.set_wakeup(self._wake.set)
 
-    # -- API for the router and gateway (any thread) ----------------------------------------------
-    def _make_sequence(self, req: GenerateRequest) -> Sequence:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("empty prompt", "prompt")
-        p = req.params
-        check_request_fits(n, p.max_tokens, self.max_model_len, block_size=self.spec.block_size,
-                           kv_blocks=self.blocks.capacity, holder=f"decode worker {self.worker_id}")
-        if not all(-(2**63) <= x < 2**63 for x in (p.top_k, *p.stop_token_ids)):
-            # Checked here, not in the loop: an int64 overflow there would fail every request.
-            raise InvalidRequestError("top_k and stop_token_ids must fit in 64 bits", "top_k")
-        p.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
-        seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
-                       seed=req.seed, eos_token_ids=self.arch.eos_token_ids, detokenizer=None,
-                       resumed_tokens=req.resumed_tokens)
-        if p.structured is not None:  # a bad schema is a 400 here, before anything is reserved
-            self.grammars.check(p.structured)
-            # A migrated request's prompt ends with the tokens it generated: its grammar replays them.
-            prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
-            seq.grammar = self.grammars.grammar_for(p.structured, req.request_id, prior)
-        return seq
+    @property
+    def transport(self) -> KVReceiver | None:
+        return self.transfers.transport
 
-    def _known(self, request_id: str) -> bool:
-        s = self.scheduler
-        return (request_id in s.waiting_for_kv or any(x.request_id == request_id for x in s.running)
-                or any(x.request_id == request_id for x in s.waiting))
+    # -- API for the router and gateway (any thread) ----------------------------------------------
+    def _admit(self, seq: Sequence, req: GenerateRequest, add: Callable[[Sequence], bool]) -> bool:
+        """Under the lock: whether `add` (a scheduler's entry) took the request's (built) Sequence."""
+        if self.scheduler.holds(seq.request_id):
+            raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
+        self.publisher.register(req)
+        if not add(seq):
+            self.publisher.forget(seq.request_id)
+            return False
+        return True
 
     def reserve(self, req: ReserveRequest) -> Reservation | None:
         """Reserves blocks for the prompt + 1 token; None if they don't fit now."""
-        seq = self._make_sequence(req.request)
+        seq = self.sequences.build(req.request)
         with self._lock:
-            if self._known(seq.request_id):
-                raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
-            self.publisher.register(req.request)
-            if not self.scheduler.reserve(seq):
-                self.publisher.forget(seq.request_id)
+            if not self._admit(seq, req.request, self.scheduler.reserve):
                 return None
-            peer = req.prefill_worker_id
-            cached = seq.num_cached_tokens // self.spec.block_size  # the transfer lands after these
-            res = Reservation(seq.request_id, self.worker_id, tuple(seq.block_table[cached:]), self._transfer_seq[peer],
-                              num_cached_blocks=cached)
-            self._transfer_seq[peer] += 1
-            if self.transport is not None:
-                # Under the lock so that expect() calls reach the transport in transfer_seq order.
-                self.transport.expect(res, peer)
-                self._expected[seq.request_id] = (res, peer)
-        return res
+            return self.transfers.reserve(seq, req.prefill_worker_id)
 
     def submit_local(self, req: GenerateRequest) -> int | None:
         """Prefills here (between decode steps), then decodes. Returns the prompt tokens found in this
         worker's prefix cache (not computed), or None if the request does not fit now."""
-        seq = self._make_sequence(req)
+        seq = self.sequences.build(req)
         with self._lock:
-            if self._known(seq.request_id):
-                raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
-            self.publisher.register(req)
-            if not self.scheduler.add_local(seq):
-                self.publisher.forget(seq.request_id)
+            if not self._admit(seq, req, self.scheduler.add_local):
                 return None
             cached = seq.num_cached_tokens  # before the loop starts computing it
         self._wake.set()
@@ -279,15 +208,15 @@ class DecodeWorker:
         """Drops the request (the router gave up on it, or its publisher matched a stop string; with
         `error`, it ends with that error instead)."""
         with self._lock:
-            pending = self._expected.get(request_id)
-            if self.scheduler.abort(request_id, transfer_pending=pending is not None):
+            pending = self.transfers.pending(request_id)
+            if self.scheduler.abort(request_id, transfer_pending=pending):
                 # ends its publisher state
                 self._outbox.append(TokenDelta(request_id, (), "abort") if error is None
                                     else TokenDelta(request_id, (), "error", error))
-            if pending is not None:
+            if pending:
                 # Unclaimed, it is cancelled now and its blocks come back with the (failed) arrival;
                 # claimed, it lands first.
-                self.transport.cancel(*pending)
+                self.transfers.cancel(request_id)
         self._wake.set()
 
     def peer_died(self, peer: str, why: str) -> None:
@@ -309,28 +238,21 @@ class DecodeWorker:
         iteration, or with `after_tokens` right after a request (the one with `seed`, else any) has
         sent exactly that many tokens (TokenCountFault); "restart" (with `after_tokens`): the worker's
         state dies there as in a crash and `on_restart` makes a new incarnation."""
-        if kind not in ("loop", "restart"):
-            raise ValueError(f"unknown fault {kind!r}")
-        if after_tokens is None:
-            if kind != "loop":
-                raise ValueError(f"fault {kind!r} needs after_tokens")
+        if kind == "loop" and after_tokens is None:
             self._fault = kind
         else:
-            if after_tokens < 1:
-                raise ValueError("after_tokens must be >= 1")
-            if kind == "restart" and self.on_restart is None:
-                raise ValueError("this worker cannot restart in place (no on_restart)")
-            with self._lock:
-                self._count_fault = TokenCountFault(kind, after_tokens, seed)
+            self.count_fault.arm(kind, after_tokens, seed, can_restart=self.on_restart is not None)
         self._wake.set()
 
     def clear_faults(self) -> None:
         """Disarms what inject_fault armed and has not fired."""
         with self._lock:
-            self._fault, self._count_fault = None, None
+            self._fault = None
+            self.count_fault.disarm()
 
     def stats(self) -> WorkerStats:
-        self._prefill_timer.harvest()
+        lp = self.local_prefill
+        lp.timer.harvest()
         with self._lock:
             s = self.scheduler
             return WorkerStats(
@@ -343,14 +265,14 @@ class DecodeWorker:
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
-                       "loop_failures": self.loop_failures, "faults_fired": list(self.faults_fired),
+                       "loop_failures": self.loop_failures, "faults_fired": list(self.count_fault.fired),
                        # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
                        "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
                        **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
                        **self.blocks.allocator.stats_extra()},
-                prefill_rate=self.prefill_meter.rate(), decode_rate=self.step_meter.rate(),
+                prefill_rate=lp.meter.rate(), decode_rate=self.step_meter.rate(),
                 # The local-prefill pass size while decoding: the pacer's latest budget (<= the cap).
-                local_prefill_chunk_tokens=self.pacer.last_budget, prefill_tokens_total=self.prefill_tokens_total,
+                local_prefill_chunk_tokens=lp.pacer.last_budget, prefill_tokens_total=lp.tokens_total,
             )
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
@@ -458,7 +380,8 @@ class DecodeWorker:
                 self._outbox = []
                 deltas += self._take_arrivals()
                 self._fail_grammars()
-                scored, prefill = self._start_local_prefill()  # the pass and its first-token draws, queued
+                # the pass and its first-token draws, queued
+                scored, prefill = self.local_prefill.start(self._step, self._last_step_s)
                 deltas += scored
                 batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
                 if batch.needs_drain:  # pool short: let every deferred free land, then preempt
@@ -475,13 +398,15 @@ class DecodeWorker:
             if prefill is not None:
                 # Read after step t+1 was launched: the draw waits for the pass only, the step queued
                 # behind it keeps the device busy; the new sequences join at step t+2.
-                deltas += self._finish_local_prefill(prefill)
+                deltas += self.local_prefill.finish(prefill)
             if inflight is not None:
                 deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
             inflight = launched
             fired = None
-            if self._count_fault is not None and deltas:
-                deltas, fired = self._cut_at_fault(deltas)
+            if self.count_fault.armed is not None and deltas:
+                with self._lock:
+                    seqs = self.scheduler.sequences()
+                deltas, fired = self.count_fault.cut(deltas, seqs, self._step)
             if deltas and not self._warming:
                 step_s, bs, bucket, step, timing = self._last_step_info
                 self._last_step_info = (0.0, 0, 0, -1, None)  # a step's record goes out once
@@ -496,45 +421,6 @@ class DecodeWorker:
                 t_nap = time.perf_counter()
                 self._wake.wait(_IDLE_WAIT_S)
                 self._interval_clock.idle(time.perf_counter() - t_nap)
-
-    def _cut_at_fault(self, deltas: list[TokenDelta]) -> tuple[list[TokenDelta], TokenCountFault | None]:
-        """The armed TokenCountFault against this iteration's deltas (loop thread, before they are
-        published): when a matching request reaches exactly `after_tokens` tokens here, its later
-        tokens in the batch are cut and the fault is returned (disarmed)."""
-        f = self._count_fault
-        with self._lock:
-            s = self.scheduler
-            seqs = {x.request_id: x for x in (*s.running, *s.waiting, *s.waiting_for_kv.values())}
-        in_batch: dict[str, int] = {}
-        for d in deltas:
-            if d.token_ids:
-                in_batch[d.request_id] = in_batch.get(d.request_id, 0) + len(d.token_ids)
-        target = None
-        for rid, n in in_batch.items():
-            seq = seqs.get(rid)  # (one that finished in this batch is not here: its end is not a fault point)
-            if seq is None or (f.seed is not None and seq.seed != f.seed):
-                continue
-            before = seq.resumed_tokens + len(seq.output_token_ids) - n  # tokens it had sent before this batch
-            if before < f.after_tokens <= before + n:
-                target, keep = rid, f.after_tokens - before
-                break
-        if target is None:
-            return deltas, None
-        out = []
-        for d in deltas:
-            if d.request_id == target and d.token_ids:
-                if keep <= 0:
-                    continue
-                if len(d.token_ids) > keep:
-                    d = TokenDelta(d.request_id, d.token_ids[:keep], None, None,
-                                   None if d.logprobs is None else d.logprobs[:keep], d.prompt_logprobs)
-                keep -= len(d.token_ids)
-            out.append(d)
-        with self._lock:
-            self._count_fault = None
-        self.faults_fired.append({"kind": f.kind, "after_tokens": f.after_tokens, "seed": f.seed,
-                                  "request_id": target, "step": self._step})
-        return out, f
 
     def _die(self) -> None:
         """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
@@ -572,12 +458,9 @@ class DecodeWorker:
         return deltas
 
     def _take_arrivals(self) -> list[TokenDelta]:
-        if self.transport is None:
-            return []
         deltas = []
-        for a in self.transport.poll_arrivals():
+        for a in self.transfers.arrivals():
             rid = a.reservation.request_id
-            self._expected.pop(rid, None)
             ok = a.error is None and a.header is not None and a.header.ok
             first = a.header.first_token if ok else None
             d = self.scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
@@ -599,77 +482,15 @@ class DecodeWorker:
         for rid, error in self.grammars.take_failed():
             self.abort(rid, error)
 
-    @torch.inference_mode()
-    def _start_local_prefill(self) -> tuple[list[TokenDelta], _PendingPrefill | None]:
-        """Under the lock: queues a local-prefill pass (paced while requests decode: LocalPrefillPacer)
-        and the first-token draws of the prompts it completes; nothing waits for the device. Returns
-        the deltas of prompts it only scored (no token to draw) and the queued draws."""
-        s = self.scheduler
-        s.readmit_preempted()
-        budget = None  # nothing decoding: the whole max_prefill_tokens, at once
-        if s.running:
-            budget = self.pacer.budget(self.prefill_meter.rate(), self._last_step_s)
-            if not self.pacer.ready(s.prefill_waiting_tokens(), budget, self._step):
-                return [], None
-        chunks = s.schedule_prefill(budget)
-        if not chunks:
-            return [], None
-        tokens = sum(len(c.token_ids) for _, c in chunks)
-        span = self._interval_clock.prefill_start()  # the pass and its first-token draw, between two steps
-        start = self._prefill_timer.start()
-        # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
-        wants = [(q.prompt_token_ids, q.params.prompt_logprobs)
-                 if q.params.prompt_logprobs is not None and not q.output_token_ids else None for q, _ in chunks]
-        logits, prompt_lps = self.prefill_runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-        for (seq, _), lps in zip(chunks, prompt_lps):
-            if lps is not None:
-                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
-        self._prefill_timer.stop(start, tokens)
-        self.prefill_tokens_total += tokens
-        # (decode steps launched so far, tokens, requests decoding): what the chunk cap did.
-        self.local_prefill_log.append((self._step, tokens, len(s.running)))
-        done = s.on_prefill_done(chunks)
-        scored = []
-        for q in [q for q in done if q.params.scores_prompt_only]:  # prompt scoring: no token
-            scored.append(s.on_prompt_scored(q, tuple(q.prompt_logprobs or ())))
-            done.remove(q)
-        drawn = None
-        if done:
-            rows = [i for i, (q, _) in enumerate(chunks) if q in done]
-            # The grammar masks are filled now; each grammar advances with its token in _finish_local_prefill.
-            drawn = sample_tokens_async(logits[rows], [q.params for q in done], [q.seed for q in done],
-                                        [q.num_tokens for q in done], [q.prompt_token_ids for q in done],
-                                        [q.generated_token_ids for q in done], [q.grammar for q in done])
-        self._interval_clock.prefill_end(span)
-        return scored, (_PendingPrefill(done, drawn) if done else None)
-
-    def _finish_local_prefill(self, pending: _PendingPrefill) -> list[TokenDelta]:
-        """The first tokens of the prompts a pass completed (waits for their draw only), then, under
-        the lock, those sequences start decoding. One aborted meanwhile is left out."""
-        tokens, logprobs = pending.drawn.result()
-        deltas = []
-        with self._lock:
-            for s, t, lp in zip(pending.done, tokens, logprobs):
-                if s.status is not SequenceStatus.WAITING:
-                    continue  # aborted between the pass and now (its blocks are back already)
-                prompt_lps, s.prompt_logprobs = s.prompt_logprobs, None  # sent with the first token, once
-                deltas.append(self.scheduler.on_prefill_token(s, t, lp, tuple(prompt_lps) if prompt_lps is not None
-                                                              else None))
-        return deltas
-
     def _fail_all(self, error: str, lost: bool = False) -> None:
         with self._lock:
             s = self.scheduler
             ids = list(s.waiting_for_kv) + [x.request_id for x in s.waiting] + [x.request_id for x in s.running]
             for rid in ids:
-                s.abort(rid, transfer_pending=rid in self._expected)
-                pending = self._expected.get(rid)
-                if pending is not None and self.transport is not None:
-                    self.transport.cancel(*pending)  # unclaimed: its blocks come back with the failed arrival
+                s.abort(rid, transfer_pending=self.transfers.pending(rid))
+                self.transfers.cancel(rid)  # unclaimed: its blocks come back with the failed arrival
                 if lost:
-                    self._lost[rid] = error
-            while len(self._lost) > _LOST_KEPT:
-                del self._lost[next(iter(self._lost))]
+                    self._mark_lost(rid, error)
             deltas = [TokenDelta(rid, (), "error", error) for rid in ids]
         if deltas:
             self.publisher.publish(TokenBatch(self.worker_id, self._step, tuple(deltas)))

@@ -206,6 +206,21 @@ class PublisherProcess:
                 return
 
 
+def make_publisher(worker_id: str, cfg, stats_sink: str | None, on_stop, where: str):
+    """A decode worker's token publisher (`cfg`: its WorkerConfig): in a process of its own ("process",
+    the served path: it never competes with the decode loop for the interpreter), or on a thread of the
+    caller's ("thread")."""
+    if where not in ("process", "thread"):
+        raise ValueError(f"token_publisher must be 'process' or 'thread', got {where!r}")
+    if where == "process":
+        return PublisherProcess(worker_id, cfg.model_dir, stats_sink, on_stop=on_stop, secret=cfg.cluster_secret)
+    from cluster.tokenizer import load_tokenizer
+    from decode_worker.token_publisher import TokenPublisher
+
+    return TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=on_stop,
+                          secret=cfg.cluster_secret)
+
+
 def _serve(args) -> None:
     """The process: a TokenPublisher fed from the worker's frames."""
     import zmq

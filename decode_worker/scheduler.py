@@ -86,6 +86,15 @@ class DecodeScheduler:
     def num_seqs(self) -> int:
         return len(self.waiting_for_kv) + len(self.waiting) + len(self.running)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is here, in any state."""
+        return (request_id in self.waiting_for_kv or any(x.request_id == request_id for x in self.running)
+                or any(x.request_id == request_id for x in self.waiting))
+
+    def sequences(self) -> dict[str, Sequence]:
+        """The requests here by id, in any state."""
+        return {x.request_id: x for x in (*self.running, *self.waiting, *self.waiting_for_kv.values())}
+
     def has_room(self) -> bool:
         return self.num_seqs < self.max_num_seqs
 

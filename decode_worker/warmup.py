@@ -71,7 +71,7 @@ class DecodeWorkerWarmup:
                 w._warming = False
             for r in ids:  # their last deltas were not published: nothing ends their publisher state
                 w.publisher.forget(r)
-        w._prefill_timer.harvest()
+        w.local_prefill.timer.harvest()
         self._reset_serving_counters()
         return {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
                 "grammar_seconds": round(grammar_s, 3), "seconds": round(time.perf_counter() - t0, 3),
@@ -90,7 +90,7 @@ class DecodeWorkerWarmup:
             self.worker.blocks.free_now(table)
 
     def _timed(self, fn: Callable[[], torch.Tensor], tokens: int) -> torch.Tensor:
-        timer = self.worker._prefill_timer
+        timer = self.worker.local_prefill.timer
         start = timer.start()
         out = fn()
         timer.stop(start, tokens)
@@ -102,7 +102,7 @@ class DecodeWorkerWarmup:
         returns once all are done. `ids` gets each submitted request's id at once (the caller forgets
         their publisher state, whatever happens here)."""
         w = self.worker
-        chunk, max_len = w.chunk_tokens, w.max_model_len
+        chunk, max_len = w.local_prefill.chunk_tokens, w.max_model_len
         long_prompt = min(chunk + 16, max_len - 64) if cuda else min(24, chunk + 8)
         # The last one decodes under a grammar (compiled above: ready at once).
         params = ([replace(WARMUP_PARAMS[0], max_tokens=12)] + list(WARMUP_PARAMS)
@@ -116,8 +116,8 @@ class DecodeWorkerWarmup:
                 ids.append(rid)
             if i == 0:  # let the short one start decoding, so the long ones prefill beside it
                 self._wait_until(lambda: any(x.request_id == rid for x in w.scheduler.running)
-                                 or not w._known(rid), deadline)
-        self._wait_until(lambda: not any(w._known(r) for r in ids), deadline)
+                                 or not w.scheduler.holds(rid), deadline)
+        self._wait_until(lambda: not any(w.scheduler.holds(r) for r in ids), deadline)
 
     def _wait_until(self, cond: Callable[[], bool], deadline: float) -> None:
         w = self.worker
@@ -135,5 +135,4 @@ class DecodeWorkerWarmup:
         w = self.worker
         w.metrics = StepMetrics()
         w.blocks.allocator.stats = PrefixCacheStats()  # so do the prefix-cache counters
-        w.prefill_tokens_total = 0
-        w.local_prefill_log.clear()
+        w.local_prefill.reset_counters()

@@ -250,7 +250,7 @@ def test_request_fit_is_one_rule(demo_model_dir, max_model_len, num_blocks):
             rule = _verdict(lambda: check_request_fits(n, m, decode.max_model_len, block_size=bs, kv_blocks=cap))
             assert _verdict(lambda: admission.admit(f"a{i}", n, m, [view])) == rule, (n, m)
             req = GenerateRequest(f"r{i}", tuple(ids), params, 0, 0.0)
-            assert _verdict(lambda: decode._make_sequence(req)) == rule, (n, m)
+            assert _verdict(lambda: decode.sequences.build(req)) == rule, (n, m)
             if engine.max_model_len == decode.max_model_len:
                 assert _verdict(lambda: engine.add_request(ids, params)) == rule, (n, m)
             prompt_rule = _verdict(lambda: check_request_fits(n, 0, decode.max_model_len, block_size=bs, kv_blocks=cap))

@@ -63,7 +63,7 @@ def test_running_requests_get_a_step_between_chunks_and_outputs_equal_the_engine
         assert tokens["long"] == list(ref[1].token_ids)
         # The long prompt went in chunks of at most `cap` tokens while "short" was decoding, and a
         # decode step was launched between any two of them.
-        log = [entry for entry in worker.local_prefill_log if entry[2] > 0]
+        log = [entry for entry in worker.local_prefill.log if entry[2] > 0]
         assert sum(n for _, n, _ in log) == len(long_)
         assert all(n <= cap for _, n, _ in log) and len(log) == -(-len(long_) // cap)
         steps = [step for step, _, _ in log]
@@ -83,9 +83,9 @@ def test_nothing_decoding_uses_the_whole_budget(demo_model_dir):
         p = _prompt(3, 100)
         assert worker.submit_local(GenerateRequest("only", tuple(p), SamplingParams(max_tokens=2, **GREEDY), 0, 0.0)) is not None
         deadline = time.monotonic() + 60
-        while not worker.local_prefill_log:
+        while not worker.local_prefill.log:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert worker.local_prefill_log[0][1:] == (100, 0)  # one pass: nobody was decoding
+        assert worker.local_prefill.log[0][1:] == (100, 0)  # one pass: nobody was decoding
     finally:
         worker.shutdown()

@@ -38,8 +38,8 @@ def test_warmup_runs_every_path_and_leaves_nothing_behind(demo_model_dir):
         assert st.decode_rate is not None  # decode steps ran
         assert st.free_blocks == st.total_blocks and st.running == st.waiting == 0
         worker.check_blocks()
-        assert worker.step_metrics()["steps_total"] == 0 and worker.prefill_tokens_total == 0
-        assert not worker.local_prefill_log and worker.blocks.allocator.stats.queries == 0
+        assert worker.step_metrics()["steps_total"] == 0 and worker.local_prefill.tokens_total == 0
+        assert not worker.local_prefill.log and worker.blocks.allocator.stats.queries == 0
         # The worker serves as if the warm-up had not been: greedy output equals the engine's.
         prompt, p = [0, 5, 9, 17, 33, 2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         ref = LLMEngine(demo_model_dir, dtype="float32").generate([prompt], p)[0]

@@ -64,7 +64,7 @@ def test_warmup_then_capped_local_prefill_equals_the_engine(demo_model_dir):
                 for d in b.deltas:
                     tokens.setdefault(d.request_id, []).extend(d.token_ids)
         assert tokens["short"] == list(ref[0].token_ids) and tokens["long"] == list(ref[1].token_ids)
-        capped = [n for _, n, decoding in worker.local_prefill_log if decoding]
+        capped = [n for _, n, decoding in worker.local_prefill.log if decoding]
         assert capped and max(capped) <= 64 and sum(capped) == len(long_)
     finally:
         worker.shutdown()
