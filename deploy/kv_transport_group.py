@@ -2,7 +2,7 @@
 for KV transfers, formed before /ready, joined by every worker that starts later (a role switch, a
 Ray restart).
 
-The launcher hosts the TCPStore (master) the transports rendezvous through (`rendezvous_store`: bound
+The launcher hosts the TCPStore (master) the transports rendezvous through (`start_store`: bound
 to the cluster's internal address only); every actor gets the same frozen `TransportSpec` via
 `init_transport(spec)` (a decode worker publishes its control endpoint there), then every prefill
 worker forms and warms its channel to every decode worker (`connect_transport`: NCCL communicators,
@@ -11,17 +11,15 @@ IPC mappings, copy kernels), so the first request pays none of it.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
-import torch.distributed as dist
 
 from cluster.errors import PdserveError
 from cluster.transport.factory import TransportSpec
+from cluster.transport.rendezvous_store import start_store
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig
 
@@ -71,7 +69,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
-    store = rendezvous_store(store_host, cfg.kv_store_port)
+    store = start_store(store_host, cfg.kv_store_port, timeout_s=300.0)
     spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace,
                          secret=secret, **spec)
@@ -90,30 +88,3 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     for pid, secs in warm.items():
         log.info("KV channels of %s formed and warmed: %s", pid, {d: round(t, 3) for d, t in secs.items()})
     return group
-
-
-def rendezvous_store(host: str, port: int = 0) -> dist.TCPStore:
-    """The KV transport group's TCPStore (master), listening on `host` only.
-
-    A TCPStore master given a host still listens on every interface ('::'); so the listening socket
-    is made here, bound to the cluster's internal address, and handed over (`master_listen_fd`). A
-    wildcard address is refused: the store takes unauthenticated writes."""
-    try:
-        wildcard = ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        wildcard = not host
-    if wildcard:
-        raise PdserveError(f"the KV rendezvous store must listen on the cluster's internal address, not {host!r}")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, port))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
-                              master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's event loop owns (and closes) the descriptor now
-    return store

@@ -231,3 +231,34 @@ def test_serve_and_generate_do_not_import_the_load_test_tooling(argv, demo_model
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "LOADED []" in r.stdout, r.stdout[-2000:]
+
+
+# STYLE.md: no serving file past ~500 lines (one concept per file). The benchmarks and load tests
+# under loadtest/ are scripts, not serving code, and are not held to it.
+MAX_SERVING_FILE_LINES = 500
+
+
+def serving_files_too_long(root: Path = ROOT, limit: int = MAX_SERVING_FILE_LINES) -> dict[str, int]:
+    too_long = {}
+    for pkg in PACKAGES:
+        if pkg == "loadtest":
+            continue
+        for f in sorted((root / pkg).rglob("*.py")):
+            n = len(f.read_text().splitlines())
+            if n > limit:
+                too_long[str(f.relative_to(root))] = n
+    return too_long
+
+
+def test_no_serving_file_is_past_the_size_limit():
+    assert serving_files_too_long() == {}
+
+
+def test_the_size_check_catches_a_long_file(tmp_path):
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "big.py").write_text("x = 1\n" * (MAX_SERVING_FILE_LINES + 1))
+    (tmp_path / "loadtest").mkdir()
+    (tmp_path / "loadtest" / "bench.py").write_text("x = 1\n" * (MAX_SERVING_FILE_LINES + 1))
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir(exist_ok=True)
+    assert serving_files_too_long(tmp_path) == {"router/big.py": MAX_SERVING_FILE_LINES + 1}

@@ -6,6 +6,7 @@ decode loop (`done()`) and waited for by one waiter thread per pair (`wait()`), 
     DeferredCompletion  same-GPU decode side: the commit names the event to query
     AllCompletion       several of them at once (tensor parallelism: a rank's links, its followers')
     ReadyCompletion     nothing was left to wait for
+    WedgedCompletion    fault "stuck_transfer": never done until the pair is given up
 """
 
 from __future__ import annotations
@@ -222,3 +223,22 @@ class Waiter(threading.Thread):
             then()
         except Exception:  # noqa: BLE001
             log.exception("KV completion callback failed")
+
+
+class WedgedCompletion(Completion):
+    """Fault "stuck_transfer": a payload that never completes, until the pair is given up (abandon)."""
+
+    def __init__(self):
+        self._given_up = threading.Event()
+
+    def done(self) -> bool:
+        return self._given_up.is_set()
+
+    def wait(self) -> None:
+        self._given_up.wait()
+
+    def error(self) -> str | None:
+        return "the KV payload never completed (the pair's channel wedged)" if self._given_up.is_set() else None
+
+    def abandon(self) -> None:
+        self._given_up.set()

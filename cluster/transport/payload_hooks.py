@@ -15,10 +15,10 @@ import torch
 if TYPE_CHECKING:
     from cluster.transport.channel import Commit, Hello
     from cluster.transport.completion import Completion
+    from cluster.transport.out_bundle import OutBundle
     from cluster.transport.pair import Pair
     from cluster.transport.plan import ItemPlan, Launch
     from cluster.transport.receiver_side import InBundle
-    from cluster.transport.sender_side import OutBundle
 
 
 def on_stream(stream, device):

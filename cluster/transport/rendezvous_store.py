@@ -5,10 +5,13 @@ outlives any worker); every worker, and every follower rank's payload agent, rea
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+from cluster.errors import PdserveError
 
 if TYPE_CHECKING:
     from cluster.transport.transport_spec import TransportSpec
@@ -24,10 +27,32 @@ def local_address_towards(host: str, port: int) -> str:
 
 
 def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPStore:
-    """The launcher hosts the rendezvous store (so it outlives any worker) on the internal address.
-    port=0 picks a free port: read it back from `store.port`."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+    """The rendezvous store's server (the launcher's, so it outlives any worker; a tensor-parallel
+    leader's for its group), listening on `host` only. port=0 picks a free port: read it back from
+    `store.port`.
+
+    A TCPStore master given a host still listens on every interface ('::'); so the listening socket
+    is made here, bound to `host`, and handed over (`master_listen_fd`). A wildcard address is
+    refused: the store takes unauthenticated writes."""
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = not host
+    if wildcard:
+        raise PdserveError(f"the KV rendezvous store must listen on the cluster's internal address, not {host!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's event loop owns (and closes) the descriptor now
+    return store
 
 
 _HASH_STORES: dict[str, dist.HashStore] = {}

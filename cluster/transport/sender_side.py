@@ -18,8 +18,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -29,57 +28,15 @@ from cluster.logprobs import PrefillLogprobs
 from cluster.messages import Reservation
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
-from cluster.transport.completion import Completion, ReadyCompletion
+from cluster.transport.completion import ReadyCompletion, WedgedCompletion
+from cluster.transport.out_bundle import OutBundle
 from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
-from cluster.transport.plan import ItemPlan, KVNumerics, Launch, PlanSpec, check_pair_numerics, fingerprint
+from cluster.transport.plan import KVNumerics, PlanSpec, check_pair_numerics, fingerprint
 
 if TYPE_CHECKING:
     from cluster.transport.control import ControlledTransport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class OutBundle:
-    """One bundle out: the transfers one shipment sends one decode peer, their plan and progress."""
-
-    id: int
-    pair: Pair
-    sends: list[KVSend]
-    futures: list[Future]
-    items: list[ItemPlan]
-    launches: list[Launch]
-    issued: int = 0
-    payload: Any = None  # the payload subclass's per-bundle state
-    completion: Completion | None = None
-    commit_event: int = -1
-    failed: str | None = None
-    t_kv: float = 0.0  # monotonic: the forward finished (the transfer's exposed part starts)
-    unlocked: bool = False
-    fault: str | None = None  # injected fault this bundle carries ("": none; None: not looked at yet)
-
-    def intact(self) -> bool:
-        """This side's payload is done without error: the decode side has every byte."""
-        return self.completion is not None and self.completion.done() and self.completion.error() is None
-
-
-class WedgedCompletion(Completion):
-    """Fault "stuck_transfer": a payload that never completes, until the pair is given up (abandon)."""
-
-    def __init__(self):
-        self._given_up = threading.Event()
-
-    def done(self) -> bool:
-        return self._given_up.is_set()
-
-    def wait(self) -> None:
-        self._given_up.wait()
-
-    def error(self) -> str | None:
-        return "the KV payload never completed (the pair's channel wedged)" if self._given_up.is_set() else None
-
-    def abandon(self) -> None:
-        self._given_up.set()
 
 
 class _Shipment(Shipment):

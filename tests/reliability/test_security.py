@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from cluster.errors import PdserveError
-from deploy.kv_transport_group import rendezvous_store
+from cluster.transport.rendezvous_store import start_store
 from cluster.messages import KVHeader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _listening(port: int) -> set[str]:
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
 def test_store_refuses_a_wildcard_address(host):
     with pytest.raises(PdserveError, match="internal address"):
-        rendezvous_store(host)
+        start_store(host)
 
 
 def test_store_listens_on_the_internal_address_only():
@@ -41,7 +41,7 @@ def test_store_listens_on_the_internal_address_only():
 
     import torch.distributed as dist
 
-    store = rendezvous_store("127.0.0.1")
+    store = start_store("127.0.0.1")
     assert _listening(store.port) == {"127.0.0.1"}  # a plain TCPStore master would listen on '::'
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10),
                            use_libuv=True)

@@ -4,8 +4,8 @@
   re-prefilled on a healthy worker) and every stream still equals the reference engine's greedy text
   token for token: no gap, no duplicate, no error event;
 - with migration off, the dead worker's requests end with a clear error event, the others finish;
-- the prefill worker killed with prompts queued on it: they are placed again (prefilled on a decode
-  worker) and finish exactly;
+- the prefill worker killed with prompts on it (its transfer stuck, so the kill finds them there):
+  they are placed again (prefilled on a decode worker) and finish exactly;
 - after each, new requests are served and no KV block is left held on any live worker."""
 
 from __future__ import annotations
@@ -83,6 +83,15 @@ def _kill(sc, wid):
     print(f"\nkilled {wid} holding {len(sc.router.views[wid].inflight)} requests")
 
 
+def hold_prefill(sc, wid) -> None:
+    """Arms a stuck transfer on the prefill worker: its next bundle never moves, so what is placed on
+    it stays there (mid-transfer or queued behind) until it dies. Without it a fast machine prefills
+    and ships every prompt between two looks at the router, and the kill finds nothing to move."""
+    import ray
+
+    ray.get(sc.workers.prefill[wid].inject_transport_fault.remote("stuck_transfer"))
+
+
 def _serves(sc) -> None:
     r = httpx.post(f"{sc.url}/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "Story 99: w1 w2 w3 " * 5, "max_tokens": 6})
@@ -153,13 +162,14 @@ def test_prefill_worker_death_retries_elsewhere(cluster, reference_engine):
                                                                                ignore_eos=True)] * len(prompts))]
     router = cluster.router
     held = {}
+    hold_prefill(cluster, "prefill-0")
 
     def kill():
         held["n"] = len(router.views["prefill-0"].inflight)
         _kill(cluster, "prefill-0")
 
     out = asyncio.run(_run_and_kill(cluster, prompts, n, kill,
-                                    when=lambda k: len(router.views["prefill-0"].inflight) >= 4 or k > 0))
+                                    when=lambda k: len(router.views["prefill-0"].inflight) >= 4))
     errors = [ev for _, evs in out for ev in evs if "error" in ev]
     assert not errors, errors[:2]
     assert [t for t, _ in out] == refs

@@ -20,7 +20,7 @@ import pytest
 
 from cluster.sampling_params import SamplingParams
 from reliability_harness import MODEL, start_cluster, wait_clean, worker_stats
-from test_worker_death import _busiest, _prompts, _run_and_kill
+from test_worker_death import _busiest, _prompts, _run_and_kill, hold_prefill
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +122,14 @@ def test_restarted_prefill_worker_rejoins(cluster, reference_engine):
     n = 10
     refs = _refs(reference_engine, prompts, n)
     held = {}
+    hold_prefill(cluster, "prefill-0")  # (the new incarnation's transport has no fault armed)
 
     def kill():
         held["n"] = len(router.views["prefill-0"].inflight)
         _restart(cluster, "prefill-0")
 
     out = asyncio.run(_run_and_kill(cluster, prompts, n, kill,
-                                    when=lambda k: len(router.views["prefill-0"].inflight) >= 4 or k > 0))
+                                    when=lambda k: len(router.views["prefill-0"].inflight) >= 4))
     errors = [ev for _, evs in out for ev in evs if "error" in ev]
     assert not errors, errors[:2]
     assert [t for t, _ in out] == refs
