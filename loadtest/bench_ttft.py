@@ -101,6 +101,8 @@ def _locust_report(url: str, levels: list[int], step_s: float, warmup_s: float, 
               "--warmup", f"{warmup_s:g}", "--prompt-tokens", str(prompt_tokens), "--output-tokens",
               str(output_tokens), "--stats-interval", "0.25", "--out", str(out_dir / "ttft_locust"),
               "--summary", str(summary), "--plot", str(out_dir / "ttft_locust.png")])
+    if not summary.is_file():  # (loadtest.run printed why: no locust, the server gone...)
+        raise SystemExit(f"bench_ttft: the load-test report wrote no summary ({summary}); see its output above")
     return json.loads(summary.read_text())
 
 

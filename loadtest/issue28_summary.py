@@ -1,7 +1,8 @@
 """`python -m loadtest.issue28_summary OUT_DIR`: issue 28's results side by side, every target with its
 measured value and met / missed, from the files loadtest/run_issue28_h200.sh wrote (decode_h200.json,
 transfer_h200.json, itl_h200.json, ttft_h200.json, prefix_cache_h200.json, gpu_tests.log). Writes
-OUT_DIR/issue28_checks.json (all checks in one object) and prints a short table.
+OUT_DIR/issue28_checks.json (all checks in one object) and prints a short table. A stage that ran
+(not in --skip) but wrote no results is reported as such, its targets "not measured".
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ def _met(m) -> str:
     return {True: "met", False: "MISSED", None: "-"}[m]
 
 
-def collect(out: Path) -> tuple[dict, list[str]]:
+# stage (run_issue28_h200.sh's SKIP names) -> the results file it writes
+STAGES = {"decode": "decode_h200.json", "transfer": "transfer_h200.json", "itl": "itl_h200.json",
+          "ttft": "ttft_h200.json", "prefix": "prefix_cache_h200.json"}
+
+
+def collect(out: Path, skipped: frozenset[str] = frozenset()) -> tuple[dict, list[str]]:
     checks: dict = {}
     lines: list[str] = []
+    for stage, name in STAGES.items():
+        if stage not in skipped and _load(out, name) is None:
+            checks[f"{stage}/measured"] = {"met": False, "detail": f"not measured: {name} was not written "
+                                                                   f"(see {stage}_h200.log)"}
+            lines.append(f"{stage}: NOT MEASURED ({name} was not written)")
     log = out / "gpu_tests.log"
     if log.is_file():
         tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-1:]
@@ -87,9 +98,14 @@ def collect(out: Path) -> tuple[dict, list[str]]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0]) if argv else Path("loadtest/results")
-    checks, lines = collect(out)
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m loadtest.issue28_summary")
+    ap.add_argument("out", nargs="?", default="loadtest/results")
+    ap.add_argument("--skip", default="", help="the stages skipped (comma-separated): not reported missing")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    checks, lines = collect(out, frozenset(x for x in args.skip.split(",") if x))
     (out / "issue28_checks.json").write_text(json.dumps(checks, indent=1))
     print("\n".join(lines))
     print("\nissue 28 targets")

@@ -185,4 +185,4 @@ fi
 cleanup
 trap - EXIT
 stamp "done"
-$PY -m loadtest.issue28_summary "$OUT"
+$PY -m loadtest.issue28_summary "$OUT" --skip "$SKIP"
