@@ -21,9 +21,11 @@ here (the HTTP mapping of the errors is the gateway's):
    in the queue over the measured rate of admissions from it) passes `queue_timeout_s`, or once it
    has waited `queue_timeout_s`. A request cancelled while it waits (its client left) just leaves
    the queue: it holds nothing anywhere yet.
-6. 429 once an admitted request has waited `reserve_wait_s` (a migration: `migration_wait_s`) for a
-   decode worker that takes it (`check_placement_wait`: the router's placement walk retries until
-   then, router/placement_walk.py).
+6. An admitted request that no decode worker takes within `reserve_wait_s` (the router's placement
+   walk retries until then, router/placement_walk.py; `check_placement_wait`) waits in the queue
+   again, ahead of its source's later arrivals, while another attempt still ends within
+   `queue_timeout_s` of its arrival (`can_requeue`; Router.submit): admission read a view a poll
+   behind the worker, which refused. Then 429. A migration gets its 429 after `migration_wait_s`.
 
 An admitted request holds a ticket until the gateway releases it (finished, failed, aborted or its
 client gone), so the counters can't leak; `mark_running` moves it from admitted-without-a-first-token
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Callable
 
 from cluster.errors import InvalidRequestError
 from cluster.request_limits import check_request_fits
-from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, OverloadedError
+from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, NotPlacedError, OverloadedError
 
 if TYPE_CHECKING:  # annotations only: AdmissionLimits stays importable without torch (deploy/config.py)
     from router.placement import WorkerView
@@ -136,10 +138,16 @@ class AdmissionController:
         return healthy
 
     def check_placement_wait(self, waited_s: float, wait_s: float) -> None:
-        """429 once a placement has waited `wait_s` for a decode worker that takes the request."""
+        """NotPlacedError once a placement has waited `wait_s` for a decode worker that takes the
+        request: a new request then waits in the queue again (Router.submit), a migration gets a 429."""
         if waited_s >= wait_s:
-            raise OverloadedError(f"no decode worker could take the request within {wait_s:g}s; retry later",
-                                  self.limits.retry_after_s)
+            raise NotPlacedError(f"no decode worker could take the request within {wait_s:g}s; retry later",
+                                 self.limits.retry_after_s)
+
+    def can_requeue(self, since: float, wait_s: float) -> bool:
+        """Whether a request queued since `since` (monotonic) that a placement refused may wait in the
+        queue again: another placement attempt (`wait_s`) still ends within queue_timeout_s."""
+        return self.limits.max_waiting_requests > 0 and time.monotonic() - since + wait_s < self.limits.queue_timeout_s
 
     # -- capacity, now ------------------------------------------------------------------------------
     def _claimed(self, worker_id: str) -> tuple[int, int]:
@@ -205,12 +213,16 @@ class AdmissionController:
             self.pump()
 
     # -- the queue ------------------------------------------------------------------------------------
-    async def enter(self, request_id: str, source: str, try_admit: Callable[[], None]) -> float:
+    async def enter(self, request_id: str, source: str, try_admit: Callable[[], None],
+                    since: float | None = None) -> float:
         """Admits the request (`try_admit` is `admit` with its arguments) at once if nobody waits and
         it fits, else queues it until it does; returns the seconds it waited. Raises what `admit`
         does (but CapacityShortError), OverloadedError (429) when the queue is full, when the wait
-        would pass `queue_timeout_s` or once it has, DrainingError when the server starts draining."""
+        would pass `queue_timeout_s` or once it has, DrainingError when the server starts draining.
+        since: when the request first queued (monotonic), for one that waits again after a refused
+        placement: its queue_timeout_s counts from then, and it goes ahead of its source's queue."""
         lim = self.limits
+        again, entered = since is not None, time.monotonic()
         if not self._num_queued:  # first come, first served: nobody waits ahead of it
             try:
                 try_admit()
@@ -220,16 +232,19 @@ class AdmissionController:
         if self._num_queued >= lim.max_waiting_requests:
             raise OverloadedError(f"{self._num_queued} requests already wait for KV and prefill capacity "
                                   f"(max_waiting_requests={lim.max_waiting_requests}); retry later", lim.retry_after_s)
-        expected = self.expected_wait_s(self._num_queued + 1)
+        expected = None if again else self.expected_wait_s(self._num_queued + 1)
         if expected is not None and expected > lim.queue_timeout_s:
             raise OverloadedError(f"the admission queue would hold this request about {expected:.0f}s "
                                   f"(queue_timeout_s={lim.queue_timeout_s:g}); retry later", lim.retry_after_s)
-        w = _Waiter(request_id, source, try_admit, time.monotonic())
+        w = _Waiter(request_id, source, try_admit, since if again else time.monotonic())
         q = self._queues.get(source)
         if q is None:
             q = self._queues[source] = deque()
             self._turns.append(source)
-        q.append(w)
+        if again:
+            q.appendleft(w)
+        else:
+            q.append(w)
         self._num_queued += 1
         self.on_queued()
         try:
@@ -246,7 +261,7 @@ class AdmissionController:
             raise OverloadedError(f"the request waited {lim.queue_timeout_s:g}s (queue_timeout_s={lim.queue_timeout_s:g}) for KV and "
                                   "prefill capacity; retry later", lim.retry_after_s)
         w.admitted.result()  # raises what admitting it raised (400, 503)
-        return time.monotonic() - w.since
+        return time.monotonic() - (w.since if not again else entered)
 
     def _leave(self, w: _Waiter) -> None:
         q = self._queues.get(w.source)

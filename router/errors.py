@@ -7,6 +7,7 @@ all of them through router/openai/errors.py::api_error and the channel carries t
     CapacityError (cluster)          429 rate_limit_error, Retry-After 1
       OverloadedError                429 rate_limit_error, Retry-After: its retry_after_s
         CapacityShortError           (as OverloadedError: decided on polled state, re-asked first)
+          NotPlacedError             (admitted, then refused by every worker: queued again first)
     NoHealthyWorkerError             503 service_unavailable, no_healthy_worker
       DrainingError                  503 service_unavailable, draining, Retry-After 1, Connection: close
       RouterUnavailableError         503 service_unavailable, no_healthy_worker
@@ -32,6 +33,12 @@ class CapacityShortError(OverloadedError):
     """HTTP 429 decided on the workers' polled state (KV room, prefill queues): a fresh poll may
     change the answer, so the router re-polls and asks again before it lets this out (it reaches the
     gateway as an OverloadedError)."""
+
+
+class NotPlacedError(CapacityShortError):
+    """HTTP 429 unless re-queued: no decode worker took an admitted request within reserve_wait_s,
+    although admission had seen room (a view a poll behind the worker: a worker refuses what does not
+    fit). Router.submit puts the request back in the admission queue until queue_timeout_s."""
 
 
 class NoHealthyWorkerError(PdserveError):

@@ -33,7 +33,7 @@ from typing import Coroutine, Mapping
 from cluster.messages import GenerateRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
-from router.errors import DrainingError
+from router.errors import DrainingError, NotPlacedError
 from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.migrator import Migrator
@@ -237,20 +237,34 @@ class Router:
         rid = req.request_id
         self.admission.check_open()
         self._arrivals.record_arrival(len(req.prompt_token_ids), req.params.max_tokens)
-        waited = await self.admission.enter(rid, req.reply_to or "", lambda: self._admit(req))
+        since = time.monotonic()
+        again = None  # after a refused placement: when it first queued
+        queued = 0.0  # seconds in the admission queue, every turn in it
+        while True:
+            queued += await self.admission.enter(rid, req.reply_to or "", lambda: self._admit(req), since=again)
+            rs = PlacedRequest(req)
+            self.inflight[rid] = rs
+            try:
+                await self.walk.place(rs)
+            except NotPlacedError:
+                # Every worker refused although admission saw room: its view was a poll behind them.
+                # The request waits for capacity again rather than taking a 429 now (AdmissionController, 6).
+                self.finish(rid, abort=True)
+                if not self.admission.can_requeue(since, self.cfg.reserve_wait_s):
+                    raise
+                again = since
+                log.info("request %s: no decode worker took it; it waits in the admission queue again", rid)
+                continue
+            except BaseException:
+                # Also on cancellation (client gone while we waited for a reservation): whatever a
+                # worker already holds for this request is aborted there.
+                self.finish(rid, abort=True)
+                raise
+            finally:
+                self.admission.placed(rid)  # its worker's view counts it now (or it is gone)
+            break
         if self.metrics:
-            self.metrics.admission_queue_time.observe(waited)
-        rs = PlacedRequest(req)
-        self.inflight[rid] = rs
-        try:
-            await self.walk.place(rs)
-        except BaseException:
-            # Also on cancellation (client gone while we waited for a reservation): whatever a
-            # worker already holds for this request is aborted there.
-            self.finish(rid, abort=True)
-            raise
-        finally:
-            self.admission.placed(rid)  # its worker's view counts it now (or it is gone)
+            self.metrics.admission_queue_time.observe(queued)
         rs.placed_time = time.time()
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))

@@ -283,3 +283,57 @@ def test_draining_refuses_new_requests_with_503_and_a_new_config_reaches_every_p
         assert router.health.cfg is router.walk.cfg is router.migrator.cfg is router.cfg
         await router.stop()
     asyncio.run(main())
+
+
+def test_a_request_every_worker_refuses_waits_in_the_queue_again(workers):
+    """Admission saw room but every decode worker refused (a view a poll behind them): the request
+    waits in the admission queue again and is placed once a worker takes it, instead of a 429 after
+    reserve_wait_s."""
+    _, d0, d1 = workers
+
+    async def main():
+        router = make_router(workers)
+        await router.start()
+        d0.refuse_placements(True)
+        d1.refuse_placements(True)
+        try:
+            task = asyncio.ensure_future(router.submit(req("refused-then-placed")))
+            await asyncio.sleep(0.5)  # five reserve_wait_s: each refused walk sent it back to the queue
+            assert not task.done()
+            d1.refuse_placements(False)
+            rs = await asyncio.wait_for(task, 5)
+            assert rs.decode_worker_id == "decode-1"
+            assert (await _drain(d1, rs.worker_request_id)).finish_reason == "length"
+            router.finish("refused-then-placed")
+        finally:
+            d0.refuse_placements(False)
+            d1.refuse_placements(False)
+            await router.stop()
+    asyncio.run(main())
+
+
+def test_refusals_past_the_queue_timeout_end_in_a_429(workers):
+    from router.errors import OverloadedError
+
+    _, d0, d1 = workers
+
+    async def main():
+        p, _, _ = workers
+        admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, queue_timeout_s=0.6))
+        router = Router([WorkerClient("prefill-0", "prefill", p)],
+                        [WorkerClient("decode-0", "decode", d0), WorkerClient("decode-1", "decode", d1)],
+                        admission, RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1))
+        await router.start()
+        d0.refuse_placements(True)
+        d1.refuse_placements(True)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(OverloadedError, match="could take the request within 0.1s"):
+                await router.submit(req("always-refused"))
+            assert 0.5 <= asyncio.get_running_loop().time() - t0 < 2.0
+            assert not router.inflight and admission.num_waiting == 0 and not admission._tickets
+        finally:
+            d0.refuse_placements(False)
+            d1.refuse_placements(False)
+            await router.stop()
+    asyncio.run(main())
