@@ -25,6 +25,8 @@ for _ in $(seq 1 180); do
   sleep 1
 done
 
+echo "(The demo model's weights are random, so its text is noise, often bytes that are not UTF-8 (shown"
+echo " as U+FFFD). Serve a real model with: pdserve serve meta-llama/Llama-3.2-1B-Instruct)"
 echo "--- POST /v1/chat/completions"
 curl -sS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' -d '{
   "model": "pdserve-demo", "max_tokens": 24, "temperature": 0,
