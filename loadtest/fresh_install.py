@@ -2,6 +2,7 @@
 
     python loadtest/fresh_install.py quickstart      # ./quickstart.sh
     python loadtest/fresh_install.py tests           # the README's test command
+    python loadtest/fresh_install.py tests --repeat 3   # three times in a row, each from scratch
 
 Each run: `python3 -m venv` in a new temporary folder, `git clone` of this checkout's committed HEAD
 into it, then the command from the clone's root with the venv active and nothing of this session's
@@ -10,7 +11,8 @@ points into the temporary folder). pip's download cache (~/.cache/pip) is the ma
 says whether it was empty (`pip_cache`: "cold") or held the wheels already ("warm"). The row
 `{command, seconds, ok, ...}` replaces the one of the same command and commit in
 loadtest/results/fresh_install.json (runs of other commits stay: the spread between runs is this
-shared machine's load). It starts Ray and servers: run it alone (on a shared machine
+shared machine's load); with --repeat N the N rows (`run`: "i/N") replace them, and the runs stop at
+the first failure, whose folder is kept (`dir`) to read its log. It starts Ray and servers: run it alone (on a shared machine
 under the heavy-test lock).
 """
 
@@ -58,7 +60,7 @@ def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
     tail = log.read_text(errors="replace").splitlines()[-15:]
     row = {"command": command, "seconds": round(seconds, 1), "ok": rc == 0, "exit_code": rc, "commit": commit,
            "pip_cache": cache_state, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
-    if not keep:
+    if not keep and rc == 0:
         shutil.rmtree(base, ignore_errors=True)
     else:
         row["dir"] = str(base)
@@ -70,14 +72,24 @@ def main(argv=None) -> int:
     p.add_argument("which", choices=sorted(COMMANDS))
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (venv, clone, log)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--repeat", type=int, default=1, help="runs in a row (each from scratch); stops at a failure")
     args = p.parse_args(argv)
-    row = run(args.which, keep=args.keep)
+    new: list[dict] = []
+    for i in range(args.repeat):
+        row = run(args.which, keep=args.keep)
+        if args.repeat > 1:
+            row["run"] = f"{i + 1}/{args.repeat}"
+        new.append(row)
+        print(json.dumps({k: row[k] for k in ("command", "seconds", "ok", *(("run",) if "run" in row else ()))}),
+              flush=True)
+        if not row["ok"]:
+            break
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.is_file() else []
-    rows = [r for r in rows if (r.get("command"), r.get("commit")) != (row["command"], row["commit"])] + [row]
+    done = {(r["command"], r["commit"]) for r in new}
+    rows = [r for r in rows if (r.get("command"), r.get("commit")) not in done] + new
     out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(json.dumps({k: row[k] for k in ("command", "seconds", "ok")}))
-    return 0 if row["ok"] else 1
+    return 0 if all(r["ok"] for r in new) else 1
 
 
 if __name__ == "__main__":

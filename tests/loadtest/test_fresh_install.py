@@ -1,0 +1,52 @@
+"""fresh_install.py's dry run: one real run of a trivial command in a new venv on a fresh clone, and
+--repeat's rows (N in a row, stopping at the first failure, replacing the commit's earlier rows)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from loadtest import fresh_install
+
+
+def test_a_run_is_a_new_venv_on_a_fresh_clone_without_this_sessions_environment(monkeypatch):
+    monkeypatch.setitem(fresh_install.COMMANDS, "probe",
+                        'python -c "import os, sys; print(sys.prefix, os.environ.get(\'PYTHONPATH\'), '
+                        'os.environ[\'PDSERVE_HOME\'])" && test -f pyproject.toml && test -d .git')
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    row = fresh_install.run("probe")
+    assert row["ok"], row["log_tail"]
+    prefix, pythonpath, home = row["log_tail"][-1].split()
+    assert prefix.endswith("/v") and "pdserve-fresh-" in prefix and pythonpath == "None"
+    assert home.startswith(os.path.dirname(prefix)) and not os.path.exists(prefix)  # removed after a pass
+
+
+def test_repeat_stops_at_the_first_failure_and_replaces_the_commits_rows(tmp_path, monkeypatch):
+    outcomes = iter([True, False, True])
+    calls = []
+
+    def fake_run(which, keep=False):
+        calls.append(which)
+        ok = next(outcomes)
+        return {"command": "cmd", "commit": "abc", "seconds": 1.0, "ok": ok, "log_tail": []}
+    monkeypatch.setattr(fresh_install, "run", fake_run)
+    out = tmp_path / "fresh.json"
+    out.write_text(json.dumps([{"command": "cmd", "commit": "abc", "ok": True},
+                               {"command": "cmd", "commit": "old", "ok": True}]))
+    assert fresh_install.main(["tests", "--repeat", "3", "--out", str(out)]) == 1
+    assert len(calls) == 2
+    rows = json.loads(out.read_text())
+    assert [(r["commit"], r.get("run"), r["ok"]) for r in rows] == [("old", None, True), ("abc", "1/3", True),
+                                                                   ("abc", "2/3", False)]
+
+
+@pytest.mark.parametrize("which", sorted(fresh_install.COMMANDS))
+def test_the_tests_command_is_the_readmes(which):
+    readme = (fresh_install.REPO / "README.md").read_text()
+    if which == "tests":
+        assert fresh_install.COMMANDS[which] in readme
+        assert fresh_install.COMMANDS[which] in (fresh_install.REPO / ".ci" / "run").read_text()
+    else:
+        assert fresh_install.COMMANDS[which] in readme
