@@ -92,9 +92,10 @@ def simulate(worker, step_s: float, prefill_overhead_s: float, prefill_per_token
 
     prefill.pending_end = 0.0
     worker.prefill_runner.prefill_with_prompt_logprobs = prefill
-    import decode_worker.decode_worker as dw
+    # The local prefill's first-token draw (decode_worker/local_prefill.py draws it by this name).
+    import decode_worker.local_prefill as lp
 
-    real_sample = dw.sample_tokens_async
+    real_sample = lp.sample_tokens_async
 
     class Drawn:  # the first-token draw: reading it waits for the pass on the device
         def __init__(self, inner, end):
@@ -104,7 +105,7 @@ def simulate(worker, step_s: float, prefill_overhead_s: float, prefill_per_token
             dev.wait_until(self.end)
             return self.inner.result()
 
-    dw.sample_tokens_async = lambda *a, **kw: Drawn(real_sample(*a, **kw), prefill.pending_end)
+    lp.sample_tokens_async = lambda *a, **kw: Drawn(real_sample(*a, **kw), prefill.pending_end)
     return dev
 
 
