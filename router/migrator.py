@@ -67,8 +67,13 @@ class Migrator:
         if rs.lost is None or not self.cfg.migrate_on_worker_death:
             return "error", failure
         why, rs.lost = rs.lost, None
-        if not generated and rs.prefill_worker_id is not None and rs.decode_worker_id is not None:
-            rs.avoid_pairs.add((rs.prefill_worker_id, rs.decode_worker_id))  # its KV transfer failed there
+        # The placement that failed made no token of its own (what a migrated request resumed with is
+        # not its): its KV transfer failed on that pair, which the next placement avoids. (Counting
+        # every token instead sent a migrated request back through the same dead pair until
+        # max_migrations ran out: the chaos "transfer" fault, 1 error in 205 requests.)
+        made_here = len(generated) - rs.request.resumed_tokens
+        if made_here <= 0 and rs.prefill_worker_id is not None and rs.decode_worker_id is not None:
+            rs.avoid_pairs.add((rs.prefill_worker_id, rs.decode_worker_id))
         origin = rs.origin
         done = len(generated)
         left = origin.params.max_tokens - done

@@ -160,3 +160,31 @@ def test_a_request_whose_transfer_failed_is_not_placed_on_that_pair_again():
         router.finish("r1", abort=True)
         await router.stop()
     asyncio.run(main())
+
+
+def test_a_migrated_request_whose_new_transfer_fails_avoids_that_pair_too():
+    """A request moved with tokens so far is prefilled again (prompt + those tokens); when that
+    placement's transfer fails before it made a token of its own, its pair is avoided as well,
+    rather than placed through it again until max_migrations runs out."""
+    async def main():
+        p0 = StubWorker("p0", "prefill")
+        d0 = StubWorker("d0", "decode", free_blocks=100)
+        router, notified = make_router(prefill=[p0], decode=[d0], local_prefill_threshold=0)
+        await router.start()
+        req = GenerateRequest("r1", tuple(range(5, 45)), SamplingParams(max_tokens=10, temperature=0.0), 1, 0.0)
+        rs = await router.submit(req)
+        assert rs.prefill_worker_id == "p0"
+        rs.lost = "decode worker d0 died"  # it had made two tokens on d0
+        p0.prefill_ok = False  # from now on, the pair's transfers fail
+        assert await router.migrate("r1", "r1.m1", (11, 12), 2, rs.lost) is None
+        assert rs.prefill_worker_id == "p0" and rs.request.resumed_tokens == 2 and not rs.avoid_pairs
+        for _ in range(100):
+            if notified:
+                break
+            await asyncio.sleep(0.01)
+        assert notified and rs.lost  # the new placement's transfer failed: a failure of the cluster
+        assert await router.migrate("r1", "r1.m2", (11, 12), 2, notified[-1][1]) is None
+        assert rs.local_prefill and rs.prefill_worker_id is None and ("p0", "d0") in rs.avoid_pairs
+        router.finish("r1", abort=True)
+        await router.stop()
+    asyncio.run(main())
