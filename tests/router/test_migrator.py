@@ -140,13 +140,20 @@ def test_a_failure_seen_before_the_decode_workers_restart_is_a_death():
     asyncio.run(main())
 
 
+async def _started_one_pair_router():
+    """A started router over one prefill and one decode worker, every prompt prefilled remotely; and a
+    40-token request."""
+    p0 = StubWorker("p0", "prefill")
+    d0 = StubWorker("d0", "decode", free_blocks=100)
+    router, notified = make_router(prefill=[p0], decode=[d0], local_prefill_threshold=0)
+    await router.start()
+    req = GenerateRequest("r1", tuple(range(5, 45)), SamplingParams(max_tokens=10, temperature=0.0), 1, 0.0)
+    return router, notified, p0, req
+
+
 def test_a_request_whose_transfer_failed_is_not_placed_on_that_pair_again():
     async def main():
-        p0 = StubWorker("p0", "prefill")
-        d0 = StubWorker("d0", "decode", free_blocks=100)
-        router, notified = make_router(prefill=[p0], decode=[d0], local_prefill_threshold=0)
-        await router.start()
-        req = GenerateRequest("r1", tuple(range(5, 45)), SamplingParams(max_tokens=10, temperature=0.0), 1, 0.0)
+        router, notified, p0, req = await _started_one_pair_router()
         p0.prefill_ok = False  # the prompt's computation / transfer fails
         rs = await router.submit(req)
         assert rs.prefill_worker_id == "p0"
@@ -167,11 +174,7 @@ def test_a_migrated_request_whose_new_transfer_fails_avoids_that_pair_too():
     placement's transfer fails before it made a token of its own, its pair is avoided as well,
     rather than placed through it again until max_migrations runs out."""
     async def main():
-        p0 = StubWorker("p0", "prefill")
-        d0 = StubWorker("d0", "decode", free_blocks=100)
-        router, notified = make_router(prefill=[p0], decode=[d0], local_prefill_threshold=0)
-        await router.start()
-        req = GenerateRequest("r1", tuple(range(5, 45)), SamplingParams(max_tokens=10, temperature=0.0), 1, 0.0)
+        router, notified, p0, req = await _started_one_pair_router()
         rs = await router.submit(req)
         assert rs.prefill_worker_id == "p0"
         rs.lost = "decode worker d0 died"  # it had made two tokens on d0
