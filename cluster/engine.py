@@ -210,13 +210,7 @@ class LLMEngine:
                            lambda s: (s.all_token_ids, s.num_cached_tokens, s.block_table), admit)
 
     def _run_prefill(self, chunks) -> list[Sequence]:
-        # Prompt logprobs on a sequence's first prefill (a recompute after preemption has sent them).
-        wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
-                 if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
-        logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-        for (seq, _), lps in zip(chunks, prompt_lps):
-            if lps is not None:
-                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
+        logits = self.runner.prefill_sequences(chunks)
         done_rows, done = [], []
         for i, (seq, c) in enumerate(chunks):
             seq.num_cached_tokens += len(c.token_ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from typing import Sequence as Seq
 
 import numpy as np
@@ -23,6 +24,9 @@ from cluster.distributed.step_messages import Chunk, EagerDecode, PrefillPass, P
 from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
 from cluster.logprobs import prompt_logprobs
 from cluster.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from cluster.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,18 @@ class ModelRunner:
             return self.prefill(chunks), [None] * len(chunks)
         self._announce_prefill(chunks, wants, False)
         return self._prefill_with_prompt_logprobs(chunks, wants)
+
+    def prefill_sequences(self, chunks: Seq[tuple["Sequence", PrefillChunk]]) -> torch.Tensor:
+        """A scheduler's prefill pass over (sequence, chunk) pairs -> last-token logits [num_chunks, vocab].
+        A sequence that asked for prompt logprobs gets this chunk's appended to seq.prompt_logprobs, on
+        its first prefill only (a recompute after preemption has sent them: it has output tokens)."""
+        wants = [(s.prompt_token_ids, s.params.prompt_logprobs)
+                 if s.params.prompt_logprobs is not None and not s.output_token_ids else None for s, _ in chunks]
+        logits, prompt_lps = self.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
+        for (seq, _), lps in zip(chunks, prompt_lps):
+            if lps is not None:
+                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
+        return logits
 
     @torch.inference_mode()
     def _prefill_with_prompt_logprobs(self, chunks, wants):

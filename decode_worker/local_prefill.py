@@ -81,13 +81,7 @@ class LocalPrefill:
         tokens = sum(len(c.token_ids) for _, c in chunks)
         span = self.clock.prefill_start()  # the pass and its first-token draw, between two steps
         start = self.timer.start()
-        # Prompt logprobs on a request's first prefill (a preempted one's recompute has sent them).
-        wants = [(q.prompt_token_ids, q.params.prompt_logprobs)
-                 if q.params.prompt_logprobs is not None and not q.output_token_ids else None for q, _ in chunks]
-        logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-        for (seq, _), lps in zip(chunks, prompt_lps):
-            if lps is not None:
-                seq.prompt_logprobs = (seq.prompt_logprobs or []) + lps
+        logits = self.runner.prefill_sequences(chunks)
         self.timer.stop(start, tokens)
         self.tokens_total += tokens
         self.log.append((step, tokens, len(s.running)))
