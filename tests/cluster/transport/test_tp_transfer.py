@@ -63,9 +63,10 @@ def test_tp_transfer_is_exact(fixture, p_tp, d_tp, request, tmp_path):
     pre.start()
     launcher = ProcessRankLauncher(tp_workers.decode_rank, "d0", d_cfg, str(tmp_path))
     failures = []
-    group = lead_group(d_cfg, launcher.launch, on_failure=failures.append) if d_tp > 1 else None
-    dec = DecodeWorker("d0", d_cfg, group=group)
+    dec, served = None, False
     try:
+        group = lead_group(d_cfg, launcher.launch, on_failure=failures.append) if d_tp > 1 else None
+        dec = DecodeWorker("d0", d_cfg, group=group)
         dec.attach_transport(create_transport(spec, dec.kv_cache, "d0", "decode", group=dec.group,
                                               kv_heads=arch.num_kv_heads))
         _get(q_out, "ready")
@@ -102,9 +103,19 @@ def test_tp_transfer_is_exact(fixture, p_tp, d_tp, request, tmp_path):
         recv = {r["request_id"]: r["bytes"] for r in m["recent"] if r["side"] == "recv"}
         for rid, (res, _) in reservations.items():
             assert recv[rid] == len(sources[rid]) * full_block  # the whole model's heads, every rank's part
+        served = True
     finally:
-        dec.shutdown()
+        if dec is not None:
+            dec.shutdown()
         q_in.put(("stop",))
+        if not served:
+            # Its reports below go unread, but the prefill process must still end: pytest's exit joins
+            # every non-daemon child, and one left waiting for "stop" (a failure in lead_group came
+            # before this block) hung the suite after its summary.
+            pre.join(60)
+            if pre.is_alive():
+                pre.kill()
+            launcher.kill()
     p_metrics = _get(q_out, "metrics")
     assert _get(q_out, "stopped") == [0] * (p_tp - 1)  # the prefill followers left cleanly too
     pre.join(60)
