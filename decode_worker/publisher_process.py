@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _REGISTER, _FORGET, _BATCH, _CLOSE, _HALT = b"R", b"F", b"B", b"C", b"H"
 # process -> worker (control socket)
 _READY, _STOP = b"r", b"s"
+_SEND_WAIT_MS = 5000  # how long a frame waits for the process's connection (only before it is made)
 _HWM = 1_000_000  # frames queued toward the process before a send would fail (it is stuck or gone)
 
 
@@ -164,11 +165,17 @@ class PublisherProcess:
             if self._halted:
                 return  # a halted publisher takes nothing more (TokenPublisher.halt)
             try:
-                # NOTE: never blocks the caller (the decode loop): the process is local and keeps up;
-                # past _HWM queued frames it is stuck, and the frame is dropped (its requests time out).
+                # NOTE: does not block the caller (the decode loop) while the process takes frames.
                 self._out.send(frame, zmq.NOBLOCK)
             except zmq.Again:
-                log.error("token publisher process of %s is not taking frames; one dropped", self.worker_id)
+                # HAZARD: a bound PUSH raises Again while no peer has finished its handshake, and the
+                # process's READY (another socket) can arrive first: the worker's first frames would be
+                # lost (a request that never streams). So wait a bounded time for the peer; past _HWM
+                # queued frames the process is stuck, and the frame is dropped (its requests time out).
+                if self._out.poll(_SEND_WAIT_MS, zmq.POLLOUT):
+                    self._out.send(frame, zmq.NOBLOCK)
+                else:
+                    log.error("token publisher process of %s is not taking frames; one dropped", self.worker_id)
             except zmq.ZMQError:
                 if not self._closed:
                     raise

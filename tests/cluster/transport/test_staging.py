@@ -151,7 +151,9 @@ def test_decode_lost_mid_transfer_fails_it_without_blocking_the_forward():
     t0 = time.monotonic()
     sh.commit({"r": 3})
     slowest = max(slowest, time.monotonic() - t0)
-    assert slowest < 0.1, slowest
+    # Not waiting for the dead peer means returning well inside its timeouts (0.5 s, 1 s); an absolute
+    # 0.1 s bound failed on a loaded 2-core machine (0.146 s) without the calls having waited.
+    assert slowest < spec.peer_timeout_s / 2, slowest
     with pytest.raises(PeerDeadError, match="to d failed"):
         sh.futures["r"].result(timeout=15)
     assert "d" in tp.metrics()["dead_peers"]
