@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _REGISTER, _FORGET, _BATCH, _CLOSE, _HALT = b"R", b"F", b"B", b"C", b"H"
 # process -> worker (control socket)
 _READY, _STOP = b"r", b"s"
-_SEND_WAIT_MS = 5000  # how long a frame waits for the process's connection (only before it is made)
+_SEND_WAIT_MS = 5000  # how long a frame waits for the process's connection (only before a frame got through)
 _HWM = 1_000_000  # frames queued toward the process before a send would fail (it is stuck or gone)
 
 
@@ -81,6 +81,7 @@ class PublisherProcess:
         self._local_cv = threading.Condition()
         self._closed = False
         self._halted = False
+        self._peer_seen = False  # a frame has reached the process's connection (see _send)
         cmd = [sys.executable, "-m", "decode_worker.publisher_process", "--worker-id", worker_id,
                "--model-dir", str(model_dir), "--input", out_addr, "--control", control_addr,
                "--parent-pid", str(os.getpid())]
@@ -167,13 +168,16 @@ class PublisherProcess:
             try:
                 # NOTE: does not block the caller (the decode loop) while the process takes frames.
                 self._out.send(frame, zmq.NOBLOCK)
+                self._peer_seen = True
             except zmq.Again:
                 # HAZARD: a bound PUSH raises Again while no peer has finished its handshake, and the
                 # process's READY (another socket) can arrive first: the worker's first frames would be
-                # lost (a request that never streams). So wait a bounded time for the peer; past _HWM
-                # queued frames the process is stuck, and the frame is dropped (its requests time out).
-                if self._out.poll(_SEND_WAIT_MS, zmq.POLLOUT):
+                # lost (a request that never streams). So, until a frame has gone through, wait a bounded
+                # time for the peer. After that, Again means _HWM queued frames: the process is stuck,
+                # and the frame is dropped at once (its requests time out), never stalling the loop.
+                if not self._peer_seen and self._out.poll(_SEND_WAIT_MS, zmq.POLLOUT):
                     self._out.send(frame, zmq.NOBLOCK)
+                    self._peer_seen = True
                 else:
                     log.error("token publisher process of %s is not taking frames; one dropped", self.worker_id)
             except zmq.ZMQError:
