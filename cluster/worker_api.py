@@ -87,6 +87,12 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
         prompt tokens found in the prefix cache, or None when the worker has no room now."""
         ...
 
+    def fail(self, request_id: str, error: str) -> None:
+        """Drops the request like `abort`, but its stream ends with `error` (an error finish, not an
+        abort): the router fails a placement so, while it tells the request's gateway the same on its
+        own channel, so that whichever reaches the gateway first says what happened."""
+        ...
+
     def lost(self, request_id: str) -> bool:
         """Whether the worker dropped the request through a failure of its own (its loop failed), so
         that the router moves it like a dead worker's."""

@@ -94,6 +94,9 @@ class DecodeWorkerActor:
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
+    def fail(self, request_id: str, error: str) -> None:
+        self.worker.abort(request_id, error)
+
     def peer_died(self, peer: str, why: str) -> None:
         self.worker.peer_died(peer, why)
 

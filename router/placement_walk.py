@@ -37,7 +37,7 @@ from router.worker_set import WorkerSet
 log = logging.getLogger(__name__)
 
 # (worker id, worker-side request id): drops the request on that worker, in the background.
-AbortOn = Callable[[str | None, str], None]
+AbortOn = Callable[[str | None, str, str | None], None]  # worker, request, error (router.Router.abort_on)
 
 
 class PlacementWalk:
@@ -177,7 +177,7 @@ class PlacementWalk:
             return
         res: Reservation = call.result()
         self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
-        self.abort_on(p.worker_id, res.request_id)
+        self.abort_on(p.worker_id, res.request_id, None)
 
     def _placed(self, rs: PlacedRequest, d: WorkerView) -> None:
         d.placed_total += 1
@@ -231,4 +231,8 @@ class PlacementWalk:
                 # not through this pair (router.migrator).
                 rs.lost = error
             self.notify(rs, error)
-            self.abort_on(rs.decode_worker_id, wrid)
+            # HAZARD: the notice and the decode worker's end of the placement reach the gateway on two
+            # channels, in either order. Ended as a plain abort, a stream read before the notice
+            # finished as if complete, with no text (CI, test_prefill_worker_death_retries_elsewhere):
+            # ended with the same error, either one makes the gateway migrate (or end) the request.
+            self.abort_on(rs.decode_worker_id, wrid, error)

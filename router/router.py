@@ -317,14 +317,19 @@ class Router:
             if rs.prefill_worker_id is not None and not rs.prefill_done:
                 self.abort_on(rs.prefill_worker_id, rs.worker_request_id)
 
-    def abort_on(self, worker_id: str | None, request_id: str) -> None:
-        """Tells the worker, in the background, to drop the request (a gone worker is ignored)."""
+    def abort_on(self, worker_id: str | None, request_id: str, error: str | None = None) -> None:
+        """Tells the worker, in the background, to drop the request (a gone worker is ignored); with
+        `error` (a decode worker), its stream ends with that error instead of an abort."""
         if worker_id is None or worker_id not in self.workers.clients:
             return
 
         async def abort():
+            client = self.workers.clients[worker_id]
             try:
-                await self.workers.clients[worker_id].abort(request_id, timeout=self.cfg.call_timeout_s)
+                if error is None:
+                    await client.abort(request_id, timeout=self.cfg.call_timeout_s)
+                else:
+                    await client.fail(request_id, error, timeout=self.cfg.call_timeout_s)
             except Exception as e:  # the worker may be gone; its requests die with it
                 log.warning("abort of %s on %s failed: %s", request_id, worker_id, e)
         self._spawn(abort())

@@ -67,6 +67,9 @@ class WorkerClient:
         await self._call(self.handle.peer_died, peer, why, timeout=timeout)
 
     # -- decode workers (DecodeWorkerAPI) -------------------------------------------------------------
+    async def fail(self, request_id: str, error: str, *, timeout: float | None = None) -> None:
+        await self._call(self.handle.fail, request_id, error, timeout=timeout)
+
     async def reserve(self, req: ReserveRequest, *, timeout: float | None = None) -> Reservation | None:
         return await self._call(self.handle.reserve, req, timeout=timeout)
 

@@ -83,10 +83,15 @@ class Generation:
                         m.itl.observe(now - last)
                     last = now
                     self.generated.extend(d.token_ids)
-                text, finish, logprobs = d.text, d.finish_reason, d.logprobs
+                text, finish, logprobs, failure = d.text, d.finish_reason, d.logprobs, d.error
                 if logprobs is not None and logprobs.prompt is not None and self.prompt_logprobs is None:
                     self.prompt_logprobs = logprobs.prompt  # a migrated request's second copy is ignored
-                if finish == "error" or d.error is not None:
+                if finish == "abort":
+                    # This gateway never reads an abort it asked for (the request has ended here by
+                    # then): the router dropped the placement, and it ends or moves like a failure,
+                    # never as a complete stream with the text cut short.
+                    finish, failure = "error", failure or "the decode worker dropped the request"
+                if finish == "error" or failure is not None:
                     # The tokens and text read together with the failure (the mailbox merges what
                     # arrived meanwhile) go out first, and count in what the client has *before* the
                     # router is asked to move the request: the new worker's detokenizer resumes after
@@ -96,9 +101,9 @@ class Generation:
                         yield text, None, logprobs
                     text, logprobs = "", None
                     if self.closing:  # ended by this gateway: nothing to recover, the router may be gone
-                        end = ("error", d.error)
+                        end = ("error", failure)
                     else:
-                        end = await self._recover(d.error or "the decode worker failed the request")
+                        end = await self._recover(failure or "the decode worker failed the request")
                     if end is None:  # placed again: its tokens follow in the same mailbox
                         continue
                     finish, error = end

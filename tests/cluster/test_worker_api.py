@@ -133,6 +133,7 @@ def test_every_router_call_answers_the_declared_type(workers):
         assert result.ok, result
         assert await check(dc, "submit_local", req("local", 10)) is not None
         assert await check(dc, "lost", "local") is False
+        await check(dc, "fail", "remote", "a test")  # ends its stream with that error, not an abort
         for c in (dc, pc):
             await check(c, "abort", "local")
             await check(c, "peer_died", "nobody", "a test")  # an unknown peer: nothing to drop

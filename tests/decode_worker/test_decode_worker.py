@@ -167,6 +167,12 @@ def test_abort_frees_blocks_and_defers_while_a_transfer_may_land(demo_model_dir)
         col.wait(lambda: col.finish.get("c") == "abort")
         col.wait(lambda: worker.stats().free_blocks == total)
         assert pre.transport.cancelled == ["c"] and not pre.transport.is_expected("c")
+        # With an error (the router failed the placement: DecodeWorkerAPI.fail), it ends with that
+        # error, not an abort, so its gateway cannot take it for a complete stream.
+        pre.reserve(worker, "d", ps[1], long)
+        worker.abort("d", "prefill broke")
+        col.wait(lambda: col.finish.get("d") == "error")
+        col.wait(lambda: worker.stats().free_blocks == total)
         worker.abort("nobody")  # unknown ids are ignored
     finally:
         worker.shutdown()

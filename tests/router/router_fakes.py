@@ -94,12 +94,13 @@ class FakeDecodeWorker:
         seq = self.engine.add_request(list(req.prompt_token_ids), params, request_id=req.request_id)
         self._tracked[req.request_id] = (seq, 0)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: str | None = None) -> None:
         with self._lock:
             reserved = self._reserved.pop(request_id, None)
             entry = self._tracked.pop(request_id, None)
             if reserved is not None or entry is not None:  # ends its publisher state, like the real worker
-                self.publisher.publish(TokenBatch(self.worker_id, -1, (TokenDelta(request_id, (), "abort"),)))
+                end = TokenDelta(request_id, (), "abort") if error is None else TokenDelta(request_id, (), "error", error)
+                self.publisher.publish(TokenBatch(self.worker_id, -1, (end,)))
             if entry is None:
                 return
             seq = entry[0]
@@ -112,6 +113,9 @@ class FakeDecodeWorker:
                 e.allocator.free(seq.block_table)
                 seq.block_table = []
             seq.status = SequenceStatus.FINISHED
+
+    def fail(self, request_id: str, error: str) -> None:
+        self.abort(request_id, error)
 
     def stats(self) -> WorkerStats:
         with self._lock:
@@ -287,6 +291,9 @@ class StubWorker:
 
     def abort(self, request_id: str) -> None:
         self._called("abort", request_id)
+
+    def fail(self, request_id: str, error: str) -> None:
+        self._called("fail", request_id, error)
 
     def peer_died(self, peer: str, why: str) -> None:
         self._called("peer_died", peer)

@@ -33,7 +33,7 @@ class Harness:
         self.inflight: dict[str, PlacedRequest] = {}
         self.notified: list[tuple[str, str]] = []
         self.prefilled: list[str] = []
-        self.aborted: list[tuple[str | None, str]] = []
+        self.aborted: list[tuple[str | None, str, str | None]] = []
         self.tasks: set[asyncio.Task] = set()
         index = KVBlockIndex()
         policies = PlacementPolicies.create(cfg.prefill_policy, cfg.decode_policy, index)
@@ -42,7 +42,7 @@ class Harness:
         self.admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, retry_after_s=2))
         self.walk = PlacementWalk(self.workers, cfg, policies, self.admission, self.health, index, ArrivalStats(),
                                   self.inflight, notify=self.notify, prefilled=lambda rs: self.prefilled.append(rs.request_id),
-                                  abort_on=lambda wid, rid: self.aborted.append((wid, rid)), spawn=self.spawn)
+                                  abort_on=lambda wid, rid, error: self.aborted.append((wid, rid, error)), spawn=self.spawn)
 
     def notify(self, rs, error) -> None:
         self.notified.append((rs.request_id, error))
@@ -138,5 +138,5 @@ def test_a_failed_prefill_tells_the_gateway_and_frees_the_decode_side():
         await h.health.poll_once()
         await h.walk.place(h.request("r1"))
         await h.settle()
-        assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1")] and not h.prefilled
+        assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1", "prefill broke")] and not h.prefilled
     asyncio.run(main())

@@ -105,6 +105,45 @@ def test_a_final_failure_still_sends_the_text_read_with_it():
     asyncio.run(main())
 
 
+
+def test_an_abort_the_gateway_did_not_ask_for_moves_the_request():
+    """The router drops a placement whose prefill failed: it tells the gateway on its channel and the
+    decode worker on another, so the worker's end may come first. Read first, an abort once ended the
+    stream as complete with no text (CI at 7a9f76f: two streams of
+    test_prefill_worker_death_retries_elsewhere were '' with no error event)."""
+    async def main():
+        gw = FakeGateway()
+        gen, mb = _generation(gw)
+        mb.put(StreamDelta("r", (), "", "abort"), 0.0)  # the decode worker's end, first
+        reader = asyncio.ensure_future(_read(gen))
+        while not gw.client.migrations and not reader.done():
+            await asyncio.sleep(0)
+        assert not reader.done(), f"the stream ended on the abort: {reader.result()}"
+        mb.put(StreamDelta("r", (), "", "error", "prefill worker p0 failed"), 0.0)  # the router's notice, late
+        mb.put(StreamDelta("r.m1", (12,), " sea", "length"), 0.0)
+        pieces = await reader
+        assert gw.client.migrations == [("r.m1", (), 0)]
+        assert [(t, f) for t, f, _ in pieces] == [(" sea", "length")] and gw.ended == [False]
+    asyncio.run(main())
+
+
+def test_an_abort_that_cannot_move_ends_with_an_error():
+    async def main():
+        gw = FakeGateway(on_migrate=lambda wrid: ("error", "prefill worker p0 failed"))
+        gen, mb = _generation(gw)
+        mb.put(StreamDelta("r", (10,), " a"), 0.0)
+        mb.put(StreamDelta("r", (), "", "abort"), 0.0)
+        got = []
+        try:
+            async for text, _, _ in gen.pieces():
+                got.append(text)
+        except Exception as e:  # noqa: BLE001
+            assert type(e).__name__ == "GenerationError" and "p0 failed" in str(e)
+        else:
+            raise AssertionError("an abort ended the stream as complete")
+        assert got == [" a"] and gen.finish_reason == "error" and gw.ended == [True]
+    asyncio.run(main())
+
 def test_a_mailbox_never_merges_two_placements_deltas():
     async def main():
         mb = TokenMailbox(0.0)
