@@ -89,8 +89,8 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
 
     def fail(self, request_id: str, error: str) -> None:
         """Drops the request like `abort`, but its stream ends with `error` (an error finish, not an
-        abort): the router fails a placement so, while it tells the request's gateway the same on its
-        own channel, so that whichever reaches the gateway first says what happened."""
+        abort). The router tells the request's gateway the same error on its own channel; whichever
+        of the two reaches the gateway first, it says what happened."""
         ...
 
     def lost(self, request_id: str) -> bool:

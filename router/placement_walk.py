@@ -36,8 +36,9 @@ from router.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 
-# (worker id, worker-side request id): drops the request on that worker, in the background.
-AbortOn = Callable[[str | None, str, str | None], None]  # worker, request, error (router.Router.abort_on)
+# (worker id, worker-side request id, error or None): drops the request on that worker, in the
+# background; with an error, a decode worker ends its stream with it (router.Router.abort_on).
+AbortOn = Callable[[str | None, str, str | None], None]
 
 
 class PlacementWalk:
