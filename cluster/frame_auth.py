@@ -17,7 +17,7 @@ keeps that order) is dropped and counted; nothing of it is decoded. The payloads
 for confidentiality (as with NCCL/gloo traffic), not for integrity.
 
 Why a MAC per frame and not ZMQ CURVE: one keyed hash per frame (~1 us in Python for a token-stream
-frame, loadtest/bench_frame_auth.py), no handshake, no ZAP authenticator thread per process, and the
+frame, benchmarks/bench_frame_auth.py), no handshake, no ZAP authenticator thread per process, and the
 drop is ours to count; CURVE would also encrypt every byte and needs the key exchange and ZAP set up
 on each of the five socket types. An empty secret (in-process unit tests that build the pieces
 without a launcher) signs and checks with an empty key, which anyone can forge.

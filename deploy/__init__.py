@@ -1,7 +1,7 @@
 """The application layer, on top of everything: it may import the workers and the router; nothing
 below it imports it (tests/test_layering.py).
 
-    cli.py                the `pdserve` command line (`serve`, `generate`, `demo-model`, `loadtest`)
+    cli.py                the `pdserve` command line (`serve`, `generate`, `demo-model`; `loadtest` through its entry point)
     config.py             ClusterConfig: every `pdserve serve` setting (flag and YAML key)
     config_flags.py       ClusterConfig's fields as `pdserve serve` flags, and the given flags as overrides
     component_configs.py  ClusterConfig -> each component's config (workers, router, admission, API servers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from cluster.errors import PdserveError
 from cluster.sampling_params import SamplingParams
@@ -92,13 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The tools `pdserve NAME` runs, each an entry point of the group TOOL_GROUP (pyproject.toml):
+# `pdserve loadtest` is the `pdserve-loadtest` command (loadtest/run.py).
+TOOL_GROUP = "pdserve.commands"
+TOOL_COMMANDS = {"loadtest": "Locust load test: ITL per decode batch size (pdserve loadtest --help)"}
+
+
 def _add_extra_commands(sub) -> None:
-    """`serve` (the launcher) and `loadtest`. The load-test tooling (Locust, httpx, plotting) is only
-    imported when `pdserve loadtest` runs: its arguments are parsed by its own parser then."""
+    """`serve` (the launcher) and the tools installed beside pdserve (`loadtest`). A tool is found
+    through the `pdserve.commands` entry-point group and imported only when it runs, by name: this
+    package never imports a tool (tests/test_layering.py), and a tool parses its own arguments."""
     add_serve_command(sub)
-    # Listed here for `pdserve --help`; main() hands its arguments to loadtest.run's own parser.
-    sub.add_parser("loadtest", add_help=False,
-                   help="Locust load test: ITL per decode batch size (pdserve loadtest --help)")
+    # Listed here for `pdserve --help`; main() hands their arguments to the tool's own parser.
+    for name, help_text in TOOL_COMMANDS.items():
+        sub.add_parser(name, add_help=False, help=help_text)
 
 
 def add_serve_command(sub) -> None:
@@ -125,17 +133,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return ServingCluster(cfg).serve_forever()
 
 
-def _loadtest(argv: list[str]) -> int:
-    # Lazy: only `pdserve loadtest` loads Locust, gevent and plotting (tests/test_layering.py).
-    from loadtest.run import main as loadtest_main
-
-    return loadtest_main(argv, prog="pdserve loadtest")
+def _run_tool(name: str, argv: list[str]) -> int:
+    # Lazy, by entry point: only `pdserve loadtest` loads Locust, gevent and plotting.
+    found = entry_points(group=TOOL_GROUP, name=name)
+    if not found:
+        print(f"error: `pdserve {name}` is not installed (pip install 'pdserve[{name}]' from a checkout, "
+              f"then `pdserve {name}` or `pdserve-{name}`)", file=sys.stderr)
+        return 2
+    tool_main = next(iter(found)).load()
+    return tool_main(argv, prog=f"pdserve {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["loadtest"]:
-        return _loadtest(argv[1:])
+    if argv[:1] and argv[0] in TOOL_COMMANDS:
+        return _run_tool(argv[0], argv[1:])
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # a subcommand's flag it does not know: that subcommand's usage, not the top level's
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")

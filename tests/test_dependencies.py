@@ -8,7 +8,7 @@ starts: the launcher (`pdserve` -> deploy.cli -> deploy.serving_cluster), the AP
 (`python -m deploy.api_server`) and the Ray workers (prefill_worker.actor, decode_worker.actor), and
 maps each imported top-level name to its distribution with importlib.metadata. Modules uvicorn loads
 by name (`uvicorn.Config(loop="uvloop", http="httptools")`) count as imports. The load-test tooling
-(loadtest/, `pdserve loadtest`) is checked the same way against the plain install plus `[loadtest]`.
+(loadtest/, `pdserve loadtest`) and the benchmarks are checked the same way against the plain install plus `[loadtest]`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from test_layering import PACKAGES, ROOT, imports_of, modules
 
 SERVE_ROOTS = ("deploy.cli", "deploy.serving_cluster", "deploy.api_server", "prefill_worker.actor",
                "decode_worker.actor")
-LOADTEST_ROOTS = tuple(m for _, m in modules() if m.startswith("loadtest"))
+LOADTEST_ROOTS = tuple(m for _, m in modules() if m.startswith(("loadtest", "benchmarks")))
 
 
 def declared(*extras: str) -> set[str]:
@@ -58,7 +58,7 @@ def _by_name(path: Path) -> list[str]:
     return out
 
 
-def third_party_imports(roots, skip=("loadtest",)) -> dict[str, set[str]]:
+def third_party_imports(roots, skip=("loadtest", "benchmarks")) -> dict[str, set[str]]:
     """Top-level third-party name -> the modules of ours (reachable from `roots`) that import it."""
     found = {m: p for p, m in modules()}
     seen, todo, out = set(), list(roots), {}

@@ -144,7 +144,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // work)))
 
 
-# NOTE: kept out of torch.compile (serving doesn't compile; loadtest/bench_decode.py times a compiled
+# NOTE: kept out of torch.compile (serving doesn't compile; benchmarks/bench_decode.py times a compiled
 # step for comparison): its split count is computed from the batch size on the host, which under a
 # dynamic-shape compile would guard on (and recompile for) every bucket.
 @torch.compiler.disable

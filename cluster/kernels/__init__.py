@@ -3,7 +3,7 @@
 One file per kernel (`rmsnorm`, `rotary_kv`, `silu_mul`, `prefill_attention`, `sampling`,
 `logits_processing`, `logprobs`, `decode_step_inputs`, `fp8_gemm`, `fp8_quant`, `token_bitmask`): the Triton
 kernel, its launcher, and a docstring naming its reference in `reference.py`. `fp8_gemm_configs` holds the
-FP8 GEMMs' tile configs: the table loadtest/tune_fp8_gemm.py measured (`fp8_gemm_configs.json`) and defaults. The functions below pick
+FP8 GEMMs' tile configs: the table benchmarks/tune_fp8_gemm.py measured (`fp8_gemm_configs.json`) and defaults. The functions below pick
 one per call: the kernel for CUDA tensors, the reference otherwise (CPU, and machines without triton).
 Tests force either with `use_kernels(True/False)`; on CPU the kernels then run under Triton's
 interpreter (TRITON_INTERPRET=1, set before triton is imported).

@@ -1,5 +1,5 @@
 """Tile configs of the FP8 GEMM kernels (cluster/kernels/fp8_gemm.py) and, per shape and batch, which
-FP8 path is fastest: a committed table measured by loadtest/tune_fp8_gemm.py, defaults elsewhere.
+FP8 path is fastest: a committed table measured by benchmarks/tune_fp8_gemm.py, defaults elsewhere.
 
 The table (fp8_gemm_configs.json beside this file) is keyed by (N, K, M bucket), M buckets being
 M_BUCKETS (a decode step's row count rounds up to one; more rows than the last bucket take the

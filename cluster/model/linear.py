@@ -11,7 +11,7 @@ a `LinearMethod` decides what the parameters are and how the matmul runs.
     * "w8a8", `fp8_gemm.fp8_gemm_w8a8`: activations quantized per token (`fp8_quant.py`, or with the
       static input_scale), e4m3 x e4m3 on the FP8 tensor cores in our Triton kernel.
     * "scaled_mm": the same quantization and `torch._scaled_mm` (cuBLASLt FP8) with row-wise scales.
-  The choice comes from the table loadtest/tune_fp8_gemm.py measured (cluster/kernels/
+  The choice comes from the table benchmarks/tune_fp8_gemm.py measured (cluster/kernels/
   fp8_gemm_configs.json, per (N, K, M bucket)); a shape it lacks runs weight-only up to
   FP8_GEMV_MAX_M rows and `_scaled_mm` above (`_scaled_mm` reads weights at 0.95-2.36 TB/s at M <= 64
   on an H200, issue 27). The two W8A8 paths are the same math; weight-only differs (activations

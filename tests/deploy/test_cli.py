@@ -51,3 +51,31 @@ def test_help_loads_neither_ray_nor_torch():
 def test_generate_does_not_load_ray(demo_model_dir):
     loaded = _modules_after(["generate", "--model", str(demo_model_dir), "--max-tokens", "2", "--ignore-eos", "Hi"])
     assert "torch" in loaded and not loaded & {"ray", "fastapi", "loadtest"}, loaded
+
+
+def test_tools_run_through_their_entry_point_and_deploy_never_imports_them(monkeypatch, capsys):
+    """`pdserve loadtest ARGS` calls the `pdserve.commands` entry point named loadtest with ARGS (the
+    tool's own parser), and says how to install it where it is not: deploy imports no tool."""
+    import tomllib
+    from pathlib import Path
+
+    from deploy import cli
+
+    project = tomllib.loads((Path(cli.__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][cli.TOOL_GROUP]["loadtest"] == "loadtest.run:main"
+    assert project["scripts"]["pdserve-loadtest"] == "loadtest.run:main"
+
+    calls = []
+
+    class FakeEntryPoint:
+        def load(self):
+            return lambda argv, prog: calls.append((argv, prog)) or 7
+
+    seen = []
+    monkeypatch.setattr(cli, "entry_points", lambda group, name: seen.append((group, name)) or [FakeEntryPoint()])
+    assert cli.main(["loadtest", "--steps", "1,2"]) == 7
+    assert seen == [("pdserve.commands", "loadtest")] and calls == [(["--steps", "1,2"], "pdserve loadtest")]
+
+    monkeypatch.setattr(cli, "entry_points", lambda group, name: [])
+    assert cli.main(["loadtest", "--help"]) == 2
+    assert "pdserve loadtest` is not installed" in capsys.readouterr().err

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from loadtest.make_model import model_config, write_model
 from loadtest.records import Event, EventWriter, read_events, step_windows, timing_rows, token_chunks
 from loadtest.report import build_rows, format_table, percentile, target_checks
 from loadtest.server_stats import (RequestRecord, StepRecord, parse_histogram_totals, summarize_records,
@@ -75,22 +74,6 @@ def test_metrics_fallback_differences_histograms():
     assert s["server_batch_size"] == 6.0 and s["server_step_ms"] == pytest.approx(10.0)
     assert s["server_padding_ratio"] == 0.25 and s["server_bucket"] == 8.0 and s["server_padded_rows"] == 2.0
     assert summarize_snapshots([(1.0, a)], 0.0, 9.0)["server_batch_size"] is None
-
-
-def test_make_model_shapes(tmp_path, demo_model_dir):
-    from cluster.engine import LLMEngine
-    from cluster.model.config import ModelArchConfig
-    from cluster.sampling_params import SamplingParams
-
-    big = ModelArchConfig.from_dict(model_config("llama-1b"))
-    assert big.vocab_size == 128256 and big.num_layers == 16 and big.dtype == "bfloat16"
-    assert big.weight_count() == pytest.approx(1.236e9, rel=0.01)  # Llama-3.2-1B
-
-    d = write_model("llama-tiny", tmp_path / "m", dtype="float32")
-    assert json.loads((d / "config.json").read_text())["vocab_size"] == 4096
-    out = LLMEngine(str(d), device="cpu").generate(["Hello"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    demo_vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
-    assert len(out[0].token_ids) == 6 and max(out[0].token_ids) < demo_vocab  # padded ids are never chosen
 
 
 def _sse(d: dict) -> bytes:

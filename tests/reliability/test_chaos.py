@@ -1,4 +1,4 @@
-"""Chaos, the short version of loadtest/chaos.py: 8 greedy streams kept going for 25 s on a real cluster
+"""Chaos, the short version of benchmarks/chaos.py: 8 greedy streams kept going for 25 s on a real cluster
 (1 prefill + 2 decode workers, KV over gloo) while a random prefill or decode worker's process is
 killed every 6 s (a decode worker only while the other one is healthy) and Ray restarts it: no request hangs, none gets a 5xx or an error event, every one
 equals the reference engine's greedy text, every restarted worker is back, and afterwards every KV
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from loadtest import chaos
+from benchmarks import chaos
 from reliability_harness import start_cluster, wait_clean, worker_stats
 
 

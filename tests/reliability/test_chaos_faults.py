@@ -1,5 +1,5 @@
 """The faults the first chaos runs did not make (issue 29 item 3), each alone in a short run of
-loadtest/chaos.py on one real cluster (1 prefill + 2 decode workers, KV over gloo with
+benchmarks/chaos.py on one real cluster (1 prefill + 2 decode workers, KV over gloo with
 transfer_timeout_s = 6 s, restarts always on): greedy streams kept going while the fault is made;
 no request hangs, none gets a 5xx or an error event, every one equals the reference engine's text,
 the cluster is whole again (the kind's own measure), and afterwards no KV block is held anywhere.
@@ -23,7 +23,7 @@ import json
 
 import pytest
 
-from loadtest import chaos
+from benchmarks import chaos
 from reliability_harness import start_cluster, wait_clean
 
 # Long enough that the old rejoin (held by the rendezvous with the dead peer for 2 x this) and the new

@@ -22,7 +22,7 @@ from router.errors import (CapacityShortError, DrainingError, GenerationError, N
 from router.openai.errors import api_error
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "deploy", "loadtest")
+PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "deploy", "loadtest", "benchmarks")
 
 # What a client gets for each error class: (status, type, code, headers). A new class needs a row.
 ANSWERS = {

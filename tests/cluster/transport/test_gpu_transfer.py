@@ -26,7 +26,7 @@ CTX = mp.get_context("spawn")
 
 
 def test_same_gpu_transfer_is_exact_and_reports_bandwidth():
-    from loadtest.bench_transfer import run_path
+    from benchmarks.bench_transfer import run_path
 
     res = run_path("same_gpu", [256, 2048], quick=True)
     assert res["rows"] and not res["errors"], res
@@ -94,7 +94,7 @@ def test_staged_cuda_payload_on_one_gpu_over_a_loopback_group(monkeypatch):
 @pytest.mark.parametrize("path", ["nccl", "nccl_slot16m"])
 def test_nccl_transfer_is_exact(path):
     # 8192 tokens are 32 MiB a layer: layer groups with 32 MiB slots, two windows a layer with 16 MiB.
-    from loadtest.bench_transfer import run_path
+    from benchmarks.bench_transfer import run_path
 
     res = run_path(path, [128, 2048, 8192], "cuda:0", "cuda:1", quick=True)
     assert res["rows"] and not res["errors"] and res["decode_failures"] == 0, res
