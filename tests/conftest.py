@@ -5,12 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from duration_recorder import DurationRecorder
+
 
 def pytest_configure(config):
     # Keep the demo model and Ray's files out of the user's home during tests.
     root = Path(os.environ.setdefault("PDSERVE_HOME", str(Path(config.rootpath) / ".pytest_pdserve_home")))
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    config.pluginmanager.register(DurationRecorder(config), "pdserve-durations")
     if not torch.cuda.is_available():
         # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
         # language module decides at import whether @triton.jit functions are interpreted
