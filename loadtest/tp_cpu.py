@@ -66,7 +66,9 @@ def _pytest(ids: list[str], *extra: str) -> _Outcomes:
     import pytest
 
     plugin = _Outcomes()
-    pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *extra, *ids], plugins=[plugin])
+    # In this process (`-o addopts=`: not pyproject's pytest-xdist workers): the plugin sees every report.
+    pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(ROOT), *extra, *ids],
+                plugins=[plugin])
     return plugin
 
 

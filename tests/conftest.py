@@ -21,13 +21,44 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The session-long clusters of tests/router/conftest.py: every module that uses one runs on the same
+# pytest-xdist worker, which starts each of them once.
+SESSION_CLUSTERS = {"fake_cluster", "real_decode_cluster", "real_pd_cluster"}
+SESSION_CLUSTERS_GROUP = "router-session-clusters"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
 def pytest_collection_modifyitems(config, items):
+    # A module with a Ray of its own (one process holds one Ray) runs before the run's one Ray starts
+    # (ray_session, on first use); under pytest-xdist the first work sent to a worker is the first
+    # collected, so there too.
+    items.sort(key=lambda item: "own_ray" not in item.keywords)
+    # Work goes to the xdist workers a module at a time (its module-scoped cluster starts once), and
+    # the modules on the session-long clusters all to one worker.
+    for item in items:
+        if not any(m.name == "xdist_group" for m in item.iter_markers()):
+            group = SESSION_CLUSTERS_GROUP if SESSION_CLUSTERS & set(item.fixturenames) else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray for the whole run (per pytest-xdist worker), shared by every cluster of every test
+    directory: each cluster names its actors and placement group by its own tag and stops them on
+    shutdown, so clusters come and go on it. Started on first use."""
+    ray = pytest.importorskip("ray")
+    from serving_harness import init_ray
+
+    owned = init_ray()
+    yield ray
+    if owned:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

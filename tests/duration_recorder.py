@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,6 +17,8 @@ class DurationRecorder:
     session started inside a test (loadtest/tp_cpu.py) records its own."""
 
     FILE = ".pytest_durations.json"
+    # pytest-xdist's --dist loadgroup appends "@<group>" to a node id (groups: tests/conftest.py).
+    XDIST_GROUP = re.compile(r"@(router-session-clusters|[\w/.-]+\.py)$")
 
     def __init__(self, config):
         self.config = config
@@ -24,9 +27,10 @@ class DurationRecorder:
 
     def pytest_runtest_logreport(self, report):
         # Under pytest-xdist the controller gets every worker's reports here too.
-        self.seconds[report.nodeid] += report.duration
+        nodeid = self.XDIST_GROUP.sub("", report.nodeid)
+        self.seconds[nodeid] += report.duration
         if report.when == "call" or report.outcome != "passed":
-            self.outcome.setdefault(report.nodeid, report.outcome)
+            self.outcome.setdefault(nodeid, report.outcome)
 
     def pytest_sessionfinish(self, session, exitstatus):
         if hasattr(self.config, "workerinput") or not self.seconds:  # an xdist worker: its controller writes

@@ -15,7 +15,7 @@ from reliability_harness import start_cluster, wait_clean, worker_stats
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=128, worker_max_restarts=-1)
     yield sc

@@ -33,7 +33,7 @@ TRANSFER_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=1024, worker_max_restarts=-1, warmup=False,
                        form_transport_group=chaos.chaos_transport_group(TRANSFER_TIMEOUT_S))

@@ -12,19 +12,15 @@ from __future__ import annotations
 import pytest
 
 import router_fakes
-import serving_harness
 from router_clusters import start_cluster
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    # The doubles live in a test directory Ray's workers can't import: ship them by value.
-    ray.cloudpickle.register_pickle_by_value(router_fakes)
-    owned = serving_harness.init_ray()
-    yield ray
-    if owned:
-        ray.shutdown()
+def ray_session(ray_session):
+    """The run's one Ray (tests/conftest.py), with the worker doubles shipped by value: they live in a
+    test directory Ray's workers can't import."""
+    ray_session.cloudpickle.register_pickle_by_value(router_fakes)
+    return ray_session
 
 
 @pytest.fixture(scope="session", params=[1, 2], ids=["api1", "api2"])
