@@ -29,16 +29,22 @@ SESSION_CLUSTERS_GROUP = "router-session-clusters"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
 def pytest_collection_modifyitems(config, items):
-    # A module with a Ray of its own (one process holds one Ray) runs before the run's one Ray starts
-    # (ray_session, on first use); under pytest-xdist the first work sent to a worker is the first
-    # collected, so there too.
-    items.sort(key=lambda item: "own_ray" not in item.keywords)
+    # The inner-loop tier (`-m "not slow"`) leaves out every test on a Ray cluster, besides those marked.
+    for item in items:
+        if "ray_session" in item.fixturenames or "own_ray" in item.keywords:
+            item.add_marker(pytest.mark.slow)
     # Work goes to the xdist workers a module at a time (its module-scoped cluster starts once), and
     # the modules on the session-long clusters all to one worker.
+    on_session_clusters = {item.module.__name__ for item in items if SESSION_CLUSTERS & set(item.fixturenames)}
     for item in items:
         if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            group = SESSION_CLUSTERS_GROUP if SESSION_CLUSTERS & set(item.fixturenames) else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+            on = item.module.__name__ in on_session_clusters
+            item.add_marker(pytest.mark.xdist_group(SESSION_CLUSTERS_GROUP if on else item.nodeid.split("::")[0]))
+    # In this order (xdist hands the groups out in it: --no-loadscope-reorder), a module's tests kept
+    # together: a module with a Ray of its own first, before the run's one Ray starts (ray_session, on
+    # first use; one process holds one Ray); then the largest group, the session-long clusters' (started
+    # early, it ends early).
+    items.sort(key=lambda item: 0 if "own_ray" in item.keywords else 1 if item.module.__name__ in on_session_clusters else 2)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
