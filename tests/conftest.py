@@ -21,8 +21,8 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# The session-long clusters of tests/router/conftest.py: every module that uses one runs on the same
-# pytest-xdist worker, which starts each of them once.
+# The shared clusters of tests/router/conftest.py: every module that uses one runs on the same
+# pytest-xdist worker, which starts each of them once (cluster_cache).
 SESSION_CLUSTERS = {"fake_cluster", "real_decode_cluster", "real_pd_cluster"}
 SESSION_CLUSTERS_GROUP = "router-session-clusters"
 
@@ -65,6 +65,36 @@ def ray_session():
     yield ray
     if owned:
         ray.shutdown()
+
+
+CLUSTER_CACHE = pytest.StashKey()
+
+
+@pytest.fixture(scope="session")
+def cluster_cache(ray_session, request):
+    """Started clusters by configuration (tests/cluster_cache.py), closed when the tests of a
+    pytest-xdist group are done (pytest_runtest_teardown below) and at the end of the run."""
+    from cluster_cache import ClusterCache
+
+    cache = request.config.stash[CLUSTER_CACHE] = ClusterCache()
+    yield cache
+    cache.close_all()
+
+
+def _group(item) -> str | None:
+    marks = [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
+    return marks[0] if marks else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # The last test of a group (a module, or the session clusters' modules): its cached clusters go,
+    # not to idle under the next groups on this worker. `nextitem` is the next test this process runs.
+    if nextitem is not None and _group(nextitem) == _group(item):
+        return
+    cache = item.config.stash.get(CLUSTER_CACHE, None)
+    if cache is not None:
+        cache.close_all()
 
 
 @pytest.fixture(scope="session")
