@@ -14,6 +14,7 @@ from duration_recorder import DurationRecorder
 from loadtest import fresh_install
 
 
+@pytest.mark.slow  # a new venv (pip in it) and a clone
 def test_a_run_is_a_new_venv_on_a_fresh_clone_without_this_sessions_environment(monkeypatch):
     monkeypatch.setitem(fresh_install.COMMANDS, "probe",
                         'python -c "import os, sys; print(sys.prefix, os.environ.get(\'PYTHONPATH\'), '
