@@ -329,12 +329,14 @@ class Injector:
 
 async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: float, streams: int,
                    max_tokens: int, deadline_s: float, seed: int = 0, sole_decode_kills: bool = False,
-                   faults=("prefill", "decode")) -> tuple[list[Outcome], list[Fault]]:
+                   faults=("prefill", "decode"), faults_wanted: int | None = None) -> tuple[list[Outcome], list[Fault]]:
     """`streams` clients each send one greedy request after another for `duration_s` while a fault of
     a random kind in `faults` is injected every `interval_s` ("restart_limit" once, at the end);
     returns every request's outcome and every fault.
     sole_decode_kills: a decode worker may be killed while it is the only healthy one (a 1P+1D
-    cluster on two GPUs): its requests wait for its restart, and new ones get 503 meanwhile."""
+    cluster on two GPUs): its requests wait for its restart, and new ones get 503 meanwhile.
+    faults_wanted: the load ends once that many faults were made and every victim is back (or its
+    watch gave up); `duration_s` then only bounds it (the tests: events, not clocks)."""
     rng = random.Random(seed)
     texts = list(refs)
     outcomes: list[Outcome] = []
@@ -343,21 +345,24 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
     stop = t0 + duration_s
     inj = Injector(sc, t0, deadline_s, rng, sole_decode_kills, sc.url)
     kinds = [k for k in faults if k != "restart_limit"]
+    enough = asyncio.Event()  # faults_wanted made and watched to their end
 
     async def client_loop(k: int, client: httpx.AsyncClient):
         i = k
-        while time.monotonic() < stop:
+        while time.monotonic() < stop and not enough.is_set():
             p = texts[i % len(texts)]
             outcomes.append(await _one(client, i % len(texts), p, refs[p], max_tokens, deadline_s))
             i += streams
 
     async def injector():
-        while True:
+        while faults_wanted is None or len(found) < faults_wanted:
             await asyncio.sleep(interval_s)
             if time.monotonic() >= stop - (interval_s if "restart_limit" in faults else 0):
                 break
             choices = inj.applicable(kinds)
             if not choices:
+                if not kinds and faults_wanted is not None:
+                    break  # restart_limit alone: made now, not at the end of the bound
                 continue
             kind = rng.choice(choices)
             try:
@@ -377,8 +382,12 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
             for f in made if isinstance(made, tuple) else (made,):
                 found.append(f)
                 log.warning("t=%.1fs %s on %s (%d requests of the load on it)", f.t, f.kind, f.worker, len(f.affected))
-        if "restart_limit" in faults and len([w for w in sc.router.decode_ids if sc.router.views[w].healthy]) >= 2:
+        if "restart_limit" in faults and len([w for w in sc.router.decode_ids if sc.router.views[w].healthy]) >= 2 \
+                and (faults_wanted is None or len(found) < faults_wanted):
             found.append(await inj.restart_limit())
+        if faults_wanted is not None and len(found) >= faults_wanted:
+            await asyncio.wait(inj.watchers, timeout=deadline_s)
+            enough.set()
 
     async with httpx.AsyncClient(base_url=sc.url, timeout=None, limits=httpx.Limits(max_connections=streams + 8)) as c:
         task = asyncio.ensure_future(injector())
@@ -448,7 +457,8 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], settle_s: float | No
 
 def run(sc, engine, *, duration_s: float, interval_s: float, streams: int = 8, max_tokens: int = 24,
         deadline_s: float = 120.0, settle_s: float = 120.0, n_prompts: int = 16, seed: int = 0,
-        long_words: int = 30, sole_decode_kills: bool = False, faults=("prefill", "decode")) -> dict:
+        long_words: int = 30, sole_decode_kills: bool = False, faults=("prefill", "decode"),
+        faults_wanted: int | None = None) -> dict:
     """The whole experiment on a started cluster `sc` (ServingCluster, router in-process) against the
     reference `engine` (cluster.engine.LLMEngine on the same checkpoint)."""
     from cluster.sampling_params import SamplingParams
@@ -459,7 +469,8 @@ def run(sc, engine, *, duration_s: float, interval_s: float, streams: int = 8, m
     t0 = time.monotonic()
     outcomes, found = asyncio.run(run_load(sc, refs, duration_s=duration_s, interval_s=interval_s,
                                            streams=streams, max_tokens=max_tokens, deadline_s=deadline_s, seed=seed,
-                                           sole_decode_kills=sole_decode_kills, faults=tuple(faults)))
+                                           sole_decode_kills=sole_decode_kills, faults=tuple(faults),
+                                           faults_wanted=faults_wanted))
     load_s = time.monotonic() - t0
     took, held = settle(sc, settle_s)
     summary = summarize(outcomes, found, took, held)

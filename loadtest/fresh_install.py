@@ -12,8 +12,9 @@ says whether it was empty (`pip_cache`: "cold") or held the wheels already ("war
 `{command, seconds, ok, ...}` replaces the one of the same command and commit in
 loadtest/results/fresh_install.json (runs of other commits stay: the spread between runs is this
 shared machine's load); with --repeat N the N rows (`run`: "i/N") replace them, and the runs stop at
-the first failure, whose folder is kept (`dir`) to read its log. It starts Ray and servers: run it alone (on a shared machine
-under the heavy-test lock).
+the first failure, whose folder is kept (`dir`) to read its log. A run of the tests adds `slowest`: the
+SLOWEST tests with their seconds, from the file every pytest run writes (tests/duration_recorder.py).
+It starts Ray and servers: run it alone (on a shared machine under the heavy-test lock).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ COMMANDS = {
     "quickstart": "./quickstart.sh",
     "tests": 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q',
 }
+DURATIONS = ".pytest_durations.json"  # tests/duration_recorder.py's DurationRecorder.FILE, in the clone's root
+SLOWEST = 30
+
+
+def slowest(durations_file: Path, n: int = SLOWEST) -> list[dict]:
+    """The `n` slowest tests of the run that wrote `durations_file`: [{test, seconds}], slowest first."""
+    if not durations_file.is_file():
+        return []
+    tests = json.loads(durations_file.read_text())["tests"]
+    return [{"test": t["test"], "seconds": t["seconds"]} for t in sorted(tests, key=lambda t: -t["seconds"])[:n]]
 
 
 def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
@@ -60,6 +71,8 @@ def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
     tail = log.read_text(errors="replace").splitlines()[-15:]
     row = {"command": command, "seconds": round(seconds, 1), "ok": rc == 0, "exit_code": rc, "commit": commit,
            "pip_cache": cache_state, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
+    if (durations := slowest(base / "p" / DURATIONS)):
+        row["slowest"] = durations
     if not keep and rc == 0:
         shutil.rmtree(base, ignore_errors=True)
     else:

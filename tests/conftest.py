@@ -5,12 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from duration_recorder import DurationRecorder
+
 
 def pytest_configure(config):
     # Keep the demo model and Ray's files out of the user's home during tests.
     root = Path(os.environ.setdefault("PDSERVE_HOME", str(Path(config.rootpath) / ".pytest_pdserve_home")))
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    config.pluginmanager.register(DurationRecorder(config), "pdserve-durations")
     if not torch.cuda.is_available():
         # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
         # language module decides at import whether @triton.jit functions are interpreted
@@ -18,13 +21,80 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The shared clusters of tests/router/conftest.py: every module that uses one runs on the same
+# pytest-xdist worker, which starts each of them once (cluster_cache).
+SESSION_CLUSTERS = {"fake_cluster", "real_decode_cluster", "real_pd_cluster"}
+SESSION_CLUSTERS_GROUP = "router-session-clusters"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
 def pytest_collection_modifyitems(config, items):
+    # The inner-loop tier (`-m "not slow"`) leaves out every test on a Ray cluster, besides those marked.
+    for item in items:
+        if "ray_session" in item.fixturenames or "own_ray" in item.keywords:
+            item.add_marker(pytest.mark.slow)
+    # Work goes to the xdist workers a module at a time (its module-scoped cluster starts once), and
+    # the modules on the session-long clusters all to one worker.
+    on_session_clusters = {item.module.__name__ for item in items if SESSION_CLUSTERS & set(item.fixturenames)}
+    for item in items:
+        if not any(m.name == "xdist_group" for m in item.iter_markers()):
+            on = item.module.__name__ in on_session_clusters
+            item.add_marker(pytest.mark.xdist_group(SESSION_CLUSTERS_GROUP if on else item.nodeid.split("::")[0]))
+    # In this order (xdist hands the groups out in it: --no-loadscope-reorder), a module's tests kept
+    # together: a module with a Ray of its own first, before the run's one Ray starts (ray_session, on
+    # first use; one process holds one Ray); then the largest group, the session-long clusters' (started
+    # early, it ends early).
+    items.sort(key=lambda item: 0 if "own_ray" in item.keywords else 1 if item.module.__name__ in on_session_clusters else 2)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray for the whole run (per pytest-xdist worker), shared by every cluster of every test
+    directory: each cluster names its actors and placement group by its own tag and stops them on
+    shutdown, so clusters come and go on it. Started on first use."""
+    ray = pytest.importorskip("ray")
+    from serving_harness import init_ray
+
+    owned = init_ray()
+    yield ray
+    if owned:
+        ray.shutdown()
+
+
+CLUSTER_CACHE = pytest.StashKey()
+
+
+@pytest.fixture(scope="session")
+def cluster_cache(ray_session, request):
+    """Started clusters by configuration (tests/cluster_cache.py), closed when the tests of a
+    pytest-xdist group are done (pytest_runtest_teardown below) and at the end of the run."""
+    from cluster_cache import ClusterCache
+
+    cache = request.config.stash[CLUSTER_CACHE] = ClusterCache()
+    yield cache
+    cache.close_all()
+
+
+def _group(item) -> str | None:
+    marks = [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
+    return marks[0] if marks else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # The last test of a group (a module, or the session clusters' modules): its cached clusters go,
+    # not to idle under the next groups on this worker. `nextitem` is the next test this process runs.
+    if nextitem is not None and _group(nextitem) == _group(item):
+        return
+    cache = item.config.stash.get(CLUSTER_CACHE, None)
+    if cache is not None:
+        cache.close_all()
 
 
 @pytest.fixture(scope="session")

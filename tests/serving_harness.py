@@ -21,8 +21,10 @@ CPU_DEFAULTS = dict(served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num
                     prefill_placement="static", max_prefill_queue_s=1e9)
 
 
-def init_ray(num_cpus: int = 8) -> bool:
-    """Starts Ray unless a caller already did; returns whether this call owns it (and must shut it down)."""
+def init_ray(num_cpus: int = 16) -> bool:
+    """Starts Ray unless a caller already did; returns whether this call owns it (and must shut it down).
+    The CPUs are Ray's bookkeeping, not cores: the run's one Ray holds the session-long clusters
+    (tests/router/conftest.py) while other modules start theirs, up to 4 workers of 1 CPU each."""
     import ray
 
     if ray.is_initialized():

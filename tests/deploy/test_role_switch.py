@@ -12,21 +12,16 @@ import httpx
 import pytest
 
 from cluster.sampling_params import SamplingParams
-from serving_harness import MODEL, completion_text, init_ray, start_cluster, wait_clean
+from serving_harness import MODEL, completion_text, start_cluster, wait_clean
 
 
 @pytest.fixture(scope="module")
-def cluster(demo_model_dir):
-    owned = init_ray()
+def cluster(ray_session, demo_model_dir):
     # A quarter CPU each: other test modules' session-long clusters may hold Ray's CPUs meanwhile.
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, prefill_placement="static",
                        cpu_num_blocks=128, cpus_per_worker=0.25)
     yield sc
     sc.shutdown()
-    if owned:
-        import ray
-
-        ray.shutdown()
 
 
 def _prompt(i: int, n: int) -> list[int]:

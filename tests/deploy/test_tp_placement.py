@@ -15,6 +15,8 @@ import pytest
 
 from deploy.config import ClusterConfig
 
+pytestmark = pytest.mark.own_ray  # a Ray with 6 fake GPUs, not the run's one Ray
+
 
 class _FakeFollower:
     def __init__(self, worker_id, cfg, rank, rendezvous):

@@ -1,26 +1,58 @@
 """fresh_install.py's dry run: one real run of a trivial command in a new venv on a fresh clone, and
---repeat's rows (N in a row, stopping at the first failure, replacing the commit's earlier rows)."""
+--repeat's rows (N in a row, stopping at the first failure, replacing the commit's earlier rows); the
+per-test seconds every pytest run writes, and the slowest 30 of them in a tests row."""
 
 from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
+from duration_recorder import DurationRecorder
 from loadtest import fresh_install
 
 
+@pytest.mark.slow  # a new venv (pip in it) and a clone
 def test_a_run_is_a_new_venv_on_a_fresh_clone_without_this_sessions_environment(monkeypatch):
     monkeypatch.setitem(fresh_install.COMMANDS, "probe",
                         'python -c "import os, sys; print(sys.prefix, os.environ.get(\'PYTHONPATH\'), '
-                        'os.environ[\'PDSERVE_HOME\'])" && test -f pyproject.toml && test -d .git')
+                        'os.environ[\'PDSERVE_HOME\'])" && test -f pyproject.toml && test -d .git && '
+                        f'echo \'{{"tests": [{{"test": "t::a", "seconds": 1.5}}]}}\' > {fresh_install.DURATIONS}')
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     row = fresh_install.run("probe")
     assert row["ok"], row["log_tail"]
     prefix, pythonpath, home = row["log_tail"][-1].split()
     assert prefix.endswith("/v") and "pdserve-fresh-" in prefix and pythonpath == "None"
     assert home.startswith(os.path.dirname(prefix)) and not os.path.exists(prefix)  # removed after a pass
+    assert row["slowest"] == [{"test": "t::a", "seconds": 1.5}]  # read from the clone's durations file
+
+
+def test_every_run_writes_each_tests_seconds_and_a_row_keeps_the_slowest_30(tmp_path, monkeypatch):
+    out = tmp_path / "durations.json"
+    monkeypatch.setenv("PDSERVE_TEST_DURATIONS", str(out))
+    rec = DurationRecorder(SimpleNamespace(rootpath=tmp_path))
+    for i in range(40):
+        for when, secs, outcome in (("setup", 0.5, "passed"), ("call", i, "failed" if i == 7 else "passed"),
+                                    ("teardown", 0.25, "passed")):
+            rec.pytest_runtest_logreport(SimpleNamespace(nodeid=f"t.py::test_{i}", when=when, duration=secs,
+                                                         outcome=outcome))
+    rec.pytest_sessionfinish(None, 1)
+    written = json.loads(out.read_text())
+    assert written["exit_status"] == 1 and len(written["tests"]) == 40
+    assert written["tests"][0] == {"test": "t.py::test_39", "seconds": 39.75, "outcome": "passed"}
+    assert {"test": "t.py::test_7", "seconds": 7.75, "outcome": "failed"} in written["tests"]
+    top = fresh_install.slowest(out)
+    assert len(top) == fresh_install.SLOWEST == 30
+    assert [t["test"] for t in top] == [f"t.py::test_{i}" for i in range(39, 9, -1)]
+    assert fresh_install.slowest(tmp_path / "absent.json") == []
+    # An xdist worker leaves the file to its controller.
+    out.unlink()
+    worker = DurationRecorder(SimpleNamespace(rootpath=tmp_path, workerinput={}))
+    worker.pytest_runtest_logreport(SimpleNamespace(nodeid="t.py::x", when="call", duration=1.0, outcome="passed"))
+    worker.pytest_sessionfinish(None, 0)
+    assert not out.exists()
 
 
 def test_repeat_stops_at_the_first_failure_and_replaces_the_commits_rows(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ PROMPT_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     from deploy.config import ClusterConfig
 
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1,

@@ -22,7 +22,7 @@ KEY = "sk-reliability-0123456789"
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     # With a tool-call parser: the fuzz's tools reach the parser and the forced-call grammars.
     sc = start_cluster(demo_model_dir, max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, api_key=KEY,
                        tool_call_parser="hermes", enable_auto_tool_choice=True)

@@ -18,7 +18,7 @@ CONCURRENCY = 12
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["api1", "api2"])
-def cluster(ray_module, demo_model_dir, request):
+def cluster(ray_session, demo_model_dir, request):
     # One prefill worker (KV over the real gloo transport) and two decode workers; short prompts are
     # prefilled on the decode worker, so both paths see disconnects; one API server, then two.
     from deploy.kv_transport_group import form_kv_transport_group

@@ -28,7 +28,7 @@ PROMPT = "Story 3: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, local_prefill_threshold=10)
     yield sc
     sc.shutdown()

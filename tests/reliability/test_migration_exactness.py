@@ -37,7 +37,7 @@ KS = range(1, 41)
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        max_loop_restarts=1000, warmup=False, cpu_num_blocks=256)
     yield sc

@@ -20,7 +20,7 @@ KV_BLOCKS = 32  # x 16 tokens: far less than the preemption test's batch needs
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, max_num_seqs=CAPACITY, max_waiting_requests=CAPACITY, cpu_num_blocks=KV_BLOCKS,
                        reserve_wait_s=0.2, retry_after_s=3)
     yield sc

@@ -21,7 +21,7 @@ TURNS = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=48, decode_policy="prefix_aware", prefill_policy="prefix_aware",
                        max_num_seqs=8)

@@ -27,7 +27,7 @@ from reliability_harness import MODEL, start_cluster, wait_clean, worker_stats
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, prefill_tp=2, decode_tp=2,
                        local_prefill_threshold=10, cpu_num_blocks=256, worker_max_restarts=3,
                        migration_wait_s=240.0, cpus_per_worker=0.5)

@@ -22,7 +22,7 @@ from reliability_harness import MODEL, start_cluster, stream_completion, wait_cl
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=3, local_prefill_threshold=10,
                        cpu_num_blocks=256)
     yield sc

@@ -21,7 +21,7 @@ from test_worker_death import _busiest, _kill, _prompts, _run_and_kill, _serves
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=80)
     yield sc

@@ -24,7 +24,7 @@ from test_worker_death import _busiest, _prompts, _run_and_kill, hold_prefill
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_module, demo_model_dir):
+def cluster(ray_session, demo_model_dir):
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, local_prefill_threshold=10,
                        cpu_num_blocks=128, worker_max_restarts=3)
     yield sc

@@ -42,11 +42,17 @@ def test_matches_reference(dtype):
     assert got[0] == logits[0].float().argmax() and got[5] == logits[5].float().argmax()  # greedy, top_k=1
 
 
-def test_ties_are_ranked_by_token_id_like_the_reference():
+# Under the interpreter the smallest batches that take every branch (each kind of row once); the
+# larger ones (each kind of row with more seeds) on a GPU.
+ONCE_ON_CPU = [1, pytest.param(3, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("copies", ONCE_ON_CPU)
+def test_ties_are_ranked_by_token_id_like_the_reference(copies):
     # Coarse logits: many exact ties at every rank, the kept-set boundary included.
     g = torch.Generator().manual_seed(1)
-    logits = (torch.randint(-6, 7, (len(ROWS) * 3, 700), generator=g).float() / 2).to(DEVICE)
-    rows = ROWS * 3
+    logits = (torch.randint(-6, 7, (len(ROWS) * copies, 700), generator=g).float() / 2).to(DEVICE)
+    rows = ROWS * copies
     got, want = _both(logits, rows, seed0=5)
     assert got.tolist() == want.tolist()
     for i, (_, k, p) in enumerate(rows):
@@ -54,11 +60,12 @@ def test_ties_are_ranked_by_token_id_like_the_reference():
             assert got[i] == logits[i].argmax()  # the first of the tied maxima
 
 
-def test_top_k_on_flat_logits_matches_reference():
+@pytest.mark.parametrize("copies", [1, pytest.param(2, marks=pytest.mark.gpu)])
+def test_top_k_on_flat_logits_matches_reference(copies):
     # Nearly flat rows: the first Gumbel winner is almost never in the top k, so the kernel brackets
     # the k-th value with pivots and then narrows the candidates (the slow path, exercised here).
     g = torch.Generator().manual_seed(3)
-    rows = [(1.0, 5, 1.0), (0.8, 50, 0.9), (1.0, 2, 1.0), (1.0, 300, 0.5)] * 2
+    rows = [(1.0, 5, 1.0), (0.8, 50, 0.9), (1.0, 2, 1.0), (1.0, 300, 0.5)] * copies
     logits = (0.5 * torch.randn(len(rows), 20000, generator=g)).to(DEVICE)
     got, want = _both(logits, rows, seed0=11)
     assert got.tolist() == want.tolist()

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # a minute of compiling in a subprocess
 def test_kernels_compile_for_sm90_without_spilling():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
