@@ -3,8 +3,9 @@ vs Hugging Face generate.
 
 Random bf16 weights with the shapes of Llama-3.2-1B and Llama-3.1-8B (built on the GPU from a config,
 nothing downloaded), prompts of 512 tokens, batch sizes 1..256. Per (model, batch, mode) it records
-the step time and the memory floor: (weights + KV bytes read per step) over the device-to-device copy
-bandwidth measured in the same run. `step_ms` is the loop's rate over the timed window (a median of
+the step time and the memory floor: the bytes a step reads (benchmarks.common.step_read_bytes: every
+weight once but of the embedding table only the rows looked up, the KV of every row's context) over
+the device-to-device copy bandwidth measured in the same run. `step_ms` is the loop's rate over the timed window (a median of
 per-step walls misreads a host-bound loop such as eager's; `step_ms_median` keeps it), `gpu_step_ms`
 the median CUDA-event time, `clocks` the SM clock and power while the row ran (nvidia-smi). Graph rows
 (`mode: "graph"`, the default serving path) carry `kernels_per_step`: the kernel nodes of that
@@ -54,7 +55,8 @@ from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler
 
-from benchmarks.common import BLOCK_SIZE, SHAPES, arch_of, copy_bandwidth_gbps, hf_config_dict, log, median, sync
+from benchmarks.common import (BLOCK_SIZE, SHAPES, arch_of, copy_bandwidth_gbps, hf_config_dict, log, median,
+                               memory_floor_ms, step_read_bytes, sync)
 
 
 def msgpack_encode(batch) -> bytes:
@@ -158,11 +160,12 @@ class Bench:
         self.eager = BucketedGraphRunner(self.model, self.kv_cache, buckets=buckets, use_cuda_graph=False, **self.kw)
         self.parts: dict[str, list[float]] = {}
 
-    def kv_bytes_per_step(self, bs: int) -> int:
-        return bs * PROMPT_LEN * self.arch.kv_bytes_per_token(2)
+    def bytes_per_step(self, bs: int) -> int:
+        """What a step of `bs` rows reads (benchmarks.common.step_read_bytes, bench_fp8's floor too)."""
+        return step_read_bytes(self.model, self.arch, bs, PROMPT_LEN, torch.bfloat16)
 
     def floor_ms(self, bs: int, copy_gbps: float) -> float:
-        return (self.weight_bytes + self.kv_bytes_per_step(bs)) / (copy_gbps * 1e9) * 1e3
+        return memory_floor_ms(self.bytes_per_step(bs), copy_gbps)
 
     def new_scheduler(self, bs: int, sampling: str) -> DecodeScheduler:
         """`bs` running requests of one of the SAMPLING kinds (or "features"), 512 prompt tokens each."""
@@ -487,7 +490,7 @@ def main(argv=None):
                     t = bench.run_loop(runner, bs, steps if mode == "graph" else max(6, steps // 2), overlap=True)
                     row = {"source": SOURCE, "model": name, "batch_size": bs, "mode": mode, **_timing_fields(t),
                            "floor_ms": floor_ms, "floor_fraction": floor_ms / t.step_ms,
-                           "tokens_per_s": bs / (t.step_ms / 1e3)}
+                           "bytes_per_step": bench.bytes_per_step(bs), "tokens_per_s": bs / (t.step_ms / 1e3)}
                     if mode == "graph":
                         b = runner.padded_size(bs)
                         nodes = runner.kernels_per_step(b) if b in runner.graphs else {}

@@ -62,7 +62,7 @@ from cluster.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler
-from benchmarks.common import BLOCK_SIZE, arch_of, copy_bandwidth_gbps, model_flops
+from benchmarks.common import BLOCK_SIZE, arch_of, copy_bandwidth_gbps, memory_floor_ms, model_flops, step_read_bytes
 from benchmarks.tune_fp8_gemm import MAX_COPIES, ROTATE_BYTES, ShapeBench, time_calls_us
 
 SOURCE = "bench_fp8"
@@ -165,21 +165,6 @@ def bench_gemms(device: str, dry: bool) -> list[dict]:
 
 
 # -- 2. decode steps ------------------------------------------------------------------------------------
-def step_read_bytes(model, arch, bs: int, context: int, kv_dtype: torch.dtype) -> int:
-    """Bytes one decode step reads: every linear's parameters (weights, scales), the LM head and norms
-    (each once), `bs` embedding rows and every row's K/V over its context."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens.weight":
-            total += bs * p.shape[1] * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    if arch.tie_word_embeddings:  # the tied head is read in full (named_parameters lists it once)
-        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return total + bs * context * arch.kv_bytes_per_token(elem)
-
-
 def linear_paths(arch, bs: int, device: str) -> dict[str, str]:
     """The FP8 path each decoder linear takes at this batch (`linear.fp8_path`, --quantization fp8's scheme)."""
     h, d = arch.hidden_size, arch.head_dim
@@ -258,7 +243,7 @@ def bench_decode(shape: str, device: str, dry: bool, copy_gbps: float) -> list[d
                 try:
                     step_ms, gpu_ms = run_decode(runner, arch, spec, bs, steps)
                     nbytes = step_read_bytes(model, arch, bs, PROMPT_LEN + steps // 2, kv_dtype)
-                    floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
+                    floor_ms = memory_floor_ms(nbytes, copy_gbps)
                     row = {"source": SOURCE, "model": shape, "batch_size": bs, "mode": "graph", "weights": weights,
                            "kv_cache_dtype": kv_name, "step_ms": step_ms, "gpu_step_ms": gpu_ms,
                            "floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms, "bytes_per_step": nbytes,

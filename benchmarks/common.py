@@ -81,3 +81,25 @@ def model_flops(arch, prompt_lens: list[int]) -> float:
     matmul = 2 * per_layer * layers * tokens + 2 * h * arch.vocab_size * len(prompt_lens)
     attention = 4 * arch.num_heads * arch.head_dim * layers * sum(n * (n + 1) // 2 for n in prompt_lens)
     return matmul + attention
+
+
+def step_read_bytes(model, arch, bs: int, context: int, kv_dtype: torch.dtype) -> int:
+    """The memory floor's bytes, the one every benchmark uses: what one decode step reads. Every
+    linear's parameters (weights, scales), the LM head and the norms, each once; of the embedding table
+    only the `bs` rows the step looks up (a tied table is read in full anyway, as the LM head); and
+    every row's K/V over its `context` tokens at the cache's element size (`kv_dtype`)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight":
+            total += bs * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    if arch.tie_word_embeddings:  # the tied head is read in full (named_parameters lists it once)
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return total + bs * context * arch.kv_bytes_per_token(elem)
+
+
+def memory_floor_ms(nbytes: int, copy_gbps: float) -> float:
+    """The step's memory floor: its bytes read at the device's copy bandwidth."""
+    return nbytes / (copy_gbps * 1e9) * 1e3

@@ -33,6 +33,7 @@ from typing import Sequence
 
 from cluster.block_hash import BlockHash, BlockHasher
 from cluster.errors import CapacityError
+from cluster.kv_blocks import blocks_for_tokens
 from cluster.kv_cache import NULL_BLOCK
 
 
@@ -109,7 +110,7 @@ class PrefixCachingBlockPool:
         return self.num_used / self.capacity
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free

@@ -34,6 +34,7 @@ from cluster.detokenizer import IncrementalDetokenizer
 from cluster.distributed.follower import RankFollower
 from cluster.distributed.rank_launcher import exit_now
 from cluster.distributed.step_messages import EagerDecode, PrefillPass
+from cluster.kv_blocks import decode_held_tokens
 from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
@@ -195,7 +196,7 @@ class LLMEngine:
                 # Reserve the whole prompt plus the first decode slot up front, so later chunks
                 # and the first decode step can't fail for lack of blocks; its cached prefix is
                 # not computed again. (A sequence with outputs is a preempted one's recompute.)
-                got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes,
+                got = self.allocator.allocate_prompt(seq.all_token_ids, decode_held_tokens(seq.num_tokens), seq.block_hashes,
                                                      count=not seq.output_token_ids,
                                                      lookup=seq.params.reads_prefix_cache)
                 if got is None:

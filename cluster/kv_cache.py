@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cluster.kv_blocks import blocks_for_tokens
 from cluster.model.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def allocate(self, device: str | torch.device) -> torch.Tensor:
         # Zeroed so that a never-written slot can't hold NaN bit patterns that a masked lane

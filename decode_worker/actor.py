@@ -72,7 +72,7 @@ class DecodeWorkerActor:
             old = self.worker
             old.shutdown()  # its transport closes first: its peers see it gone at once
             new = self._new_worker(model=old.model)
-            new.count_fault.fired = old.count_fault.fired  # what fired stays reported (tests count it)
+            new.faults = old.faults  # what fired stays reported (tests count it)
             self._state = (new, uuid.uuid4().hex)
         threading.Thread(target=run, name="decode-restart-in-place", daemon=True).start()
 

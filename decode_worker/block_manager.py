@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence as Seq
 
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCacheStats, PrefixCachingBlockPool
+from cluster.kv_blocks import blocks_for_tokens, decode_held_tokens
 from cluster.sequence import Sequence
 
 
@@ -51,14 +52,14 @@ class BlockManager:
         return self.allocator.num_cached
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate_prompt(self, seq: Sequence, count: bool = True) -> bool:
         """Blocks for everything the sequence has plus one decode slot, its cached prefix taken from
         the cache (seq.num_cached_tokens says how much); False, with nothing taken, if they don't fit.
         count=False for a preempted sequence's recompute (cluster.block_pool.allocate_prompt)."""
-        got = self.allocator.allocate_prompt(seq.all_token_ids, seq.num_tokens + 1, seq.block_hashes, count,
+        got = self.allocator.allocate_prompt(seq.all_token_ids, decode_held_tokens(seq.num_tokens), seq.block_hashes, count,
                                              lookup=seq.params.reads_prefix_cache)
         if got is None:
             return False

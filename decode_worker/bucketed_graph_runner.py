@@ -69,7 +69,7 @@ from cluster.sampling_state import SamplingState
 from cluster.sequence import SequenceStatus
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import fill_bitmasks
-from decode_worker.step_handle import StepHandle, StepInfo
+from decode_worker.step_handle import HostStepOutputs, StepHandle, StepInfo
 
 _INT32_MAX = 2**31 - 1
 VARIANTS = ("plain", "features")  # the captured step's variants (see the module docstring)
@@ -132,8 +132,8 @@ class BucketedGraphRunner:
         self._host_lp = torch.zeros(2, mb, dtype=torch.float32, pin_memory=pin)
         self._host_top_ids = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
         self._host_top_lp = torch.zeros(2, mb, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
-        self._np_lp, self._np_top_ids, self._np_top_lp = (t.numpy() for t in (self._host_lp, self._host_top_ids,
-                                                                             self._host_top_lp))
+        self._host_step_outputs = HostStepOutputs(self._host_out, self._host_lp.numpy(), self._host_top_ids.numpy(),
+                                                  self._host_top_lp.numpy())
         self._slot = 0
         # Persistent rows: host mirrors of each row's slowly changing inputs (see _update_rows).
         self._row_seq: list = [None] * mb
@@ -460,7 +460,7 @@ class BucketedGraphRunner:
             self._host_top_lp[slot, :n].copy_(out.top_logprobs[:n], non_blocking=True)
         if cuda:
             end_ev.record()
-        handle = StepHandle(self, slot, info, start_ev, end_ev, self._prev_start if cuda else None)
+        handle = StepHandle(self._host_step_outputs, slot, info, start_ev, end_ev, self._prev_start if cuda else None)
         if not cuda:
             handle.gpu_time_s = handle.ran_in_launch_s = time.perf_counter() - t_step  # the CPU ran it synchronously
             if self._prev_start is not None:

@@ -1,31 +1,23 @@
 """DecodeWorker: the decode side of the cluster, without Ray (decode_worker/actor.py wraps it).
 
-The loop, on its own thread, one iteration per decode step:
-    take arrived KV  ->  queue a local-prefill pass (paced)  ->  schedule step t+1  ->  launch step t+1
-    ->  read the pass's first tokens  ->  read step t's tokens (copied to pinned memory while t+1 was
-    queued)  ->  publish
-Publishing only enqueues: the TokenPublisher, in a process of its own (decode_worker/publisher_process.py),
+The loop (`_run_loop`, its own thread), one iteration per decode step: take arrivals (KV landed, the
+outbox) -> queue a paced local-prefill pass -> schedule step t+1 -> launch it -> read the pass's first
+tokens and step t's tokens (copied to pinned memory while t+1 was queued) -> publish. Step t+1's rows
+that continue from step t take their input token from the device, so the host never waits for the GPU
+to form the next batch, and nothing in the loop waits on Ray. A local prefill (decode_worker/
+local_prefill.py) is paced while requests decode: running requests see a bounded stall per token.
+Publishing only enqueues: the TokenPublisher, in a process of its own (publisher_process.py),
 detokenizes, applies stop strings (a match ends the request here, through abort()) and sends each
-gateway its own requests' text; nothing of it competes with the loop for the interpreter.
-The local prefill of an iteration (LocalPrefill, decode_worker/local_prefill.py) is paced while
-requests are decoding, so a long local prompt is spread over several iterations, each followed by a
-decode step: running requests see a bounded stall per token, never the whole prompt's prefill. A
-pass's first-token draws are read only after the next decode step is launched (they wait for the
-pass, not for that step), so the device never idles for it.
-Step t+1 is launched before step t's tokens are read: its rows that continue from step t take their
-input token from the device, so the host never waits for the GPU to form the next batch. Nothing in
-the loop waits on Ray; callers (router, gateway) reach it through thread-safe methods that take a
-short lock: reserve(), submit_local(), abort(), stats(), step_metrics().
+gateway its own requests' text. Callers (router, gateway) reach the worker through thread-safe
+methods that take a short lock: reserve(), submit_local(), abort(), stats(), step_metrics().
 
-Tensor parallelism: with a TPGroup (`group`, this process is its rank 0), everything above runs here
-unchanged; the model is this rank's shard, and every forward (local prefill, decode step) is announced
-to the followers first (cluster/model_runner.py, bucketed_graph_runner.py; decode_worker/rank_follower.py
-runs them). A failure of the loop then takes the whole worker down (`TPGroup.fail`: the ranks may have
-run different passes), instead of restarting the loop: Ray restarts the worker, the router migrates.
+Tensor parallelism: with a TPGroup (`group`, this process is its rank 0) everything above runs here
+unchanged on this rank's shard, every forward announced to the followers first (rank_follower.py). A
+failure of the loop then takes the whole worker down (`TPGroup.fail`) instead of restarting the loop.
 
-A request is refused (400) by the one fit rule, cluster.request_limits (its context length is the
-served max_model_len, its KV this worker's pool). Before serving, warmup() runs DecodeWorkerWarmup
-(decode_worker/warmup.py) beside the idle loop.
+A request is refused (400) by the one fit rule, cluster.request_limits. Before serving, warmup() runs
+DecodeWorkerWarmup (warmup.py) beside the idle loop. Fault injection (tests, chaos) has one seam in the
+loop: a FaultPlan (fault_plan.py), None in production.
 """
 
 from __future__ import annotations
@@ -33,6 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,8 +57,8 @@ from decode_worker.sequence_builder import SequenceBuilder
 from decode_worker.step_handle import StepHandle
 from decode_worker.step_interval import LaunchSpan, StepIntervalClock
 from decode_worker.publisher_process import make_publisher
-from decode_worker.token_count_fault import TokenCountFaultInjector
-from decode_worker.warmup import DecodeWorkerWarmup
+from decode_worker.fault_plan import FaultPlan, TokenCountFault
+from decode_worker.warmup import DecodeWorkerWarmup, WarmupParts
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +143,7 @@ class DecodeWorker:
         self.error: str | None = None
         self.loop_failures = 0
         self._lost: dict[str, str] = {}  # request id -> why: dropped by a failed loop (insertion order)
-        self._fault: str | None = None  # inject_fault(): "loop" raises at the loop's next iteration
-        self.count_fault = TokenCountFaultInjector(self._lock)  # inject_fault(kind, after_tokens=K)
+        self.faults: FaultPlan | None = None  # tests and chaos (inject_fault); None in production
         # Fault "restart": called on the loop's thread once the worker's state is dead (the actor brings
         # up a new incarnation); None: that fault is refused.
         self.on_restart: Callable[[], None] | None = None
@@ -238,17 +231,15 @@ class DecodeWorker:
         iteration, or with `after_tokens` right after a request (the one with `seed`, else any) has
         sent exactly that many tokens (TokenCountFault); "restart" (with `after_tokens`): the worker's
         state dies there as in a crash and `on_restart` makes a new incarnation."""
-        if kind == "loop" and after_tokens is None:
-            self._fault = kind
-        else:
-            self.count_fault.arm(kind, after_tokens, seed, can_restart=self.on_restart is not None)
+        plan = self.faults or FaultPlan()
+        plan.arm(kind, after_tokens, seed, can_restart=self.on_restart is not None)
+        self.faults = plan
         self._wake.set()
 
     def clear_faults(self) -> None:
         """Disarms what inject_fault armed and has not fired."""
-        with self._lock:
-            self._fault = None
-            self.count_fault.disarm()
+        if self.faults is not None:
+            self.faults.disarm()
 
     def stats(self) -> WorkerStats:
         lp = self.local_prefill
@@ -265,7 +256,7 @@ class DecodeWorker:
                 extra={"waiting_for_kv": len(s.waiting_for_kv), "local_prefill": len(s.waiting),
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
-                       "loop_failures": self.loop_failures, "faults_fired": list(self.count_fault.fired),
+                       "loop_failures": self.loop_failures, "faults_fired": list(self.faults.fired if self.faults else ()),
                        # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
                        "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
                        **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
@@ -298,8 +289,28 @@ class DecodeWorker:
         """Before the worker serves (the launcher calls it before /ready): every prefill shape class
         and synthetic requests through the serving path (decode_worker/warmup.py); nothing is
         published. Seeds the measured rates; returns what ran."""
-        self.warmup_info = DecodeWorkerWarmup(self, timeout_s).run()
+        parts = WarmupParts(self.worker_id, self.cfg, self.device, self.arch.vocab_size, self.max_model_len, self._lock,
+                            self.scheduler, self.blocks, self.local_prefill, self.prefill_runner, self.grammars,
+                            self.publisher.forget, self.submit_local, self._wake.set, self.quiet, self._reset_step_metrics)
+        self.warmup_info = DecodeWorkerWarmup(parts, timeout_s).run()
         return self.warmup_info
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Pauses the loop's publishing: inside, the loop runs its steps but sends no token and no step
+        record (the warm-up's requests); on the way out what it held back is dropped."""
+        with self._lock:
+            self._warming = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._outbox.clear()
+                self._last_step_info = (0.0, 0, 0, -1, None)  # no held-back step record goes out
+                self._warming = False
+
+    def _reset_step_metrics(self) -> None:  # the warm-up's steps are not served steps
+        self.metrics = StepMetrics()
 
     def poll_token_batches(self, timeout: float = 0.0) -> list:
         """The StreamBatches of requests without a reply_to so far (tests and in-process use)."""
@@ -366,61 +377,68 @@ class DecodeWorker:
         return True
 
     def _run_loop(self) -> None:
-        inflight: _Launched | None = None
+        inflight: _Launched | None = None  # step t: launched, its tokens not read yet
         while not self._stop.is_set():
-            if self._fault == "loop":
-                self._fault = None
-                raise RuntimeError("injected fault")
             t0 = time.perf_counter()
             # Cleared before the work is looked at, so a wake-up that comes while we look (an
             # arrival landing right after its commit) is not lost to the nap below.
             self._wake.clear()
             with self._lock:
-                deltas = self._outbox
-                self._outbox = []
-                deltas += self._take_arrivals()
+                deltas = self._take_outbox() + self.transfers.landed(self.scheduler, self._mark_lost)
                 self._fail_grammars()
-                # the pass and its first-token draws, queued
-                scored, prefill = self.local_prefill.start(self._step, self._last_step_s)
+                scored, prefill = self.local_prefill.start(self._step, self._last_step_s)  # queued, paced
                 deltas += scored
                 batch = self.scheduler.schedule_decode(self._step, pipeline_busy=inflight is not None)
                 if batch.needs_drain:  # pool short: let every deferred free land, then preempt
                     deltas += self._finish(inflight)
                     inflight = None
                     batch = self.scheduler.schedule_decode(self._step, pipeline_busy=False)
-                launched = None
-                if batch.rows:
-                    handle = self.graph_runner.launch(batch.rows)
-                    self.scheduler.on_step_launched(batch)
-                    launched = _Launched(batch, handle, time.perf_counter() - t0,
-                                         self._interval_clock.launched(handle.ran_in_launch_s))
-                    self._step += 1
+                launched = self._launch(batch, t0) if batch.rows else None  # step t+1
             if prefill is not None:
                 # Read after step t+1 was launched: the draw waits for the pass only, the step queued
                 # behind it keeps the device busy; the new sequences join at step t+2.
                 deltas += self.local_prefill.finish(prefill)
             if inflight is not None:
-                deltas += self._finish(inflight)  # step t+1 is queued behind it: the GPU stays busy
+                deltas += self._finish(inflight)  # step t; t+1 is queued behind it: the GPU stays busy
             inflight = launched
-            fired = None
-            if self.count_fault.armed is not None and deltas:
-                with self._lock:
-                    seqs = self.scheduler.sequences()
-                deltas, fired = self.count_fault.cut(deltas, seqs, self._step)
-            if deltas and not self._warming:
-                step_s, bs, bucket, step, timing = self._last_step_info
-                self._last_step_info = (0.0, 0, 0, -1, None)  # a step's record goes out once
-                self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
-                                                  step_s, bs, bucket, timing, time.perf_counter()))
-            if fired is not None:
-                if fired.kind == "restart":
-                    self._die()
-                    return
-                self._fault = "loop"  # raises at the top of the next iteration: nothing else goes out
+            fault = None
+            if self.faults is not None:  # the one fault seam (tests, chaos): may cut this batch
+                deltas, fault = self.faults.cut(deltas, self._sequences, self._step)
+            self._publish(deltas)
+            if fault is not None:
+                return self._fire(fault)
             if inflight is None and not deltas:
                 t_nap = time.perf_counter()
                 self._wake.wait(_IDLE_WAIT_S)
                 self._interval_clock.idle(time.perf_counter() - t_nap)
+
+    def _take_outbox(self) -> list[TokenDelta]:  # (under the lock)
+        deltas, self._outbox = self._outbox, []
+        return deltas
+
+    def _launch(self, batch: DecodeBatch, t0: float) -> _Launched:
+        handle = self.graph_runner.launch(batch.rows)
+        self.scheduler.on_step_launched(batch)
+        self._step += 1
+        return _Launched(batch, handle, time.perf_counter() - t0, self._interval_clock.launched(handle.ran_in_launch_s))
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        if deltas and not self._warming:
+            step_s, bs, bucket, step, timing = self._last_step_info
+            self._last_step_info = (0.0, 0, 0, -1, None)  # a step's record goes out once
+            self.publisher.publish(TokenBatch(self.worker_id, step if bs else self._step, tuple(deltas),
+                                              step_s, bs, bucket, timing, time.perf_counter()))
+
+    def _sequences(self) -> dict[str, Sequence]:
+        with self._lock:
+            return self.scheduler.sequences()
+
+    def _fire(self, fault: TokenCountFault) -> None:
+        """An injected fault, right after the batch that reached it was published: "restart" stops the
+        worker as in a crash, "loop" raises (the loop's failure path: its requests are lost)."""
+        if fault.kind != "restart":
+            raise RuntimeError("injected fault")
+        self._die()
 
     def _die(self) -> None:
         """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
@@ -455,21 +473,6 @@ class DecodeWorker:
             step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
             padded_rows=info.bucket - info.batch_size, graph=info.graph,
             step_time_s=launched.handle.gpu_time_s, host_time_s=launched.host_s + time.perf_counter() - t0))
-        return deltas
-
-    def _take_arrivals(self) -> list[TokenDelta]:
-        deltas = []
-        for a in self.transfers.arrivals():
-            rid = a.reservation.request_id
-            ok = a.error is None and a.header is not None and a.header.ok
-            first = a.header.first_token if ok else None
-            d = self.scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
-            if d is not None:
-                if not ok:
-                    # A transfer that failed (a broken pair, a dead or stuck prefill) is the cluster's
-                    # failure, not the request's: the router moves it when its gateway asks (lost()).
-                    self._mark_lost(rid, a.error or "its KV transfer failed")
-                deltas.append(d)
         return deltas
 
     def _mark_lost(self, request_id: str, why: str) -> None:

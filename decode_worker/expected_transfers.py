@@ -11,9 +11,9 @@ arrival; claimed, it lands first). Every method runs under the worker's lock.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from cluster.messages import Reservation
+from cluster.messages import Reservation, TokenDelta
 from cluster.sequence import Sequence
 from cluster.transport.base import KVArrival, KVReceiver
 
@@ -57,3 +57,19 @@ class ExpectedTransfers:
         for a in self.transport.poll_arrivals():
             self._expected.pop(a.reservation.request_id, None)
             yield a
+
+    def landed(self, scheduler, mark_lost: Callable[[str, str], None]) -> list[TokenDelta]:
+        """The arrivals polled now, handed to `scheduler` (the worker's DecodeScheduler): the deltas of
+        the requests that start decoding or fail. A failed transfer (a broken pair, a dead or stuck
+        prefill) is the cluster's failure, not the request's: `mark_lost` tells the router to move it."""
+        deltas = []
+        for a in self.arrivals():
+            rid = a.reservation.request_id
+            ok = a.error is None and a.header is not None and a.header.ok
+            first = a.header.first_token if ok else None
+            d = scheduler.on_arrival(rid, first, ok, a.error, a.header.logprobs if ok else None)
+            if d is not None:
+                if not ok:
+                    mark_lost(rid, a.error or "its KV transfer failed")
+                deltas.append(d)
+        return deltas

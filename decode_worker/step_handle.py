@@ -2,7 +2,7 @@
 
 The runner's launch() returns at once on CUDA; the handle waits for that step's CUDA event only
 (`tokens()`), then reads the step's sampled tokens (and, for a features step, its logprobs) from the
-runner's pinned host buffers. Those have two slots, so step t+1's output copy cannot overwrite step t's
+runner's pinned host buffers (`HostStepOutputs`, all a handle holds of the runner). Those have two slots, so step t+1's output copy cannot overwrite step t's
 unread tokens; a handle's slot is valid until the launch after next. StepInfo records what the step
 was (its rows, bucket, variant) and what the host spent on it.
 """
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from decode_worker.bucketed_graph_runner import BucketedGraphRunner
+import numpy as np
+import torch
 
 
 @dataclass
@@ -28,6 +27,18 @@ class StepInfo:
     constrained: int = 0  # rows under a grammar mask
 
 
+@dataclass(frozen=True)
+class HostStepOutputs:
+    """The pinned host buffers a step's outputs are copied into, two slots each ([2, max_batch, ...]):
+    the sampled tokens and, for a features step, the logprob, top ids and top logprobs (NumPy views of
+    the pinned tensors, so a handle returns rows without a copy)."""
+
+    tokens: torch.Tensor  # int64 [2, max_batch]
+    logprob: np.ndarray  # float32 [2, max_batch]
+    top_ids: np.ndarray  # int64 [2, max_batch, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [2, max_batch, MAX_LOGPROBS]
+
+
 class StepHandle:
     """One launched step: `tokens()` waits for its sampled tokens (only this step's, not later ones).
 
@@ -35,8 +46,8 @@ class StepHandle:
     copies; on CPU the wall time of the synchronous step), and `interval_s`, from the previous step's
     start to this one's on the device (None for the first step)."""
 
-    def __init__(self, runner: "BucketedGraphRunner", slot: int, info: StepInfo, start_ev, end_ev, prev_start):
-        self.runner, self.slot, self.info = runner, slot, info
+    def __init__(self, host: HostStepOutputs, slot: int, info: StepInfo, start_ev, end_ev, prev_start):
+        self._host, self.slot, self.info = host, slot, info
         self._start_ev, self._end_ev, self._prev_start = start_ev, end_ev, prev_start
         self._tokens: list[int] | None = None
         self.gpu_time_s = 0.0
@@ -59,7 +70,7 @@ class StepHandle:
                         self.interval_s = self._prev_start.elapsed_time(self._start_ev) / 1e3
                     except RuntimeError:  # recorded again by a later launch (a caller kept > 2 steps unread)
                         self.interval_s = None
-            self._tokens = self.runner._host_out[self.slot, : self.info.batch_size].tolist()
+            self._tokens = self._host.tokens[self.slot, : self.info.batch_size].tolist()
         return self._tokens
 
     def logprobs(self):
@@ -69,5 +80,5 @@ class StepHandle:
         Python lists costs ~1 ms at 256 rows). Call after tokens()."""
         if not self.info.features:
             return None
-        n, r = self.info.batch_size, self.runner
-        return (r._np_lp[self.slot, :n], r._np_top_ids[self.slot, :n], r._np_top_lp[self.slot, :n])
+        n, host = self.info.batch_size, self._host
+        return (host.logprob[self.slot, :n], host.top_ids[self.slot, :n], host.top_logprobs[self.slot, :n])

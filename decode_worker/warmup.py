@@ -16,30 +16,54 @@ counters and the local-prefill log start from zero when serving starts; only the
 (prefill per token, decode step per row) are kept, seeded for the router's cost model.
 
 It runs on the caller's thread beside the worker's loop, and like the worker's own API methods it
-takes the worker's lock for every look at its scheduler and its block pool.
+takes the worker's lock for every look at its scheduler and its block pool. It gets the parts of the
+worker it uses (WarmupParts), not the worker: the worker's `quiet()` pauses its publishing.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
 from cluster.block_pool import PrefixCacheStats
 from cluster.messages import GenerateRequest
 from cluster.warmup import WARMUP_PARAMS, WARMUP_SCHEMA, prefill_shapes, warm_grammars, warm_prefill
-from decode_worker.metrics import StepMetrics
-
-if TYPE_CHECKING:  # the worker imports this module to run it
-    from decode_worker.decode_worker import DecodeWorker
+from cluster.worker_config import WorkerConfig
+from decode_worker.block_manager import BlockManager
+from decode_worker.local_prefill import LocalPrefill
+from decode_worker.scheduler import DecodeScheduler
 
 _POLL_S = 0.002  # how often a wait looks at the scheduler again (and wakes the loop)
 
 
+@dataclass(frozen=True)
+class WarmupParts:
+    """What the warm-up uses of a decode worker (DecodeWorker.warmup builds it)."""
+
+    worker_id: str
+    cfg: WorkerConfig
+    device: torch.device
+    vocab_size: int
+    max_model_len: int
+    lock: Any  # the worker's (reentrant) lock: held for every look at the scheduler and the pool
+    scheduler: DecodeScheduler
+    blocks: BlockManager
+    local_prefill: LocalPrefill
+    prefill_runner: Any  # cluster.model_runner.ModelRunner
+    grammars: Any  # cluster.structured.GrammarCompiler
+    forget: Callable[[str], None]  # drops a request's publisher state
+    submit: Callable[[GenerateRequest], int | None]  # DecodeWorker.submit_local
+    wake: Callable[[], None]  # wakes the worker's loop
+    quiet: Callable[[], AbstractContextManager]  # inside it the worker's loop publishes nothing
+    reset_step_metrics: Callable[[], None]  # the step metrics start from zero
+
+
 class DecodeWorkerWarmup:
-    def __init__(self, worker: DecodeWorker, timeout_s: float = 600.0):
+    def __init__(self, worker: WarmupParts, timeout_s: float = 600.0):
         self.worker = worker
         self.timeout_s = timeout_s
 
@@ -50,27 +74,23 @@ class DecodeWorkerWarmup:
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
         cuda = w.device.type == "cuda"
-        with w._lock:
+        with w.lock:
             if w.scheduler.num_seqs:
                 raise RuntimeError("warmup() must run before the worker serves")
-            w._warming = True  # the loop publishes nothing while it is set
         ids: list[str] = []
         try:
-            shapes = prefill_shapes(w.cfg.max_prefill_tokens, w.max_model_len, cuda)
-            # The loop holds the lock while it prefills; these passes run beside an idle loop.
-            passes = warm_prefill(w.prefill_runner, shapes, self._lend_blocks, self._return_blocks,
-                                  w.arch.vocab_size, self._timed)
-            grammar_s = warm_grammars(w.grammars, w.arch.vocab_size, w.device, max(0.0, deadline - time.perf_counter()))
-            self._run_requests(cuda, deadline, ids)
-            if cuda:
-                torch.cuda.synchronize(w.device)
+            with w.quiet():  # the loop publishes nothing of the warm-up, not even its step records
+                shapes = prefill_shapes(w.cfg.max_prefill_tokens, w.max_model_len, cuda)
+                # The loop holds the lock while it prefills; these passes run beside an idle loop.
+                passes = warm_prefill(w.prefill_runner, shapes, self._lend_blocks, self._return_blocks,
+                                      w.vocab_size, self._timed)
+                grammar_s = warm_grammars(w.grammars, w.vocab_size, w.device, max(0.0, deadline - time.perf_counter()))
+                self._run_requests(cuda, deadline, ids)
+                if cuda:
+                    torch.cuda.synchronize(w.device)
         finally:
-            with w._lock:
-                w._outbox.clear()
-                w._last_step_info = (0.0, 0, 0, -1, None)  # no warm-up step record goes out
-                w._warming = False
             for r in ids:  # their last deltas were not published: nothing ends their publisher state
-                w.publisher.forget(r)
+                w.forget(r)
         w.local_prefill.timer.harvest()
         self._reset_serving_counters()
         return {"prefill_passes": passes, "shapes": len(shapes), "requests": len(ids),
@@ -81,12 +101,12 @@ class DecodeWorkerWarmup:
     def _lend_blocks(self, n: int) -> list[int] | None:
         """Blocks for n tokens straight from the pool (None: the shape does not fit this cache)."""
         w = self.worker
-        with w._lock:
+        with w.lock:
             pool, need = w.blocks.allocator, w.blocks.blocks_for_tokens(n)
             return pool.allocate(need) if pool.can_allocate(need) else None
 
     def _return_blocks(self, table: list[int]) -> None:
-        with self.worker._lock:
+        with self.worker.lock:
             self.worker.blocks.free_now(table)
 
     def _timed(self, fn: Callable[[], torch.Tensor], tokens: int) -> torch.Tensor:
@@ -111,8 +131,8 @@ class DecodeWorkerWarmup:
         for i, (n, p) in enumerate(zip(prompts, params)):
             rid = f"__warmup-{w.worker_id}-{i}"
             # Distinct prompts: none may find another's blocks in the prefix cache and skip the path.
-            req = GenerateRequest(rid, tuple((11 + 17 * k + 101 * i) % w.arch.vocab_size for k in range(n)), p, i, 0.0)
-            if w.submit_local(req) is not None:
+            req = GenerateRequest(rid, tuple((11 + 17 * k + 101 * i) % w.vocab_size for k in range(n)), p, i, 0.0)
+            if w.submit(req) is not None:
                 ids.append(rid)
             if i == 0:  # let the short one start decoding, so the long ones prefill beside it
                 self._wait_until(lambda: any(x.request_id == rid for x in w.scheduler.running)
@@ -122,17 +142,17 @@ class DecodeWorkerWarmup:
     def _wait_until(self, cond: Callable[[], bool], deadline: float) -> None:
         w = self.worker
         while True:
-            with w._lock:
+            with w.lock:
                 if cond():
                     return
             if time.perf_counter() > deadline:
                 raise TimeoutError("decode worker warm-up did not finish in time")
-            w._wake.set()
+            w.wake()
             time.sleep(_POLL_S)
 
     def _reset_serving_counters(self) -> None:
         """What the benchmarks and /metrics read counts serving only; the measured rates stay."""
         w = self.worker
-        w.metrics = StepMetrics()
+        w.reset_step_metrics()
         w.blocks.allocator.stats = PrefixCacheStats()  # so do the prefix-cache counters
         w.local_prefill.reset_counters()

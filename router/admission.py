@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from cluster.errors import InvalidRequestError
+from cluster.kv_blocks import blocks_for_tokens, decode_held_blocks
 from cluster.request_limits import check_request_fits
 from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, NotPlacedError, OverloadedError
 
@@ -119,7 +120,11 @@ class AdmissionController:
                         w.admitted.set_exception(DrainingError())
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.limits.block_size)
+        return blocks_for_tokens(num_tokens, self.limits.block_size)
+
+    def decode_blocks_for(self, num_tokens: int) -> int:
+        """What a decode worker holds for a sequence of `num_tokens` tokens (cluster.kv_blocks)."""
+        return decode_held_blocks(num_tokens, self.limits.block_size)
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """Request-only checks (no cluster state): 400 when it can never run."""
@@ -183,7 +188,7 @@ class AdmissionController:
             raise CapacityShortError(
                 f"too many tokens in flight ({self.inflight_tokens} + {tokens} > {lim.max_inflight_tokens}); "
                 "retry later", lim.retry_after_s)
-        need = self.blocks_for(prompt_len + 1)
+        need = self.decode_blocks_for(prompt_len)
         room = None
         for v in healthy:
             if v.draining:

@@ -80,7 +80,7 @@ class PlacementWalk:
         With `wait_for_restart` it also waits while no decode worker is healthy (one is restarting)."""
         req = rs.request
         prompt_len = len(req.prompt_token_ids)
-        need = self.admission.blocks_for(prompt_len + 1)
+        need = self.admission.decode_blocks_for(prompt_len)
         cached = self.cached_blocks(req)
         bs = self.kv_index.block_size or 0
         cached_tokens = {w: n * bs for w, n in {**self.cached_blocks(req, "prefill"), **cached}.items()}

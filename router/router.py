@@ -309,7 +309,7 @@ class Router:
                     v.forget(wrid)
                 else:
                     n = rs.origin.params.max_tokens if generated is None else generated
-                    v.release(self.admission.blocks_for(len(rs.origin.prompt_token_ids) + n + 1))
+                    v.release(self.admission.decode_blocks_for(len(rs.origin.prompt_token_ids) + n))
             else:
                 v.forget(wrid)
         if abort:

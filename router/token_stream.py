@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
 from cluster.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
+from router.receive_loop import received, verified
 
 log = logging.getLogger(__name__)
 
@@ -142,31 +143,18 @@ class TokenStreamReceiver:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         boxes = self._mailboxes
-        while True:
-            try:
-                payload = self._verifier.open(await self._sock.recv_multipart(copy=False))
-                if payload is None:  # not from a holder of the cluster's secret (or a replay): never decoded
-                    log.warning("dropped a token stream frame without a valid MAC (%d so far)",
-                                self._verifier.rejected)
-                    self.on_rejected()
-                    continue
-                batch = decode_stream_batch(payload)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM or self._sock.closed:
-                    return
-                log.exception("token stream receive failed")
-                continue
-            except Exception:  # a malformed frame must not kill the stream of everyone else
-                log.exception("dropping a malformed token batch")
-                continue
+        async for batch in received(self._sock, self._read, "token batch"):
             self.batches_received += 1
             now = loop.time()
             for delta in batch.deltas:
                 mb = boxes.get(delta.request_id)
                 if mb is not None:
                     mb.put(delta, now)
+
+    async def _read(self):
+        payload = verified(self._verifier, await self._sock.recv_multipart(copy=False), "token stream frame",
+                           self.on_rejected)
+        return None if payload is None else decode_stream_batch(payload)
 
     async def _watchdog(self) -> None:
         """The per-request deadline: a mailbox whose reader has waited `token_timeout_s` without a

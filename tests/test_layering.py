@@ -6,8 +6,9 @@
     engine core   cluster.* (model, attention, kernels, KV cache, sampler, transport, messages)
 
 Every import of every module is checked, including imports inside functions (a lazy import is still
-a dependency). And no import cycle anywhere among our modules, lazy imports included: only an import
-under `if TYPE_CHECKING:` (types only, never run) is not an edge. `from a.b import c` is an edge to the
+a dependency). And no import cycle anywhere among our modules, lazy imports and imports under
+`if TYPE_CHECKING:` included: a helper that names its owner's type holds its owner (STYLE.md, "Objects
+that point one way"); it gets the narrow objects it uses instead. `from a.b import c` is an edge to the
 module a.b.c where there is one, else to a.b; a package's __init__ counts as a module of its own."""
 
 from __future__ import annotations
@@ -108,13 +109,11 @@ def violations() -> list[str]:
 
 
 def import_graph() -> dict[str, list[tuple[str, str]]]:
-    """module -> [(module it imports, "path:line")], among our modules; types-only imports left out."""
+    """module -> [(module it imports, "path:line")], among our modules, types-only imports included."""
     found = {module: path for path, module in modules()}
     graph: dict[str, list[tuple[str, str]]] = {m: [] for m in found}
     for module, path in found.items():
         for imp in imports_of(path, module):
-            if imp.types_only:
-                continue
             where = f"{path.relative_to(ROOT)}:{imp.lineno}"
             targets = [f"{imp.module}.{n}" if f"{imp.module}.{n}" in found else imp.module for n in imp.names]
             for target in dict.fromkeys(targets or [imp.module]):
@@ -194,13 +193,23 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     assert any("router.bad" in v and "sideways" in v for v in found), found
 
 
+# Cycles still there, each being removed: the gateway and its Generation (wt-stall's branch removes
+# it), and the KV transport's control plane and its sides (issue 34: rebuilt as composition, not yet).
+# The lead tightens this to none at the merge.
+KNOWN_CYCLES = {
+    "cycle among ['router.openai.gateway', 'router.openai.generation']",
+    "cycle among ['cluster.transport.control', 'cluster.transport.payload_hooks', 'cluster.transport.receiver_side', "
+    "'cluster.transport.sender_side']",
+}
+
+
 def test_no_import_cycle():
     cycles = import_cycles()
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    assert {c.split(": ")[0] for c in cycles} <= KNOWN_CYCLES, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_the_cycle_check_catches_a_planted_cycle_but_not_a_types_only_import(tmp_path, monkeypatch):
-    """A ring through a lazy import is reported; the same import under `if TYPE_CHECKING:` is not."""
+def test_the_cycle_check_catches_a_planted_cycle_also_through_a_types_only_import(tmp_path, monkeypatch):
+    """A ring through a lazy import is reported, and so is one through an import under `if TYPE_CHECKING:`."""
     pkg = tmp_path / "cluster" / "ring"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -208,15 +217,15 @@ def test_the_cycle_check_catches_a_planted_cycle_but_not_a_types_only_import(tmp
     (pkg / "b.py").write_text("from cluster.ring.c import C\n")
     (pkg / "c.py").write_text("class C:\n    def f(self):\n        from cluster.ring.a import x\n")
     (pkg / "typed.py").write_text("from cluster.ring.hint import H\n")
-    (pkg / "hint.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-                                 "    from cluster.ring.typed import T\n")
+    (pkg / "hint.py").write_text("from cluster.ring.nothing import H\n")  # no ring through typed.py yet
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (found,) = import_cycles()
     assert found.startswith("cycle among ['cluster.ring.a', 'cluster.ring.b', 'cluster.ring.c']: "), found
     assert "cluster.ring.a imports cluster.ring.b (cluster/ring/a.py:1)" in found, found
     assert "cluster.ring.b imports cluster.ring.c (cluster/ring/b.py:1)" in found, found
     assert "cluster.ring.c imports cluster.ring.a (cluster/ring/c.py:3)" in found, found
-    (pkg / "hint.py").write_text("from cluster.ring.typed import T\n")  # the same import, run this time
+    (pkg / "hint.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                 "    from cluster.ring.typed import T\n")  # types only: still a ring
     assert any("cluster.ring.hint" in c and "cluster.ring.typed" in c for c in import_cycles())
 
 

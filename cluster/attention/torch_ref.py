@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from cluster.attention.backend import AttentionBackend
 from cluster.attention.metadata import AttentionMetadata
 from cluster.kernels.reference import FP8, kv_dequantize
+from cluster.kv_blocks import blocks_for_tokens
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -38,7 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
             if cached == 0 and not fp8:
                 ks, vs = k[start : start + q_len], v[start : start + q_len]
             else:  # a later chunk of a long prompt (or an FP8 cache): K/V come from the cache
-                nb = -(-ctx_len // block_size)
+                nb = blocks_for_tokens(ctx_len, block_size)
                 blocks = meta.block_tables[i, :nb].long()
                 ks = kv_layer[0][blocks].flatten(0, 1)[:ctx_len]
                 vs = kv_layer[1][blocks].flatten(0, 1)[:ctx_len]

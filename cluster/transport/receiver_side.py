@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cluster.kv_blocks import blocks_for_tokens
 from cluster.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Inbox, Message
@@ -274,7 +275,7 @@ class ReceiverSide(KVReceiver):
         for e, (seq, rid, ntok, _), src in zip(expects, entries, srcs):
             if e is None or e.reservation.request_id != rid:
                 raise RuntimeError(f"begin of transfer {seq} ({rid}) that is not expected from {peer}")
-            if not 0 < len(src) <= len(e.reservation.block_ids) or -(-ntok // t.block_size) != len(src):
+            if not 0 < len(src) <= len(e.reservation.block_ids) or blocks_for_tokens(ntok, t.block_size) != len(src):
                 raise RuntimeError(f"transfer {seq}: {len(src)} blocks for {ntok} tokens into {len(e.reservation.block_ids)}")
         items, launches = t._plan(pair, srcs, [tuple(e.reservation.block_ids[:len(s)]) for e, s in zip(expects, srcs)],
                                   m.layerwise)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import Reservation
+from cluster.kv_blocks import blocks_for_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import ReadyCompletion, WedgedCompletion
@@ -286,7 +287,7 @@ class SenderSide(KVSender):
             raise ValueError("a KV transfer to itself")
         if not 0 < n <= len(res.block_ids):
             raise ValueError(f"{n} source blocks for a reservation of {len(res.block_ids)}")
-        if -(-s.num_tokens // block_size) != n:
+        if blocks_for_tokens(s.num_tokens, block_size) != n:
             raise ValueError(f"{s.num_tokens} tokens do not fill {n} blocks of {block_size}")
 
     def _claim(self, store, pair: Pair, res: Reservation, value: bytes) -> None:

@@ -32,6 +32,7 @@ from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Go
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
                                      error_to_wire)
 from router.metrics import RouterMetrics
+from router.receive_loop import received, verified
 from router.router import PlacedRequest, Router
 from router.step_stats import StepStats
 
@@ -174,24 +175,15 @@ class RouterServer:
 
     # -- receiving --------------------------------------------------------------------------------
     async def _serve(self) -> None:
-        while True:
-            try:
-                identity, frame = await self._sock.recv_multipart()
-                msg = decode_to_router(frame)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM or self._sock.closed:
-                    return
-                log.exception("router channel receive failed")
-                continue
-            except Exception:  # noqa: BLE001 - a malformed frame must not stop the router
-                log.exception("dropping a malformed frame from a gateway")
-                continue
+        async for identity, msg in received(self._sock, self._read_gateway_frame, "frame from a gateway"):
             try:
                 self._handle(identity, msg)
             except Exception:  # noqa: BLE001
                 log.exception("handling %s failed", type(msg).__name__)
+
+    async def _read_gateway_frame(self):
+        identity, frame = await self._sock.recv_multipart()
+        return identity, decode_to_router(frame)
 
     def _handle(self, identity: bytes, msg) -> None:
         now = time.monotonic()
@@ -272,27 +264,15 @@ class RouterServer:
         self._send(identity, Reply(msg.call_id, end=delta))
 
     async def _collect_steps(self) -> None:
-        while True:
-            try:
-                payload = self._stats_verifier.open(await self._stats.recv_multipart(copy=False))
-                if payload is None:  # not from a holder of the cluster's secret (or a replay): never decoded
-                    log.warning("dropped a step record frame without a valid MAC (%d so far)",
-                                self._stats_verifier.rejected)
-                    self.metrics.frame_rejected("stats_sink")
-                    continue
-                batch = decode_step_records(payload)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM or self._stats.closed:
-                    return
-                continue
-            except Exception:  # noqa: BLE001
-                log.exception("dropping a malformed step record batch")
-                continue
+        async for batch in received(self._stats, self._read_step_records, "step record batch"):
             for rec in batch.records:
                 self.step_stats.record_step(rec)
                 self.metrics.observe_step(rec)
+
+    async def _read_step_records(self):
+        payload = verified(self._stats_verifier, await self._stats.recv_multipart(copy=False), "step record frame",
+                           lambda: self.metrics.frame_rejected("stats_sink"))
+        return None if payload is None else decode_step_records(payload)
 
     async def _housekeeping(self) -> None:
         """Pushes the cluster state on change (and every second regardless: a gateway that missed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from cluster.errors import InvalidRequestError
+from cluster.request_limits import default_max_tokens
 from cluster.tokenizer import encode_chat
 from router.openai.logprobs import chat_logprobs, prompt_logprobs_map
 from router.openai.protocol import ChatCompletionRequest
@@ -56,8 +57,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # like vLLM: as much as the context (and the KV cache) leaves
             cfg = self.gw.cfg
-            room = min(cfg.max_model_len, self.gw.kv_capacity_tokens() or cfg.max_model_len) - len(ids)
-            max_tokens = max(1, min(room, cfg.sampling_defaults.max_tokens or room))  # the model's max_new_tokens
+            max_tokens = default_max_tokens(len(ids), cfg.max_model_len, self.gw.kv_capacity_tokens(),
+                                            cfg.sampling_defaults.max_tokens)
         return max_tokens
 
     def num_logprobs(self, body: ChatCompletionRequest) -> int | None:

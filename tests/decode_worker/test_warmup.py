@@ -15,7 +15,6 @@ from cluster.sampling_params import SamplingParams
 from cluster.warmup import WARMUP_PARAMS
 from cluster.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
-from decode_worker.warmup import DecodeWorkerWarmup
 
 
 def make_worker(model_dir, **kw):
@@ -59,7 +58,7 @@ def test_warmup_refuses_a_serving_worker_and_cleans_up_after_a_timeout(demo_mode
     worker = make_worker(demo_model_dir)
     try:
         with pytest.raises(TimeoutError):
-            DecodeWorkerWarmup(worker, timeout_s=0.0).run()
+            worker.warmup(timeout_s=0.0)
         assert not worker._warming  # the loop publishes again
         deadline = time.monotonic() + 30
         while worker.stats().running or worker.stats().waiting:  # the warm-up's requests run out

@@ -1,16 +1,19 @@
-"""TokenCountFault: fault injection keyed on how many tokens a client has received (tests, chaos).
+"""FaultPlan: the decode worker's one fault seam (tests, chaos; None in production).
 
-DecodeWorker.inject_fault(kind, after_tokens=K) arms one TokenCountFault in the worker's
-TokenCountFaultInjector; the decode loop hands it each iteration's deltas before they are published
-(`cut`). When the first matching request reaches exactly K tokens in them, its later tokens in that
-batch are cut, the fault is disarmed and returned, and the loop makes it happen right after
-publishing: the client has exactly K tokens. What fired is kept in `fired` (stats()["extra"]
-["faults_fired"]; the actor carries it over a restart in place).
+DecodeWorker.inject_fault arms a fault in the worker's FaultPlan (made on first use). The decode loop
+consults the plan at one place per iteration, with that iteration's deltas before they are published
+(`cut`); it returns the deltas to publish and the fault to fire right after publishing, or None:
+- "loop" without a token count: fires at the next iteration;
+- a TokenCountFault: when the first matching request reaches exactly K tokens in the deltas, its later
+  tokens in that batch are cut and the fault fires: the client has exactly K tokens.
+What fired is kept in `fired` (stats()["extra"]["faults_fired"]; the actor carries the plan over a
+restart in place).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.messages import TokenDelta
@@ -34,18 +37,23 @@ class TokenCountFault:
     seed: int | None = None  # only the request sampled with this seed (None: any request)
 
 
-class TokenCountFaultInjector:
-    """The armed TokenCountFault (at most one) and what the fired ones did. `lock` is the worker's:
-    arming and disarming happen under it (any thread); `cut` runs on the loop thread."""
+class FaultPlan:
+    """The armed faults (an immediate "loop", at most one TokenCountFault) and what the fired ones did.
+    Arming and disarming happen under its own lock (any thread); `cut` runs on the loop thread."""
 
-    def __init__(self, lock: threading.RLock):
-        self._lock = lock
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.now: TokenCountFault | None = None  # inject_fault("loop"): fires at the next iteration
         self.armed: TokenCountFault | None = None  # inject_fault(kind, after_tokens=K)
         self.fired: list[dict] = []  # what the injected faults did (stats()["extra"]["faults_fired"])
 
     def arm(self, kind: str, after_tokens: int | None, seed: int | None, can_restart: bool) -> None:
-        """Arms TokenCountFault(kind, after_tokens, seed) in place of any armed one; ValueError if it is
-        not one (`can_restart`: whether the worker has an `on_restart`; without one, "restart" is refused)."""
+        """Arms the fault in place of any armed one of its kind; ValueError if it is not one
+        (`can_restart`: whether the worker has an `on_restart`; without one, "restart" is refused)."""
+        if kind == "loop" and after_tokens is None:
+            with self._lock:
+                self.now = TokenCountFault(kind, 0)
+            return
         if kind not in ("loop", "restart"):
             raise ValueError(f"unknown fault {kind!r}")
         if after_tokens is None:
@@ -59,17 +67,22 @@ class TokenCountFaultInjector:
 
     def disarm(self) -> None:
         with self._lock:
-            self.armed = None
+            self.now = self.armed = None
 
-    def cut(self, deltas: list[TokenDelta], sequences: dict[str, Sequence],
+    def cut(self, deltas: list[TokenDelta], sequences: Callable[[], dict[str, Sequence]],
             step: int) -> tuple[list[TokenDelta], TokenCountFault | None]:
-        """The armed fault against this iteration's deltas (loop thread, before they are published;
-        `sequences`: the worker's requests by id, `step`: the loop's step count, for the record): when a
-        matching request reaches exactly `after_tokens` tokens here, its later tokens in the batch are
-        cut and the fault is returned (disarmed)."""
-        f = self.armed
-        if f is None:  # disarmed (clear_faults) since the loop looked
+        """The armed faults against this iteration's deltas (loop thread, before they are published;
+        `sequences()`: the worker's requests by id, `step`: the loop's step count, for the record): an
+        immediate fault is returned at once; when a matching request reaches exactly `after_tokens`
+        tokens here, its later tokens in the batch are cut and the fault is returned (disarmed)."""
+        with self._lock:
+            now, self.now = self.now, None
+            f = self.armed
+        if now is not None:
+            return deltas, now
+        if f is None or not deltas:
             return deltas, None
+        sequences = sequences()
         in_batch: dict[str, int] = {}
         for d in deltas:
             if d.token_ids:
@@ -95,7 +108,8 @@ class TokenCountFaultInjector:
                                    None if d.logprobs is None else d.logprobs[:keep], d.prompt_logprobs)
                 keep -= len(d.token_ids)
             out.append(d)
-        self.disarm()
+        with self._lock:
+            self.armed = None
         self.fired.append({"kind": f.kind, "after_tokens": f.after_tokens, "seed": f.seed,
                            "request_id": target, "step": step})
         return out, f
