@@ -42,7 +42,7 @@ from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.errors import InvalidRequestError
 from cluster.logprobs import PrefillLogprobs
-from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
@@ -73,6 +73,10 @@ class _Job:
     aborted: bool = False
     prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
     grammar: RequestGrammar | None = None  # structured output: its first token obeys it
+    # time.time() points for /stats (cluster.messages.PrefillTimeline): arrival here, first pass start
+    submitted_at: float = 0.0
+    forward_start_at: float = 0.0
+    timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed
 
     @property
     def prompt(self):
@@ -194,7 +198,7 @@ class PrefillWorker:
             fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut
-        job = _Job(task, fut, time.perf_counter(), grammar=grammar)
+        job = _Job(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time())
         with self._cv:
             self._jobs[job.request_id] = job
             self._waiting.append(job)
@@ -334,6 +338,9 @@ class PrefillWorker:
         self._shipment = shipment
         try:
             tokens_in_pass = sum(len(c.token_ids) for _, c in chunks)
+            pass_at, pass_t0 = time.time(), time.perf_counter()
+            for job, _ in chunks:
+                job.forward_start_at = job.forward_start_at or pass_at
             start = self._timer.start()
             # Prompt logprobs need every position's logits (such a request skipped the prefix cache:
             # SamplingParams.reads_prefix_cache), gathered chunk by chunk.
@@ -343,10 +350,11 @@ class PrefillWorker:
             for (job, _), lps in zip(chunks, prompt_lps):
                 if lps is not None:
                     job.prompt_logprobs = (job.prompt_logprobs or []) + lps
+            forward_done_at, pass_host_s = time.time(), time.perf_counter() - pass_t0
             self._shipment = None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now, while we sample
-            self._timer.stop(start, tokens_in_pass)
+            end = self._timer.stop(start, tokens_in_pass)
             self.prefill_tokens_total += tokens_in_pass
             done = []
             with self._cv:  # the pool is shared with the send threads' releases
@@ -378,6 +386,9 @@ class PrefillWorker:
                     job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
                     self._spawn_abort(job.task)
             return True
+        # The draws above synced the device: the pass's device time is ready without a wait.
+        device_s = self._timer.seconds(start, end) if done else 0.0
+        drawn_at = time.time()
         first, lps = {}, {}
         with self._cv:
             for (_, job), tok, lp in zip(done, tokens, logprobs):
@@ -388,7 +399,10 @@ class PrefillWorker:
                     lps[job.request_id] = PrefillLogprobs(lp, None if plp is None else tuple(plp))
         if shipment is not None:
             shipment.commit(first, lps)
+        committed_at = time.time()
         for _, job in done:
+            job.timeline = PrefillTimeline(job.submitted_at, job.forward_start_at, forward_done_at, drawn_at,
+                                           committed_at, pass_host_s, device_s, tokens_in_pass)
             tok = first[job.request_id]
             if shipment is None:
                 with self._cv:
@@ -437,10 +451,10 @@ class PrefillWorker:
         if error is None:
             st = fut.result()
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, time.perf_counter() - prefill_done,
-                                   st.bytes, cached_tokens=job.cached_tokens)
+                                   st.bytes, cached_tokens=job.cached_tokens, timeline=job.timeline)
         else:
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error,
-                                   cached_tokens=job.cached_tokens)
+                                   cached_tokens=job.cached_tokens, timeline=job.timeline)
         with self._cv:
             self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1

@@ -49,8 +49,15 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     remote = [r for r in stats["requests"] if not r["local_prefill"]]
     assert len(remote) == 8
     for r in remote:
-        parts = r["queue_ms"] + r["prefill_ms"] + r["transfer_ms"] + r["first_step_ms"]
-        assert r["prefill_ms"] > 0 and r["transfer_ms"] > 0 and abs(parts - r["ttft_ms"]) < 1e-3
+        # The parts follow the request gateway -> router -> prefill worker -> gateway, in order, and
+        # add up to its TTFT (router.step_stats.TTFTPoints).
+        parts = r["ttft_parts_ms"]
+        assert list(parts) == ["admission", "placement", "dispatch", "prefill_queue", "forward", "sample", "delivery"]
+        assert all(v >= 0 for v in parts.values()), parts
+        assert abs(sum(parts.values()) - r["ttft_ms"]) < 1e-3 and parts["forward"] > 0 and r["transfer_ms"] > 0
+        assert r["forward_device_ms"] > 0 and r["forward_host_ms"] > 0 and r["pass_tokens"] > 0
+        points = list(r["ttft_points"].values())
+        assert points == sorted(points), r["ttft_points"]
 
 
 def test_disaggregated_disconnect_frees_blocks(real_pd_cluster):
