@@ -34,6 +34,14 @@ class GenerateRequest:
     resumed_tokens: int = 0
     resumed_chars: int = 0
 
+    @property
+    def prefill_sends_first_token(self) -> bool:
+        """Whether a prefill worker that computes this prompt sends the first token to the gateway
+        itself, as soon as it is drawn (its decode worker continues from it and sends only what
+        follows): every request with a gateway whose first token is wanted. The one rule both
+        workers read (prefill_worker/first_token_sender.py, decode_worker/token_publisher.py)."""
+        return self.reply_to is not None and not self.params.scores_prompt_only
+
 
 @dataclass(frozen=True)
 class ReserveRequest:
