@@ -80,19 +80,20 @@ class FirstTokenSender:
         """drawn: (request, first token or None, logprobs, grammar) of the prompts a pass completed.
         Sends those with a token whose prefill sends it (GenerateRequest.prefill_sends_first_token);
         one that could not be sent gets None in `first` and its error in `errors` (the caller fails
-        it). Returns when each left (time.time())."""
+        it). Returns when each was handed to its socket (time.time())."""
         sent_at = {}
         for req, token, logprobs, grammar in drawn:
             rid = req.request_id
             if token is None or not req.prefill_sends_first_token:
                 continue
+            # Stamped as it is handed over: the gateway may read it before send() returns here.
+            sent_at[rid] = time.time()
             try:
                 self.send(req, token, logprobs, grammar)
             except Exception as e:  # noqa: BLE001 - this prompt fails, the others go on
                 log.warning("first token of %s not sent to %s: %s", rid, req.reply_to, e)
                 first[rid] = None
                 errors[rid] = f"its first token could not be sent to its gateway: {type(e).__name__}: {e}"
-            sent_at[rid] = time.time()
         return sent_at
 
     def send(self, req: GenerateRequest, token: int, logprobs, grammar) -> None:
