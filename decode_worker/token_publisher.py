@@ -13,6 +13,10 @@ batch of steps taken off the queue:
 - the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
   step-level Prometheus metrics), once, however many gateways there are.
 
+A request whose prefill worker sent its first token itself (registered with `first_token_sent`:
+prefill_worker/first_token_sender.py) gets only what follows from here; its first token only advances
+the text state (cluster/stream_text.py, the rule both sides share).
+
 Requests without a `reply_to` (in-process use, tests) are kept for `drain()`.
 """
 
