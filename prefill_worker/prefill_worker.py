@@ -3,8 +3,9 @@ first token and ships its KV to the decode worker that reserved blocks for it. N
 
 One loop thread computes and ships. Before a forward that completes prompts, their transfers are
 claimed (`KVSender.begin`); during it a forward hook on every decoder layer reports the layer done, so
-a long prompt's layer i is on the wire while layer i+1 computes; after sampling, `commit` sends the
-first tokens. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
+a long prompt's layer i is on the wire while layer i+1 computes; after sampling, each first token goes
+to its gateway (FirstTokenSender: the client has it before the KV lands), then `commit` sends it to the
+decode worker, which continues from it. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
 back to this worker's pool when its transfer future resolves (the payload left them, or failed).
 
 Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
