@@ -34,6 +34,14 @@ class GenerateRequest:
     resumed_tokens: int = 0
     resumed_chars: int = 0
 
+    @property
+    def prefill_sends_first_token(self) -> bool:
+        """Whether a prefill worker that computes this prompt sends the first token to the gateway
+        itself, as soon as it is drawn (its decode worker continues from it and sends only what
+        follows): every request with a gateway whose first token is wanted. The one rule both
+        workers read (prefill_worker/first_token_sender.py, decode_worker/token_publisher.py)."""
+        return self.reply_to is not None and not self.params.scores_prompt_only
+
 
 @dataclass(frozen=True)
 class ReserveRequest:
@@ -85,6 +93,24 @@ class KVHeader:
 
 
 @dataclass(frozen=True)
+class PrefillTimeline:
+    """When a prompt passed each point on its prefill worker (prefill worker -> router -> /stats).
+
+    Every point is time.time(), the clock the gateway stamps arrival and first token with and the
+    router admission and dispatch with: on one host one clock, so the points of one request order and
+    their differences add up to its TTFT (across nodes, as close as the hosts' NTP keeps them)."""
+
+    submitted: float  # the task reached the worker (after the router's dispatch call)
+    forward_start: float  # the first pass that computed any of the prompt started (host)
+    forward_done: float  # the pass that completed the prompt returned on the host
+    first_token_sent: float  # its first token was drawn (device synced) and sent toward its gateway
+    kv_committed: float  # the KV commit (with the first token) left for the decode worker
+    pass_host_s: float  # the completing pass: host wall time of its forward
+    pass_device_s: float  # ... and its device time (CUDA events; on CPU the host time)
+    pass_tokens: int  # tokens that pass computed (all its prompts' chunks)
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """Prefill worker -> router once the decode side has the KV (timings feed /metrics)."""
 
@@ -97,6 +123,7 @@ class PrefillResult:
     ok: bool = True
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefill worker's cache (not computed)
+    timeline: PrefillTimeline | None = None  # None when the prompt never completed a pass
 
 
 @dataclass(slots=True)

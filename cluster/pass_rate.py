@@ -100,10 +100,12 @@ class DevicePassTimer:
             return ev
         return time.perf_counter()
 
-    def stop(self, start, units: int) -> None:
+    def stop(self, start, units: int):
+        """Ends the pass begun at `start`; returns its end mark, for `seconds(start, end)`."""
         if not self.cuda:
-            self.meter.add(units, time.perf_counter() - start)
-            return
+            end = time.perf_counter()
+            self.meter.add(units, end - start)
+            return end
         import torch
 
         end = torch.cuda.Event(enable_timing=True)
@@ -111,6 +113,15 @@ class DevicePassTimer:
         with self._lock:
             self._pending.append((start, end, units))
         self.harvest()
+        return end
+
+    def seconds(self, start, end) -> float:
+        """The pass's device time. NOTE: on CUDA it waits for the pass's end event: call it once the
+        host has synced past the pass anyway (after reading its sampled tokens), never in a hot path."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def harvest(self) -> None:
         """Feeds the meter with every timed pass that has completed on the device."""

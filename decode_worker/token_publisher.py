@@ -13,6 +13,10 @@ batch of steps taken off the queue:
 - the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
   step-level Prometheus metrics), once, however many gateways there are.
 
+A request whose prefill worker sent its first token itself (registered with `first_token_sent`:
+prefill_worker/first_token_sender.py) gets only what follows from here; its first token only advances
+the text state (cluster/stream_text.py, the rule both sides share).
+
 Requests without a `reply_to` (in-process use, tests) are kept for `drain()`.
 """
 
@@ -25,9 +29,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from cluster.detokenizer import IncrementalDetokenizer
 from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameSigner
 from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
+from cluster.stream_text import StreamText, TokenStrings
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +41,13 @@ _SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (
 
 
 class _Outgoing:
-    __slots__ = ("reply_to", "detok", "prompt")
+    __slots__ = ("text", "first_token_sent")
 
-    def __init__(self, reply_to: str | None, detok: IncrementalDetokenizer, prompt: tuple[int, ...] | None):
-        self.reply_to = reply_to
-        self.detok = detok
-        self.prompt = prompt  # kept only when prompt logprobs are asked for
+    def __init__(self, text: StreamText, first_token_sent: bool):
+        self.text = text
+        # Its prefill worker sent the first token to the gateway itself (GenerateRequest.
+        # prefill_sends_first_token): the first delta with tokens only advances `text`.
+        self.first_token_sent = first_token_sent
 
 
 class TokenPublisher:
@@ -58,7 +63,7 @@ class TokenPublisher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._local: deque = deque(maxlen=keep_local)
         self._local_cv = threading.Condition()
-        self._token_strings: dict[int, str] = {}  # id -> its string in logprobs (publisher thread only)
+        self._strings = TokenStrings(tokenizer)  # id -> its string in logprobs (publisher thread only)
         self.sent = 0  # frames sent to gateways
         self.dropped = 0  # frames a gateway could not take (gone)
         self._halted = False  # halt(): nothing more is published
@@ -66,13 +71,10 @@ class TokenPublisher:
         self._thread.start()
 
     # -- callers' threads -------------------------------------------------------------------------
-    def register(self, req: GenerateRequest) -> None:
-        """Before the request can produce a token (reserve / submit_local)."""
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
-                                       resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars,
-                                       skip_special_tokens=req.params.skip_special_tokens)
-        prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None else None
-        self._requests[req.request_id] = _Outgoing(req.reply_to, detok, prompt)
+    def register(self, req: GenerateRequest, first_token_sent: bool = False) -> None:
+        """Before the request can produce a token (reserve / submit_local). `first_token_sent`: its
+        prefill worker sends the first token to its gateway; this publisher sends only what follows."""
+        self._requests[req.request_id] = _Outgoing(StreamText(self.tokenizer, req), first_token_sent)
 
     def forget(self, request_id: str) -> None:
         """A registered request that will produce nothing (not placed here after all)."""
@@ -110,61 +112,28 @@ class TokenPublisher:
         self._thread.join(timeout_s)
 
     # -- the publisher's thread -------------------------------------------------------------------
-    def _text_delta(self, d: TokenDelta, make_delta):
-        """(reply_to, StreamDelta) for a loop delta, or None when nobody may see it any more."""
+    def _text_delta(self, d: TokenDelta):
+        """(reply_to, StreamDelta) for a loop delta, or None when nobody may see it any more (cluster.
+        stream_text.StreamText: the text rule the prefill worker's first token follows too)."""
         out = self._requests.get(d.request_id)
         if out is None:
             return None  # ended here already (stop string), or never ours (an abort after the end)
-        tokens, finish, detok = d.token_ids, d.finish_reason, out.detok
-        stopped = False
-        # The loop's "stop" is a stop token (stop_token_ids or EOS; stop strings end here): it stays in
-        # token_ids and its logprobs, but its text is not output (as vLLM).
-        text_tokens = len(tokens) - 1 if finish == "stop" else len(tokens)
-        for i, tok in enumerate(tokens[:text_tokens]):
-            detok.add(tok)
-            if detok.stopped:
-                tokens, finish, stopped = tokens[: i + 1], "stop", True
-                break
-        # NOTE (migration, issue 29): an error ends the request *here*, not its text. The bytes held back
-        # (an incomplete UTF-8 sequence, a tail that may become a stop string) stay unsent: flushed now
-        # they would go out as U+FFFD, and the worker the request moves to decodes the same tokens
-        # again and sends the real character after them (the client's text would differ from an
-        # unfailed run). An error that is final loses only that held-back tail.
-        text = detok.take_new_text(final=finish is not None and finish != "error")
-        if finish is not None:
+        delta, stopped_here = out.text.delta(d.request_id, d.token_ids, d.finish_reason, d.error, d.logprobs,
+                                             d.prompt_logprobs, self._strings)
+        if delta.finish_reason is not None:
             del self._requests[d.request_id]
-        if stopped and d.finish_reason is None and self.on_stop is not None:
+        if stopped_here and self.on_stop is not None:
             self.on_stop(d.request_id)  # the loop still runs it: drop it there, free its blocks
-        logprobs = None
-        if d.logprobs is not None or d.prompt_logprobs is not None:
-            logprobs = self._logprobs(tokens, d.logprobs or (), d.prompt_logprobs, out.prompt)
-        return out.reply_to, make_delta(d.request_id, tokens, text, finish, d.error, logprobs)
-
-    def _string(self, token_id: int) -> str:
-        s = self._token_strings.get(token_id)
-        if s is None:
-            s = self._token_strings[token_id] = self.tokenizer.decode([token_id])
-        return s
-
-    def _position(self, token_id: int, lp):
-        from cluster.stream_messages import PositionLogprobs
-
-        return PositionLogprobs(token_id, self._string(token_id), lp.logprob, lp.top_ids,
-                                tuple(self._string(t) for t in lp.top_ids), lp.top_logprobs)
-
-    def _logprobs(self, tokens, token_lps, prompt_lps, prompt):
-        """TokenLogprobs (ids) -> DeltaLogprobs (with strings), for the tokens that go out."""
-        from cluster.stream_messages import DeltaLogprobs
-
-        toks = tuple(self._position(t, lp) for t, lp in zip(tokens, token_lps))
-        pr = None
-        if prompt_lps is not None and prompt is not None:
-            pr = tuple(None if lp is None else self._position(t, lp) for t, lp in zip(prompt, prompt_lps))
-        return DeltaLogprobs(toks, pr)
+        if out.first_token_sent and d.token_ids:
+            # Its prefill worker sent this token (and, had it ended the request, the same finish) to
+            # the gateway already: counted once, it only advanced the text state above.
+            out.first_token_sent = False
+            return None
+        return out.text.reply_to, delta
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
-        from cluster.stream_messages import StepRecordBatch, StreamBatch, StreamDelta, encode
+        from cluster.stream_messages import StepRecordBatch, StreamBatch, encode
 
         socks: dict[str, tuple] = {}  # sink -> (socket, its signer)
         stats_sock = None
@@ -187,7 +156,7 @@ class TokenPublisher:
                     by_sink: dict[str | None, list] = {}
                     for b in batches:
                         for d in b.deltas:
-                            item = self._text_delta(d, StreamDelta)
+                            item = self._text_delta(d)
                             if item is not None:
                                 by_sink.setdefault(item[0], []).append(item[1])
                     step = batches[-1].step

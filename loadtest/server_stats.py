@@ -71,10 +71,11 @@ class RequestRecord:
     e2e_ms: float
     output_tokens: int
     local_prefill: bool
-    queue_ms: float | None = None
-    prefill_ms: float | None = None
-    transfer_ms: float | None = None
-    first_step_ms: float | None = None
+    # The TTFT's consecutive parts (router.step_stats.TTFTPoints: admission, placement, dispatch,
+    # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill), in ms
+    parts_ms: dict[str, float] | None = None
+    forward_device_ms: float | None = None  # the prompt's completing prefill pass: device time
+    forward_host_ms: float | None = None  # ... and its host wall time
 
     @classmethod
     def from_json(cls, d: dict) -> "RequestRecord | None":
@@ -82,8 +83,8 @@ class RequestRecord:
             return None  # never got a token
         finished, e2e, ttft = float(d["t"]), float(d["e2e_ms"]), float(d["ttft_ms"])
         return cls(finished - (e2e - ttft) / 1e3, ttft, e2e, int(d.get("output_tokens") or 0),
-                   bool(d.get("local_prefill")), d.get("queue_ms"), d.get("prefill_ms"), d.get("transfer_ms"),
-                   d.get("first_step_ms"))
+                   bool(d.get("local_prefill")), d.get("ttft_parts_ms"), d.get("forward_device_ms"),
+                   d.get("forward_host_ms"))
 
 
 def summarize_requests(recs: list[RequestRecord]) -> dict:
@@ -93,12 +94,16 @@ def summarize_requests(recs: list[RequestRecord]) -> dict:
     if recs:
         ttft = [r.ttft_ms for r in recs]
         out.update(server_ttft_p50_ms=round(statistics.median(ttft), 3), server_ttft_p99_ms=round(_percentile(ttft, 99), 3))
-        parts = {}
-        for k in ("queue_ms", "prefill_ms", "transfer_ms", "first_step_ms"):
+        # Per part, the median over the requests that have it (in the timeline's order), and the
+        # completing prefill pass's device and host time.
+        by_part: dict[str, list[float]] = {}
+        for r in recs:
+            for k, v in (r.parts_ms or {}).items():
+                by_part.setdefault(k, []).append(v)
+        out["server_ttft_parts_p50_ms"] = {k: round(statistics.median(v), 3) for k, v in by_part.items()} or None
+        for k in ("forward_device_ms", "forward_host_ms"):
             vals = [getattr(r, k) for r in recs if getattr(r, k) is not None]
-            if vals:
-                parts[k[:-3]] = round(statistics.median(vals), 3)
-        out["server_ttft_parts_p50_ms"] = parts or None
+            out[f"server_{k[:-3]}_p50_ms"] = round(statistics.median(vals), 3) if vals else None
         out["server_local_prefill_fraction"] = round(sum(r.local_prefill for r in recs) / len(recs), 3)
     return out
 

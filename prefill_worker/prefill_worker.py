@@ -3,8 +3,9 @@ first token and ships its KV to the decode worker that reserved blocks for it. N
 
 One loop thread computes and ships. Before a forward that completes prompts, their transfers are
 claimed (`KVSender.begin`); during it a forward hook on every decoder layer reports the layer done, so
-a long prompt's layer i is on the wire while layer i+1 computes; after sampling, `commit` sends the
-first tokens. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
+a long prompt's layer i is on the wire while layer i+1 computes; after sampling, each first token goes
+to its gateway (FirstTokenSender: the client has it before the KV lands), then `commit` sends it to the
+decode worker, which continues from it. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
 back to this worker's pool when its transfer future resolves (the payload left them, or failed).
 
 Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
@@ -33,54 +34,31 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
-from cluster.block_hash import BlockHash, prefix_cache_salt
+from cluster.block_hash import prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
 from cluster.errors import InvalidRequestError
 from cluster.logprobs import PrefillLogprobs
-from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
+from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.structured.grammar_compiler import GrammarCompiler
-from cluster.structured.request_grammar import RequestGrammar
 from cluster.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.plan import KVNumerics
 from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker_config import WorkerConfig
 from cluster.worker_model import WorkerModel
+from prefill_worker.first_token_sender import FirstTokenSender
+from prefill_worker.prefill_job import PrefillJob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Job:
-    task: PrefillTask
-    future: Future
-    submitted: float
-    started: float = 0.0
-    done_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
-    cached_tokens: int = 0  # prompt tokens found in this worker's cache
-    aborted: bool = False
-    prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
-    grammar: RequestGrammar | None = None  # structured output: its first token obeys it
-
-    @property
-    def prompt(self):
-        return self.task.request.prompt_token_ids
-
-    @property
-    def request_id(self) -> str:
-        return self.task.request.request_id
 
 
 class PrefillWorker:
@@ -112,8 +90,8 @@ class PrefillWorker:
         self._timer = DevicePassTimer(self.rate_meter, self.device)
         self.prefill_tokens_total = 0
         self.warmup_info: dict = {}
-        self._waiting: deque[_Job] = deque()
-        self._jobs: dict[str, _Job] = {}
+        self._waiting: deque[PrefillJob] = deque()
+        self._jobs: dict[str, PrefillJob] = {}
         self._sending = 0
         self._cv = threading.Condition()
         self._stop = False
@@ -123,6 +101,9 @@ class PrefillWorker:
             self.runner.shipment_of_pass = self._shipment_for_followers
         self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
                                         self.arch.eos_token_ids, on_ready=self._grammar_ready)
+        # The first tokens go to their gateways from here (prefill_worker/first_token_sender.py).
+        self.first_tokens = FirstTokenSender(worker_id, lambda: load_tokenizer(cfg.model_dir), self.arch.eos_token_ids,
+                                             cfg.cluster_secret)
         self._hook_layers()
 
     @property
@@ -194,7 +175,7 @@ class PrefillWorker:
             fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut
-        job = _Job(task, fut, time.perf_counter(), grammar=grammar)
+        job = PrefillJob(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time())
         with self._cv:
             self._jobs[job.request_id] = job
             self._waiting.append(job)
@@ -233,6 +214,7 @@ class PrefillWorker:
         shapes = prefill_shapes(self.max_prefill_tokens, self.max_model_len, self.device.type == "cuda")
         passes = warm_prefill(self.runner, shapes, blocks_for, self.allocator.free, self.arch.vocab_size, timed)
         grammar_s = warm_grammars(self.grammars, self.arch.vocab_size, self.device)
+        self.first_tokens.load()  # its tokenizer, before the first request needs it
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._timer.harvest()
@@ -286,6 +268,7 @@ class PrefillWorker:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.grammars.close()
+        self.first_tokens.close()
         if self.group is not None:
             self.group.close()
 
@@ -301,8 +284,8 @@ class PrefillWorker:
                 with self._cv:  # blocks held by transfers in flight: wait for one to finish
                     self._cv.wait(timeout=0.01)
 
-    def _schedule(self) -> list[tuple[_Job, PrefillChunk]]:
-        def admit(job: _Job) -> bool:
+    def _schedule(self) -> list[tuple[PrefillJob, PrefillChunk]]:
+        def admit(job: PrefillJob) -> bool:
             if not job.blocks:
                 got = self.allocator.allocate_prompt(job.prompt, len(job.prompt), job.hashes,
                                                      lookup=job.task.request.params.reads_prefix_cache)
@@ -330,10 +313,14 @@ class PrefillWorker:
         if not chunks:
             return False
         finishing = [job for job, c in chunks if job.done_tokens + len(c.token_ids) == len(job.prompt)]
+        self.first_tokens.connect([job.task.request for job in finishing])  # before the forward: see there
         shipment = self._begin(finishing)
         self._shipment = shipment
         try:
             tokens_in_pass = sum(len(c.token_ids) for _, c in chunks)
+            pass_at, pass_t0 = time.time(), time.perf_counter()
+            for job, _ in chunks:
+                job.forward_start_at = job.forward_start_at or pass_at
             start = self._timer.start()
             # Prompt logprobs need every position's logits (such a request skipped the prefix cache:
             # SamplingParams.reads_prefix_cache), gathered chunk by chunk.
@@ -343,10 +330,11 @@ class PrefillWorker:
             for (job, _), lps in zip(chunks, prompt_lps):
                 if lps is not None:
                     job.prompt_logprobs = (job.prompt_logprobs or []) + lps
+            forward_done_at, pass_host_s = time.time(), time.perf_counter() - pass_t0
             self._shipment = None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now, while we sample
-            self._timer.stop(start, tokens_in_pass)
+            end = self._timer.stop(start, tokens_in_pass)
             self.prefill_tokens_total += tokens_in_pass
             done = []
             with self._cv:  # the pool is shared with the send threads' releases
@@ -378,7 +366,9 @@ class PrefillWorker:
                     job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
                     self._spawn_abort(job.task)
             return True
-        first, lps = {}, {}
+        # The draws above synced the device: the pass's device time is ready without a wait.
+        device_s = self._timer.seconds(start, end) if done else 0.0
+        first, lps, errors = {}, {}, {}
         with self._cv:
             for (_, job), tok, lp in zip(done, tokens, logprobs):
                 self._waiting.remove(job)
@@ -386,20 +376,30 @@ class PrefillWorker:
                 plp = job.prompt_logprobs
                 if not job.aborted and (lp is not None or plp is not None):
                     lps[job.request_id] = PrefillLogprobs(lp, None if plp is None else tuple(plp))
+        # The first tokens leave for their gateways now, before the KV commit; one that could not be
+        # sent fails its prompt (first None: its decode worker frees the blocks, the router migrates).
+        sent_at = self.first_tokens.send_all([(j.task.request, first[j.request_id], lps.get(j.request_id), j.grammar)
+                                              for _, j in done], first, errors) if shipment is not None else {}
         if shipment is not None:
             shipment.commit(first, lps)
+        committed_at = time.time()
         for _, job in done:
-            tok = first[job.request_id]
+            rid = job.request_id
+            job.timeline = PrefillTimeline(job.submitted_at, job.forward_start_at, forward_done_at,
+                                           sent_at.get(rid, committed_at), committed_at, pass_host_s, device_s,
+                                           tokens_in_pass)
+            tok = first[rid]
             if shipment is None:
                 with self._cv:
                     self._release(job)
                 job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted,
                                                    "no KV transport (init_transport first)"))
             else:
-                self._await_send(job, shipment, -1 if tok is None else tok, "aborted" if tok is None else None)
+                self._await_send(job, shipment, -1 if tok is None else tok,
+                                 errors.get(rid, "aborted") if tok is None else None)
         return True
 
-    def _begin(self, jobs: list[_Job]) -> Shipment | None:
+    def _begin(self, jobs: list[PrefillJob]) -> Shipment | None:
         """Claims the transfers of the prompts this forward completes (before it runs)."""
         if self.transport is None or not jobs:
             return None
@@ -409,14 +409,14 @@ class PrefillWorker:
                         tuple(j.blocks[j.task.reservation.num_cached_blocks:])) for j in jobs]
         return self.transport.begin(sends)
 
-    def _await_send(self, job: _Job, shipment: Shipment, first_token: int, error: str | None) -> None:
+    def _await_send(self, job: PrefillJob, shipment: Shipment, first_token: int, error: str | None) -> None:
         """The job's result and its blocks' release wait for its transfer future."""
         done_at = time.perf_counter()
         with self._cv:
             self._sending += 1
         shipment.futures[job.request_id].add_done_callback(lambda f: self._sent(job, f, first_token, done_at, error))
 
-    def _sample(self, logits: torch.Tensor, jobs: list[_Job]):
+    def _sample(self, logits: torch.Tensor, jobs: list[PrefillJob]):
         """The first token sits at position len(prompt): the same draw the engine would make.
         -> (tokens, per job its logprobs or None)."""
         reqs = [j.task.request for j in jobs]
@@ -428,7 +428,7 @@ class PrefillWorker:
                              grammars=[j.grammar for j in jobs])
 
     # -- transfer and completion ----------------------------------------------------------------
-    def _sent(self, job: _Job, fut, first_token: int, prefill_done: float, error: str | None) -> None:
+    def _sent(self, job: PrefillJob, fut, first_token: int, prefill_done: float, error: str | None) -> None:
         """A transport thread: the job's transfer is over (its payload left our blocks, or failed)."""
         queue_s, prefill_s = job.started - job.submitted, prefill_done - job.started
         exc = fut.exception()
@@ -437,23 +437,23 @@ class PrefillWorker:
         if error is None:
             st = fut.result()
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, time.perf_counter() - prefill_done,
-                                   st.bytes, cached_tokens=job.cached_tokens)
+                                   st.bytes, cached_tokens=job.cached_tokens, timeline=job.timeline)
         else:
             result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error,
-                                   cached_tokens=job.cached_tokens)
+                                   cached_tokens=job.cached_tokens, timeline=job.timeline)
         with self._cv:
             self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1
             self._cv.notify_all()
         job.future.set_result(result)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: PrefillJob) -> None:
         if job.blocks:
             self.allocator.free(job.blocks)
             job.blocks = []
         self._jobs.pop(job.request_id, None)
 
-    def _finish_aborted(self, job: _Job, error: str = "aborted") -> None:
+    def _finish_aborted(self, job: PrefillJob, error: str = "aborted") -> None:
         """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
         self._release(job)
         job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, error))

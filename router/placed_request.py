@@ -25,6 +25,10 @@ class PlacedRequest:
     local_prefill: bool = False
     prefill_done: bool = False
     cached_tokens: int = 0  # prompt tokens the computing worker found in its prefix cache
+    # time.time() points for /stats (router.step_stats.TTFTPoints): admission let it in, the router
+    # called its (latest) prefill worker, the placement returned
+    admitted_time: float = 0.0
+    dispatched_time: float | None = None
     placed_time: float = 0.0
     first_token_time: float | None = None
     prefill_result: PrefillResult | None = None

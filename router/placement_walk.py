@@ -199,6 +199,7 @@ class PlacementWalk:
             # starts an actor's calls from one caller in order, so any stats poll issued after this
             # line already sees the prompt in P's queue. No await between ack and the call.
             p.ack(wrid)
+            rs.dispatched_time = time.time()
             result: PrefillResult = await self.workers.clients[p.worker_id].submit(task,
                                                                                    timeout=self.cfg.prefill_timeout_s)
             rs.prefill_result = result

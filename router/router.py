@@ -242,7 +242,7 @@ class Router:
         queued = 0.0  # seconds in the admission queue, every turn in it
         while True:
             queued += await self.admission.enter(rid, req.reply_to or "", lambda: self._admit(req), since=again)
-            rs = PlacedRequest(req)
+            rs = PlacedRequest(req, admitted_time=time.time())
             self.inflight[rid] = rs
             try:
                 await self.walk.place(rs)

@@ -2,7 +2,8 @@
 
 The decode workers send every step's record (batch size, bucket, step time, the interval since the
 previous step and what filled it) to the router's stats sink, and each gateway reports a finished request's client-side timings; the router adds what it
-knows (placement, prefill and transfer times). Load tests join the client's inter-token latency with
+knows (admission, dispatch) and the prefill worker's timeline: each request's TTFT as the parts that
+add up to it (TTFTPoints). Load tests join the client's inter-token latency with
 what actually ran on the server from these, without asking any worker.
 
 Reads are incremental: every record gets a sequence number, `since(cursor, limit)` returns at most
@@ -15,14 +16,47 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 
-from cluster.messages import PrefillResult
+from cluster.messages import PrefillResult, PrefillTimeline
 from cluster.stream_messages import DecodeStepRecord
 
 DEFAULT_LIMIT = 5_000
 MAX_LIMIT = 20_000
+
+
+@dataclass(frozen=True)
+class TTFTPoints:
+    """The router's and gateway's points of one request's way to its first token, time.time() each
+    (the prefill worker's come in its PrefillTimeline, on the same clock: one host, one clock)."""
+
+    arrival: float  # the gateway received it
+    admitted: float  # admission let it in (after any wait in its queue)
+    dispatched: float | None  # the router called its prefill worker (None: prefilled on its decode worker)
+    placed: float  # the router's placement returned (a decode worker holds it)
+    first_token: float | None  # its first token reached the gateway
+
+    def named(self, timeline: PrefillTimeline | None) -> list[tuple[str, float]]:
+        """[(part, when it ended)], from ("arrival", arrival) to ("delivery", first_token): each part
+        is named after what fills the time up to its point, so the consecutive differences add up
+        to the TTFT. With the prefill worker's timeline: admission, placement (the decode worker's
+        reservation), dispatch (the call reaching the prefill worker), prefill_queue, forward (every
+        pass over the prompt, the last one complete), sample (its first token drawn, the device
+        synced), delivery (that token to the gateway). Without (prefilled on the decode worker, or
+        its prefill worker's answer lost): admission, placement, then the rest as one part."""
+        out = [("arrival", self.arrival), ("admission", self.admitted)]
+        if timeline is not None and self.dispatched is not None:
+            out += [("placement", self.dispatched), ("dispatch", timeline.submitted),
+                    ("prefill_queue", timeline.forward_start), ("forward", timeline.forward_done),
+                    ("sample", timeline.first_token_sent)]
+            last = "delivery"
+        else:
+            out.append(("placement", self.placed))
+            last = "local_prefill" if self.dispatched is None else "prefill_and_delivery"
+        out.append((last, self.first_token))
+        return out
 
 
 class StepStats:
@@ -54,18 +88,24 @@ class StepStats:
             "publish_lag_ms": r.publish_lag_s * 1e3,
         })
 
-    def record_request(self, request_id: str, arrival: float, placed: float, first_token: float | None,
-                       finished: float, tokens: int, result: PrefillResult | None, local_prefill: bool) -> None:
-        """TTFT split into queue (admission + prefill queue), prefill, KV transfer and the rest
-        (decode worker pick-up of the landed KV and delivery of the first token)."""
+    def record_request(self, request_id: str, points: TTFTPoints, finished: float, tokens: int,
+                       result: PrefillResult | None, local_prefill: bool) -> None:
+        """The request's TTFT as consecutive parts of its timeline (TTFTPoints.parts: they add up to
+        ttft_ms), the timeline itself, and the prefill pass's device and host time."""
+        first_token, arrival = points.first_token, points.arrival
         ttft = (first_token - arrival) if first_token else None
         rec = {"request_id": request_id, "t": finished, "ttft_ms": None if ttft is None else ttft * 1e3,
                "e2e_ms": (finished - arrival) * 1e3, "output_tokens": tokens, "local_prefill": local_prefill,
-               "queue_ms": None, "prefill_ms": None, "transfer_ms": None, "first_step_ms": None}
-        if result is not None and ttft is not None:
-            queue = (placed - arrival) + result.queue_s
-            rec.update(queue_ms=queue * 1e3, prefill_ms=result.prefill_s * 1e3, transfer_ms=result.transfer_s * 1e3,
-                       first_step_ms=max(0.0, ttft - queue - result.prefill_s - result.transfer_s) * 1e3)
+               "ttft_parts_ms": None, "ttft_points": None, "forward_device_ms": None, "forward_host_ms": None,
+               "pass_tokens": None, "transfer_ms": None}
+        timeline = result.timeline if result is not None and not local_prefill else None
+        if ttft is not None:
+            named = points.named(timeline)
+            rec["ttft_points"] = dict(named)
+            rec["ttft_parts_ms"] = {name: (t - prev) * 1e3 for (_, prev), (name, t) in zip(named, named[1:])}
+        if timeline is not None:
+            rec.update(forward_device_ms=timeline.pass_device_s * 1e3, forward_host_ms=timeline.pass_host_s * 1e3,
+                       pass_tokens=timeline.pass_tokens, transfer_ms=result.transfer_s * 1e3)
         self._add("request", rec)
 
     def since(self, cursor: int = 0, limit: int = DEFAULT_LIMIT) -> bytes:

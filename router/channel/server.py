@@ -34,7 +34,7 @@ from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Go
 from router.metrics import RouterMetrics
 from router.receive_loop import received, verified
 from router.router import PlacedRequest, Router
-from router.step_stats import StepStats
+from router.step_stats import StepStats, TTFTPoints
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,10 @@ class RouterServer:
             r.finish(msg.request_id, abort=msg.abort, generated=msg.completion_tokens)  # first: nothing below may leak it
             if rs is not None and not msg.abort:
                 placed = rs.placed_time or rs.origin.arrival_time
-                self.step_stats.record_request(rs.request_id, rs.origin.arrival_time, placed, msg.first_token_time,
-                                               msg.finished_time, msg.completion_tokens, rs.prefill_result,
-                                               rs.local_prefill)
+                points = TTFTPoints(rs.origin.arrival_time, rs.admitted_time or placed,
+                                    None if rs.local_prefill else rs.dispatched_time, placed, msg.first_token_time)
+                self.step_stats.record_request(rs.request_id, points, msg.finished_time, msg.completion_tokens,
+                                               rs.prefill_result, rs.local_prefill)
                 self.metrics.request_finished(rs.origin.arrival_time, placed, msg.first_token_time, msg.finished_time,
                                               None if rs.local_prefill else rs.prefill_result)
         elif isinstance(msg, Migrate):

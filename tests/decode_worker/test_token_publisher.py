@@ -57,3 +57,23 @@ def test_halt_sends_what_came_before_and_nothing_after(tokenizer):
         assert pub.drain(0.3) == []
     finally:
         pub.close()
+
+
+def test_a_first_token_its_prefill_worker_sent_is_not_sent_again(tokenizer):
+    """Registered with first_token_sent (GenerateRequest.prefill_sends_first_token): the first delta
+    with tokens only advances the text; what follows goes on from it, and a request the first token
+    ended sends nothing at all (its prefill worker sent that finish)."""
+    ids = tokenizer(" the sea and the wind", add_special_tokens=False).input_ids
+    pub = TokenPublisher("d0", tokenizer)
+    try:
+        pub.register(GenerateRequest("r", (0, 5), SamplingParams(max_tokens=9), 1, 0.0), first_token_sent=True)
+        pub.register(GenerateRequest("one", (0, 5), SamplingParams(max_tokens=1), 1, 0.0), first_token_sent=True)
+        pub.publish(TokenBatch("d0", 0, (TokenDelta("r", (ids[0],)), TokenDelta("one", (ids[0],), "length"))))
+        pub.publish(TokenBatch("d0", 1, (TokenDelta("r", (ids[1],)),)))
+        pub.publish(TokenBatch("d0", 2, (TokenDelta("r", (ids[2],), "length"),)))
+        got = _texts(pub, 2)
+        assert got == [((ids[1],), tokenizer.decode(ids[:2])[len(tokenizer.decode(ids[:1])):], None),
+                       ((ids[2],), tokenizer.decode(ids[:3])[len(tokenizer.decode(ids[:2])):], "length")]
+        assert pub.drain(0.3) == []  # nothing of "one"
+    finally:
+        pub.close()

@@ -131,9 +131,12 @@ def test_interval_parts_targets_and_explanations():
     assert target_checks(rows[1:])["interval_over_step"]["met"] is True
     # Requests: the server's own TTFT over the requests whose first token fell in the window.
     reqs = [RequestRecord.from_json({"t": 5.0 + i, "ttft_ms": 20.0 + i, "e2e_ms": 500.0, "output_tokens": 8,
-                                     "local_prefill": i % 2 == 0, "queue_ms": 1.0, "prefill_ms": 10.0,
-                                     "transfer_ms": 0.5, "first_step_ms": 2.0}) for i in range(5)]
+                                     "local_prefill": False, "forward_device_ms": 2.0 + i, "forward_host_ms": 9.0,
+                                     "ttft_parts_ms": {"admission": 1.0, "forward": 10.0, "delivery": 9.0 + i}})
+            for i in range(5)]
     assert reqs[0].t_first == pytest.approx(5.0 - 0.48)
     assert RequestRecord.from_json({"t": 1.0, "ttft_ms": None, "e2e_ms": 3.0}) is None
     r = summarize_requests(reqs)
-    assert r["server_ttft_p50_ms"] == 22.0 and r["server_ttft_parts_p50_ms"]["prefill"] == 10.0
+    assert r["server_ttft_p50_ms"] == 22.0 and r["server_ttft_parts_p50_ms"] == {
+        "admission": 1.0, "forward": 10.0, "delivery": 11.0}
+    assert (r["server_forward_device_p50_ms"], r["server_forward_host_p50_ms"]) == (4.0, 9.0)

@@ -49,8 +49,42 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     remote = [r for r in stats["requests"] if not r["local_prefill"]]
     assert len(remote) == 8
     for r in remote:
-        parts = r["queue_ms"] + r["prefill_ms"] + r["transfer_ms"] + r["first_step_ms"]
-        assert r["prefill_ms"] > 0 and r["transfer_ms"] > 0 and abs(parts - r["ttft_ms"]) < 1e-3
+        # The parts follow the request gateway -> router -> prefill worker -> gateway, in order, and
+        # add up to its TTFT (router.step_stats.TTFTPoints).
+        parts = r["ttft_parts_ms"]
+        assert list(parts) == ["admission", "placement", "dispatch", "prefill_queue", "forward", "sample", "delivery"]
+        assert all(v >= 0 for v in parts.values()), (parts, r["ttft_points"])
+        assert abs(sum(parts.values()) - r["ttft_ms"]) < 1e-3 and parts["forward"] > 0 and r["transfer_ms"] > 0
+        assert r["forward_device_ms"] > 0 and r["forward_host_ms"] > 0 and r["pass_tokens"] > 0
+        points = list(r["ttft_points"].values())
+        assert points == sorted(points), r["ttft_points"]
+
+
+def test_the_first_token_from_the_prefill_worker_keeps_its_logprobs_and_counts_once(real_pd_cluster,
+                                                                                      reference_engine):
+    """The first token reaches the client from the prefill worker (prefill_worker/first_token_sender.py),
+    the rest from the decode worker: streamed and not, the token ids' logprobs and top entries are the
+    engine's, each token once (usage), the first chunk carries the first token."""
+    prompt = "Tell me a story about a dragon who lived in the mountains and guarded gold"  # > 12 tokens
+    n = 6
+    (ref,) = reference_engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, logprobs=2,
+                                                                ignore_eos=True))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    whole = httpx.post(f"{real_pd_cluster.url}/v1/completions", json=body, timeout=60).json()
+    chunks = []
+    with httpx.stream("POST", f"{real_pd_cluster.url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert streamed[0]["logprobs"]["token_logprobs"], streamed[0]  # the first chunk: the first token
+    for lps, text in ((whole["choices"][0]["logprobs"], whole["choices"][0]["text"]),
+                      ({"token_logprobs": [x for c in streamed for x in c["logprobs"]["token_logprobs"]],
+                        "top_logprobs": [x for c in streamed for x in c["logprobs"]["top_logprobs"]]},
+                       "".join(c["text"] for c in streamed))):
+        assert text == ref.text and len(lps["token_logprobs"]) == n
+        for got, want, top in zip(lps["token_logprobs"], ref.logprobs, lps["top_logprobs"]):
+            assert abs(got - want.logprob) < 1e-4 and len(top) == 2
+    assert whole["usage"]["completion_tokens"] == n
 
 
 def test_disaggregated_disconnect_frees_blocks(real_pd_cluster):

@@ -1,0 +1,168 @@
+"""Issue 35's TTFT cases against one server: per case, the client's TTFT, the server's own (with its
+parts) and the floor the first token could reach, as rows of `ttft_h200.json`.
+
+A case is (users, prompt tokens, cached tokens): `users` streams send requests back to back, each a
+prompt of exactly `prompt_tokens` token ids (the completions API takes ids: no tokenizer guesses),
+unique per request; with `cached_tokens`, the first `cached_tokens` ids are one prefix shared by every
+request of the case, sent once before the case so that the prefix cache holds it. Rows:
+
+    {model, users, prompt_tokens, cached_tokens, client_ttft_p50_ms, client_ttft_p99_ms,
+     server_ttft_p50_ms, server_parts_p50_ms, prefill_device_ms, decode_step_ms, floor_ms}
+
+client TTFT: the request's start to the SSE chunk carrying its first token (loadtest.records.
+token_chunks); server: `/stats` request records of the case's window (router.step_stats.TTFTPoints:
+the gateway's arrival to its first token, and the parts adding up to it); prefill_device_ms: the
+median device time of the prefill pass that completed a prompt (its uncached tokens); decode_step_ms:
+the median device time of the decode steps in the window; floor_ms = prefill_device_ms +
+decode_step_ms + 1 (the issue's definition).
+
+    python -m benchmarks.ttft_cases --url http://127.0.0.1:8000 --model-name llama-1b-shape --vocab-size 128256 \\
+        --cases 1x128,1x512,1x2048,1x2048c1920 --levels 1,2,4,8,16,32,64,128,256 --out rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from loadtest.records import token_chunks
+from loadtest.report import percentile
+from loadtest.server_stats import ServerStatsPoller, summarize_requests
+
+ROW_FIELDS = ("model", "users", "prompt_tokens", "cached_tokens", "client_ttft_p50_ms", "client_ttft_p99_ms",
+              "server_ttft_p50_ms", "server_parts_p50_ms", "prefill_device_ms", "decode_step_ms", "floor_ms")
+
+
+@dataclass(frozen=True)
+class Case:
+    users: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "Case":
+        """"UxP" or "UxPcC": U users, P-token prompts of which the first C are a shared (cached) prefix."""
+        users, rest = text.split("x")
+        prompt, _, cached = rest.partition("c")
+        case = cls(int(users), int(prompt), int(cached or 0))
+        if case.users < 1 or not 0 <= case.cached_tokens < case.prompt_tokens:
+            raise argparse.ArgumentTypeError(f"bad case {text!r}: users >= 1, 0 <= cached < prompt")
+        return case
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | None:
+    """One streamed request; its TTFT (ms) to the chunk carrying its first token, None if it failed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    t0 = time.perf_counter()
+    lines: list[tuple[float, bytes]] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                lines.append((time.perf_counter(), line.encode()))
+    carried, _, err = token_chunks(lines)
+    return (carried[0][0] - t0) * 1e3 if carried and err is None else None
+
+
+def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, requests: int, seconds: float,
+             seed: int = 0) -> tuple[list[float], float, float]:
+    """Runs the case: its users send until each made `requests` requests or `seconds` passed (whichever
+    comes first). -> (client TTFTs in ms, the window's start and end, time.time())."""
+    rng = random.Random(seed)
+    prefix = _ids(rng, case.cached_tokens, vocab)
+    ttfts: list[float] = []
+
+    async def user(client, i):
+        r = random.Random(seed * 1000 + i)
+        until = time.perf_counter() + seconds
+        for _ in range(requests):
+            if time.perf_counter() >= until:
+                break
+            got = await _stream(client, model, prefix + _ids(r, case.prompt_tokens - case.cached_tokens, vocab),
+                                output_tokens)
+            if got is not None:
+                ttfts.append(got)
+
+    async def run() -> tuple[float, float]:
+        limits = httpx.Limits(max_connections=case.users + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+            if prefix:  # the shared prefix into the cache first, outside the window
+                await _stream(client, model, prefix + _ids(rng, 1, vocab), 1)
+            start = time.time()
+            await asyncio.gather(*(user(client, i) for i in range(case.users)))
+            return start, time.time()
+
+    start, end = asyncio.run(run())
+    return ttfts, start, end
+
+
+def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
+              t1: float) -> dict:
+    reqs = [r for r in poller.requests if t0 <= r.t_first < t1]
+    steps = [s.step_ms for s in poller.records if t0 <= s.t < t1]
+    srv = summarize_requests(reqs)
+    device = srv.get("server_forward_device_p50_ms")
+    step = round(statistics.median(steps), 3) if steps else None
+    row = {"model": model_name, "users": case.users, "prompt_tokens": case.prompt_tokens,
+           "cached_tokens": case.cached_tokens, "client_ttft_p50_ms": percentile(ttfts, 50),
+           "client_ttft_p99_ms": percentile(ttfts, 99), "server_ttft_p50_ms": srv["server_ttft_p50_ms"],
+           "server_parts_p50_ms": srv["server_ttft_parts_p50_ms"], "prefill_device_ms": device,
+           "decode_step_ms": step,
+           "floor_ms": None if device is None or step is None else round(device + step + 1.0, 3)}
+    assert tuple(row) == ROW_FIELDS
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ttft_cases", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model-name", required=True, help="the rows' `model` (the shape's name)")
+    ap.add_argument("--vocab-size", type=int, required=True, help="prompt ids are drawn below it")
+    ap.add_argument("--cases", default="", help="comma-separated UxP or UxPcC (1x2048c1920: 1920 cached)")
+    ap.add_argument("--levels", default="", help="users at --level-prompt tokens (the ITL run's levels)")
+    ap.add_argument("--level-prompt", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=16, help="per request of a case")
+    ap.add_argument("--level-output-tokens", type=int, default=256, help="per request of a level (the ITL run's)")
+    ap.add_argument("--requests", type=int, default=60, help="per user of a case, at most")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per case, at most")
+    ap.add_argument("--out", required=True, help="JSON {rows: [...]}; rows already there are kept")
+    args = ap.parse_args(argv)
+    url = args.url.rstrip("/")
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    todo = [(Case.parse(c), args.output_tokens) for c in args.cases.split(",") if c]
+    todo += [(Case(int(u), args.level_prompt), args.level_output_tokens) for u in args.levels.split(",") if u]
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    poller = ServerStatsPoller(url, interval_s=0.25).start()
+    try:
+        for i, (case, output_tokens) in enumerate(todo):
+            ttfts, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests, args.seconds,
+                                     seed=i + 1)
+            time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
+            row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+            doc["rows"].append(row)
+            out.write_text(json.dumps(doc, indent=1))
+            print(json.dumps(row), flush=True)
+    finally:
+        poller.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""PrefillJob: one prompt on the prefill worker (prefill_worker/prefill_worker.py), from submit() until
+its transfer is over."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cluster.block_hash import BlockHash
+from cluster.messages import PrefillTask, PrefillTimeline
+from cluster.structured.request_grammar import RequestGrammar
+
+
+@dataclass
+class PrefillJob:
+    """A prompt on the prefill worker: its task, its progress through the passes, its blocks."""
+
+    task: PrefillTask
+    future: Future
+    submitted: float
+    started: float = 0.0
+    done_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # the prompt's block addresses
+    cached_tokens: int = 0  # prompt tokens found in this worker's cache
+    aborted: bool = False
+    prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
+    grammar: RequestGrammar | None = None  # structured output: its first token obeys it
+    # time.time() points for /stats (cluster.messages.PrefillTimeline): arrival here, first pass start
+    submitted_at: float = 0.0
+    forward_start_at: float = 0.0
+    timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed
+
+    @property
+    def prompt(self):
+        return self.task.request.prompt_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request.request_id
