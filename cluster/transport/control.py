@@ -2,16 +2,23 @@
 NCCL/gloo point-to-point, same_gpu.py: CUDA IPC copies).
 
 The store (the launcher's TCPStore, or an in-process HashStore in tests) holds ownership and liveness
-only, never anything a transfer waits for:
+only, never anything a transfer waits for. Every value in it is sealed under the cluster's secret
+(authenticated_store.py: the MAC binds the value to its key, and each key names its writer and the
+writer's incarnation); a value that does not verify is never used:
   {ns}/x/P/D.i/s the claim of transfer s from prefill P to incarnation i of decode D. The prefill claims with
                  compare_set("", CLAIM) (ABORT: a transfer that carries no KV) before any byte can
                  reach the reserved blocks; the decode side cancels with compare_set("", CANCEL) when
                  its expect deadline passes or it is asked to. Exactly one wins, atomically: after a
                  cancel nothing lands. The decode side deletes a claim once the transfer arrived; the
                  prefill deletes a CANCEL it read.
-  {ns}/hb/W      heartbeat counter of worker W (store.add every heartbeat_s); -1e9 after a clean close.
-  {ns}/inc/W     W's incarnation counter: each transport a worker starts (a Ray restart of its actor
-                 starts another) takes the next number.
+  {ns}/hb/W      W's heartbeat record [incarnation, count], rewritten every heartbeat_s; the count is
+                 -1e9 after a clean close. A reader takes a record only if it is later than the last
+                 it took (a replayed one is no news), so a store client without the secret can make
+                 a peer look silent at most (as a partition would), never dead at once nor restarted.
+  {ns}/inc/W     W's incarnation counter (store.add, unsealed: torch counts): each transport a worker
+                 starts takes the next number, and never one at or below the incarnation of its own
+                 last heartbeat record (a counter set back by someone else is stepped over). Peers
+                 read W's incarnation from its records, never from this counter.
   {ns}/verdict/P.i/D.j/gG  decode D's answer to prefill P's hello for pair generation G ("ok", or why it
                  refuses the pair), read
                  and deleted by P before it forms its half of the payload channel (pair.py).
@@ -130,8 +137,12 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.faults_fired = 0
         self.fired: deque[dict] = deque(maxlen=64)  # the faults that fired: kind, peer, pair generation
         store = self.store()
+        self._beats: dict[str, tuple[int, int]] = {}  # peer -> its latest heartbeat record taken
         self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
-        store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
+        last = self._read_beat(store, worker_id)
+        if last is not None and self.incarnation <= last[0]:  # the counter was set back: never reuse one
+            self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", last[0] + 1 - self.incarnation))
+        self._publish_beat(store, 0)  # a new life (a clean close left it negative)
         self._setup_payload()
         payload, chunk_bytes = self._payload_plan()
         c = kv_cache
@@ -152,7 +163,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
             host = None
             if spec.store_host:
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
-            self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret)
+            self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret, receiver=f"{worker_id}.{self.incarnation}")
             self.receiver = ReceiverSide(self, self._inbox)
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
                     "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
@@ -215,11 +226,24 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self._local.store = None
         return self.store()
 
+    def _publish_beat(self, store, count: int) -> None:
+        store.set(f"{self.ns}/hb/{self.worker_id}", msgspec.msgpack.encode([self.incarnation, count]))
+
+    def _read_beat(self, store, worker: str) -> tuple[int, int] | None:
+        """W's heartbeat record now: (incarnation, count), or None (absent, or not sealed)."""
+        raw = store.read(f"{self.ns}/hb/{worker}")
+        try:
+            inc, count = msgspec.msgpack.decode(raw) if raw is not None else (None, None)
+        except (msgspec.DecodeError, TypeError, ValueError):
+            return None  # (sealed, so ours, but not a record: a key of another layout)
+        return (int(inc), int(count)) if inc is not None else None
+
     def _beat(self) -> None:
-        store, key = self._new_store(), f"{self.ns}/hb/{self.worker_id}"
+        store, count = self._new_store(), 0
         while not self.closed.is_set():
+            count += 1
             try:
-                store.add(key, 1)
+                self._publish_beat(store, count)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
             if self.sender is not None:
@@ -238,7 +262,21 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.check_beating(store, peer)
 
     def heartbeat_of(self, store, peer: str) -> int:
-        return int(store.add(f"{self.ns}/hb/{peer}", 0))
+        """The peer's heartbeat count (negative: it closed; 0: not started yet) from its latest record.
+        A record older than one taken before (a replay), or none that verifies, is no news."""
+        rec = self._latest_beat(store, peer)
+        return rec[1] if rec is not None else 0
+
+    def _latest_beat(self, store, peer: str) -> tuple[int, int] | None:
+        rec = self._read_beat(store, peer)
+
+        def order(r):  # later incarnation first; within one, its close after every count
+            return (r[0], r[1] if r[1] >= 0 else float("inf"))
+        with self.lock:
+            last = self._beats.get(peer)
+            if rec is not None and (last is None or order(rec) >= order(last)):
+                self._beats[peer] = last = rec
+        return last
 
     def check_beating(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer closed its transport or stopped beating (whatever this
@@ -346,7 +384,8 @@ class ControlledTransport(PayloadHooks, KVTransport):
     def check_incarnation(self, store, peer: str, inc: int) -> None:
         """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
         one we are forming a pair with is gone; its control entry may not be replaced yet)."""
-        now = int(store.add(f"{self.ns}/inc/{peer}", 0))
+        rec = self._latest_beat(store, peer)
+        now = rec[0] if rec is not None else 0
         if now > inc:
             raise PeerDeadError(f"peer {peer} restarted (incarnation {now}) while we formed a pair with "
                                 f"incarnation {inc}")
@@ -485,6 +524,6 @@ class ControlledTransport(PayloadHooks, KVTransport):
         if self._inbox is not None:
             self._inbox.close()
         try:
-            self._new_store().set(f"{self.ns}/hb/{self.worker_id}", b"-1000000000")
+            self._publish_beat(self._new_store(), -1_000_000_000)
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass

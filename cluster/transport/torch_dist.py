@@ -172,7 +172,8 @@ class TorchDistPayload:
         # (each a two-rank group between one rank of each side).
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/", self._new_store())
+        # (AuthenticatedStore.prefixed: torch's PrefixStore cannot wrap a Python store)
+        store = self._new_store().prefixed(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/")
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
