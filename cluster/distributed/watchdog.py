@@ -74,7 +74,7 @@ class RankWatchdog(threading.Thread):
                     if v == CLOSED:
                         del seen[p]  # left cleanly: nothing to watch
                         continue
-                    if v <= FAILED:
+                    if v is not None and v <= FAILED:
                         self._fail(f"rank {p} of the group failed")
                         return
                     last, since = seen[p]

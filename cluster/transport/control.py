@@ -168,7 +168,8 @@ class ControlledTransport(PayloadHooks, KVTransport):
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
                     "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
                     **self._payload_info()}
-            store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
+            self._ctl = msgspec.msgpack.encode(info)
+            store.set(f"{self.ns}/ctl/{worker_id}", self._ctl)
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
         else:
@@ -246,6 +247,8 @@ class ControlledTransport(PayloadHooks, KVTransport):
                 self._publish_beat(store, count)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
+            if self.receiver is not None:
+                self._keep_control_entry(store)
             if self.sender is not None:
                 try:
                     self.sender.watch_outgoing(store)
@@ -254,6 +257,16 @@ class ControlledTransport(PayloadHooks, KVTransport):
                     if not self.closed.is_set():  # (closing: the store may be gone first)
                         log.exception("watching KV transfers failed")
             self.closed.wait(self.spec.heartbeat_s)
+
+    def _keep_control_entry(self, store) -> None:
+        """Heartbeat thread (decode): a control entry overwritten by a store client without the secret
+        (which no prefill would take) is put back, so the forgery delays a new pair at most."""
+        key = f"{self.ns}/ctl/{self.worker_id}"
+        try:
+            if store.read(key) != self._ctl:
+                store.set(key, self._ctl)
+        except Exception:  # noqa: BLE001 - store gone: nothing to keep
+            pass
 
     def check_alive(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer is marked dead, closed its transport, or stopped beating."""

@@ -53,7 +53,8 @@ def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, ref
     sc, router = cluster, cluster.router
     ref = reference_engine.generate([PROMPT], [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)])[0]
     store = sc.workers.kv_group.store
-    inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0"))["endpoint"]
+    # (the value is sealed: 16 bytes of MAC, then the entry; cluster/transport/authenticated_store.py)
+    inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0")[16:])["endpoint"]
     sink = next(iter(sc.router_server.gateways.values())).sink
     before = _rejected(sc.url)
 
