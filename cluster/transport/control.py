@@ -11,14 +11,10 @@ writer's incarnation); a value that does not verify is never used:
                  its expect deadline passes or it is asked to. Exactly one wins, atomically: after a
                  cancel nothing lands. The decode side deletes a claim once the transfer arrived; the
                  prefill deletes a CANCEL it read.
-  {ns}/hb/W      W's heartbeat record [incarnation, count], rewritten every heartbeat_s; the count is
-                 -1e9 after a clean close. A reader takes a record only if it is later than the last
-                 it took (a replayed one is no news), so a store client without the secret can make
-                 a peer look silent at most (as a partition would), never dead at once nor restarted.
-  {ns}/inc/W     W's incarnation counter (store.add, unsealed: torch counts): each transport a worker
-                 starts takes the next number, and never one at or below the incarnation of its own
-                 last heartbeat record (a counter set back by someone else is stepped over). Peers
-                 read W's incarnation from its records, never from this counter.
+  {ns}/hb/W      W's heartbeat record [incarnation, count], rewritten every heartbeat_s (-1e9 after a
+                 clean close); a forged or replayed one is no news (heartbeat_records.py).
+  {ns}/inc/W     W's incarnation counter: each transport a worker starts takes the next number (never
+                 one at or below its own last record's). Peers read incarnations from the records.
   {ns}/verdict/P.i/D.j/gG  decode D's answer to prefill P's hello for pair generation G ("ok", or why it
                  refuses the pair), read
                  and deleted by P before it forms its half of the payload channel (pair.py).
@@ -79,6 +75,7 @@ import torch
 from cluster.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
 from cluster.transport.channel import Inbox
+from cluster.transport.heartbeat_records import CLOSED, HeartbeatRecords
 from cluster.transport.pair import Pair, PeerDeadError, down_key
 from cluster.transport.payload_hooks import PayloadHooks
 from cluster.transport.plan import KVNumerics, PlanSpec
@@ -137,12 +134,8 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.faults_fired = 0
         self.fired: deque[dict] = deque(maxlen=64)  # the faults that fired: kind, peer, pair generation
         store = self.store()
-        self._beats: dict[str, tuple[int, int]] = {}  # peer -> its latest heartbeat record taken
-        self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
-        last = self._read_beat(store, worker_id)
-        if last is not None and self.incarnation <= last[0]:  # the counter was set back: never reuse one
-            self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", last[0] + 1 - self.incarnation))
-        self._publish_beat(store, 0)  # a new life (a clean close left it negative)
+        self.beats = HeartbeatRecords(self.ns, worker_id)
+        self.incarnation = self.beats.allocate(store)  # a new life (a clean close left it negative)
         self._setup_payload()
         payload, chunk_bytes = self._payload_plan()
         c = kv_cache
@@ -168,8 +161,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
                     "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
                     **self._payload_info()}
-            self._ctl = msgspec.msgpack.encode(info)
-            store.set(f"{self.ns}/ctl/{worker_id}", self._ctl)
+            self.beats.keep(store, f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
         else:
@@ -227,28 +219,14 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self._local.store = None
         return self.store()
 
-    def _publish_beat(self, store, count: int) -> None:
-        store.set(f"{self.ns}/hb/{self.worker_id}", msgspec.msgpack.encode([self.incarnation, count]))
-
-    def _read_beat(self, store, worker: str) -> tuple[int, int] | None:
-        """W's heartbeat record now: (incarnation, count), or None (absent, or not sealed)."""
-        raw = store.read(f"{self.ns}/hb/{worker}")
-        try:
-            inc, count = msgspec.msgpack.decode(raw) if raw is not None else (None, None)
-        except (msgspec.DecodeError, TypeError, ValueError):
-            return None  # (sealed, so ours, but not a record: a key of another layout)
-        return (int(inc), int(count)) if inc is not None else None
-
     def _beat(self) -> None:
         store, count = self._new_store(), 0
         while not self.closed.is_set():
             count += 1
             try:
-                self._publish_beat(store, count)
+                self.beats.publish(store, count)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
-            if self.receiver is not None:
-                self._keep_control_entry(store)
             if self.sender is not None:
                 try:
                     self.sender.watch_outgoing(store)
@@ -258,16 +236,6 @@ class ControlledTransport(PayloadHooks, KVTransport):
                         log.exception("watching KV transfers failed")
             self.closed.wait(self.spec.heartbeat_s)
 
-    def _keep_control_entry(self, store) -> None:
-        """Heartbeat thread (decode): a control entry overwritten by a store client without the secret
-        (which no prefill would take) is put back, so the forgery delays a new pair at most."""
-        key = f"{self.ns}/ctl/{self.worker_id}"
-        try:
-            if store.read(key) != self._ctl:
-                store.set(key, self._ctl)
-        except Exception:  # noqa: BLE001 - store gone: nothing to keep
-            pass
-
     def check_alive(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer is marked dead, closed its transport, or stopped beating."""
         if peer in self.dead_peers:
@@ -275,21 +243,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.check_beating(store, peer)
 
     def heartbeat_of(self, store, peer: str) -> int:
-        """The peer's heartbeat count (negative: it closed; 0: not started yet) from its latest record.
-        A record older than one taken before (a replay), or none that verifies, is no news."""
-        rec = self._latest_beat(store, peer)
-        return rec[1] if rec is not None else 0
-
-    def _latest_beat(self, store, peer: str) -> tuple[int, int] | None:
-        rec = self._read_beat(store, peer)
-
-        def order(r):  # later incarnation first; within one, its close after every count
-            return (r[0], r[1] if r[1] >= 0 else float("inf"))
-        with self.lock:
-            last = self._beats.get(peer)
-            if rec is not None and (last is None or order(rec) >= order(last)):
-                self._beats[peer] = last = rec
-        return last
+        return self.beats.count_of(store, peer)  # (heartbeat_records.py: a forgery or replay is no news)
 
     def check_beating(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer closed its transport or stopped beating (whatever this
@@ -397,8 +351,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
     def check_incarnation(self, store, peer: str, inc: int) -> None:
         """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
         one we are forming a pair with is gone; its control entry may not be replaced yet)."""
-        rec = self._latest_beat(store, peer)
-        now = rec[0] if rec is not None else 0
+        now = self.beats.incarnation_of(store, peer)
         if now > inc:
             raise PeerDeadError(f"peer {peer} restarted (incarnation {now}) while we formed a pair with "
                                 f"incarnation {inc}")
@@ -537,6 +490,6 @@ class ControlledTransport(PayloadHooks, KVTransport):
         if self._inbox is not None:
             self._inbox.close()
         try:
-            self._publish_beat(self._new_store(), -1_000_000_000)
+            self.beats.publish(self._new_store(), CLOSED)
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
