@@ -158,7 +158,9 @@ class TPGroup:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed world group")
-        store = self._store.prefixed(self._key("pg/"))  # (dist.PrefixStore cannot wrap a Python store)
+        # (dist.PrefixStore cannot wrap a Python store.) HAZARD: kept as long as the group: NCCL reaches
+        # its store lazily, and a collected Python store fails there ("Not implemented").
+        store = self._pg_store = self._store.prefixed(self._key("pg/"))
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=rdv.collective_timeout_s))
         one_shot = None

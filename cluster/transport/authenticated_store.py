@@ -31,7 +31,9 @@ loop, fill the server's memory. That is what anyone on the cluster's network can
 packets; the store must listen on the cluster's internal network only (RELIABILITY.md, security).
 
 NOTE: torch's PrefixStore cannot wrap a Python store (c10d raises "Not implemented" from it): use
-`prefixed()` instead.
+`prefixed()` instead. HAZARD: keep a reference to the store as long as the process group made with
+it: ProcessGroupNCCL reaches its store lazily (the first op exchanges the NCCL id), and once the
+Python object is collected its overrides are gone ("Not implemented"; checked on an H200, torch 2.11).
 """
 
 from __future__ import annotations

@@ -117,6 +117,8 @@ class _Link:
     heads: int = 0  # the link's heads
     whole: bool = True  # every head of both sides' caches: whole-block copies
     pg: object = None
+    store: object = None  # the pg's store. HAZARD: a Python store (AuthenticatedStore) must outlive its
+    # pg: NCCL reaches it lazily, at the first op, and a collected one fails there ("Not implemented")
     peer_rank: int = 0
     stream: torch.cuda.Stream | None = None
     ring: StagingRing | None = None
@@ -197,7 +199,7 @@ class TorchDistPayload:
             opts._timeout = timeout
             pg = dist.ProcessGroupGloo(store, rank, 2, opts)  # blocks until both ranks joined
             stream = None
-        link.pg, link.peer_rank, link.stream = pg, 1 - rank, stream
+        link.pg, link.store, link.peer_rank, link.stream = pg, store, 1 - rank, stream
 
     def _reserve(self, pair: Pair) -> None:
         """Before the pair is answered (decode) or greeted (prefill): this side's ring of each of its
