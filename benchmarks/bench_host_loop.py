@@ -109,6 +109,9 @@ def simulate(worker, step_s: float, prefill_overhead_s: float, prefill_per_token
     return dev
 
 
+_SECRET = b"bench-host-loop:" * 2  # the sinks' process and the worker's (no launcher draws one here)
+
+
 def _sinks(token_addr_q, stop, out_q) -> None:
     """The gateways' end, in its own process: counts tokens, collects the step records."""
     import zmq
@@ -116,8 +119,8 @@ def _sinks(token_addr_q, stop, out_q) -> None:
     from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
     from cluster.stream_messages import decode_step_records, decode_stream_batch
 
-    # The worker runs without a launcher (empty secret): its frames are still [tag, payload].
-    tok_check, st_check = FrameVerifier(b"", TOKEN_STREAM), FrameVerifier(b"", STATS_SINK)
+    # The worker runs without a launcher: the bench's own secret (an empty one is refused).
+    tok_check, st_check = FrameVerifier(_SECRET, TOKEN_STREAM), FrameVerifier(_SECRET, STATS_SINK)
     ctx = zmq.Context()
     tok = ctx.socket(zmq.PULL)
     st = ctx.socket(zmq.PULL)
@@ -153,7 +156,7 @@ def run_batch(n: int, seconds: float, step_ms: float, prefill_overhead_ms: float
     token_addr, stats_addr = addr_q.get(timeout=60)
     cfg = WorkerConfig(model_dir=model_dir, dtype="float32", max_num_seqs=n, use_cuda_graph=False,
                        cpu_num_blocks=n * ((prompt_tokens + output_tokens) // 16 + 2) + 16,
-                       max_model_len=prompt_tokens + output_tokens + 16)
+                       max_model_len=prompt_tokens + output_tokens + 16, cluster_secret=_SECRET)
     worker = DecodeWorker("d0", cfg, stats_sink=stats_addr)
     simulate(worker, step_ms / 1e3, prefill_overhead_ms / 1e3, prefill_per_token_ms / 1e3)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)

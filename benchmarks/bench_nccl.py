@@ -69,7 +69,7 @@ def _free_port() -> int:
 
 
 def _spec(store, ns: str, backend: str, **kw) -> dict:
-    return dict(kind="torch_dist", store_host="127.0.0.1", store_port=store.port, backend=backend,
+    return dict(kind="torch_dist", store_host="127.0.0.1", store_port=store.port, backend=backend, secret=os.urandom(32),
                 namespace=f"{ns}-{os.getpid()}-{time.monotonic_ns()}", transfer_timeout_s=60.0, **kw)
 
 

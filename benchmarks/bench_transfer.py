@@ -253,7 +253,7 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
     `layerwise` None: as the served path picks it (by prompt length)."""
     kind, backend, extra, lead_s = PATH_SPECS[path]
     store = start_store("127.0.0.1", 0)
-    spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend,
+    spec = dict(kind=kind, store_host="127.0.0.1", store_port=store.port, backend=backend, secret=os.urandom(32),
                 namespace=f"bench-{path}-{os.getpid()}-{time.monotonic_ns()}", transfer_timeout_s=60.0, **extra)
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()

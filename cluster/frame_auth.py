@@ -19,8 +19,15 @@ for confidentiality (as with NCCL/gloo traffic), not for integrity.
 Why a MAC per frame and not ZMQ CURVE: one keyed hash per frame (~1 us in Python for a token-stream
 frame, benchmarks/bench_frame_auth.py), no handshake, no ZAP authenticator thread per process, and the
 drop is ours to count; CURVE would also encrypt every byte and needs the key exchange and ZAP set up
-on each of the five socket types. An empty secret (in-process unit tests that build the pieces
-without a launcher) signs and checks with an empty key, which anyone can forge.
+on each of the five socket types.
+
+An empty secret is refused (`require_secret`: the cluster fails closed): only a test run that sets
+PDSERVE_TEST_EMPTY_SECRET=1 (tests/conftest.py, for pieces built without a launcher) may sign and
+check with an empty key, which anyone can forge.
+
+A receiver may bind its frames to itself (`receiver`, e.g. a decode worker's id and incarnation): the
+MAC covers it, so a frame captured on its way to one receiver, or to an earlier incarnation of it, is
+no frame for another (its replay counters start afresh with each incarnation).
 """
 
 from __future__ import annotations
@@ -43,23 +50,42 @@ STATS_SINK = b"pdserve-steps"
 KV_CONTROL = b"pdserve-kv-ctl"
 
 
+_TEST_EMPTY_SECRET = "PDSERVE_TEST_EMPTY_SECRET"
+
+
 def new_cluster_secret() -> bytes:
     return os.urandom(32)
+
+
+def require_secret(secret: bytes, what: str) -> bytes:
+    """The secret, as bytes; raises if it is empty, unless this is a test run that allows it."""
+    secret = bytes(secret)
+    if not secret and os.environ.get(_TEST_EMPTY_SECRET) != "1":
+        raise ValueError(f"{what} needs the cluster's secret: an empty one would accept forged frames "
+                         "(the launcher draws one; tests that build pieces without it set "
+                         f"{_TEST_EMPTY_SECRET}=1)")
+    return secret
+
+
+def _person(channel: bytes, receiver: bytes) -> tuple[bytes, bytes]:
+    """(personalisation, what the MAC is prefixed with): the channel's name, and the receiver's."""
+    return channel, struct.pack("<H", len(receiver)) + receiver
 
 
 class FrameSigner:
     """One sender's signer (not thread-safe: one per socket or per sending thread)."""
 
-    def __init__(self, secret: bytes, channel: bytes):
-        self._key = bytes(secret)
-        self._channel = channel
+    def __init__(self, secret: bytes, channel: bytes, receiver: bytes = b""):
+        self._key = require_secret(secret, "a frame signer")
+        self._channel, self._receiver = _person(channel, receiver)
         self._sender = os.urandom(8)
         self._counter = itertools.count(1)
 
     def sign(self, payload: bytes) -> list[bytes]:
         """The two parts to send (socket.send_multipart)."""
         head = _HEAD.pack(self._sender, next(self._counter))
-        h = hashlib.blake2b(head, digest_size=_MAC_BYTES, key=self._key, person=self._channel)
+        h = hashlib.blake2b(self._receiver, digest_size=_MAC_BYTES, key=self._key, person=self._channel)
+        h.update(head)
         h.update(payload)
         return [head + h.digest(), payload]
 
@@ -67,9 +93,9 @@ class FrameSigner:
 class FrameVerifier:
     """One receiving socket's check. `rejected` counts the frames it dropped."""
 
-    def __init__(self, secret: bytes, channel: bytes):
-        self._key = bytes(secret)
-        self._channel = channel
+    def __init__(self, secret: bytes, channel: bytes, receiver: bytes = b""):
+        self._key = require_secret(secret, "a frame verifier")
+        self._channel, self._receiver = _person(channel, receiver)
         self._last: OrderedDict[bytes, int] = OrderedDict()  # sender -> last counter accepted
         self.rejected = 0
 
@@ -85,7 +111,8 @@ class FrameVerifier:
             return None
         tag = bytes(tag)
         head, mac = tag[:-_MAC_BYTES], tag[-_MAC_BYTES:]
-        h = hashlib.blake2b(head, digest_size=_MAC_BYTES, key=self._key, person=self._channel)
+        h = hashlib.blake2b(self._receiver, digest_size=_MAC_BYTES, key=self._key, person=self._channel)
+        h.update(head)
         h.update(payload)
         if not hmac.compare_digest(h.digest(), mac):
             self.rejected += 1

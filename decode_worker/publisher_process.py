@@ -15,6 +15,11 @@ process sends like any gateway's, to the worker's own sink.
     publisher process:  PULL -> TokenPublisher -> gateways' sinks, router's stats sink
                                                -> stop matches, local frames -> worker's PULL
 
+The worker's three sockets (frames to the process, its control frames back, the local frames) are
+ipc:// paths in a directory only this user can enter (cluster/socket_bounds.py), and the process
+connects only to such paths: no other local user can take the worker's frames (prompts, tokens) off
+its PUSH socket, nor send a stop for any request id to its control socket.
+
 The process is started with the worker (`python -m decode_worker.publisher_process`, the worker's
 interpreter and environment) and says when it is ready; it exits when told to, or when the worker's
 process is gone. A publisher process that died is reported (`alive`): the worker says it is
@@ -59,6 +64,7 @@ class PublisherProcess:
         import zmq
 
         from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
+        from cluster.socket_bounds import MAX_INTERNAL_FRAME, MAX_TOKEN_FRAME, bound, private_endpoint
         from cluster.stream_messages import decode_stream_batch
 
         self.worker_id = worker_id
@@ -67,15 +73,16 @@ class PublisherProcess:
         self._verify_local = FrameVerifier(secret, TOKEN_STREAM)  # its frames back to us are signed too
         self._encode = msgspec.msgpack.Encoder().encode
         ctx = zmq.Context.instance()
-        self._out = ctx.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.SNDHWM, _HWM)
+        self._out = bound(ctx.socket(zmq.PUSH), MAX_INTERNAL_FRAME, _HWM)
         self._out.setsockopt(zmq.LINGER, 2000)
-        out_addr = f"tcp://127.0.0.1:{self._out.bind_to_random_port('tcp://127.0.0.1')}"
-        self._control = ctx.socket(zmq.PULL)
-        control_addr = f"tcp://127.0.0.1:{self._control.bind_to_random_port('tcp://127.0.0.1')}"
-        self._local_sock = ctx.socket(zmq.PULL)
-        self._local_sock.setsockopt(zmq.RCVHWM, 0)
-        self.local_address = f"tcp://127.0.0.1:{self._local_sock.bind_to_random_port('tcp://127.0.0.1')}"
+        out_addr = private_endpoint("pub-in")
+        self._out.bind(out_addr)
+        self._control = bound(ctx.socket(zmq.PULL), MAX_INTERNAL_FRAME)
+        control_addr = private_endpoint("pub-ctl")
+        self._control.bind(control_addr)
+        self._local_sock = bound(ctx.socket(zmq.PULL), MAX_TOKEN_FRAME)
+        self.local_address = private_endpoint("pub-local")
+        self._local_sock.bind(self.local_address)
         self._lock = threading.Lock()  # the PUSH socket: callers' threads and the decode loop send
         self._local: deque = deque(maxlen=keep_local)
         self._local_cv = threading.Condition()
@@ -237,13 +244,14 @@ def _serve(args) -> None:
     """The process: a TokenPublisher fed from the worker's frames."""
     import zmq
 
+    from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint
     from cluster.tokenizer import load_tokenizer
     from decode_worker.token_publisher import TokenPublisher
 
     ctx = zmq.Context.instance()
     control = ctx.socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 1000)
-    control.connect(args.control)
+    control.connect(check_private_endpoint(args.control))
     control_lock = threading.Lock()
 
     def stopped(request_id: str) -> None:  # the publisher's thread
@@ -253,9 +261,8 @@ def _serve(args) -> None:
     secret = bytes.fromhex(sys.stdin.readline().strip())  # the worker writes it first (never in argv)
     pub = TokenPublisher(args.worker_id, load_tokenizer(args.model_dir), args.stats_sink, on_stop=stopped,
                          secret=secret)
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(args.input)
+    inbox = bound(ctx.socket(zmq.PULL), MAX_INTERNAL_FRAME, _HWM)
+    inbox.connect(check_private_endpoint(args.input))
     decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
     decode_batch = msgspec.msgpack.Decoder(TokenBatch).decode
     with control_lock:

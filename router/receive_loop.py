@@ -17,8 +17,11 @@ from typing import TypeVar
 import zmq
 
 from cluster.frame_auth import FrameVerifier
+from cluster.socket_bounds import RateLimitedLog
 
 log = logging.getLogger(__name__)
+# A flood of forgeries costs one log line per interval, not one per frame (each is still counted).
+_rejections = RateLimitedLog(log)
 
 T = TypeVar("T")
 
@@ -43,10 +46,10 @@ async def received(sock: zmq.asyncio.Socket, read: Callable[[], Awaitable[T | No
 
 
 def verified(verifier: FrameVerifier, parts, what: str, on_rejected: Callable[[], None]) -> bytes | None:
-    """The payload of a MAC'd frame, or None (logged, `on_rejected()` called) for one that is not from a
+    """The payload of a MAC'd frame, or None (logged at a limited rate, `on_rejected()` called) for one that is not from a
     holder of the cluster's secret (or a replay): such a frame is never decoded."""
     payload = verifier.open(parts)
     if payload is None:
-        log.warning("dropped a %s without a valid MAC (%d so far)", what, verifier.rejected)
+        _rejections.warn("dropped a %s without a valid MAC (%d so far)", what, verifier.rejected)
         on_rejected()
     return payload

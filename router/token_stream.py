@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
+from cluster.socket_bounds import MAX_TOKEN_FRAME, bound
 from cluster.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
 from router.receive_loop import received, verified
 
@@ -86,9 +87,11 @@ class TokenStreamReceiver:
         (`frames_rejected`, and `on_rejected()`, the gateway's metric)."""
         # Bound at construction (before any loop runs): the address goes out in every request.
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
+        # Bounded before any MAC is checked (cluster/socket_bounds.py): a frame larger than
+        # MAX_TOKEN_FRAME disconnects its sender, and at most RECV_QUEUED frames wait per sender (a
+        # decode worker's sends never block: past its own high-water mark it drops, and says so).
+        self._sock = bound(self._ctx.socket(zmq.PULL), MAX_TOKEN_FRAME)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)  # never make a decode worker's send block on us
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:

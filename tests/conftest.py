@@ -8,6 +8,11 @@ import torch
 from duration_recorder import DurationRecorder
 
 
+# Pieces built without a launcher (unit tests) sign and check with an empty secret; outside a test run
+# an empty secret is refused (cluster/frame_auth.py: require_secret).
+os.environ["PDSERVE_TEST_EMPTY_SECRET"] = "1"
+
+
 def pytest_configure(config):
     # Keep the demo model and Ray's files out of the user's home during tests.
     root = Path(os.environ.setdefault("PDSERVE_HOME", str(Path(config.rootpath) / ".pytest_pdserve_home")))

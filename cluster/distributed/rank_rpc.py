@@ -6,7 +6,8 @@ is not a pass (forming a follower's KV links, posting its receives for a bundle 
 decode loop runs, aborting a dead peer's links) goes here instead: each follower serves calls on a
 thread of its own, in the order rank 0 made them, and can send rank 0 a notification at any time (a
 bundle's payload is done on this rank). Bodies are bytes (the caller's msgspec messages); the envelopes
-are msgspec too. ZMQ PUSH/PULL on the node's loopback, like the step channel.
+are msgspec too. ZMQ PUSH/PULL on private ipc:// paths, like the step channel (step_channel.py): no
+other local user can send a rank a forged call or a forged Done.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Callable
 
 import msgspec
 import zmq
+
+from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +52,26 @@ _TO_LEADER = msgspec.msgpack.Decoder(Reply | Notify)
 
 
 def _push(endpoint: str):
-    s = zmq.Context.instance().socket(zmq.PUSH)
+    s = bound(zmq.Context.instance().socket(zmq.PUSH), MAX_INTERNAL_FRAME, _MAX_QUEUED)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
-    s.connect(endpoint)
+    s.connect(check_private_endpoint(endpoint))
     return s
 
 
-def _pull(host: str):
-    s = zmq.Context.instance().socket(zmq.PULL)
+def _pull():
+    s = bound(zmq.Context.instance().socket(zmq.PULL), MAX_INTERNAL_FRAME, _MAX_QUEUED)
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
-    port = s.bind_to_random_port(f"tcp://{host}")
-    return s, f"tcp://{host}:{port}"
+    endpoint = private_endpoint("tp-rpc")
+    s.bind(endpoint)
+    return s, endpoint
 
 
 class RankRPC:
     """One rank's end: `bind()` before the group's ranks exchange endpoints, `connect()` after."""
 
-    def __init__(self, rank: int, host: str = "127.0.0.1"):
+    def __init__(self, rank: int):
         self.rank = rank
-        self._in, self.endpoint = _pull(host)
+        self._in, self.endpoint = _pull()
         self._out: dict[int, object] = {}  # rank -> PUSH socket (rank 0: every follower; a follower: rank 0)
         self._locks: dict[int, threading.Lock] = {}
         self._ids = itertools.count()

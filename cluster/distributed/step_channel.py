@@ -1,6 +1,8 @@
 """The step channel of a tensor-parallel worker: rank 0 pushes every step message (step_messages.py) to
-each follower, in order, over ZMQ on the node's loopback (a worker's ranks share one node: its
-placement-group bundle).
+each follower, in order, over ZMQ on an ipc:// path (a worker's ranks share one node: its
+placement-group bundle) in a directory only this user can enter (cluster/socket_bounds.py): no other
+local user can connect, so no forged Stop ends a rank. Rank 0 connects only to such a path
+(`check_private_endpoint`), whatever the group's store says.
 
 Each follower binds a PULL socket and publishes its endpoint in the group's store; rank 0 connects one
 PUSH socket per follower. ZMQ keeps one socket's order, which is the order of the passes. Sending never
@@ -16,6 +18,7 @@ import msgspec
 import zmq
 
 from cluster.distributed.step_messages import DECODER, ENCODER, StepMessage
+from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,9 @@ class StepPublisher:
         ctx = zmq.Context.instance()
         self._socks = []
         for ep in endpoints:
-            s = ctx.socket(zmq.PUSH)
+            s = bound(ctx.socket(zmq.PUSH), MAX_INTERNAL_FRAME, _MAX_QUEUED)
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
-            s.connect(ep)
+            s.connect(check_private_endpoint(ep))
             self._socks.append(s)
         self.sent = 0
 
@@ -54,14 +56,13 @@ class StepPublisher:
 
 
 class StepSubscriber:
-    """A follower's side: the PULL socket rank 0 pushes to, bound on `host`."""
+    """A follower's side: the PULL socket rank 0 pushes to, on a private ipc:// path."""
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+    def __init__(self):
+        self._sock = bound(zmq.Context.instance().socket(zmq.PULL), MAX_INTERNAL_FRAME, _MAX_QUEUED)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = private_endpoint("tp-step")
+        self._sock.bind(self.endpoint)
         self.dropped = 0
 
     def recv(self, timeout_s: float) -> StepMessage | None:

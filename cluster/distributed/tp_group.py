@@ -4,8 +4,11 @@ worker (the router, the scheduler, the KV transport's control all talk to it) an
 
 Forming it (`TPGroup.leader` on rank 0, `TPGroup.follower` on the others):
 1. rank 0 hosts the group's store (a TCPStore on the node's loopback: the ranks share a node) and
-   launches the followers with a `TPRendezvous` (where the store is, the group's namespace, timeouts);
-2. each follower binds its step socket (step_channel.py), publishes it, says it arrived; rank 0 waits
+   launches the followers with a `TPRendezvous` (where the store is, the group's namespace, timeouts,
+   and the group's own secret: every value in the store is sealed under it, AuthenticatedStore, so a
+   local user who reaches the store's port can neither redirect a rank nor join the group);
+2. each follower binds its step socket (step_channel.py: an ipc:// path in a directory only this user
+   can enter, which is all the step and RPC channels accept), publishes it, says it arrived; rank 0 waits
    for every follower within `join_timeout_s` (a follower that fails to start fails the worker);
 3. every rank joins the torch.distributed world group (gloo on CPU, NCCL on CUDA, collectives time out
    after `collective_timeout_s`), the CUDA ranks set up the symmetric-memory one-shot all-reduce
@@ -28,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -39,6 +42,7 @@ from cluster.distributed.rank_rpc import RankRPC
 from cluster.distributed.step_channel import StepPublisher, StepSubscriber
 from cluster.distributed.step_messages import StepMessage, Stop
 from cluster.distributed.watchdog import RankWatchdog, exit_process
+from cluster.transport.authenticated_store import AuthenticatedStore
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class TPRendezvous:
     collective_timeout_s: float = 60.0  # a collective that waits this long fails (a hung peer)
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 10.0  # a rank whose heartbeat stalls this long is dead
+    secret: bytes = field(default=b"", repr=False)  # the group's (drawn by rank 0): the store's MAC key
 
 
 def _disable_multicast() -> None:
@@ -63,9 +68,10 @@ def _disable_multicast() -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 
-def _client(rdv: TPRendezvous, timeout_s: float):
-    return dist.TCPStore(rdv.host, rdv.port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+def _client(rdv: TPRendezvous, timeout_s: float) -> AuthenticatedStore:
+    return AuthenticatedStore(dist.TCPStore(rdv.host, rdv.port, is_master=False, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True),
+                              rdv.secret)
 
 
 class TPGroup:
@@ -77,12 +83,12 @@ class TPGroup:
         self.on_failure = on_failure
         self.failed: str | None = None
         self._master = master  # rank 0: the store itself (kept alive as long as the group)
-        self._store = master if master is not None else _client(rdv, rdv.join_timeout_s)
+        self._store = AuthenticatedStore(master, rdv.secret) if master is not None else _client(rdv, rdv.join_timeout_s)
         self.publisher: StepPublisher | None = None
         self.subscriber: StepSubscriber | None = None
         self.watchdog: RankWatchdog | None = None
         self.comm: TPCommunicator | None = None
-        self.rpc = RankRPC(rank, rdv.host)
+        self.rpc = RankRPC(rank)
         self.info: dict[int, dict] = {}  # rank -> what it reported on arrival (pid, node, GPUs)
         self.launched: Any = None  # rank 0: what launch() returned (the followers' handles: a Ray actor
         # lives as long as a handle to it)
@@ -98,7 +104,8 @@ class TPGroup:
         from cluster.transport.rendezvous_store import start_store
 
         master = start_store("127.0.0.1", 0, timeout_s=timeouts.get("join_timeout_s", 300.0))
-        rdv = TPRendezvous("127.0.0.1", master.port, f"tp-{uuid.uuid4().hex[:12]}", size, **timeouts)
+        rdv = TPRendezvous("127.0.0.1", master.port, f"tp-{uuid.uuid4().hex[:12]}", size, **timeouts,
+                           secret=os.urandom(32))
         g = cls(rdv, 0, device, dtype, master, on_failure)
         g.launched = launch(rdv)
         g._arrive(describe)
@@ -110,7 +117,7 @@ class TPGroup:
                  on_failure: Callable[[str], None] = exit_process, describe: Callable[[], dict] | None = None
                  ) -> "TPGroup":
         g = cls(rdv, rank, device, dtype, None, on_failure)
-        g.subscriber = StepSubscriber(rdv.host)
+        g.subscriber = StepSubscriber()
         g._arrive(describe)
         g._join()
         return g
@@ -151,7 +158,9 @@ class TPGroup:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed world group")
-        store = dist.PrefixStore(self._key("pg/"), self._store)
+        # (dist.PrefixStore cannot wrap a Python store.) HAZARD: kept as long as the group: NCCL reaches
+        # its store lazily, and a collected Python store fails there ("Not implemented").
+        store = self._pg_store = self._store.prefixed(self._key("pg/"))
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=rdv.collective_timeout_s))
         one_shot = None

@@ -4,9 +4,11 @@ worker down, within `peer_timeout_s`, whatever the others are doing.
 Why the whole worker: a rank stuck in a collective with a dead peer cannot be unstuck (a one-shot
 all-reduce spins on its peer's signal pad inside a CUDA graph; NCCL waits for its timeout), and a
 group that lost a rank has lost part of every layer anyway. So each rank runs this thread, independent
-of its main loop: every `heartbeat_s` it bumps its counter in the group's store (hosted by rank 0's
-process) and checks its peers' (rank 0 checks every follower, a follower checks rank 0); a peer whose
-counter stalls for `peer_timeout_s`, that marked itself failed, or a store that stops answering (rank
+of its main loop: every `heartbeat_s` it writes its next count in the group's store (hosted by rank 0's
+process; sealed under the group's secret, AuthenticatedStore) and checks its peers' (rank 0 checks
+every follower, a follower checks rank 0); a value that does not verify, or an older count (a replay),
+is no news: a local user who reaches the store can make a rank look silent at most, never failed or
+closed, nor a dead one alive for longer than it keeps overwriting. A peer whose count stalls for `peer_timeout_s`, that marked itself failed, or a store that stops answering (rank
 0's process is gone) calls `on_failure(why)`, which by default ends this process at once (os._exit:
 nothing waits for a collective). Ray then restarts the worker's rank 0 (whose followers go with it:
 they are its actors), the router migrates its requests (as for any dead worker), and the new rank 0
@@ -60,20 +62,23 @@ class RankWatchdog(threading.Thread):
             self._fail(f"rank {self.rank} cannot reach its group's store: {type(e).__name__}: {e}")
             return
         seen = {p: (None, time.monotonic()) for p in self.peers}
+        count = 0
         while not self._stop.is_set():
             now = time.monotonic()
             try:
-                store.add(self.key(self.rank), 1)
+                count += 1
+                store.set(self.key(self.rank), str(count))
                 for p in list(seen):
-                    v = store.add(self.key(p), 0)
+                    raw = store.read(self.key(p))  # None: not there yet, or not sealed (no news)
+                    v = int(raw) if raw is not None else seen[p][0]
                     if v == CLOSED:
                         del seen[p]  # left cleanly: nothing to watch
                         continue
-                    if v <= FAILED:
+                    if v is not None and v <= FAILED:
                         self._fail(f"rank {p} of the group failed")
                         return
                     last, since = seen[p]
-                    if v != last:
+                    if v is not None and (last is None or v > last):  # (an older count: a replay)
                         seen[p] = (v, now)
                     elif now - since > self.peer_timeout_s:
                         self._fail(f"rank {p} of the group sent no heartbeat for {now - since:.1f}s "

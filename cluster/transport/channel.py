@@ -30,10 +30,12 @@ import zmq
 
 from cluster.frame_auth import KV_CONTROL, FrameSigner, FrameVerifier
 from cluster.logprobs import PrefillLogprobs
+from cluster.socket_bounds import MAX_KV_CONTROL_FRAME, RateLimitedLog, bound
 
 log = logging.getLogger(__name__)
+_rejections = RateLimitedLog(log)
 
-_MAX_QUEUED = 1 << 16  # messages a PUSH socket holds for a slow or dead peer before send fails
+_MAX_QUEUED = 4096  # messages a socket holds per peer (a PUSH for a slow or dead peer before send fails)
 
 
 class Hello(msgspec.Struct, tag="h"):
@@ -88,12 +90,14 @@ def _context() -> zmq.Context:
 
 class Inbox:
     """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`).
-    secret: the cluster's (cluster/frame_auth.py): a frame without its MAC is dropped and counted."""
+    secret: the cluster's (cluster/frame_auth.py): a frame without its MAC is dropped and counted.
+    receiver: this worker's id and incarnation, which the MAC binds (a frame for another worker, or an
+    earlier incarnation of this one, is dropped). Bounded (socket_bounds.py): frames of at most
+    MAX_KV_CONTROL_FRAME bytes, at most _MAX_QUEUED held per peer before any MAC is checked."""
 
-    def __init__(self, host: str | None, name: str, secret: bytes = b""):
-        self._sock = _context().socket(zmq.PULL)
+    def __init__(self, host: str | None, name: str, secret: bytes = b"", receiver: str = ""):
+        self._sock = bound(_context().socket(zmq.PULL), MAX_KV_CONTROL_FRAME, _MAX_QUEUED)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, _MAX_QUEUED)
         if host is None:
             self.endpoint = f"inproc://pdserve-kv/{name}/{id(self)}"
             self._sock.bind(self.endpoint)
@@ -106,7 +110,7 @@ class Inbox:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.dropped = 0  # frames that were not a control message, or not from a holder of the secret
-        self._verifier = FrameVerifier(secret, KV_CONTROL)
+        self._verifier = FrameVerifier(secret, KV_CONTROL, receiver.encode())
 
     def recv(self, timeout_s: float) -> list[Message]:
         """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
@@ -126,13 +130,13 @@ class Inbox:
             raw = self._verifier.open(parts)
             if raw is None:  # not from a holder of the cluster's secret (or a replay): never decoded
                 self.dropped += 1
-                log.warning("dropped a KV control frame without a valid MAC (%d so far)", self._verifier.rejected)
+                _rejections.warn("dropped a KV control frame without a valid MAC (%d so far)", self._verifier.rejected)
                 continue
             try:
                 out.append(_DECODER.decode(raw))  # data only: nothing on this socket is ever unpickled
             except msgspec.DecodeError:
                 self.dropped += 1
-                log.warning("dropped a KV control frame that is not a control message (%d bytes)", len(raw))
+                _rejections.warn("dropped a KV control frame that is not a control message (%d bytes)", len(raw))
 
     @property
     def rejected(self) -> int:
@@ -159,13 +163,12 @@ class Outbox:
     """Prefill side: the PUSH socket to one decode worker. Thread-safe (one lock per socket); every
     frame carries a MAC under the cluster's secret."""
 
-    def __init__(self, endpoint: str, secret: bytes = b""):
-        self._sock = _context().socket(zmq.PUSH)
+    def __init__(self, endpoint: str, secret: bytes = b"", receiver: str = ""):
+        self._sock = bound(_context().socket(zmq.PUSH), MAX_KV_CONTROL_FRAME, _MAX_QUEUED)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
-        self._signer = FrameSigner(secret, KV_CONTROL)
+        self._signer = FrameSigner(secret, KV_CONTROL, receiver.encode())
 
     def send(self, msg: Message) -> None:
         """Queues one message; never blocks. Raises ConnectionError if the peer stopped reading."""

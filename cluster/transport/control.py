@@ -2,16 +2,19 @@
 NCCL/gloo point-to-point, same_gpu.py: CUDA IPC copies).
 
 The store (the launcher's TCPStore, or an in-process HashStore in tests) holds ownership and liveness
-only, never anything a transfer waits for:
+only, never anything a transfer waits for. Every value in it is sealed under the cluster's secret
+(authenticated_store.py: the MAC binds the value to its key, and each key names its writer and the
+writer's incarnation); a value that does not verify is never used:
   {ns}/x/P/D.i/s the claim of transfer s from prefill P to incarnation i of decode D. The prefill claims with
                  compare_set("", CLAIM) (ABORT: a transfer that carries no KV) before any byte can
                  reach the reserved blocks; the decode side cancels with compare_set("", CANCEL) when
                  its expect deadline passes or it is asked to. Exactly one wins, atomically: after a
                  cancel nothing lands. The decode side deletes a claim once the transfer arrived; the
                  prefill deletes a CANCEL it read.
-  {ns}/hb/W      heartbeat counter of worker W (store.add every heartbeat_s); -1e9 after a clean close.
-  {ns}/inc/W     W's incarnation counter: each transport a worker starts (a Ray restart of its actor
-                 starts another) takes the next number.
+  {ns}/hb/W      W's heartbeat record [incarnation, count], rewritten every heartbeat_s (-1e9 after a
+                 clean close); a forged or replayed one is no news (heartbeat_records.py).
+  {ns}/inc/W     W's incarnation counter: each transport a worker starts takes the next number (never
+                 one at or below its own last record's). Peers read incarnations from the records.
   {ns}/verdict/P.i/D.j/gG  decode D's answer to prefill P's hello for pair generation G ("ok", or why it
                  refuses the pair), read
                  and deleted by P before it forms its half of the payload channel (pair.py).
@@ -72,6 +75,7 @@ import torch
 from cluster.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment, TransferStats
 from cluster.transport.channel import Inbox
+from cluster.transport.heartbeat_records import CLOSED, HeartbeatRecords
 from cluster.transport.pair import Pair, PeerDeadError, down_key
 from cluster.transport.payload_hooks import PayloadHooks
 from cluster.transport.plan import KVNumerics, PlanSpec
@@ -130,8 +134,8 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.faults_fired = 0
         self.fired: deque[dict] = deque(maxlen=64)  # the faults that fired: kind, peer, pair generation
         store = self.store()
-        self.incarnation = int(store.add(f"{self.ns}/inc/{worker_id}", 1))
-        store.set(f"{self.ns}/hb/{worker_id}", b"0")  # a new life (a clean close left it negative)
+        self.beats = HeartbeatRecords(self.ns, worker_id)
+        self.incarnation = self.beats.allocate(store)  # a new life (a clean close left it negative)
         self._setup_payload()
         payload, chunk_bytes = self._payload_plan()
         c = kv_cache
@@ -152,12 +156,12 @@ class ControlledTransport(PayloadHooks, KVTransport):
             host = None
             if spec.store_host:
                 host = spec.bind_host or local_address_towards(spec.store_host, spec.store_port)
-            self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret)
+            self._inbox = Inbox(host, f"{self.ns}/{worker_id}", spec.secret, receiver=f"{worker_id}.{self.incarnation}")
             self.receiver = ReceiverSide(self, self._inbox)
             info = {"endpoint": self._inbox.endpoint, "layout": self.plan_spec.to_wire(), "pid": os.getpid(),
                     "incarnation": self.incarnation, "numerics": numerics.as_dict() if numerics else None,
                     **self._payload_info()}
-            store.set(f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
+            self.beats.keep(store, f"{self.ns}/ctl/{worker_id}", msgspec.msgpack.encode(info))
             self._control = threading.Thread(target=self._control_loop, name=f"kv-control-{worker_id}", daemon=True)
             self._control.start()
         else:
@@ -216,10 +220,11 @@ class ControlledTransport(PayloadHooks, KVTransport):
         return self.store()
 
     def _beat(self) -> None:
-        store, key = self._new_store(), f"{self.ns}/hb/{self.worker_id}"
+        store, count = self._new_store(), 0
         while not self.closed.is_set():
+            count += 1
             try:
-                store.add(key, 1)
+                self.beats.publish(store, count)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
             if self.sender is not None:
@@ -238,7 +243,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
         self.check_beating(store, peer)
 
     def heartbeat_of(self, store, peer: str) -> int:
-        return int(store.add(f"{self.ns}/hb/{peer}", 0))
+        return self.beats.count_of(store, peer)  # (heartbeat_records.py: a forgery or replay is no news)
 
     def check_beating(self, store, peer: str) -> None:
         """Raises PeerDeadError if the peer closed its transport or stopped beating (whatever this
@@ -346,7 +351,7 @@ class ControlledTransport(PayloadHooks, KVTransport):
     def check_incarnation(self, store, peer: str, inc: int) -> None:
         """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
         one we are forming a pair with is gone; its control entry may not be replaced yet)."""
-        now = int(store.add(f"{self.ns}/inc/{peer}", 0))
+        now = self.beats.incarnation_of(store, peer)
         if now > inc:
             raise PeerDeadError(f"peer {peer} restarted (incarnation {now}) while we formed a pair with "
                                 f"incarnation {inc}")
@@ -485,6 +490,6 @@ class ControlledTransport(PayloadHooks, KVTransport):
         if self._inbox is not None:
             self._inbox.close()
         try:
-            self._new_store().set(f"{self.ns}/hb/{self.worker_id}", b"-1000000000")
+            self.beats.publish(self._new_store(), CLOSED)
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass

@@ -1,6 +1,7 @@
 """The cluster's rendezvous store: the launcher hosts it (`start_store`, on the internal address, so it
 outlives any worker); every worker, and every follower rank's payload agent, reaches it through
-`store_factory(spec)`, one client per thread. What the store holds is control.py's docstring."""
+`store_factory(spec)`, one client per thread, each an AuthenticatedStore under the cluster's secret
+(a value no holder of it wrote is never used). What the store holds is control.py's docstring."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from cluster.errors import PdserveError
+from cluster.transport.authenticated_store import AuthenticatedStore
 
 if TYPE_CHECKING:
     from cluster.transport.transport_spec import TransportSpec
@@ -59,10 +61,12 @@ _HASH_STORES: dict[str, dist.HashStore] = {}
 
 
 def store_factory(spec: TransportSpec):
-    """A zero-argument function returning a store client (one per thread: clients are not shared)."""
+    """A zero-argument function returning a store client (one per thread: clients are not shared),
+    sealing and checking every value under the cluster's secret (authenticated_store.py)."""
     if not spec.store_host:
-        store = _HASH_STORES.setdefault(spec.namespace, dist.HashStore())
+        store = AuthenticatedStore(_HASH_STORES.setdefault(spec.namespace, dist.HashStore()), spec.secret)
         return lambda: store
     timeout = datetime.timedelta(seconds=max(spec.transfer_timeout_s, 30.0))
-    return lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, wait_for_workers=False,
-                                 timeout=timeout, use_libuv=True)
+    return lambda: AuthenticatedStore(dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
+                                                    wait_for_workers=False, timeout=timeout, use_libuv=True),
+                                      spec.secret)

@@ -192,7 +192,7 @@ class SenderSide(KVSender):
             theirs = PlanSpec.from_wire(info["layout"], peer)
             pair.spec = t.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
             pair.spec.check_peer(theirs.joined(t.plan_spec, "decode"), peer)
-            pair.outbox = Outbox(info["endpoint"], t.spec.secret)
+            pair.outbox = Outbox(info["endpoint"], t.spec.secret, receiver=f"{peer}.{pair.peer_inc}")
             events = t._payload_prepare(pair, info)
             pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation, pair.gen))
             key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)

@@ -117,6 +117,8 @@ class _Link:
     heads: int = 0  # the link's heads
     whole: bool = True  # every head of both sides' caches: whole-block copies
     pg: object = None
+    store: object = None  # the pg's store. HAZARD: a Python store (AuthenticatedStore) must outlive its
+    # pg: NCCL reaches it lazily, at the first op, and a collected one fails there ("Not implemented")
     peer_rank: int = 0
     stream: torch.cuda.Stream | None = None
     ring: StagingRing | None = None
@@ -172,7 +174,8 @@ class TorchDistPayload:
         # (each a two-rank group between one rank of each side).
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         prefill, decode = (me, them) if self.role == "prefill" else (them, me)
-        store = dist.PrefixStore(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/", self._new_store())
+        # (AuthenticatedStore.prefixed: torch's PrefixStore cannot wrap a Python store)
+        store = self._new_store().prefixed(f"{self.ns}/pg/{prefill}/{decode}/g{gen}/L{link.index}/")
         rank = _PAIR_RANK[self.role]
         if self.backend == "nccl":
             # NCCL's watchdog must never be the first to act on a slow transfer: our deadlines are
@@ -196,7 +199,7 @@ class TorchDistPayload:
             opts._timeout = timeout
             pg = dist.ProcessGroupGloo(store, rank, 2, opts)  # blocks until both ranks joined
             stream = None
-        link.pg, link.peer_rank, link.stream = pg, 1 - rank, stream
+        link.pg, link.store, link.peer_rank, link.stream = pg, store, 1 - rank, stream
 
     def _reserve(self, pair: Pair) -> None:
         """Before the pair is answered (decode) or greeted (prefill): this side's ring of each of its

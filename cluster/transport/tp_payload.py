@@ -23,7 +23,6 @@ takes its worker down (cluster/distributed/watchdog.py): its peers see that work
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -165,8 +164,9 @@ class TPTorchDistTransport(TorchDistTransport):
         self._parts_lock = threading.Lock()
         group.rpc.on_notify = self._on_notify
         super().__init__(spec, kv_cache, worker_id, role, store_factory_, tp=(group.size, kv_heads), numerics=numerics)
-        # (Without the cluster's secret: a follower never sends on the control channel.)
-        attach = Attach(dataclasses.replace(spec, secret=b""), worker_id, role, self.incarnation)
+        # With the cluster's secret: a follower's links rendezvous through the (sealed) store. The
+        # RPC channel it goes on is a private ipc:// path (rank_rpc.py).
+        attach = Attach(spec, worker_id, role, self.incarnation)
         self._wait_all(self._call(range(1, group.size), attach))
 
     # -- calls to the followers -------------------------------------------------------------------

@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from cluster.errors import InvalidRequestError
 from cluster.frame_auth import STATS_SINK, FrameVerifier
+from cluster.socket_bounds import MAX_INTERNAL_FRAME, MAX_STATS_FRAME, bound
 from cluster.stream_messages import StreamDelta, decode_step_records
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
@@ -66,9 +67,10 @@ class RouterServer:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(router_address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._stats = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_FRAME)
+        # Bounded before any MAC is checked (cluster/socket_bounds.py).
+        self._stats = bound(self._ctx.socket(zmq.PULL), MAX_STATS_FRAME)
         self._stats.setsockopt(zmq.LINGER, 0)
-        self._stats.setsockopt(zmq.RCVHWM, 0)
         port = self._stats.bind_to_random_port(f"tcp://{stats_host}")
         self.stats_sink = f"tcp://{stats_host}:{port}"
         self._stats_verifier = FrameVerifier(secret, STATS_SINK)

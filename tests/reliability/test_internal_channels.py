@@ -53,7 +53,8 @@ def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, ref
     sc, router = cluster, cluster.router
     ref = reference_engine.generate([PROMPT], [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)])[0]
     store = sc.workers.kv_group.store
-    inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0"))["endpoint"]
+    # (the value is sealed: 16 bytes of MAC, then the entry; cluster/transport/authenticated_store.py)
+    inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0")[16:])["endpoint"]
     sink = next(iter(sc.router_server.gateways.values())).sink
     before = _rejected(sc.url)
 
@@ -103,4 +104,52 @@ def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, ref
         r = httpx.post(f"{sc.url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    wait_clean(sc)
+
+
+def test_store_forgeries_change_nothing_in_a_serving_cluster(cluster, reference_engine):
+    """Issue 37 item 1 on the real cluster: a client of the KV rendezvous store without the secret
+    rewrites the decode worker's control endpoint, marks both workers' heartbeats shut down (what the
+    raw counters said before) and sets the decode worker's incarnation counter back, while requests
+    go through the prefill worker. Every forgery is rejected: each stream is the reference's, no
+    worker is declared dead, and the decode worker's real entry is back within a heartbeat."""
+    import datetime
+
+    import ray
+    import torch.distributed as dist
+
+    sc = cluster
+
+    def transfers() -> tuple[int, int]:
+        extra = ray.get(sc.workers.prefill["prefill-0"].stats.remote()).extra
+        return extra["transfers"], extra["failures"]
+    sent_before, failed_before = transfers()
+    store = sc.workers.kv_group.store
+    rogue = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10), use_libuv=True)
+    ns = sc.tag
+    real_ctl = store.get(f"{ns}/ctl/decode-0")
+    prompts = [f"Story {k}: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13" for k in (5, 6, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    refs = reference_engine.generate(prompts, [params] * len(prompts))
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    forged_ctl = msgspec.msgpack.encode({"endpoint": f"tcp://127.0.0.1:{port}", "incarnation": 99})
+    for prompt, ref in zip(prompts, refs):
+        rogue.set(f"{ns}/ctl/decode-0", b"\0" * 16 + forged_ctl)
+        rogue.set(f"{ns}/hb/decode-0", b"-1000000000")
+        rogue.set(f"{ns}/hb/prefill-0", b"-1000000000")
+        rogue.add(f"{ns}/inc/decode-0", -100)
+        r = httpx.post(f"{sc.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text, r.text
+    assert sink.poll(100) == 0  # nothing was redirected to the forged endpoint
+    sink.close(0)
+    deadline = time.monotonic() + 10
+    while store.get(f"{ns}/ctl/decode-0") != real_ctl and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.get(f"{ns}/ctl/decode-0") == real_ctl  # put back by the decode worker
+    sent, failed = transfers()
+    assert sent - sent_before == len(prompts) and failed == failed_before  # each through the KV path, none lost
     wait_clean(sc)

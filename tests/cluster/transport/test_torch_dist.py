@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -245,8 +246,11 @@ def test_killed_decode_fails_the_send_with_a_clear_error(demo_model_dir, store):
     from cluster.transport.factory import create_transport
 
     spec = _spec(store, "killd", peer_timeout_s=1.0, transfer_timeout_s=30.0)
-    # The decode worker reserved and then died: no heartbeat, no receives.
-    store.add("killd/hb/d0", 5)
+    # The decode worker reserved and then died: no heartbeat, no receives (its last record, sealed as
+    # every value in the store is: control.py).
+    from cluster.transport.rendezvous_store import store_factory
+
+    store_factory(spec)().set("killd/hb/d0", msgspec.msgpack.encode([1, 5]))
     kv = torch.randn(2, 2, 8, 16, 2, 4)
     t = create_transport(spec, kv, "p0", "prefill")
     res = Reservation("r-dead", "d0", (1, 2), 0)
