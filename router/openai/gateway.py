@@ -166,11 +166,11 @@ class Gateway:
         self.token_stream.unregister(msg.worker_request_id)
 
     def _prefilled(self, msg: PrefillDone) -> None:
-        gen = self.active.get(msg.request_id)
-        if gen is None:
-            gen = self._unsettled.pop(msg.request_id, None)
+        gen = self.active.get(msg.request_id) or self._unsettled.get(msg.request_id)
         if gen is not None:
             gen.prefill_done(msg.worker_request_id, msg.cached_tokens)
+            if gen.settled:  # an ended request's entry goes once its own placement's notice came
+                self._unsettled.pop(msg.request_id, None)
 
     def _drain_requested(self, msg: Drain) -> None:
         if not self.draining:
