@@ -64,6 +64,9 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     cluster_secret: bytes = b""  # its token sink takes frames under this MAC key only (cluster/frame_auth.py)
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
     sampling_defaults: dict = {}  # cluster.generation_defaults.SamplingDefaults' fields that are set
+    dtype: str = ""  # what the workers serve with (deploy.preflight.ServedModel.precision): /v1/models says it
+    quantization: str = ""
+    kv_cache_dtype: str = ""
 
     @property
     def gateway_id(self) -> str:
@@ -148,7 +151,9 @@ def serve(spec: APIServerSpec) -> None:
                                vocab_size=ModelArchConfig.from_dir(spec.model_dir).vocab_size,
                                tool_call_parser=spec.tool_call_parser,
                                enable_auto_tool_choice=spec.enable_auto_tool_choice,
-                               sampling_defaults=SamplingDefaults(**spec.sampling_defaults)),
+                               sampling_defaults=SamplingDefaults(**spec.sampling_defaults),
+                               dtype=spec.dtype or None, quantization=spec.quantization or None,
+                               kv_cache_dtype=spec.kv_cache_dtype or None),
                  load_tokenizer(spec.model_dir, spec.chat_template), client, tokens, metrics)
 
     class DrainingServer(uvicorn.Server):

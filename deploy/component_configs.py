@@ -60,16 +60,18 @@ def admission_limits(cfg: ClusterConfig, max_model_len: int) -> AdmissionLimits:
 
 def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: str, served_model_name: str,
                         max_model_len: int, sink_host: str, log_level: str, chat_template: str | None = None,
-                        sampling_defaults: dict | None = None, cluster_secret: bytes = b"") -> dict[str, Any]:
+                        sampling_defaults: dict | None = None, cluster_secret: bytes = b"",
+                        precision: dict[str, str] | None = None) -> dict[str, Any]:
     """The fields of deploy.api_server.APIServerSpec that every API-server process shares (each adds
     its index, the listening socket's descriptor and the launcher's pid). chat_template: the template's
-    text (deploy.preflight read it); sampling_defaults: cluster.generation_defaults.SamplingDefaults as a dict."""
+    text (deploy.preflight read it); sampling_defaults: cluster.generation_defaults.SamplingDefaults as a dict;
+    precision: the served dtype, quantization and KV cache dtype (deploy.preflight.ServedModel.precision)."""
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                 token_timeout_s=cfg.token_timeout_s, drain_timeout_s=cfg.drain_timeout_s, sink_host=sink_host,
                 tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
                 log_level=log_level, chat_template=chat_template, sampling_defaults=sampling_defaults or {},
-                cluster_secret=cluster_secret)
+                cluster_secret=cluster_secret, **(precision or {}))
 
 
 def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:

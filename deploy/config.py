@@ -135,6 +135,9 @@ class ClusterConfig(BaseModel):
     """Device the workers run on ('auto': cuda when the actor has a GPU)."""
     ready_timeout_s: float = Field(600.0, gt=0)
     """How long workers may take to load the model and answer their first stats call."""
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """How long the launcher waits for Ray to place the workers' resources that exist but are held by
+    others (resources the cluster does not have at all are an error at once)."""
 
     # -- the engine inside each worker (WorkerConfig) -----------------------------------------------
     dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] | None = _d("dtype")

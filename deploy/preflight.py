@@ -32,6 +32,13 @@ class ServedModel:
     arch: ModelArchConfig
     chat_template: str | None  # --chat-template's text (None: the tokenizer's own)
     sampling_defaults: SamplingDefaults
+    dtype: str = "float32"  # the activation dtype the workers run (`--dtype` resolved: "auto" is the checkpoint's)
+    quantization: str = "none"  # QuantConfig.tag: "none", or the method and its schemes ("fp8:channel/dynamic")
+    kv_cache_dtype: str = "float32"  # the KV cache's ("auto" resolved: the activation dtype)
+
+    def precision(self) -> dict[str, str]:
+        """What /v1/models, the start-up line and /metrics (pdserve:model_info) report."""
+        return {"dtype": self.dtype, "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 def check_model(cfg: ClusterConfig) -> ServedModel:
@@ -42,7 +49,9 @@ def check_model(cfg: ClusterConfig) -> ServedModel:
         check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
                               f"{model_dir.name} ({role}_tp)")
     config_path = model_dir / "config.json"
-    QuantConfig.from_checkpoint(json.loads(config_path.read_text()), cfg.quantization, str(config_path))
+    quant = QuantConfig.from_checkpoint(json.loads(config_path.read_text()), cfg.quantization, str(config_path))
+    dtype = _DTYPE_NAMES.get(cfg.dtype or "auto", cfg.dtype) if cfg.dtype not in (None, "auto") else arch.dtype
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else "fp8_e4m3"
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     tokenizer = load_tokenizer(model_dir, template)
     check_chat_template(tokenizer, "--chat-template" if template is not None else str(model_dir))
@@ -56,7 +65,10 @@ def check_model(cfg: ClusterConfig) -> ServedModel:
         raise ModelLoadError(f"the sampling defaults of {model_dir}/generation_config.json are invalid: {e} "
                              f"(--generation-config vllm ignores them)") from None
     name = cfg.served_model_name or ("pdserve-demo" if cfg.model is None else _default_name(cfg.model, model_dir))
-    return ServedModel(model_dir, name, arch, template, defaults)
+    return ServedModel(model_dir, name, arch, template, defaults, str(dtype), quant.tag, kv_dtype)
+
+
+_DTYPE_NAMES = {"half": "float16", "float": "float32"}  # --dtype's aliases, as torch names them
 
 
 def _default_name(given: str, model_dir: Path) -> str:

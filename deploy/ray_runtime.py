@@ -32,10 +32,13 @@ def init_ray(cfg: ClusterConfig) -> bool:
     caller then shuts it down), False if the caller's Ray (a test, a notebook) was running already."""
     if ray.is_initialized():
         return False  # the caller's Ray: use it, and leave it running
-    n = cfg.prefill_workers + cfg.decode_workers
+    # Every rank is an actor holding cpus_per_worker (a TP worker's bundle holds all its ranks'): a local
+    # Ray started here counts that many logical CPUs at least, as a user asking for TP 2 on a 2-core
+    # machine expects it to run (slower), not to wait for a placement that can never be ready.
+    ranks = cfg.prefill_workers * cfg.prefill_tp + cfg.decode_workers * cfg.decode_tp
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     if cfg.address is None:
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(n * cfg.cpus_per_worker))
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(ranks * cfg.cpus_per_worker))
     try:
         ray.init(address=cfg.address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:

@@ -29,6 +29,7 @@ from decode_worker.rank_follower import DecodeRankFollower
 from deploy.component_configs import gpus_per_actor, worker_config
 from deploy.config import ClusterConfig
 from deploy.kv_transport_group import KVTransportGroup
+from deploy.placement_check import unmet
 from deploy.ray_rank_launcher import RayRankLauncher
 from deploy.ray_runtime import RAY_STOP_BUDGET_S
 from prefill_worker.actor import PrefillWorkerActor
@@ -93,14 +94,15 @@ class RayWorkers:
         # PACK keeps prefill and decode actors together where they fit (cheaper KV transfers) and
         # spreads them over nodes only when one node can't hold them; custom resources in a role's
         # bundle pin that role to the nodes that offer them. A worker's bundle holds all its ranks.
-        pg = placement_group([self._bundle(role) for role, _ in roles], strategy="PACK", name=self.tag)
+        bundles = [(self._describe(role), self._bundle(role)) for role, _ in roles]
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        missing = unmet(bundles, nodes)
+        if missing is not None:
+            raise PdserveError(f"the Ray cluster can never place the workers: {missing}. Give Ray more CPUs (or "
+                               f"GPUs), or ask less per rank (cpus_per_worker, now {cfg.cpus_per_worker:g})")
+        pg = placement_group([b for _, b in bundles], strategy="PACK", name=self.tag)
         self.placement_group = pg
-        try:
-            ray.get(pg.ready(), timeout=cfg.ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise PdserveError(f"the Ray cluster can't place {len(roles)} workers with {self._bundle('prefill')} each "
-                               f"for prefill, {self._bundle('decode')} for decode "
-                               f"(available: {ray.available_resources()})") from None
+        self._wait_placed(pg, len(roles))
         for k, (role, i) in enumerate(roles):
             self._create_actor(role, f"{role}-{i}", k)
         self.next_index = {"prefill": cfg.prefill_workers, "decode": cfg.decode_workers}
@@ -114,6 +116,29 @@ class RayWorkers:
         except ray.exceptions.RayActorError as e:
             cause = str(e).strip().splitlines()
             raise PdserveError(f"a worker failed to start: {cause[-1] if cause else e}") from None
+
+    def _wait_placed(self, pg, n: int) -> None:
+        """Waits up to placement_timeout_s for the placement group (its resources exist, but others
+        may hold them now), saying every 10 s what it waits for; then a PdserveError."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.placement_timeout_s
+        while True:
+            try:
+                ray.get(pg.ready(), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+                return
+            except ray.exceptions.GetTimeoutError:
+                waiting = (f"{n} workers' bundles ({self._bundle('prefill')} per prefill worker, "
+                           f"{self._bundle('decode')} per decode worker; free now: {ray.available_resources()})")
+                if time.monotonic() >= deadline:
+                    remove_placement_group(pg)
+                    self.placement_group = None
+                    raise PdserveError(f"the Ray cluster did not place {waiting} within "
+                                       f"{cfg.placement_timeout_s:g}s (placement_timeout_s)") from None
+                log.warning("waiting for Ray to place %s", waiting)
+
+    def _describe(self, role: str) -> str:
+        tp = self.cfg.tp_of(role)
+        return f"a {role} worker" + (f" of TP {tp} ({tp} ranks)" if tp > 1 else "")
 
     def _bundle(self, role: str) -> dict[str, float]:
         """A worker's bundle: each of its ranks' CPUs and GPU, and its role's custom resources (asked by

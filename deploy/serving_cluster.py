@@ -131,7 +131,7 @@ class ServingCluster:
         # on their stdin.
         secret = new_cluster_secret()
         self._tmp = tempfile.mkdtemp(prefix="pdserve-")
-        metrics = RouterMetrics(name, cache_config=cache_config_info(cfg))
+        metrics = RouterMetrics(name, cache_config=cache_config_info(cfg), precision=served.precision())
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
                                           gateways_expected=api_servers, block_size=cfg.block_size, secret=secret)
         self._listen = self._listen_socket()
@@ -142,7 +142,7 @@ class ServingCluster:
             max_model_len=max_model_len, sink_host=stream_host,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             chat_template=served.chat_template, sampling_defaults=served.sampling_defaults.as_dict(),
-            cluster_secret=secret), metrics_dir)
+            cluster_secret=secret, precision=served.precision()), metrics_dir)
         self.api_servers.start()  # they load the tokenizer while the workers load the model
 
         workers = self.workers
@@ -224,8 +224,10 @@ class ServingCluster:
                 self.url = self._bound_url()
                 self.serving_since = time.time()
                 if announce:
+                    p = self.served.precision()
                     print(f"pdserve: serving {self.model_name} at {self.url}/v1 ({len(self.workers.prefill)} prefill, "
-                          f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers)",
+                          f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers; "
+                          f"dtype {p['dtype']}, quantization {p['quantization']}, KV cache {p['kv_cache_dtype']})",
                           flush=True)
                 if self.planner is not None:  # on the router's loop, beside the router
                     planner = self._loop.create_task(self.planner.run(), name="pd-planner")

@@ -134,11 +134,18 @@ class GatewayMetrics(_Metrics):
 
 
 class RouterMetrics(_Metrics):
-    def __init__(self, model_name: str, cache_config: dict[str, Any] | None = None):
+    def __init__(self, model_name: str, cache_config: dict[str, Any] | None = None,
+                 precision: dict[str, str] | None = None):
         """cache_config: the KV cache settings vllm:cache_config_info reports per worker (block_size,
-        cache_dtype, enable_prefix_caching, gpu_memory_utilization); the worker adds its num_gpu_blocks."""
+        cache_dtype, enable_prefix_caching, gpu_memory_utilization); the worker adds its num_gpu_blocks.
+        precision: what the model is served with (dtype, quantization, kv_cache_dtype), the labels of
+        pdserve:model_info."""
         super().__init__(model_name)
         r, m = self.registry, ["model_name"]
+        if precision:
+            Gauge("pdserve:model_info", "What the model is served with: activation dtype, quantization, KV cache "
+                  "dtype (value 1).", m + sorted(precision), registry=r).labels(
+                      model_name, *(precision[k] for k in sorted(precision))).set(1.0)
         self.cache_config = {k: str(v) for k, v in (cache_config or {}).items()}
         # The phases of a finished request, as vLLM splits them: queue (arrival -> its prefill
         # starts), prefill (-> first token; on a prefill worker this includes the KV transfer, which

@@ -51,5 +51,6 @@ class PlacedRequest:
 
 # (request, error message): tells the request's gateway that a worker failed it.
 Notify = Callable[[PlacedRequest, str], None]
-# Tells the request's gateway that its prompt is computed (`cached_tokens` is final: its usage).
+# Tells the request's gateway that its current placement's prompt is computed, or that its prefill
+# worker answered with a failure (`cached_tokens` is final: its usage). Never skipped for a placement.
 Prefilled = Callable[[PlacedRequest], None]

@@ -194,6 +194,7 @@ class PlacementWalk:
     async def _run_prefill(self, rs: PlacedRequest, p: WorkerView, task: PrefillTask) -> None:
         rid, wrid = rs.request_id, rs.worker_request_id
         error = None
+        result: PrefillResult | None = None
         try:
             # NOTE: acked when the call goes out, not when it returns (after prefill + transfer): Ray
             # starts an actor's calls from one caller in order, so any stats poll issued after this
@@ -222,9 +223,10 @@ class PlacementWalk:
             if current:
                 rs.prefill_done = True
                 p.inflight.discard(rid)
-                if error is None:
-                    rs.cached_tokens = result.cached_tokens
-                    self.prefilled(rs)
+                # Sent whatever the outcome, also for a request its gateway already finished: the
+                # gateway's reply waits for it (the decode worker's last token may come first).
+                rs.cached_tokens = result.cached_tokens if result is not None else 0
+                self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
             if self.cfg.migrate_on_worker_death:

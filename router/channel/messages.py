@@ -144,11 +144,14 @@ class RequestFailed(_Msg):
 
 
 class PrefillDone(_Msg):
-    """The request's prompt is computed: `cached_tokens` of it came from a prefix cache (its usage's
-    prompt_tokens_details). Sent before the Submit's Reply for a prompt prefilled on its decode worker;
-    for a prefill worker's, when it answers (the first token may reach the gateway before)."""
+    """The prompt of the request's placement `worker_request_id` is computed: `cached_tokens` of it
+    came from a prefix cache (its usage's prompt_tokens_details). Sent before the Submit's (or
+    Migrate's) Reply for a prompt prefilled on its decode worker; for a prefill worker's, once it
+    answers, also when it failed (cached_tokens as far as it got): the gateway's reply may wait for it,
+    and the worker's last token may have reached the gateway first."""
 
     request_id: str
+    worker_request_id: str
     cached_tokens: int
 
 

@@ -158,7 +158,7 @@ class RouterServer:
     def _prefilled(self, rs: PlacedRequest) -> None:
         g = self._gateway_of(rs)
         if g is not None and g.up:
-            self._send(g.identity, PrefillDone(rs.request_id, rs.cached_tokens))
+            self._send(g.identity, PrefillDone(rs.request_id, rs.worker_request_id, rs.cached_tokens))
 
     def cluster_state(self) -> ClusterState:
         r = self.router

@@ -21,6 +21,7 @@ event (`end_all`). `stop_requests` does the same at once (a stop).
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -35,7 +36,7 @@ from router.errors import DrainingError
 from router.metrics import GatewayMetrics
 from router.openai.errors import api_error, model_not_found
 from router.openai.gateway_config import GatewayConfig
-from router.openai.generation import Generation
+from router.openai.generation import Generation, GenerationLink
 from router.token_stream import TokenStreamReceiver
 
 
@@ -48,6 +49,12 @@ class Gateway:
         self.token_stream = token_stream
         self.metrics = metrics
         self.active: dict[str, Generation] = {}
+        # Requests that finished before their current placement's PrefillDone came: their reply may
+        # still wait for it (Generation.settle). Kept until it comes, or UNSETTLED_KEEP_S (a router
+        # gone meanwhile never sends it), oldest first in `_unsettled_order`.
+        self._unsettled: dict[str, Generation] = {}
+        self._unsettled_order: collections.deque[tuple[float, str]] = collections.deque()
+        self._link = GenerationLink(metrics, client, token_stream, self.end)
         self._rng = random.Random()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False  # set by drain(): new requests get 503, /ready is false
@@ -113,7 +120,7 @@ class Gateway:
         req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
                               reply_to=self.token_stream.address)
         mailbox = self.token_stream.register(request_id)  # before the router places it
-        gen = Generation(self, req, mailbox)
+        gen = Generation(self._link, req, mailbox)
         self.active[request_id] = gen
         try:
             await self.client.submit(req)
@@ -129,6 +136,7 @@ class Gateway:
         """The request is over for this gateway (safe to call twice)."""
         if self.active.pop(gen.request_id, None) is None:
             return
+        self._keep_for_notice(gen, abort)
         if abort and gen.admitted:
             # Cancelled (the client left, a sibling choice failed, drain) or failed: counted here, once,
             # with the tokens it streamed; a request a worker finished was counted by pieces().
@@ -138,6 +146,18 @@ class Gateway:
         self.token_stream.unregister(gen.worker_request_id)
         self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
 
+    UNSETTLED_KEEP_S = 30.0
+
+    def _keep_for_notice(self, gen: Generation, abort: bool) -> None:
+        """A request that ended complete but unsettled keeps receiving its PrefillDone (its usage)."""
+        now = time.monotonic()
+        order = self._unsettled_order
+        while order and now - order[0][0] > self.UNSETTLED_KEEP_S:
+            self._unsettled.pop(order.popleft()[1], None)
+        if not abort and not gen.settled:
+            self._unsettled[gen.request_id] = gen
+            order.append((now, gen.request_id))
+
     # -- what the router pushes -------------------------------------------------------------------
     def _request_failed(self, msg: RequestFailed) -> None:
         """A worker of the request died or failed it: drop that placement's late tokens, then let
@@ -146,10 +166,11 @@ class Gateway:
         self.token_stream.unregister(msg.worker_request_id)
 
     def _prefilled(self, msg: PrefillDone) -> None:
-        gen = self.active.get(msg.request_id)
+        gen = self.active.get(msg.request_id) or self._unsettled.get(msg.request_id)
         if gen is not None:
-            gen.cached_tokens = msg.cached_tokens
-            gen.prefilled.set()
+            gen.prefill_done(msg.worker_request_id, msg.cached_tokens)
+            if gen.settled:  # an ended request's entry goes once its own placement's notice came
+                self._unsettled.pop(msg.request_id, None)
 
     def _drain_requested(self, msg: Drain) -> None:
         if not self.draining:

@@ -26,3 +26,7 @@ class GatewayConfig:
     # What a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or max_tokens
     # unset gets (--generation-config: the model's generation_config.json, as vLLM).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # What the workers serve with, reported by /v1/models (None: not told, e.g. a test's gateway).
+    dtype: str | None = None  # the activation dtype ("bfloat16")
+    quantization: str | None = None  # "none", or the method and its schemes ("fp8:channel/dynamic")
+    kv_cache_dtype: str | None = None

@@ -192,6 +192,10 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pdserve"
     max_model_len: int | None = None
+    # pdserve's additions (as vLLM adds max_model_len): what the model is served with.
+    dtype: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 class ModelList(BaseModel):

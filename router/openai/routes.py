@@ -47,6 +47,12 @@ def _version() -> str:
         return "0.1.0+source"
 
 
+def _model_card(gw: Gateway) -> ModelCard:
+    c = gw.cfg
+    return ModelCard(id=c.model_name, max_model_len=c.max_model_len, dtype=c.dtype, quantization=c.quantization,
+                     kv_cache_dtype=c.kv_cache_dtype)
+
+
 def build_app(gw: Gateway) -> FastAPI:
     serving_completion, serving_chat = OpenAIServingCompletion(gw), OpenAIServingChat(gw)
 
@@ -97,12 +103,12 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)])
+        return ModelList(data=[_model_card(gw)])
 
     @v1.get("/models/{model_id:path}")  # a served name may contain '/'
     async def model(model_id: str) -> ModelCard:
         gw.check_model(model_id)
-        return ModelCard(id=gw.cfg.model_name, max_model_len=gw.cfg.max_model_len)
+        return _model_card(gw)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):

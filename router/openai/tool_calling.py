@@ -7,8 +7,11 @@
     "auto"       the model may call: the reply is parsed by the server's `--tool-call-parser`
                  (router/openai/tool_parsers/); needs `--enable-auto-tool-choice`, as vLLM does;
     "required"   the grammar engine makes the model write one or more valid calls (one when
-                 parallel_tool_calls is false) in the parser's own format, then stop;
-    {type: function, function: {name}}: likewise, exactly one call of that function.
+                 parallel_tool_calls is false), then stop: in the parser's own format with
+                 `--tool-call-parser`; without one, as vLLM by default, a JSON array of
+                 {name, parameters} objects (tool_parsers/forced_json.py);
+    {type: function, function: {name}}: likewise, exactly one call of that function (without a
+                 parser: the reply is its arguments object, as vLLM).
   A forced call's grammar is built from the functions' parameter schemas (ToolParser.constraint).
 - A parsed reply keeps special tokens in its text (the detokenizer's skip_special_tokens off, as
   vLLM's parsers ask): Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens.
@@ -19,7 +22,9 @@
   `strict: true` there is a 400 naming `tools` rather than a promise not kept; with "none" no call
   is made and strict asks for nothing.
 - finish_reason is "tool_calls" when the reply made a call and ended by itself (a stop token); a
-  reply cut by max_tokens says "length", its last call possibly incomplete.
+  reply cut by max_tokens says "length", its last call possibly incomplete. As vLLM, a named
+  tool_choice served without a parser ends "stop" (vLLM's chat path says "tool_calls" only for calls
+  its parser found and for "required").
 
 Streamed, each choice has its own parser (`new_parser`): text pieces in, content and tool-call
 deltas out (index, id, type and name first, then argument fragments); the non-streamed reply is the
@@ -29,11 +34,13 @@ same parser over the whole text, so a stream reassembled equals it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from cluster.errors import InvalidRequestError
 from cluster.structured import StructuredOutput
 from router.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from router.openai.tool_parsers import FunctionTool, ToolCall, ToolCallDelta, ToolParser, get_tool_parser
+from router.openai.tool_parsers.forced_json import NamedCallParser, RequiredCallsParser
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,10 @@ class ToolCalling:
     tools: tuple[FunctionTool, ...]
     template_tools: tuple[dict, ...]  # what the chat template renders
     choice: str  # "none" | "auto" | "required" | "function" (a named one)
-    parser: type[ToolParser] | None = None  # parses the reply for calls (None: tool_choice none)
+    parser: Callable[[], ToolParser] | None = None  # a new parser of the reply (None: tool_choice none)
     constraint: StructuredOutput | None = None  # the grammar of a forced call
     max_calls: int | None = None  # parallel_tool_calls false: 1
+    calls_finish: bool = True  # a call that stopped ends "tool_calls" (vLLM: not a parser-less named one)
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser_name: str | None, auto_enabled: bool) -> "ToolCalling | None":
@@ -64,9 +72,13 @@ class ToolCalling:
         if choice == "auto" and not (auto_enabled and parser_name is not None):
             raise InvalidRequestError('tool_choice "auto" (the default with tools) needs the server started with '
                                       "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
-        what = "a named tool_choice" if isinstance(choice, NamedToolChoice) else f'tool_choice "{choice}"'
-        if parser_name is None:
-            raise InvalidRequestError(f"{what} needs the server started with --tool-call-parser", "tool_choice")
+        if parser_name is None:  # a forced call (auto needs a parser): plain JSON, as vLLM by default
+            if isinstance(choice, NamedToolChoice):
+                named = {"type": "function", "function": {"name": choice.function.name}}
+                return cls(tools, template, "function", NamedCallParser.bound(choice.function.name),
+                           NamedCallParser.constraint(tools, named), 1, calls_finish=False)
+            return cls(tools, template, "required", RequiredCallsParser,
+                       RequiredCallsParser.constraint(tools, "required", max_calls is None), max_calls)
         parser = get_tool_parser(parser_name)
         if choice == "auto":
             strict = [t.function.name for t in body.tools if t.function.strict]
@@ -92,7 +104,7 @@ class ToolCalling:
 
     def parse(self, text: str) -> tuple[str | None, tuple[ToolCall, ...]]:
         """A whole reply: (content, or None beside calls without any; the calls it may have)."""
-        out = self.parser.parse(text)
+        out = self.parser().parse_all(text)
         return out.content, out.tool_calls[: self.max_calls]
 
     def kept_deltas(self, deltas: tuple[ToolCallDelta, ...]) -> tuple[ToolCallDelta, ...]:
@@ -101,9 +113,8 @@ class ToolCalling:
             return deltas
         return tuple(d for d in deltas if d.index < self.max_calls)
 
-    @staticmethod
-    def finish_reason(called: bool, finish: str | None) -> str | None:
-        return "tool_calls" if called and finish == "stop" else finish
+    def finish_reason(self, called: bool, finish: str | None) -> str | None:
+        return "tool_calls" if called and finish == "stop" and self.calls_finish else finish
 
 
 def _template_tool(t: FunctionTool) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import ray
@@ -125,3 +126,35 @@ def test_a_repeated_prefix_is_reported_cached_and_not_transferred_again(real_pd_
 def _transfer_bytes(url: str) -> float:
     lines = [x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith("pdserve:kv_transfer_bytes_total")]
     return float(lines[0].split()[-1])
+
+
+def test_short_replies_wait_for_nothing_and_report_their_cached_tokens(real_pd_cluster, reference_engine):
+    """`max_tokens: 1`, prefilled remotely: the last token reaches the gateway before the prefill
+    worker's answer reaches the router (issue 36: the reply waited 5 s for a PrefillDone the gateway
+    had dropped). Non-streamed, streamed with usage, and lm-eval's scoring shape (token-id prompt,
+    echo, logprobs): each answers in well under a second, its cached_tokens right on a repeat."""
+    system = "You are a terse assistant. " + " ".join(f"fact {k} is v{k % 5}." for k in range(24))
+    ids = reference_engine.tokenizer.encode(system + " Score this.")
+    shared = len(reference_engine.tokenizer.encode(system)) // 16 * 16
+    bodies = [{"prompt": system + " Q1?"}, {"prompt": system + " Q2?", "stream": True,
+                                            "stream_options": {"include_usage": True}},
+              {"prompt": ids, "echo": True, "logprobs": 1}]
+    with httpx.Client(base_url=real_pd_cluster.url, timeout=30) as client:
+        for body in bodies:
+            for attempt in range(2):  # the second finds the shared prefix in the prefill worker's cache
+                t0 = time.perf_counter()
+                r = client.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, "temperature": 0, **body})
+                took = time.perf_counter() - t0
+                assert r.status_code == 200, r.text
+                if body.get("stream"):
+                    usage = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1]["usage"]
+                else:
+                    usage = r.json()["usage"]
+                assert took < 1.0, (body, took)
+                assert usage["completion_tokens"] == 1
+                if "echo" in body:  # prompt logprobs compute the whole prompt (as vLLM): nothing read from a cache
+                    assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
+                elif attempt:
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= shared - 16 > 0, usage
+    wait_idle(real_pd_cluster)
+    assert not real_pd_cluster.router.inflight

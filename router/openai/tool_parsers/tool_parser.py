@@ -171,8 +171,11 @@ class ToolParser(ABC):
 
     @classmethod
     def parse(cls, text: str, id_factory: Callable[[], str] | None = None) -> ParsedOutput:
-        p = cls(id_factory)
-        deltas = [p.feed(text), p.finish()]
+        return cls(id_factory).parse_all(text)
+
+    def parse_all(self, text: str) -> ParsedOutput:
+        """This (new) parser over a whole reply."""
+        deltas = [self.feed(text), self.finish()]
         content = "".join(d.content for d in deltas)
         calls = reassemble(c for d in deltas for c in d.tool_calls)
         return ParsedOutput(content if content or not calls else None, calls)
@@ -183,10 +186,12 @@ class ToolParser(ABC):
         return self._calls > 0
 
     # -- the constraint ------------------------------------------------------------------------------
+    # A format spelled around tags implements `call_tag` and `call_format`; a parser whose grammar is
+    # not built from tags (forced_json.py: plain JSON) overrides `constraint` instead.
     @classmethod
-    @abstractmethod
     def call_format(cls, tags: Sequence[JSONTag], parallel: bool) -> TaggedJSON:
         """This format's calls around per-function tags (see _tag)."""
+        raise NotImplementedError(f"{cls.__name__} builds its constraint without tags")
 
     @classmethod
     def _tag(cls, tool: FunctionTool, begin: str, end: str) -> JSONTag:
@@ -199,25 +204,30 @@ class ToolParser(ABC):
                    ) -> StructuredOutput:
         """tool_choice "required" (a call to any of `tools`) or {"type": "function", "function":
         {"name": ...}} (that one): the grammar of a valid call in this format."""
+        chosen = cls.chosen(tools, tool_choice)
+        fmt = cls.call_format([cls.call_tag(t) for t in chosen], parallel_tool_calls and tool_choice == "required")
+        return StructuredOutput.tagged(fmt)
+
+    @staticmethod
+    def chosen(tools: Sequence[FunctionTool], tool_choice) -> list[FunctionTool]:
+        """The tools a forced tool_choice may call (a 400 for one naming no tool)."""
         if not tools:
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         if tool_choice == "required":
-            chosen = list(tools)
-        elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+            return list(tools)
+        if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
             name = tool_choice["function"].get("name")
             chosen = [t for t in tools if t.name == name]
             if not chosen:
                 raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        else:
-            raise InvalidRequestError('tool_choice must be "none", "auto", "required" or a named function',
-                                      "tool_choice")
-        fmt = cls.call_format([cls.call_tag(t) for t in chosen], parallel_tool_calls and tool_choice == "required")
-        return StructuredOutput.tagged(fmt)
+            return chosen
+        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or a named function',
+                                  "tool_choice")
 
     @classmethod
-    @abstractmethod
     def call_tag(cls, tool: FunctionTool) -> JSONTag:
         """One function's call in this format (begin + name + arguments schema + end)."""
+        raise NotImplementedError(f"{cls.__name__} builds its constraint without tags")
 
     # -- for the formats -----------------------------------------------------------------------------
     @abstractmethod

@@ -37,6 +37,14 @@ def test_model_by_id(fake_cluster):
     client = openai.OpenAI(base_url=f"{fake_cluster.url}/v1", api_key="unused", max_retries=0)
     m = client.models.retrieve(MODEL)
     assert m.id == MODEL and m.object == "model"
+    # What it is served with (issue 36): the demo checkpoint's float32, unquantized; /v1/models, the
+    # router's /metrics info gauge.
+    listed = httpx.get(f"{fake_cluster.url}/v1/models", timeout=30).json()["data"][0]
+    assert (m.dtype, m.quantization, m.kv_cache_dtype) == ("float32", "none", "float32") == (
+        listed["dtype"], listed["quantization"], listed["kv_cache_dtype"])
+    metrics = httpx.get(f"{fake_cluster.url}/metrics", timeout=30).text
+    assert ('pdserve:model_info{dtype="float32",kv_cache_dtype="float32",model_name="pdserve-demo",'
+            'quantization="none"} 1.0') in metrics
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found"

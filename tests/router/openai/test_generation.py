@@ -192,3 +192,30 @@ def test_a_token_whose_text_is_held_back_is_still_an_event():
     assert [(t, f) for t, f, _ in got] == [("", None), ("é", None), ("x", "length")]  # the empty delta: no event
     assert gen.completion_tokens == 3 and len(gw.metrics.ttft.values) == 1 and len(gw.metrics.itl.values) == 2
     assert gw.ended == [False]
+
+
+def test_settle_takes_the_notice_of_the_placement_that_produced_the_tokens():
+    """PrefillDone may come before the reader asks, after the request ended, or for a placement the
+    request left (a migration): `settle` returns as soon as the current placement's came, with its
+    cached tokens, and never waits for one that came already."""
+    async def main():
+        gw = FakeGateway(on_migrate=lambda wrid: None)
+        gen, mb = _generation(gw)
+        gen.prefill_done("r", 16)  # before any token: kept
+        assert gen.settled and gen.cached_tokens == 16
+        mb.put(StreamDelta("r", (), "", "error", "decode worker d0 died"), 0.0)
+        reader = asyncio.ensure_future(_read(gen))
+        await asyncio.sleep(0.01)
+        assert gen.worker_request_id == "r.m1" and not gen.settled  # the new placement's notice is due
+        gw.token_stream.routes["r.m1"].put(StreamDelta("r.m1", (5,), "x", "length"), 0.0)
+        await asyncio.wait_for(reader, 5)
+        waiting = asyncio.ensure_future(gen.settle(timeout_s=5.0))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        gen.prefill_done("r.m1", 32)  # after the request ended
+        await asyncio.wait_for(waiting, 1)
+        assert gen.cached_tokens == 32
+        t0 = asyncio.get_running_loop().time()
+        await gen.settle(timeout_s=5.0)  # came already: no wait
+        assert asyncio.get_running_loop().time() - t0 < 0.1
+    asyncio.run(main())

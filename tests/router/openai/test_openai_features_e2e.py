@@ -193,13 +193,11 @@ def test_unimplemented_fields_are_400_naming_them(fake_cluster, field, value):
 
 
 @pytest.mark.parametrize("path,extra,param,words", [
-    # Tools are chat's; this cluster has no --tool-call-parser: only tool_choice "none" is served.
+    # Tools are chat's; this cluster has no --tool-call-parser: "auto" needs one (forced calls do not).
     ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat/completions"),
     ("/v1/completions", {"tool_choice": "auto"}, "tool_choice", "chat/completions"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
      "--enable-auto-tool-choice"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice", "--tool-call-parser"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
 ])
 def test_tools_the_server_cannot_serve_are_400(fake_cluster, path, extra, param, words):

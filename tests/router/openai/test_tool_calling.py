@@ -60,7 +60,6 @@ def test_which_tool_choice_is_served():
     ({"tools": [WEATHER]}, "hermes", False, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [WEATHER]}, None, False, "tool_choice", "--tool-call-parser"),
     ({"tools": [WEATHER]}, None, True, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, None, True, "tool_choice", "--tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "hermes", True,
      "tool_choice", "not among the tools"),
     ({"tools": [WEATHER, WEATHER]}, "hermes", True, "tools", "twice"),
@@ -197,3 +196,49 @@ def test_call_arguments_render_as_an_object_when_they_are_one():
     assert rendered('{"x": [1]}') == {"x": [1]}
     assert rendered("[1, 2]") == "[1, 2]" and rendered("{cut") == "{cut"
     assert rendered('{"x": "\\ud800"}') == '{"x": "\\ud800"}'  # would decode to a lone surrogate: kept as text
+
+
+def test_forced_calls_without_a_parser_are_vllms_json():
+    """No --tool-call-parser: a named tool_choice is its arguments object under the function's schema,
+    "required" an array of {name, parameters} under an anyOf of the tools' (vLLM's
+    _get_json_schema_from_tool), one element with parallel_tool_calls false."""
+    named = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}), None, False)
+    assert named.choice == "function" and named.constraint.kind == "json" and named.max_calls == 1
+    assert json.loads(named.constraint.spec) == WEATHER["function"]["parameters"]
+    req = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required"), None, False)
+    schema = json.loads(req.constraint.spec)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [s["properties"]["name"] for s in schema["items"]["anyOf"]] == [{"type": "string", "enum": ["get_weather"]},
+                                                                           {"type": "string", "enum": ["get_time"]}]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    one = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None, False)
+    assert json.loads(one.constraint.spec)["maxItems"] == 1 and one.max_calls == 1
+
+
+@pytest.mark.parametrize("choice,text,calls,finish", [
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Par\\"is"}',
+     [("get_weather", '{"city": "Par\\"is"}')], "stop"),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")], "tool_calls"),
+])
+def test_forced_json_replies_stream_and_parse_the_same(choice, text, calls, finish):
+    tc = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice=choice), None, False)
+    content, whole = tc.parse(text)
+    assert content is None and [(c.function.name, c.function.arguments) for c in whole] == calls
+    assert tc.finish_reason(bool(whole), "stop") == finish and tc.finish_reason(True, "length") == "length"
+    body = chat(tools=[WEATHER, TIME], tool_choice=choice, stream=True)
+    fmt = _ChatChunks("id", body, tc, 0)
+    rng = random.Random(3)
+    cuts = sorted(rng.sample(range(1, len(text)), 8))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    got: dict[int, list] = {}
+    for k, p in enumerate(pieces):
+        d = json.loads(fmt.piece(0, p, "stop" if k == len(pieces) - 1 else None, [])[6:])
+        delta, end = d["choices"][0]["delta"], d["choices"][0]["finish_reason"]
+        assert "content" not in delta
+        for x in delta.get("tool_calls", ()):
+            c = got.setdefault(x["index"], [None, ""])
+            c[0] = x["function"].get("name", c[0])
+            c[1] += x["function"]["arguments"]
+    assert [tuple(got[i]) for i in sorted(got)] == calls and end == finish
