@@ -45,7 +45,7 @@ else
   CASE_SECONDS=${CASE_SECONDS:-8}; LEVEL_SECONDS=${LEVEL_SECONDS:-8}
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 fi
-SERVE="$SERVE --local-prefill-threshold 0 --enable-prefix-caching"
+SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching"
 
 PID=""
 serve() {  # name model_dir shape: its random checkpoint first, then `pdserve serve` (log: serve_<name>.log)
