@@ -386,7 +386,8 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
                 and (faults_wanted is None or len(found) < faults_wanted):
             found.append(await inj.restart_limit())
         if faults_wanted is not None and len(found) >= faults_wanted:
-            await asyncio.wait(inj.watchers, timeout=deadline_s)
+            if inj.watchers:  # a cancel storm has no victim to watch
+                await asyncio.wait(inj.watchers, timeout=deadline_s)
             enough.set()
 
     async with httpx.AsyncClient(base_url=sc.url, timeout=None, limits=httpx.Limits(max_connections=streams + 8)) as c:

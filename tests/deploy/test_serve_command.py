@@ -15,6 +15,8 @@ import pytest
 
 from deploy.cli import build_parser
 
+pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
+
 
 def test_serve_flags_and_help():
     args = build_parser().parse_args(["serve", "/m", "--prefill-workers", "2", "--decode-workers", "3", "--port", "9000",

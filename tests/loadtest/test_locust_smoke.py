@@ -27,6 +27,8 @@ from fastapi.responses import Response, StreamingResponse
 from cluster.stream_messages import DecodeStepRecord
 from router.step_stats import StepStats
 
+pytestmark = pytest.mark.slow  # Locust and servers in subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 
 

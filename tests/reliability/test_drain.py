@@ -19,6 +19,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
+
 DRAIN_S = 6.0
 
 
