@@ -91,10 +91,11 @@ def plan(gw, model: type[BaseModel], body: dict):
         n_lp = serving.num_logprobs(req)
         echo = serving.echo(req)
         prompts = []
-        for p in serving.prompts(req):
-            ids = serving.encode(p, opts)
+        tokenized, bad_words = serving.tokenize(req, opts, echo)
+        for _, ids, _ in tokenized:
             mt = serving.max_tokens(req, ids)
-            params = serving.sampling_params(req, opts, mt, n_lp, serving.prompt_logprobs(req, n_lp, echo, mt))
+            params = serving.sampling_params(req, opts, mt, n_lp, serving.prompt_logprobs(req, n_lp, echo, mt),
+                                             bad_words)
             prompts.append((tuple(ids), params))
     except (InvalidRequestError, APIError) as e:
         return ("refused", getattr(e, "param", None))
