@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from cluster.errors import InvalidRequestError
+from cluster.request_limits import check_request_fits
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import encode_bad_words
 from router.errors import GenerationError
@@ -230,6 +231,8 @@ class OpenAIServing:
             try:
                 for p, (prompt, ids, echo_text) in enumerate(prompts):
                     max_tokens = self.max_tokens(body, ids)
+                    # Here, not only at admission: a prompt past the context never crosses the channel.
+                    check_request_fits(len(ids), max_tokens, gw.cfg.max_model_len)
                     params = self.sampling_params(body, opts, max_tokens, num_logprobs,
                                                   self.prompt_logprobs(body, num_logprobs, echo, max_tokens), bad_words)
                     gw.metrics.prompt_placed(body.n, params.max_tokens)
