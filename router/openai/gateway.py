@@ -128,7 +128,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         job = self._check_pool.submit(self.grammars.check, so)
         # The slot is held until the thread is done with it (a timed-out parse still runs).
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._check_done))
+        job.add_done_callback(lambda _: self._release_check(loop))
         try:
             await asyncio.wait_for(asyncio.wrap_future(job), GRAMMAR_CHECK_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -136,6 +136,13 @@ class Gateway:
                                       f"{GRAMMAR_CHECK_TIMEOUT_S:g}s; simplify it", param) from None
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param) from None
+
+    def _release_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the check's thread, when it is done (or cancelled before it ran)."""
+        try:
+            loop.call_soon_threadsafe(self._check_done)
+        except RuntimeError:  # the loop is closed: the gateway stopped
+            pass
 
     def _check_done(self) -> None:
         self._checks -= 1
