@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.errors import PdserveError
 from cluster.worker_config import WorkerConfig
-from deploy.bind_address import is_loopback, is_one_interface
+from deploy.api_key import apply_key_sources, open_api_warnings, read_key_file
+from deploy.bind_address import is_one_interface
 from router.admission import AdmissionLimits
 from router.openai.gateway_config import GatewayConfig
 from router.pd_planner import PlannerConfig
@@ -406,24 +407,10 @@ class ClusterConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _key_from_file(cls, data: Any) -> Any:
-        path = data.get("api_key_file") if isinstance(data, dict) else None
-        if path is None:
-            return data
-        if data.get("api_key") is not None:
-            raise ValueError("give the API key once: api_key or api_key_file (or PDSERVE_API_KEY)")
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"api_key_file {path}: {e.strerror}") from None
-        return {**data, "api_key": lines[0].strip() if lines else ""}
+        return read_key_file(data)
 
     def security_warnings(self) -> list[str]:
-        """What the launcher warns about at start (served anyway: a trusted network may want it)."""
-        out = []
-        if not is_loopback(self.host) and self.api_key is None:
-            out.append(f"the HTTP API listens on {self.host} (not only this machine) without an API key: anyone "
-                       "who reaches the port can use it; set --api-key-file or PDSERVE_API_KEY")
-        return out
+        return open_api_warnings(self.host, self.api_key)
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterConfig":
@@ -458,13 +445,7 @@ class ClusterConfig(BaseModel):
         if yaml_path is not None:
             data.update(read_yaml(yaml_path))
         env = os.environ if env is None else env
-        # The key is one setting however it is given (api_key, api_key_file, PDSERVE_API_KEY): the
-        # later source replaces the earlier's.
-        if any((overrides or {}).get(k) is not None for k in ("api_key", "api_key_file")):
-            data.pop("api_key", None), data.pop("api_key_file", None)
-        elif env.get("PDSERVE_API_KEY"):
-            data.pop("api_key_file", None)
-            data["api_key"] = env["PDSERVE_API_KEY"]
+        apply_key_sources(data, overrides or {}, env)  # the key is one setting (deploy/api_key.py)
         data.update(overrides or {})
         try:
             return cls(**data)

@@ -68,6 +68,9 @@ class StandIn:
     def kv_capacity_tokens(self):
         return 0
 
+    async def off_loop(self, fn, *args):
+        return fn(*args)
+
     async def start_generation(self, *a, **kw):
         raise StandIn.Placed()
 
