@@ -20,6 +20,7 @@ from __future__ import annotations
 # Prompt tokens kept as left context so tokenizers that merge leading spaces decode correctly.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+_COMPACT_CHARS = 4096  # IncrementalDetokenizer moves handed-out text out of its tail in chunks this big
 
 
 class _OffsetsDecoder:
@@ -109,8 +110,15 @@ class IncrementalDetokenizer:
         tokens it already generated, of whose text the client has `resumed_chars` characters; they are
         decoded again here (not handed out again), so the text goes on exactly where it stopped.
         `skip_special_tokens`: special tokens give no text (False: their text is output)."""
-        self.text = ""  # all output text so far (truncated at a stop string once one matches)
-        self.emitted = 0  # characters of self.text already handed out
+        # The output text so far (truncated at a stop string once one matches) is `_head` joined, then
+        # `_tail`, which starts at character `_tail_start`. `_tail` holds what is not handed out yet and
+        # the `hold` characters a stop string may still straddle; the rest moves to `_head` in chunks,
+        # so appending a token costs its own length, not the text's (`text +=` on an attribute copies
+        # the whole text each time: quadratic in a long output).
+        self._head: list[str] = []
+        self._tail = ""
+        self._tail_start = 0
+        self.emitted = 0  # characters of the text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         # A stop string with U+FFFD can match bytes that are still held back (an incomplete UTF-8
@@ -135,7 +143,16 @@ class IncrementalDetokenizer:
             self._decoder = _OffsetsDecoder(decode, context, len(context))
         for token_id in prompt[n:]:
             self.add(token_id)
-        self.emitted = min(resumed_chars, len(self.text))
+        self.emitted = min(resumed_chars, self.length)
+
+    @property
+    def text(self) -> str:
+        """All output text so far (a join: read it once the output is done)."""
+        return "".join(self._head) + self._tail
+
+    @property
+    def length(self) -> int:
+        return self._tail_start + len(self._tail)
 
     @property
     def uses_decode_stream(self) -> bool:
@@ -157,19 +174,35 @@ class IncrementalDetokenizer:
         elif self._stop_on_held and self._matches(self._decoder.peek()):
             self._append(self._decoder.flush())  # the held bytes complete a stop string: stop at this token
 
+    def _since(self, start: int) -> str:
+        """The text from character `start` on (start >= _tail_start, or the tail if it is shorter)."""
+        return self._tail[max(0, start - self._tail_start):]
+
     def _matches(self, tail: str) -> bool:
-        window = self.text[max(0, len(self.text) - self.hold) :] + tail
+        window = self._since(self.length - self.hold) + tail
         return bool(tail) and any(s in window for s in self.stop)
 
     def _append(self, new: str) -> None:
-        start = len(self.text)
-        self.text += new
+        start = self.length
+        self._tail += new
         if self.stop:
-            window = self.text[max(0, start - self.hold) :]
+            from_ = max(0, start - self.hold)
+            window = self._since(from_)
             hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: max(0, start - self.hold) + min(hits)]
+                self._tail = self._tail[: from_ + min(hits) - self._tail_start]
                 self.stopped = True
+        self._compact()
+
+    def _compact(self) -> None:
+        # Moves to _head what is handed out and more than `hold` characters back (never read again);
+        # in chunks of at least _COMPACT_CHARS, so the tail is copied O(1) times per character.
+        keep_from = min(self.emitted, self.length - self.hold)
+        if keep_from - self._tail_start >= _COMPACT_CHARS:
+            cut = keep_from - self._tail_start
+            self._head.append(self._tail[:cut])
+            self._tail = self._tail[cut:]
+            self._tail_start = keep_from
 
     def flush(self) -> None:
         """The sequence ended: tokens still held back (an incomplete UTF-8 sequence) become text."""
@@ -182,7 +215,8 @@ class IncrementalDetokenizer:
         """Text not yet handed out, minus a tail that might still become a stop string."""
         if final:
             self.flush()
-        end = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted : end]
+        length = self.length
+        end = length if (final or self.stopped) else max(self.emitted, length - self.hold)
+        out = self._tail[self.emitted - self._tail_start : end - self._tail_start]
         self.emitted = end
         return out

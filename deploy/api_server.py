@@ -32,6 +32,7 @@ from cluster.errors import PdserveError
 from cluster.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.tokenizer import load_tokenizer
+from deploy.bounded_http import BoundedHttpToolsProtocol
 from router.channel.client import RouterClient
 from router.channel.messages import Drain
 from router.metrics import GatewayMetrics
@@ -41,6 +42,10 @@ from router.openai.routes import build_app
 from router.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")
+
+# Connections and requests one API-server process holds at once (uvicorn answers 503 past it): far
+# above what its loop streams well (~10k events/s), far below what exhausts its file descriptors.
+LIMIT_CONCURRENCY = 4096
 
 
 class APIServerSpec(msgspec.Struct, frozen=True):
@@ -183,8 +188,11 @@ def serve(spec: APIServerSpec) -> None:
             await asyncio.sleep(0.1)  # their last events leave before the connections close
             self.should_exit = True
 
-    config = uvicorn.Config(build_app(gw), loop="uvloop", http="httptools", lifespan="on", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=5)
+    # Connections past LIMIT_CONCURRENCY get 503; an idle keep-alive connection closes after 5 s; a
+    # request's head is bounded in size and time (deploy/bounded_http.py).
+    config = uvicorn.Config(build_app(gw), loop="uvloop", http=BoundedHttpToolsProtocol, lifespan="on",
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            limit_concurrency=LIMIT_CONCURRENCY, timeout_keep_alive=5)
     server = DrainingServer(config)
 
     def drained(left: int) -> None:

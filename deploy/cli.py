@@ -122,8 +122,13 @@ def add_serve_command(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    cfg = ClusterConfig.load(args.config, overrides_from_args(args))
+    overrides = overrides_from_args(args)
+    cfg = ClusterConfig.load(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if overrides.get("api_key") is not None:
+        logging.getLogger("pdserve.launch").warning(
+            "--api-key is visible to every user of this machine (ps, /proc/<pid>/cmdline); "
+            "prefer --api-key-file FILE or the PDSERVE_API_KEY environment variable")
     # Lazy: the serving cluster imports Ray, torch, the workers and the router; `pdserve --help`,
     # `serve --help`, `generate` and `demo-model` must not pay for them (tests/deploy/test_cli.py).
     from deploy.serving_cluster import ServingCluster

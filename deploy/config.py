@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.errors import PdserveError
 from cluster.worker_config import WorkerConfig
+from deploy.api_key import apply_key_sources, open_api_warnings, read_key_file
+from deploy.bind_address import is_one_interface
 from router.admission import AdmissionLimits
 from router.openai.gateway_config import GatewayConfig
 from router.pd_planner import PlannerConfig
@@ -98,8 +100,11 @@ class ClusterConfig(BaseModel):
     """Interface the HTTP gateway listens on (0.0.0.0 for all)."""
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port (0: any free port)."""
-    api_key: str | None = _d("api_key")
-    """If set, /v1 requires `Authorization: Bearer <key>` (also read from PDSERVE_API_KEY)."""
+    api_key: str | None = Field(_d("api_key"), repr=False)
+    """If set, /v1, /tokenize, /detokenize, /stats and /metrics require `Authorization: Bearer <key>`.
+    Prefer api_key_file or the PDSERVE_API_KEY environment variable: a flag is visible in `ps`."""
+    api_key_file: str | None = None
+    """File whose first line is the API key (keeps the key out of the process list and the YAML file)."""
     api_servers: int | None = Field(None, ge=1, le=64)
     """HTTP API-server processes sharing the port, each with its own token stream (none: a quarter of
     the cores, 1 to 4; see deploy.api_server.default_api_servers)."""
@@ -361,8 +366,9 @@ class ClusterConfig(BaseModel):
     def _internal_host(cls, v: str | None) -> str | None:
         # The token stream (and the KV rendezvous store, on the same address) take unauthenticated
         # messages: they listen on one internal address, never on every interface.
-        if v is not None and v.strip() in ("", "0.0.0.0", "::", "[::]", "*"):
-            raise ValueError("token_stream_host must be the cluster's internal address, not a wildcard")
+        if v is not None and not is_one_interface(v):  # an allow-list: deploy/bind_address.py
+            raise ValueError(f"token_stream_host must be the cluster's internal address (an IP address or a host "
+                             f"name of one interface), not {v!r}")
         return v
 
     @field_validator("api_key")
@@ -401,6 +407,14 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"unknown decode policy {v!r}; choose from {DECODE_POLICIES.names()}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_file(cls, data: Any) -> Any:
+        return read_key_file(data)
+
+    def security_warnings(self) -> list[str]:
+        return open_api_warnings(self.host, self.api_key)
+
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterConfig":
         if self.max_prefill_tokens < self.block_size:
@@ -434,8 +448,7 @@ class ClusterConfig(BaseModel):
         if yaml_path is not None:
             data.update(read_yaml(yaml_path))
         env = os.environ if env is None else env
-        if env.get("PDSERVE_API_KEY") and "api_key" not in (overrides or {}):
-            data["api_key"] = env["PDSERVE_API_KEY"]
+        apply_key_sources(data, overrides or {}, env)  # the key is one setting (deploy/api_key.py)
         data.update(overrides or {})
         try:
             return cls(**data)

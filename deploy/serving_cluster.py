@@ -135,6 +135,8 @@ class ServingCluster:
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
                                           gateways_expected=api_servers, block_size=cfg.block_size, secret=secret)
         self._listen = self._listen_socket()
+        for warning in cfg.security_warnings():
+            log.warning("%s", warning)
         metrics_dir = os.path.join(self._tmp, "metrics")
         os.mkdir(metrics_dir)
         self.api_servers = APIServerPool(api_servers, self._listen, api_server_settings(

@@ -5,6 +5,7 @@ tagged JSON for tool calls).
     grammar.py             the backend interface: GrammarBackend (check, compile, matcher), GrammarMatcher
     registry.py            backends by name, imported lazily (xgrammar_backend.py: the default)
     grammar_compiler.py    GrammarCompiler: admission check, compile pool, cache by key
+    compile_process.py     CompileProcess: one compile at a time in a child, killed at its deadline
     request_grammar.py     RequestGrammar: one request's matcher (ready / accept), fill_bitmasks
 
 Where the mask is applied: the decode step (decode_worker/bucketed_graph_runner.py, the kernel in

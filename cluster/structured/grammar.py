@@ -59,6 +59,23 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
 
+    # -- compiling in a child process (cluster.structured.compile_process) -------------------------
+    # A backend that implements these four compiles in a child the compiler can kill at its
+    # deadline; one that does not compiles on the compiler's threads (no hard deadline).
+    def export(self) -> bytes | str | None:
+        """What a child process needs to build this same backend (`from_export`); None: unsupported."""
+        return None
+
+    @classmethod
+    def from_export(cls, data: bytes | str, vocab_size: int) -> "GrammarBackend":
+        raise NotImplementedError
+
+    def serialize(self, compiled: Any) -> bytes | str:
+        raise NotImplementedError
+
+    def deserialize(self, data: bytes | str) -> Any:
+        raise NotImplementedError
+
     def nbytes(self, compiled: Any) -> int:
         """Host memory a compiled grammar holds (what the compiler's cache is bounded by)."""
         return 0

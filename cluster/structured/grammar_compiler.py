@@ -6,7 +6,10 @@
 - `grammar_for(so, request_id, prior_tokens)`: a RequestGrammar whose compiled grammar comes from a
   thread pool; compiled grammars are cached by `so.key` (LRU, at most CACHE_ENTRIES of them and
   CACHE_BYTES of their host memory), so a schema every request sends is compiled once per worker and
-  later requests are ready at once. A compile longer than COMPILE_TIMEOUT_S fails its request.
+  later requests are ready at once. A compile longer than COMPILE_TIMEOUT_S fails its request, and
+  is stopped: each pool thread compiles in a child process of its own (cluster.structured.
+  compile_process), killed at the deadline, so a grammar that would compile for minutes holds a
+  thread no longer than that (a backend that cannot export itself compiles on the thread).
 - The backend itself (its tokenizer tables: a second for a 128k vocabulary, and xgrammar's import)
   is built on the pool by the first request that needs it, never on a caller's thread.
 - `on_ready` is called (on a pool thread) when a compile finishes: the decode loop wakes to schedule
@@ -16,12 +19,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from cluster.errors import InvalidRequestError
+from cluster.structured.compile_process import START_TIMEOUT_S, CompileProcess
 from cluster.structured.grammar import GrammarBackend
 from cluster.structured.registry import DEFAULT_BACKEND, get_grammar_backend
 from cluster.structured.request_grammar import RequestGrammar
@@ -56,6 +61,7 @@ class GrammarCompiler:
         self._cached_bytes = 0
         self._checked: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # key -> error, None: fine
         self._failed: list[tuple[str, str]] = []
+        self._processes: queue.Queue[CompileProcess] | None = None  # idle compile processes (one per thread)
         self.compiles = 0  # grammars compiled (cache misses)
 
     # -- admission ----------------------------------------------------------------------------------
@@ -93,7 +99,11 @@ class GrammarCompiler:
         if new:
             # Outside the lock: a compile already over runs its callback here, and it takes the lock.
             fut.add_done_callback(lambda f, key=so.key: self._compiled(key, f))
-        return RequestGrammar(request_id, fut, prior_tokens, self._grammar_failed, self.compile_timeout_s)
+        # A compile process enforces compile_timeout_s itself, from when its compile starts; the
+        # request's own deadline leaves room for starting that process (seconds: xgrammar's import).
+        in_thread = self._processes is None and self._backend is not None and self._backend.done()
+        timeout_s = self.compile_timeout_s + (0.0 if in_thread else START_TIMEOUT_S)
+        return RequestGrammar(request_id, fut, prior_tokens, self._grammar_failed, timeout_s)
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, error) of the grammars that failed since the last call (cheap when none did)."""
@@ -111,6 +121,8 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        while self._processes is not None and not self._processes.empty():
+            self._processes.get_nowait().close()  # one still compiling exits when its pipe closes
 
     # -- the pool -----------------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -125,11 +137,25 @@ class GrammarCompiler:
         return self._backend
 
     def _make_backend(self) -> GrammarBackend:
-        return get_grammar_backend(self.backend_name)(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
+        backend = get_grammar_backend(self.backend_name)(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
+        export = backend.export()
+        if export is not None:
+            procs: queue.Queue[CompileProcess] = queue.Queue()
+            for _ in range(self._threads):
+                procs.put(CompileProcess(self.backend_name, self.vocab_size, export))
+            self._processes = procs
+        return backend
 
     def _compile(self, backend_future: Future, so: StructuredOutput):
         backend = backend_future.result()
-        compiled = backend.compile(so)
+        if self._processes is None:
+            compiled = backend.compile(so)
+        else:
+            proc = self._processes.get()  # never waits: one per pool thread
+            try:
+                compiled = backend.deserialize(proc.compile(so.kind, so.spec, self.compile_timeout_s))
+            finally:
+                self._processes.put(proc)
         with self._lock:
             self.compiles += 1
         return backend, compiled

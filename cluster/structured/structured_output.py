@@ -15,7 +15,9 @@ string `spec`, canonical so that equal constraints share a compiled grammar:
                builds them). spec: JSON {"prefix", "tags": [{"begin", "schema", "end"}, ...],
                "separator", "suffix", "at_least_one", "stop_after_first"}; see `TaggedJSON`.
 
-What is checked here is the shape (kind known, spec well formed, sizes bounded); whether a schema,
+What is checked here is the shape (kind known, spec well formed, sizes bounded: the spec's length, and
+every repetition count it asks for, since a grammar engine unrolls a count into that many states:
+`{"maxLength": 5000}` costs xgrammar over a minute of CPU, `{0,1000}` a second); whether a schema,
 regex or grammar is one the backend can compile is `GrammarCompiler.check`, still before admission.
 Errors are InvalidRequestError with param "structured_output": the gateway names its own field.
 """
@@ -23,13 +25,22 @@ Errors are InvalidRequestError with param "structured_output": the gateway names
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from cluster.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tagged_json")
-MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar larger than this is refused (compile time grows with it)
+MAX_SPEC_CHARS = 128 * 1024  # a schema or grammar larger than this is refused (compile time grows with it)
+# Repetition counts (a regex's or grammar's {n,m}, a schema's minLength/maxItems/...): each at most
+# MAX_REPETITION, and all of a spec's together at most MAX_REPETITION_TOTAL (nesting multiplies them).
+MAX_REPETITION = 1024
+MAX_REPETITION_TOTAL = 2048
+_COUNT_KEYWORDS = frozenset(("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                             "minContains", "maxContains"))
+_SCHEMA_DATA_KEYS = frozenset(("const", "enum", "default", "examples", "example"))  # values, not schemas
+_BRACE_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 MAX_CHOICES = 1024
 MAX_TAGS = 128
 PARAM = "structured_output"
@@ -37,6 +48,40 @@ PARAM = "structured_output"
 
 def _bad(msg: str):
     raise InvalidRequestError(msg, PARAM)
+
+
+def _text_counts(text: str) -> list[int]:
+    """The counts of a regex's or an EBNF grammar's {n}, {n,} and {n,m} (a literal "{3}" inside a
+    grammar's string counts too: a cautious over-count)."""
+    return [int(x) if len(x) <= 18 else 2**62 for m in _BRACE_COUNT.finditer(text) for x in m.groups() if x]
+
+
+def _schema_counts(schema) -> list[int]:
+    """Every repetition count of a JSON schema: its count keywords, and those of its patterns."""
+    counts, stack = [], [schema]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if k in _SCHEMA_DATA_KEYS:
+                    continue
+                if k in _COUNT_KEYWORDS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    counts.append(int(min(v, 2**62)) if v == v else 0)  # NaN: the engine refuses it
+                elif k == "pattern" and isinstance(v, str):
+                    counts.extend(_text_counts(v))
+                else:
+                    stack.append(v)
+    return counts
+
+
+def _check_repetitions(counts: list[int]) -> None:
+    if any(c > MAX_REPETITION for c in counts):
+        _bad(f"a repetition count of {max(counts)} (a {{n,m}}, or a schema's minLength/maxLength/minItems/"
+             f"maxItems/...) is more than {MAX_REPETITION}: the grammar would unroll it into that many states")
+    if sum(counts) > MAX_REPETITION_TOTAL:
+        _bad(f"the repetition counts of the spec add up to {sum(counts)}, more than {MAX_REPETITION_TOTAL}")
 
 
 def _compact(value: Any) -> str:
@@ -122,15 +167,19 @@ class StructuredOutput:
         elif not self.spec:
             _bad(f"{self.kind} needs a non-empty spec")
         elif self.kind == "json":
-            if not isinstance(_load(self.spec, "JSON schema"), (dict, bool)):
+            schema = _load(self.spec, "JSON schema")
+            if not isinstance(schema, (dict, bool)):
                 _bad("a JSON schema is an object (or a boolean)")
+            _check_repetitions(_schema_counts(schema))
+        elif self.kind in ("regex", "grammar"):
+            _check_repetitions(_text_counts(self.spec))
         elif self.kind == "choice":
             options = _load(self.spec, "choice list")
             if (not isinstance(options, list) or not (1 <= len(options) <= MAX_CHOICES)
                     or not all(isinstance(o, str) and o for o in options)):
                 _bad(f"choice needs 1 to {MAX_CHOICES} non-empty strings")
         elif self.kind == "tagged_json":
-            TaggedJSON.from_spec(self.spec)
+            _check_repetitions(_schema_counts([t.schema for t in TaggedJSON.from_spec(self.spec).tags]))
 
     @property
     def key(self) -> tuple[str, str]:

@@ -167,6 +167,24 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
 
+    def export(self) -> str:
+        return self.info.serialize_json()  # the vocabulary as built above, stop tokens included
+
+    @classmethod
+    def from_export(cls, data: str, vocab_size: int) -> "XGrammarBackend":
+        self = cls.__new__(cls)
+        self.info = xgr.TokenizerInfo.deserialize_json(data)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._batch = None  # a compile process fills no bitmask
+        return self
+
+    def serialize(self, compiled: Any) -> str:
+        return compiled.serialize_json()
+
+    def deserialize(self, data: str) -> Any:
+        return xgr.CompiledGrammar.deserialize_json(data, self.info)
+
     def nbytes(self, compiled: Any) -> int:
         return compiled.memory_size_bytes
 

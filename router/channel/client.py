@@ -6,6 +6,12 @@ pushes is handed to the gateway: the failures of its requests (`on_failed`), the
 prefix-cache hits (`on_prefilled`), the drain (`on_drain`), and the cluster state, kept in `state`
 for /health and /ready. A heartbeat tells the router this gateway is alive (and how many streams and
 tasks it holds); a gateway whose heartbeats stop has its requests aborted by the router.
+
+Heartbeats leave from a thread on a socket of their own, never from the event loop: a loop busy for
+seconds with one request (a huge chat template, a JSON body to parse) must not make the router
+abort every other request of this process. The loop's own tick (every `heartbeat_s`) refreshes what
+the heartbeat reports and when it last ran (`loop_lag_s`): the router retires a gateway whose
+heartbeats stop (the process died) or whose loop has not ticked for far longer (it is wedged).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -52,15 +59,27 @@ class RouterClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        # Written by the loop's tick, read by the heartbeat thread (a tuple and a float: each
+        # assignment is atomic, and a heartbeat one tick stale is fine).
+        self._last_status: tuple[int, int, bool] = (0, 0, False)
+        self._last_tick = time.monotonic()
+        self._beats = threading.Event()  # set: the heartbeat thread stops
+        self._beat_thread: threading.Thread | None = None
 
     async def start(self) -> None:
         self._sock.connect(self.address)
         self._send(Hello(self.gateway_id, os.getpid(), self.sink))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._recv(), name="router-channel"),
-                       loop.create_task(self._heartbeat(), name="router-heartbeat")]
+                       loop.create_task(self._tick(), name="router-tick")]
+        self._last_tick = time.monotonic()
+        self._beat_thread = threading.Thread(target=self._heartbeats, name="router-heartbeat", daemon=True)
+        self._beat_thread.start()
 
     async def stop(self) -> None:
+        self._beats.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=2.0)  # before the goodbye: no heartbeat revives us after it
         if not self._sock.closed:
             self._send(Goodbye(self.gateway_id))
         for t in self._tasks:
@@ -151,10 +170,30 @@ class RouterClient:
             elif isinstance(msg, Drain):
                 self.on_drain(msg)
 
-    async def _heartbeat(self) -> None:
+    async def _tick(self) -> None:
+        """The loop's part of the heartbeat: what it reports, and proof the loop runs."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
             if not self.connected:
                 self._send(Hello(self.gateway_id, os.getpid(), self.sink))  # the router restarted or lost us
-            streams, tasks, draining = self.status()
-            self._send(Heartbeat(self.gateway_id, streams, tasks, draining))
+            self._last_status = self.status()
+            self._last_tick = time.monotonic()
+
+    def _heartbeats(self) -> None:
+        """The heartbeat thread: its own (blocking) socket, since ZMQ sockets are not thread-safe."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 16)  # a router that is gone: a few heartbeats wait, the rest are dropped
+        sock.connect(self.address)
+        try:
+            while not self._beats.wait(self.heartbeat_s):
+                streams, tasks, draining = self._last_status
+                beat = Heartbeat(self.gateway_id, streams, tasks, draining, time.monotonic() - self._last_tick)
+                try:
+                    sock.send(encode(beat), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        finally:
+            sock.close(linger=0)
+            ctx.term()

@@ -35,10 +35,14 @@ class Hello(_Msg):
 
 
 class Heartbeat(_Msg):
+    """Sent from a thread of the gateway process (its own socket), so a busy event loop cannot
+    starve it: it says the process lives; `loop_lag_s` says whether its loop does."""
+
     gateway_id: str
-    open_streams: int  # requests whose tokens it is waiting for
+    open_streams: int  # requests whose tokens it is waiting for (as of the loop's last tick)
     tasks: int  # asyncio tasks on its loop (bounded when nothing leaks)
     draining: bool
+    loop_lag_s: float = 0.0  # how long ago its event loop last ran its tick
 
 
 class Submit(_Msg):

@@ -9,7 +9,10 @@ Runs on the launcher's asyncio loop (the Ray driver: the router calls the worker
   step-level metrics, recorded once per step however many gateways there are; it takes frames
   carrying a MAC under the cluster's secret only (cluster/frame_auth.py);
 - gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
-  every request it held aborted on the workers, so its clients' KV blocks come back.
+  every request it held aborted on the workers, so its clients' KV blocks come back. Heartbeats come
+  from a thread of the gateway (router/channel/client.py), so a loop busy with one request for
+  seconds does not count as dead; a loop that has not ticked for `gateway_loop_timeout_s` (wedged)
+  does.
 
 Admission and placement therefore stay exactly as consistent as with one gateway: one
 AdmissionController, one set of worker views, whatever the number of API-server processes.
@@ -51,12 +54,13 @@ class GatewayInfo:
     tasks: int = 0
     draining: bool = False
     up: bool = True
+    loop_lag_s: float = 0.0  # how long its event loop had not ticked, at its last heartbeat
 
 
 class RouterServer:
     def __init__(self, router_address: str, stats_host: str, metrics: RouterMetrics, *,
                  gateways_expected: int = 1, block_size: int = 16, gateway_timeout_s: float = 5.0,
-                 state_interval_s: float = 0.25, secret: bytes = b""):
+                 gateway_loop_timeout_s: float = 120.0, state_interval_s: float = 0.25, secret: bytes = b""):
         """secret: the cluster's (cluster/frame_auth.py): the stats sink takes frames carrying its MAC only."""
         # Both sockets are bound at construction (before any loop runs): their addresses go to the
         # gateway processes and the decode workers when those are started.
@@ -79,6 +83,7 @@ class RouterServer:
         self.gateways_expected = gateways_expected
         self.block_size = block_size
         self.gateway_timeout_s = gateway_timeout_s
+        self.gateway_loop_timeout_s = gateway_loop_timeout_s
         self.state_interval_s = state_interval_s
         self.gateways: dict[str, GatewayInfo] = {}
         self.router: Router | None = None
@@ -233,9 +238,11 @@ class RouterServer:
             g = self.gateways.get(msg.gateway_id)
             if g is not None:
                 g.last_seen, g.open_streams, g.tasks, g.draining = now, msg.open_streams, msg.tasks, msg.draining
-                if not g.up:
+                g.loop_lag_s = msg.loop_lag_s
+                if not g.up and msg.loop_lag_s < self.gateway_loop_timeout_s:
                     g.up = True
-                    self._send(identity, self.cluster_state())
+                    # To its loop's socket (`identity` is the heartbeat thread's, which reads nothing).
+                    self._send(g.identity, self.cluster_state())
         elif isinstance(msg, Goodbye):
             g = self.gateways.get(msg.gateway_id)
             if g is not None:
@@ -287,6 +294,8 @@ class RouterServer:
             for g in list(self.gateways.values()):
                 if g.up and now - g.last_seen > self.gateway_timeout_s:
                     self._gateway_gone(g, f"sent nothing for {self.gateway_timeout_s:g}s")
+                elif g.up and g.loop_lag_s > self.gateway_loop_timeout_s:
+                    self._gateway_gone(g, f"has an event loop stuck for {g.loop_lag_s:.0f}s")
             self._push_state(force=now - last_full > 1.0)
             if now - last_full > 1.0:
                 last_full = now

@@ -7,9 +7,17 @@ requests' text arrives on (router/token_stream.py), the metrics and the requests
 before any byte of the response is sent); `end` lets a request go, however it ended, and aborts it
 on every worker unless one finished it.
 
+The event loop never runs work whose cost a client chooses: prompts, chat templates, bad words and
+/tokenize, /detokenize run on the tokenizer threads (`off_loop`; the Rust tokenizer releases the GIL,
+a template yields it every switch interval), so one huge request cannot stop this process's streams
+or its heartbeats (router/channel/client.py sends those from a thread besides).
+
 Structured output: `check_constraint` runs the grammar engine's parse of a request's schema, regex or
 grammar (cluster.structured.GrammarCompiler.check: no compile, results cached) on a thread, so a bad
-one is a 400 naming its HTTP field before the request is admitted; `start` imports the engine
+one is a 400 naming its HTTP field before the request is admitted. At most GRAMMAR_CHECKS_MAX checks
+run or wait at once (more: 429), and one that takes longer than GRAMMAR_CHECK_TIMEOUT_S is a 400 (its
+thread finishes the parse and keeps its slot until then; the spec's size and repetition bounds,
+cluster/structured/structured_output.py, keep that to seconds). `start` imports the engine
 (xgrammar, seconds) before this process tells the router it is up, so /ready waits for it and the
 first structured request does not pay it.
 
@@ -24,6 +32,8 @@ import asyncio
 import collections
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 from cluster.errors import InvalidRequestError
 from cluster.messages import GenerateRequest
@@ -32,12 +42,18 @@ from cluster.structured import GrammarCompiler, StructuredOutput
 from cluster.stream_messages import StreamDelta
 from router.channel.client import RouterClient
 from router.channel.messages import Drain, PrefillDone, RequestFailed
-from router.errors import DrainingError
+from router.errors import DrainingError, OverloadedError
 from router.metrics import GatewayMetrics
 from router.openai.errors import api_error, model_not_found
 from router.openai.gateway_config import GatewayConfig
 from router.openai.generation import Generation, GenerationLink
 from router.token_stream import TokenStreamReceiver
+
+TOKENIZER_THREADS = 2
+GRAMMAR_CHECK_THREADS = 2
+GRAMMAR_CHECKS_MAX = 8  # running or waiting at once on one gateway process; more is a 429
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
+T = TypeVar("T")
 
 
 class Gateway:
@@ -61,6 +77,9 @@ class Gateway:
         self.on_drained = lambda left: None  # the API-server process stops its HTTP server here
         # Only its admission check runs here (nothing is compiled: the workers compile).
         self.grammars = GrammarCompiler(lambda: tokenizer, cfg.vocab_size or 0, ())
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._check_pool = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
+        self._checks = 0  # grammar checks running or waiting (changed on the loop only)
         client.on_failed = self._request_failed
         client.on_prefilled = self._prefilled
         client.on_drain = self._drain_requested
@@ -79,6 +98,8 @@ class Gateway:
         await self.client.stop()
         await self.token_stream.stop()
         self.grammars.close()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._check_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -99,13 +120,39 @@ class Gateway:
         if name != self.cfg.model_name:
             raise model_not_found(name)
 
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on a tokenizer thread (tokenization, chat templates: see the module docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     async def check_constraint(self, so: StructuredOutput, param: str) -> None:
         """A 400 naming `param` unless the grammar engine can compile `so` (on a thread: the check
-        parses the schema, which a large one makes milliseconds)."""
+        parses the schema); a 429 while GRAMMAR_CHECKS_MAX checks are in progress, a 400 past
+        GRAMMAR_CHECK_TIMEOUT_S."""
+        if self._checks >= GRAMMAR_CHECKS_MAX:
+            raise OverloadedError(f"{GRAMMAR_CHECKS_MAX} structured-output checks are in progress on this "
+                                  "server; retry shortly")
+        self._checks += 1
+        loop = asyncio.get_running_loop()
+        job = self._check_pool.submit(self.grammars.check, so)
+        # The slot is held until the thread is done with it (a timed-out parse still runs).
+        job.add_done_callback(lambda _: self._release_check(loop))
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.grammars.check, so)
+            await asyncio.wait_for(asyncio.wrap_future(job), GRAMMAR_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise InvalidRequestError(f"{param}: the grammar engine could not parse it within "
+                                      f"{GRAMMAR_CHECK_TIMEOUT_S:g}s; simplify it", param) from None
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param) from None
+
+    def _release_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the check's thread, when it is done (or cancelled before it ran)."""
+        try:
+            loop.call_soon_threadsafe(self._check_done)
+        except RuntimeError:  # the loop is closed: the gateway stopped
+            pass
+
+    def _check_done(self) -> None:
+        self._checks -= 1
 
     def kv_capacity_tokens(self) -> int:
         """The largest healthy decode worker's KV cache, in tokens (0 before the router said)."""

@@ -12,8 +12,10 @@ import hmac
 
 from router.openai.errors import body_too_large, error_response, invalid_api_key
 
-# Paths behind the API key; /health, /ready, /metrics, /version and the schema stay open for probes.
-KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/stats")
+# Paths behind the API key; /health, /ready, /version and the schema stay open for probes. /metrics
+# is keyed too: it names the model, the load and the workers, and renders on the gateway's and the
+# router's loops (Prometheus sends the key: `authorization: {type: Bearer, credentials_file: ...}`).
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/stats", "/metrics")
 
 
 def check_api_key(authorization: str, key: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import MAX_LOGPROBS
+from cluster.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -38,6 +38,15 @@ Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request (OpenAI's n limit)
 MAX_TOOLS = 128  # OpenAI's limit of tools per request
+# Lists a client sends, capped by the model before any work is done on them (pydantic checks the
+# length while it parses the body: a too-long list is a 400 before tokenization or validation).
+MAX_STOP_TOKEN_IDS = 256
+MAX_ALLOWED_TOKEN_IDS = 32768  # a quarter of a 128k vocabulary: "these tokens only" stays usable
+MAX_BAD_WORD_CHARS = 256  # per word (it must tokenize to at most 16 tokens anyway)
+# Every choice of a request carries its own copy of the token-id lists (allowed_token_ids,
+# stop_token_ids, logit_bias) through the router and to its worker, where each is checked again:
+# choices x entries is bounded, so no body multiplies into seconds of the router's loop.
+MAX_REQUEST_TOKEN_ID_ENTRIES = 1 << 18
 
 
 def _valid_unicode(s: str) -> str:
@@ -235,7 +244,7 @@ class _SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int64] | None = None  # extension (vLLM)
+    stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension (vLLM)
     seed: Int64 | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
     min_tokens: Int64 | None = 0  # extension (vLLM)
@@ -243,9 +252,12 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM)
     min_p: float | None = None  # extension (vLLM)
-    logit_bias: dict[Text, float] | None = None  # token id (as a string, JSON keys are) -> bias
-    allowed_token_ids: list[Int64] | None = None  # extension (vLLM)
-    bad_words: list[Text] | None = None  # extension (vLLM): never generated, whole
+    # token id (as a string, JSON keys are) -> bias
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[Int64], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None  # extension (vLLM)
+    # extension (vLLM): never generated, whole. Capped here, before any word is tokenized.
+    bad_words: Annotated[list[Annotated[Text, Field(max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     user: Text | None = None  # an end user's id: logged with the request's id (as OpenAI uses it: attribution)
     skip_special_tokens: bool | None = True  # extension (vLLM): special tokens give no text
     prompt_logprobs: Int64 | None = None  # extension (vLLM): per prompt token, its logprob and this many top ones
@@ -275,6 +287,17 @@ class _SamplingFields(_Request):
                                           "prompt_logprobs")
             if self.stream:  # as vLLM: they come with the whole response only
                 raise InvalidRequestError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+
+    def check_token_id_budget(self, choices: int) -> None:
+        """choices x (allowed_token_ids + stop_token_ids + logit_bias entries) is bounded (see
+        MAX_REQUEST_TOKEN_ID_ENTRIES): a 400 naming the largest list otherwise."""
+        sizes = {"allowed_token_ids": len(self.allowed_token_ids or ()), "stop_token_ids": len(self.stop_token_ids or ()),
+                 "logit_bias": len(self.logit_bias or ())}
+        if choices * sum(sizes.values()) > MAX_REQUEST_TOKEN_ID_ENTRIES:
+            raise InvalidRequestError(
+                f"too many token ids: {choices} choices x {sum(sizes.values())} ids in allowed_token_ids, "
+                f"stop_token_ids and logit_bias exceed {MAX_REQUEST_TOKEN_ID_ENTRIES}; lower n or the lists",
+                max(sizes, key=sizes.get))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -315,6 +338,7 @@ class CompletionRequest(_SamplingFields):
                                       "best_of")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise InvalidRequestError(f"at most {MAX_CHOICES} choices (prompts times n) per request", "n")
+        self.check_token_id_budget(len(self.prompts()) * self.n)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch (a list of strings or of token-id lists)."""
@@ -405,6 +429,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        self.check_token_id_budget(self.n)
         for m in self.messages:
             m.check()
         if self.top_logprobs is not None:

@@ -4,9 +4,13 @@
     /v1/completions, /v1/chat/completions          router/openai/serving_completion.py, serving_chat.py
     /tokenize, /detokenize                         vLLM's tokenizer endpoints (at the root, as vLLM)
     /stats                                         decode steps and request timings, from the router
-    /version, /health, /ready, /metrics            open to probes (no API key)
+    /metrics                                       Prometheus text (the gateways' and the router's)
+    /version, /health, /ready                      open to probes (no API key)
 
-/v1, /tokenize, /detokenize and /stats are behind the API key (middleware.KEYED_PATHS). Every error
+/v1, /tokenize, /detokenize, /stats and /metrics are behind the API key when one is set
+(middleware.KEYED_PATHS; Prometheus scrapes with `authorization: {credentials_file: ...}`).
+/tokenize and /detokenize work on the tokenizer threads (Gateway.off_loop) and take at most
+max_model_len tokens (a text longer than that is refused after tokenizing, off the loop). Every error
 answers in OpenAI's shape through router/openai/errors.py; a refusal of the cluster (a 4xx or 5xx
 other than 404) is counted in the metrics by status. The app's lifespan starts and stops the Gateway.
 """
@@ -128,20 +132,29 @@ def build_app(gw: Gateway) -> FastAPI:
         if body.model is not None:
             gw.check_model(body.model)
         body.check()
-        if body.messages is not None:
-            ids = encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
-        else:
-            ids = list(gw.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+
+        def encode() -> list[int]:
+            if body.messages is not None:
+                return encode_chat(gw.tokenizer, [m.as_template_dict() for m in body.messages])
+            return list(gw.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        ids = await gw.off_loop(encode)
+        # As for a prompt: nothing longer than the context is tokenized for a client (and echoed back).
+        if len(ids) > gw.cfg.max_model_len:
+            raise InvalidRequestError(f"the text is {len(ids)} tokens, more than the context length "
+                                      f"({gw.cfg.max_model_len})", "messages" if body.messages is not None else "prompt")
         return TokenizeResponse(count=len(ids), max_model_len=gw.cfg.max_model_len, tokens=ids)
 
     @keyed.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         if body.model is not None:
             gw.check_model(body.model)
+        if len(body.tokens) > gw.cfg.max_model_len:
+            raise InvalidRequestError(f"at most {gw.cfg.max_model_len} tokens (the context length), got "
+                                      f"{len(body.tokens)}", "tokens")
         vocab = gw.cfg.vocab_size or len(gw.tokenizer)
         if not all(0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"tokens must be token ids in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=gw.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await gw.off_loop(gw.tokenizer.decode, body.tokens))
 
     @keyed.get("/stats")
     async def stats(cursor: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT):

@@ -2,7 +2,8 @@
 
 `OpenAIServing.serve` checks the request, resolves what it asks beyond sampling (`RequestOptions`:
 its structured-output constraint, checked by the grammar engine before admission, and for chat its
-tools), tokenizes its prompts (in this process: the gateway loads the tokenizer), builds the
+tools), tokenizes its prompts and bad words (in this process, on the gateway's tokenizer threads:
+never on the event loop, whose stall would stop this process's heartbeats and streams), builds the
 SamplingParams, admits and places every choice through the router, then streams SSE events or
 collects the whole response. The endpoints differ only in the hooks their subclasses implement
 (router/openai/serving_completion.py, serving_chat.py): the options, how prompts are read and
@@ -30,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from cluster.errors import InvalidRequestError
+from cluster.request_limits import check_request_fits
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import encode_bad_words
 from router.errors import GenerationError
@@ -162,7 +164,8 @@ class OpenAIServing:
         return max(asked) if asked else None
 
     def sampling_params(self, body, opts: RequestOptions, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+                        prompt_logprobs: int | None, bad_words: tuple = ()) -> SamplingParams:
+        """bad_words: body.bad_words as token sequences (`tokenize`)."""
         gw = self.gw
         bias = ()
         if body.logit_bias:
@@ -185,13 +188,23 @@ class OpenAIServing:
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty, 1.0),
             logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
-            bad_words_token_ids=encode_bad_words(gw.tokenizer, body.bad_words) if body.bad_words else (),
+            bad_words_token_ids=bad_words,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured=opts.constraint.output if opts.constraint is not None else None,
             skip_special_tokens=opts.skip_special_tokens,
         )
         params.check_token_ids(gw.cfg.vocab_size or len(gw.tokenizer))
         return params
+
+    def tokenize(self, body, opts: RequestOptions, echo: bool) -> tuple[list[tuple], tuple]:
+        """On a tokenizer thread: each prompt as (prompt, ids, its echo text or None), and the bad
+        words' token sequences. The body's lists were capped when it was parsed (protocol.py)."""
+        tok = self.gw.tokenizer
+        prompts = []
+        for p in self.prompts(body):
+            ids = self.encode(p, opts)
+            prompts.append((p, ids, (p if isinstance(p, str) else tok.decode(ids)) if echo else None))
+        return prompts, encode_bad_words(tok, body.bad_words) if body.bad_words else ()
 
     async def serve(self, body, request: Request) -> Response:
         """Checks, tokenize, admit and place every choice, then stream SSE events or collect."""
@@ -205,9 +218,9 @@ class OpenAIServing:
                 raise InvalidRequestError(f"allowed_token_ids cannot be combined with {opts.constraint.param}",
                                           "allowed_token_ids")
             await gw.check_constraint(opts.constraint.output, opts.constraint.param)
-        prompts = [(p, self.encode(p, opts)) for p in self.prompts(body)]
         num_logprobs = self.num_logprobs(body)
         echo = self.echo(body)
+        prompts, bad_words = await gw.off_loop(self.tokenize, body, opts, echo)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         single = len(prompts) * body.n == 1
         if body.user is not None:  # what OpenAI's `user` is for: attributing a request to an end user
@@ -216,11 +229,12 @@ class OpenAIServing:
         async def place_all() -> list[Choice]:
             choices: list[Choice] = []
             try:
-                for p, (prompt, ids) in enumerate(prompts):
+                for p, (prompt, ids, echo_text) in enumerate(prompts):
                     max_tokens = self.max_tokens(body, ids)
+                    # Here, not only at admission: a prompt past the context never crosses the channel.
+                    check_request_fits(len(ids), max_tokens, gw.cfg.max_model_len)
                     params = self.sampling_params(body, opts, max_tokens, num_logprobs,
-                                                  self.prompt_logprobs(body, num_logprobs, echo, max_tokens))
-                    echo_text = (prompt if isinstance(prompt, str) else gw.tokenizer.decode(ids)) if echo else None
+                                                  self.prompt_logprobs(body, num_logprobs, echo, max_tokens), bad_words)
                     gw.metrics.prompt_placed(body.n, params.max_tokens)
                     for i in range(body.n):
                         index = p * body.n + i

@@ -261,3 +261,26 @@ def test_resume_at_random_points_never_diverges(tokenizer):
         assert (got, done) == (ref, ref_done), (ids, stops, cuts)
 
     check()
+
+
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_long_output_is_appended_in_linear_time_and_stops_exactly(tokenizer, use_decode_stream):
+    """A long output (many times the compaction chunk) comes out whole and stops at a stop string far
+    into it; the detokenizer's working tail stays bounded (no copy of the whole text per token)."""
+    from cluster.detokenizer import _COMPACT_CHARS
+
+    words = tokenizer(" lorem ipsum dolor sit amet, é 漢字 consectetur", add_special_tokens=False).input_ids
+    out = words * 800 + tokenizer(" STOP here", add_special_tokens=False).input_ids + words * 10
+    full = tokenizer.decode(out)
+    det = IncrementalDetokenizer(tokenizer, tokenizer("x").input_ids, stop=("STOP",),
+                                 use_decode_stream=use_decode_stream)
+    pieces, longest_tail = [], 0
+    for t in out:
+        det.add(t)
+        pieces.append(det.take_new_text())
+        longest_tail = max(longest_tail, len(det._tail))
+        if det.stopped:
+            break
+    pieces.append(det.take_new_text(final=True))
+    assert "".join(pieces) == det.text == full[: full.index("STOP")]
+    assert len(det.text) > 8 * _COMPACT_CHARS and longest_tail < 2 * _COMPACT_CHARS

@@ -110,3 +110,45 @@ def test_a_size_the_model_cannot_be_split_by_fails_before_ray_starts(demo_model_
     with pytest.raises(PdserveError, match="does not divide the 4 attention heads .*decode_tp"):
         ServingCluster(cfg).start()
     assert ray.is_initialized() == was_up
+
+
+def test_api_key_from_a_file_the_environment_or_a_flag_once(tmp_path):
+    """--api-key-file keeps the key out of `ps`; the key is one setting however it is given (a later
+    source replaces an earlier one), and it never shows in the config's repr."""
+    keyfile = tmp_path / "key"
+    keyfile.write_text("sk-from-file\n")
+    assert ClusterConfig.load(None, parse(["--api-key-file", str(keyfile)]), env={}).api_key == "sk-from-file"
+    assert ClusterConfig.load(None, parse(["--api-key-file", str(keyfile)]),
+                              env={"PDSERVE_API_KEY": "env"}).api_key == "sk-from-file"
+    y = tmp_path / "c.yaml"
+    y.write_text(f"api_key_file: {keyfile}\n")
+    assert ClusterConfig.load(y, {}, env={"PDSERVE_API_KEY": "env"}).api_key == "env"
+    assert ClusterConfig.load(y, parse(["--api-key", "flag"]), env={}).api_key == "flag"
+    with pytest.raises(PdserveError, match="the API key once"):
+        ClusterConfig.load(None, {"api_key": "a", "api_key_file": str(keyfile)}, env={})
+    with pytest.raises(PdserveError, match="No such file"):
+        ClusterConfig.load(None, {"api_key_file": str(tmp_path / "missing")}, env={})
+    keyfile.write_text("\n")
+    with pytest.raises(PdserveError, match="must not be empty"):
+        ClusterConfig.load(None, {"api_key_file": str(keyfile)}, env={})
+    assert "sk-from-file" not in repr(ClusterConfig(api_key="sk-from-file"))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "0", "0x0", "0.0", "000.0.0.0", "::", "[::]", "*", "", " ", "224.0.0.1",
+                                  "0:0:0:0:0:0:0:0", "10.1"])
+def test_token_stream_host_is_an_allow_list(host):
+    """Every spelling that binds all interfaces (inet_aton reads "0", "0x0", "0.0" as 0.0.0.0) is refused."""
+    with pytest.raises(PdserveError, match="token_stream_host"):
+        ClusterConfig.load(None, {"token_stream_host": host}, env={})
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "127.0.0.1", "::1", "fd00::5", "node-1.cluster.internal", "localhost"])
+def test_token_stream_host_accepts_one_interface(host):
+    assert ClusterConfig.load(None, {"token_stream_host": host}, env={}).token_stream_host == host
+
+
+def test_listening_beyond_loopback_without_a_key_warns():
+    assert ClusterConfig(host="0.0.0.0").security_warnings()
+    assert ClusterConfig(host="10.0.0.5").security_warnings()
+    assert not ClusterConfig(host="0.0.0.0", api_key="k").security_warnings()
+    assert not ClusterConfig(host="127.0.0.1").security_warnings() and not ClusterConfig(host="::1").security_warnings()

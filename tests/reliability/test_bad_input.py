@@ -249,8 +249,8 @@ def _app_routes():
 def test_every_v1_route_needs_the_key(cluster):
     """Every /v1 route of the app and the tokenizer and stats routes (enumerated, so a new one can't
     slip through) answer 401 with an OpenAI error body without the key, with a wrong one (same
-    length, one character off) or with a non-Bearer scheme; /health, /ready, /metrics, /version and
-    the schema stay open."""
+    length, one character off) or with a non-Bearer scheme; so does /metrics (it names the load and
+    the workers); /health, /ready, /version and the schema stay open."""
     from fastapi.routing import APIRoute
 
     def api_routes(routes):
@@ -261,11 +261,11 @@ def test_every_v1_route_needs_the_key(cluster):
             if inner is not None:
                 yield from api_routes(inner.routes)
 
-    keyed = ("/v1", "/tokenize", "/detokenize", "/stats")
+    keyed = ("/v1", "/tokenize", "/detokenize", "/stats", "/metrics")
     routes = [(m, r.path.replace("{model_id:path}", MODEL).replace("{model_id}", MODEL))
               for r in api_routes(_app_routes()) if r.path.startswith(keyed) for m in r.methods]
     assert {p for _, p in routes} >= {"/v1/models", f"/v1/models/{MODEL}", "/v1/completions", "/v1/chat/completions",
-                                      "/tokenize", "/detokenize", "/stats"}
+                                      "/tokenize", "/detokenize", "/stats", "/metrics"}
     bodies = {"/v1/completions": ok_completion(), "/v1/chat/completions": ok_chat(),
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
     wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
@@ -278,7 +278,7 @@ def test_every_v1_route_needs_the_key(cluster):
         r = httpx.request(method, f"{cluster.url}{path}", json=bodies.get(path), timeout=30,
                           headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, (method, path, r.text[:200])
-    for path in ("/health", "/ready", "/metrics", "/version", "/openapi.json"):
+    for path in ("/health", "/ready", "/version", "/openapi.json"):
         assert httpx.get(f"{cluster.url}{path}", timeout=30).status_code == 200
 
 

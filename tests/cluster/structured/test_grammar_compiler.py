@@ -137,7 +137,7 @@ def test_fill_bitmasks_equals_row_by_row(demo_model_dir):
         specs = [StructuredOutput.regex("[a-c]+x"), StructuredOutput.choice(["alpha", "beta"]),
                  StructuredOutput.json_schema({"type": "object", "properties": {"k": {"type": "boolean"}}})]
         gs = [c.grammar_for(so, f"r{i}") for i, so in enumerate(specs)]
-        assert all(g.wait(60) for g in gs)
+        assert all(g.wait(300) for g in gs)  # the first compiles start their compile processes (an import of xgrammar)
         tok = load_tokenizer(demo_model_dir)
         assert all(gs[0].accept(t) for t in tok.encode("ab", add_special_tokens=False))
         w = bitmask_words(VOCAB)
@@ -150,3 +150,50 @@ def test_fill_bitmasks_equals_row_by_row(demo_model_dir):
         assert (batch[[1, 3]] == 7).all()  # rows not named are left alone
     finally:
         c.close()
+
+
+def test_compiles_in_a_child_process_killed_at_the_deadline(demo_model_dir):
+    """The xgrammar backend compiles in a child process: the grammar it sends back gives the masks of
+    one compiled in-process; a compile past the deadline fails its request and its child is killed
+    (not left compiling), and the next compile runs in a new child."""
+    import os
+    import time
+
+    from cluster.model.config import ModelArchConfig
+    from cluster.structured.xgrammar_backend import XGrammarBackend
+
+    tok, arch = load_tokenizer(demo_model_dir), ModelArchConfig.from_dir(demo_model_dir)
+    gc = GrammarCompiler(lambda: tok, arch.vocab_size, arch.eos_token_ids, threads=1, compile_timeout_s=1.5)
+    try:
+        def ready(so, rid):
+            g = gc.grammar_for(so, rid)
+            deadline = time.monotonic() + 300
+            while not g.ready() and g.error is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return g
+
+        so = StructuredOutput.regex("(ab|cd)+e")
+        g = ready(so, "r1")
+        assert g.matcher is not None, g.error
+        local = XGrammarBackend(tok, arch.vocab_size, arch.eos_token_ids)
+        mine, theirs = (torch.zeros(1, bitmask_words(arch.vocab_size), dtype=torch.int32) for _ in range(2))
+        g.matcher.fill_bitmask(mine, 0)
+        local.matcher(local.compile(so)).fill_bitmask(theirs, 0)
+        assert torch.equal(mine, theirs) and mine.any()
+        proc = gc._processes.queue[0]  # threads=1: the one compile process
+        child = proc.pid
+        assert child is not None
+
+        # maxLength 1024: seconds of xgrammar compile (within the repetition bounds), past 1.5 s.
+        t0 = time.monotonic()
+        slow = ready(StructuredOutput.json_schema({"type": "string", "maxLength": 1024}), "r2")
+        assert slow.matcher is None and "compile" in slow.error and time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 10
+        while proc.pid is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)  # killed and reaped
+
+        assert ready(StructuredOutput.regex("x+"), "r3").matcher is not None
+    finally:
+        gc.close()

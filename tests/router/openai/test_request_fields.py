@@ -68,6 +68,9 @@ class StandIn:
     def kv_capacity_tokens(self):
         return 0
 
+    async def off_loop(self, fn, *args):
+        return fn(*args)
+
     async def start_generation(self, *a, **kw):
         raise StandIn.Placed()
 
@@ -91,10 +94,11 @@ def plan(gw, model: type[BaseModel], body: dict):
         n_lp = serving.num_logprobs(req)
         echo = serving.echo(req)
         prompts = []
-        for p in serving.prompts(req):
-            ids = serving.encode(p, opts)
+        tokenized, bad_words = serving.tokenize(req, opts, echo)
+        for _, ids, _ in tokenized:
             mt = serving.max_tokens(req, ids)
-            params = serving.sampling_params(req, opts, mt, n_lp, serving.prompt_logprobs(req, n_lp, echo, mt))
+            params = serving.sampling_params(req, opts, mt, n_lp, serving.prompt_logprobs(req, n_lp, echo, mt),
+                                             bad_words)
             prompts.append((tuple(ids), params))
     except (InvalidRequestError, APIError) as e:
         return ("refused", getattr(e, "param", None))
