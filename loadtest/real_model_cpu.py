@@ -134,11 +134,12 @@ def checks(client, ref: Reference) -> dict:
                       "streamed_equal": streamed == text, "hf_ended_at_eos": ended,
                       "finish_reason": r.choices[0].finish_reason,
                       "stopped_at_eos_as_hf": (r.choices[0].finish_reason == "stop") == ended})
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                              "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
     js = client.chat.completions.create(
         model=MODEL, max_tokens=60, temperature=0,
-        messages=[{"role": "user", "content": "Give the largest city of Japan and its population as JSON."}],
+        messages=[{"role": "user", "content": "Give the largest city of Japan as JSON, and whether it is the capital."}],
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
     try:
         jsonschema.validate(json.loads(js.choices[0].message.content), schema)

@@ -67,11 +67,12 @@ def test_greedy_chats_equal_transformers_and_stop_at_im_end(client, hf_smollm2, 
 
 def test_json_schema_output_validates(client):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                              "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
     got = client.chat.completions.create(
         model=MODEL, max_tokens=60, temperature=0,
-        messages=[{"role": "user", "content": "Give the largest city of Japan and its population as JSON."}],
+        messages=[{"role": "user", "content": "Give the largest city of Japan as JSON, and whether it is the capital."}],
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(got.choices[0].message.content), schema)
 
