@@ -224,16 +224,16 @@ def lm_eval_run(port: int, gguf: Path) -> dict:
     for backend, args in {
         "local-completions": f"base_url=http://127.0.0.1:{port}/v1/completions,model={MODEL},"
                              f"tokenizer={metadata_dir(gguf)},tokenizer_backend=huggingface,num_concurrent=1",
-        "hf": f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32,device=cpu",
+        "hf": f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32",
     }.items():
         out_dir = tmp / backend
         cmd = [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", args, "--tasks", "pdserve_facts",
-               "--include_path", str(tmp), "--batch_size", "1", "--log_samples", "--output_path", str(out_dir)]
+               "--include_path", str(tmp), "--batch_size", "1", "--device", "cpu", "--log_samples", "--output_path", str(out_dir)]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if done.returncode != 0:
-            return {"error": f"{backend}: lm_eval exited {done.returncode}: {done.stderr[-2000:]}"}
+            return {**runs, "error": f"{backend}: lm_eval exited {done.returncode}: {done.stderr[-2000:]}"}
         samples = [json.loads(line) for f in out_dir.rglob("samples_pdserve_facts_*.jsonl")
                    for line in f.read_text().splitlines()]
         samples.sort(key=lambda x: x["doc_id"])
