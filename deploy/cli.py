@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate completions in-process (prefill + decode in one engine)")
     g.add_argument("prompts", nargs="*")
-    g.add_argument("--model", default=None, help="Hugging Face model directory, or a hub id in the local Hugging "
-                   "Face cache (default: the demo model)")
+    g.add_argument("--model", default=None, help="Hugging Face model directory, a .gguf file, or a hub id in the "
+                   "local Hugging Face cache (default: the demo model)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -114,8 +114,8 @@ def add_serve_command(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (prefill/decode on Ray)",
                        description=SERVE_DESCRIPTION,
                        usage="pdserve serve [MODEL_DIR] [--config FILE] [--FLAG VALUE ...] (pdserve serve --help lists them)")
-    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory, or a hub id "
-                   "(org/name) in the local Hugging Face cache (default: the demo model)")
+    s.add_argument("model_dir", nargs="?", default=None, help="Hugging Face model directory, a .gguf file, "
+                   "or a hub id (org/name) in the local Hugging Face cache (default: the demo model)")
     s.add_argument("--config", default=None, help="YAML file with any of the settings below (flags win)")
     add_config_flags(s)
     s.set_defaults(func=_cmd_serve, parser=s)

@@ -91,8 +91,8 @@ class ClusterConfig(BaseModel):
 
     # -- what to serve, where ---------------------------------------------------------------------
     model: str | None = None
-    """Hugging Face model directory, or a hub id (org/name) found in the local Hugging Face cache (never
-    downloaded); none serves the built-in demo model."""
+    """Hugging Face model directory, a GGUF file, or a hub id (org/name) found in the local Hugging Face
+    cache (never downloaded); none serves the built-in demo model."""
     served_model_name: str | None = None
     """Model name clients pass as `model` and the metrics' model_name label (default: the model
     directory's name, or `pdserve-demo`; for a hub id, the id as given)."""

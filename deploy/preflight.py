@@ -9,13 +9,13 @@ PdserveError, whole, printed once by the CLI (and no "pdserve: stopped" line: no
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.distributed.sharding import check_tensor_parallel
 from cluster.errors import InvalidRequestError, ModelLoadError
 from cluster.generation_defaults import SamplingDefaults, load_sampling_defaults
+from cluster.model.checkpoint import read_config
 from cluster.model.config import ModelArchConfig
 from cluster.model.demo import ensure_demo_model
 from cluster.model.hub import resolve_model_dir
@@ -27,7 +27,7 @@ from deploy.config import ClusterConfig
 
 @dataclass(frozen=True)
 class ServedModel:
-    model_dir: Path  # the directory every worker and API server loads (a hub id's cached snapshot)
+    model_dir: Path  # what every worker and API server loads (a directory, a hub id's cached snapshot, a .gguf)
     name: str  # what clients pass as `model`
     arch: ModelArchConfig
     chat_template: str | None  # --chat-template's text (None: the tokenizer's own)
@@ -48,8 +48,8 @@ def check_model(cfg: ClusterConfig) -> ServedModel:
     for role in ("prefill", "decode"):  # a model the workers cannot split fails here, before Ray starts
         check_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, cfg.tp_of(role),
                               f"{model_dir.name} ({role}_tp)")
-    config_path = model_dir / "config.json"
-    quant = QuantConfig.from_checkpoint(json.loads(config_path.read_text()), cfg.quantization, str(config_path))
+    config, config_path = read_config(model_dir)
+    quant = QuantConfig.from_checkpoint(config, cfg.quantization, str(config_path))
     dtype = _DTYPE_NAMES.get(cfg.dtype or "auto", cfg.dtype) if cfg.dtype not in (None, "auto") else arch.dtype
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else "fp8_e4m3"
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
@@ -72,5 +72,8 @@ _DTYPE_NAMES = {"half": "float16", "float": "float32"}  # --dtype's aliases, as 
 
 
 def _default_name(given: str, model_dir: Path) -> str:
-    """A directory serves under its folder's name (as before); a hub id under the id itself (as vLLM)."""
-    return model_dir.name if Path(given).expanduser().exists() else given
+    """A directory serves under its folder's name (as before), a GGUF file under its name without
+    `.gguf`; a hub id under the id itself (as vLLM)."""
+    if not Path(given).expanduser().exists():
+        return given
+    return model_dir.stem if model_dir.is_file() else model_dir.name

