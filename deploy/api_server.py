@@ -73,6 +73,14 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     quantization: str = ""
     kv_cache_dtype: str = ""
 
+    def __repr__(self) -> str:
+        # The API key and the cluster's secret never show in a log line or a traceback.
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
+                          if f not in ("api_key", "cluster_secret"))
+        return f"APIServerSpec({shown}, api_key=<hidden>, cluster_secret=<hidden>)"
+
+    __str__ = __repr__
+
     @property
     def gateway_id(self) -> str:
         return f"api-{self.index}"

@@ -209,9 +209,14 @@ def test_the_secret_is_in_no_repr():
     from cluster.distributed.tp_group import TPRendezvous
     from cluster.transport.transport_spec import TransportSpec
     from cluster.worker_config import WorkerConfig
+    from deploy.api_server import APIServerSpec
 
     secret = bytes(range(1, 33))
+    spec = APIServerSpec(index=0, router_address="ipc:///x", model_dir="m", served_model_name="m",
+                         max_model_len=64, api_key="the-api-key", max_body_bytes=1, token_timeout_s=1.0,
+                         drain_timeout_s=1.0, sink_host="127.0.0.1", listen_fd=3, parent_pid=1, cluster_secret=secret)
     for obj in (TransportSpec("local", secret=secret), WorkerConfig("m", cluster_secret=secret),
-                TPRendezvous("127.0.0.1", 1, "ns", 2, secret=secret)):
+                TPRendezvous("127.0.0.1", 1, "ns", 2, secret=secret), spec):
         text = repr(obj) + str(obj)
         assert repr(secret)[2:12] not in text and secret.hex() not in text, text
+    assert "the-api-key" not in repr(spec) and "index=0" in repr(spec)
