@@ -8,7 +8,7 @@ import pytest
 import torch
 from fp8_checkpoints import write_compressed_tensors, write_float_llama, write_hf_fp8_block
 
-import cluster.model.loader as loader
+import cluster.model.checkpoint as checkpoint
 from cluster.distributed.sharding import TPShard
 from cluster.errors import ModelLoadError
 from cluster.model.config import ModelArchConfig
@@ -59,15 +59,15 @@ class _CountingReader:
         return Reader()
 
 
-_REAL_SAFE_OPEN = loader.safe_open
+_REAL_SAFE_OPEN = checkpoint.safe_open  # where the loader's safetensors files are opened
 
 
 def _load_rank(model_dir, rank, size, monkeypatch, **kw):
     arch = ModelArchConfig.from_dir(model_dir)
     log = []
-    monkeypatch.setattr(loader, "safe_open", _CountingReader(log))
+    monkeypatch.setattr(checkpoint, "safe_open", _CountingReader(log))
     model = load_model(model_dir, tp=TensorParallel(TPShard.of(arch, rank, size), comm=None), **kw)
-    monkeypatch.setattr(loader, "safe_open", _REAL_SAFE_OPEN)
+    monkeypatch.setattr(checkpoint, "safe_open", _REAL_SAFE_OPEN)
     return model, log
 
 
