@@ -307,7 +307,7 @@ def run_path(path: str, sizes, prefill_device="cuda:0", decode_device="cuda:0", 
             row["copy_kernel_GBps"] = kernel[n] / 1e9
         rows.append(row)
     return {"path": path, "rows": rows, "errors": errors, "connect_s": connect_s,
-            "decode_failures": dmetrics.get("failures", 0), "spec": {k: v for k, v in spec.items() if k != "store_port"}}
+            "decode_failures": dmetrics.get("failures", 0), "spec": {k: v for k, v in spec.items() if k not in ("store_port", "secret")}}
 
 
 def plan_of(kind: str, spec: dict, shape: KVShape, tokens: int) -> dict:
