@@ -57,6 +57,11 @@ class GatedXGrammar:
         from cluster.structured.xgrammar_backend import XGrammarBackend
 
         class Gated(XGrammarBackend):
+            def export(self):
+                # No export: compiles run on the compiler's threads in this process, where the gate is
+                # (a compile child would build a plain backend and never see it).
+                return None
+
             def compile(self, so):
                 assert GatedXGrammar.gate.wait(30)
                 return super().compile(so)
