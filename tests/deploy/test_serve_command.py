@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from deploy.cli import build_parser
+from serve_process import start_serve
 
 pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
 
@@ -37,22 +36,9 @@ def test_serve_bad_config_is_one_line(tmp_path):
 @pytest.mark.timeout(240)
 def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
     pytest.importorskip("decode_worker.actor")
-    env = dict(os.environ, PDSERVE_API_KEY="k", RAY_ADDRESS="")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
-         "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "128",
-         "--served-model-name", "demo"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc, url, out = start_serve(demo_model_dir, "--prefill-workers", "0", "--decode-workers", "1",
+                                 "--cpu-num-blocks", "128", env={"PDSERVE_API_KEY": "k"})
     try:
-        url, out = None, []
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            m = re.search(r"serving demo at (http://\S+)/v1", line)
-            url = m.group(1) if m else None
         assert url, "".join(out)
         r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
                        json={"model": "demo", "prompt": "Once upon a time", "max_tokens": 5})

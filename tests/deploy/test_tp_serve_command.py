@@ -6,17 +6,14 @@ error at once naming what is missing (`unmet`), not a silent wait."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from cluster.sampling_params import SamplingParams
 from deploy.placement_check import unmet
+from serve_process import start_serve
 
 PROMPT = "A long story about the sea, the wind and the sailors who crossed it"  # remote prefill
 
@@ -42,22 +39,11 @@ def test_unmet_packs_bundles_on_nodes_and_names_what_is_missing():
 def test_tp_serves_from_the_command_line(demo_model_dir, reference_engine, prefill_tp, decode_tp):
     pytest.importorskip("prefill_worker.actor")
     ref = reference_engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0].text
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "1",
-         "--decode-workers", "1", "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
-         "--prefill-placement", "static", "--local-prefill-threshold", "0", "--port", "0", "--device", "cpu",
-         "--no-use-cuda-graph", "--cpu-num-blocks", "128", "--no-warmup", "--served-model-name", "demo"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, RAY_ADDRESS=""))
+    proc, url, out = start_serve(demo_model_dir, "--prefill-workers", "1", "--decode-workers", "1",
+                                 "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+                                 "--prefill-placement", "static", "--local-prefill-threshold", "0",
+                                 "--cpu-num-blocks", "128", "--no-warmup", timeout_s=300)
     try:
-        url, out = None, []
-        deadline = time.monotonic() + 300
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            m = re.search(r"serving demo at (http://\S+)/v1", line)
-            url = m.group(1) if m else None
         assert url, "".join(out)
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from serve_process import start_serve
 
 pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
 
@@ -94,22 +92,9 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
 
 def _serve(demo_model_dir, api_servers: int, drain_s: float):
     """`pdserve serve` as a subprocess in its own session; returns (proc, url, output lines)."""
-    env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
-         "--decode-workers", "1", "--port", "0", "--device", "cpu", "--no-use-cuda-graph", "--cpu-num-blocks", "512",
-         "--served-model-name", "demo", "--drain-timeout-s", str(drain_s), "--api-servers", str(api_servers)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    out_lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 180
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out_lines.append(line)
-        m = re.search(r"serving demo at (http://\S+)/v1", line)
-        url = m.group(1) if m else None
+    proc, url, out_lines = start_serve(demo_model_dir, "--prefill-workers", "0", "--decode-workers", "1",
+                                       "--cpu-num-blocks", "512", "--drain-timeout-s", str(drain_s),
+                                       "--api-servers", str(api_servers), new_session=True)
     if url is None:
         proc.kill()
         raise AssertionError("".join(out_lines))
