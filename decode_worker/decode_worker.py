@@ -15,9 +15,8 @@ Tensor parallelism: with a TPGroup (`group`, this process is its rank 0) everyth
 unchanged on this rank's shard, every forward announced to the followers first (rank_follower.py). A
 failure of the loop then takes the whole worker down (`TPGroup.fail`) instead of restarting the loop.
 
-A request is refused (400) by the one fit rule, cluster.request_limits. Before serving, warmup() runs
-DecodeWorkerWarmup (warmup.py) beside the idle loop. Fault injection (tests, chaos) has one seam in the
-loop: a FaultPlan (fault_plan.py), None in production.
+A request is refused (400) by the one fit rule, cluster.request_limits. warmup() runs warmup.py beside
+the idle loop. Fault injection (tests, chaos) has one seam in the loop: a FaultPlan, None in production.
 """
 
 from __future__ import annotations
@@ -470,11 +469,10 @@ class DecodeWorker:
         self._last_step_s = h.gpu_time_s
         self._last_step_info = (h.gpu_time_s, info.batch_size, info.bucket if info.graph else 0, launched.batch.step,
                                 timing)
-        self.step_meter.add(info.batch_size, launched.handle.gpu_time_s)
-        self.metrics.record(StepRecord(
-            step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
-            padded_rows=info.bucket - info.batch_size, graph=info.graph,
-            step_time_s=launched.handle.gpu_time_s, host_time_s=launched.host_s + time.perf_counter() - t0))
+        self.step_meter.add(info.batch_size, h.gpu_time_s)
+        self.metrics.record(StepRecord(step=launched.batch.step, batch_size=info.batch_size, bucket=info.bucket,
+                                       padded_rows=info.bucket - info.batch_size, graph=info.graph, step_time_s=h.gpu_time_s,
+                                       host_time_s=launched.host_s + time.perf_counter() - t0))
         return deltas
 
     def _mark_lost(self, request_id: str, why: str) -> None:
