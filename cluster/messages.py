@@ -37,9 +37,9 @@ class GenerateRequest:
     @property
     def prefill_sends_first_token(self) -> bool:
         """Whether a prefill worker that computes this prompt sends the first token to the gateway
-        itself, as soon as it is drawn (its decode worker continues from it and sends only what
-        follows): every request with a gateway whose first token is wanted. The one rule both
-        workers read (prefill_worker/first_token_sender.py, decode_worker/token_publisher.py)."""
+        itself, as soon as it is drawn (its decode worker continues from it, and sends it again: the
+        gateway keeps one copy, router/token_stream.py): every request with a gateway whose first
+        token is wanted (prefill_worker/first_token_sender.py)."""
         return self.reply_to is not None and not self.params.scores_prompt_only
 
 

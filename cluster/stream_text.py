@@ -1,10 +1,13 @@
 """StreamText: one request's token ids -> the text deltas its gateway gets.
 
 The one rule for what a client sees of its tokens, used by both workers that send them: its prefill
-worker sends the first token (prefill_worker/first_token_sender.py) and its decode worker the rest
-(decode_worker/token_publisher.py). Built from the same request, the two sides' StreamTexts turn the
-same tokens into the same text: the decode side feeds the first token through its own (sending
-nothing), so its text goes on exactly where the prefill side's ended.
+worker sends the first token (prefill_worker/first_token_sender.py) and its decode worker every token
+(decode_worker/token_publisher.py), the first one again. Built from the same request, the two sides'
+StreamTexts turn the same tokens into the same deltas, each numbered by its first token's position
+(`StreamDelta.start`): the gateway keeps whichever copy of the first token comes first and drops the
+other (router/token_stream.py TokenMailbox). HAZARD: the two copies travel from two processes on two
+sockets, so the decode worker's second token can reach the gateway before the prefill worker's first
+(a loaded host; the chaos "faults" run found it as a stream with its first two tokens swapped).
 
 - A stop token (the loop's finish "stop": stop_token_ids or EOS) stays in token_ids and its logprobs,
   but its text is not output (as vLLM).
@@ -43,7 +46,7 @@ class TokenStrings:
 
 
 class StreamText:
-    __slots__ = ("reply_to", "detok", "prompt")
+    __slots__ = ("reply_to", "detok", "prompt", "tokens_out")
 
     def __init__(self, tokenizer, req: GenerateRequest):
         self.reply_to = req.reply_to
@@ -51,6 +54,7 @@ class StreamText:
                                             resumed_tokens=req.resumed_tokens, resumed_chars=req.resumed_chars,
                                             skip_special_tokens=req.params.skip_special_tokens)
         self.prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None else None  # for its strings
+        self.tokens_out = 0  # tokens of this placement in the deltas so far: the next delta's `start`
 
     def delta(self, request_id: str, tokens: tuple[int, ...], finish: str | None, error: str | None, token_lps,
               prompt_lps, strings: TokenStrings) -> tuple[StreamDelta, bool]:
@@ -74,4 +78,6 @@ class StreamText:
             if prompt_lps is not None and self.prompt is not None:
                 pr = tuple(None if lp is None else strings.position(t, lp) for t, lp in zip(self.prompt, prompt_lps))
             logprobs = DeltaLogprobs(toks, pr)
-        return StreamDelta(request_id, tokens, text, finish, error, logprobs), stopped_here
+        start = self.tokens_out if tokens else -1
+        self.tokens_out += len(tokens)
+        return StreamDelta(request_id, tokens, text, finish, error, logprobs, start), stopped_here

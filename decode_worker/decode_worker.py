@@ -167,13 +167,11 @@ class DecodeWorker:
         return self.transfers.transport
 
     # -- API for the router and gateway (any thread) ----------------------------------------------
-    def _admit(self, seq: Sequence, req: GenerateRequest, add: Callable[[Sequence], bool],
-               first_token_sent: bool = False) -> bool:
-        """Under the lock: whether `add` (a scheduler's entry) took the request's (built) Sequence.
-        `first_token_sent`: its prefill worker sends the first token (the publisher sends the rest)."""
+    def _admit(self, seq: Sequence, req: GenerateRequest, add: Callable[[Sequence], bool]) -> bool:
+        """Under the lock: whether `add` (a scheduler's entry) took the request's (built) Sequence."""
         if self.scheduler.holds(seq.request_id):
             raise InvalidRequestError(f"request {seq.request_id!r} is already on this worker", "request_id")
-        self.publisher.register(req, first_token_sent)
+        self.publisher.register(req)
         if not add(seq):
             self.publisher.forget(seq.request_id)
             return False
@@ -183,7 +181,7 @@ class DecodeWorker:
         """Reserves blocks for the prompt + 1 token; None if they don't fit now."""
         seq = self.sequences.build(req.request)
         with self._lock:
-            if not self._admit(seq, req.request, self.scheduler.reserve, req.request.prefill_sends_first_token):
+            if not self._admit(seq, req.request, self.scheduler.reserve):
                 return None
             return self.transfers.reserve(seq, req.prefill_worker_id)
 

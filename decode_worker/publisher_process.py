@@ -45,8 +45,8 @@ from cluster.messages import GenerateRequest, TokenBatch
 
 log = logging.getLogger(__name__)
 
-# Frame kinds, worker -> process (_REGISTER_AFTER_FIRST: a request whose prefill worker sends its first token)
-_REGISTER, _REGISTER_AFTER_FIRST, _FORGET, _BATCH, _CLOSE, _HALT = b"R", b"A", b"F", b"B", b"C", b"H"
+# Frame kinds, worker -> process
+_REGISTER, _FORGET, _BATCH, _CLOSE, _HALT = b"R", b"F", b"B", b"C", b"H"
 # process -> worker (control socket)
 _READY, _STOP = b"r", b"s"
 _SEND_WAIT_MS = 5000  # how long a frame waits for the process's connection (only before a frame got through)
@@ -118,13 +118,12 @@ class PublisherProcess:
         return self.proc.poll() is None
 
     # -- the TokenPublisher interface (any thread) -------------------------------------------------
-    def register(self, req: GenerateRequest, first_token_sent: bool = False) -> None:
+    def register(self, req: GenerateRequest) -> None:
         """Before the request can produce a token (reserve / submit_local). A request without a gateway
-        (reply_to None) has its frames sent back here, for drain(). `first_token_sent`: as
-        TokenPublisher.register."""
+        (reply_to None) has its frames sent back here, for drain()."""
         if req.reply_to is None:
             req = dataclasses.replace(req, reply_to=self.local_address)
-        self._send((_REGISTER_AFTER_FIRST if first_token_sent else _REGISTER) + self._encode(req))
+        self._send(_REGISTER + self._encode(req))
 
     def forget(self, request_id: str) -> None:
         self._send(_FORGET + request_id.encode())
@@ -277,8 +276,8 @@ def _serve(args) -> None:
             kind, body = frame[:1], frame[1:]
             if kind == _BATCH:
                 pub.publish(decode_batch(body))
-            elif kind == _REGISTER or kind == _REGISTER_AFTER_FIRST:
-                pub.register(decode_request(body), first_token_sent=kind == _REGISTER_AFTER_FIRST)
+            elif kind == _REGISTER:
+                pub.register(decode_request(body))
             elif kind == _FORGET:
                 pub.forget(body.decode())
             elif kind == _CLOSE:

@@ -13,9 +13,9 @@ batch of steps taken off the queue:
 - the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
   step-level Prometheus metrics), once, however many gateways there are.
 
-A request whose prefill worker sent its first token itself (registered with `first_token_sent`:
-prefill_worker/first_token_sender.py) gets only what follows from here; its first token only advances
-the text state (cluster/stream_text.py, the rule both sides share).
+A request whose prefill worker sent its first token itself (prefill_worker/first_token_sender.py)
+gets it again from here, numbered, so that the gateway keeps one copy whichever comes first (cluster/
+stream_text.py, the rule both sides share).
 
 Requests without a `reply_to` (in-process use, tests) are kept for `drain()`.
 """
@@ -40,16 +40,6 @@ _HALT = object()  # fault "restart": what came before goes out, nothing after
 _SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (it is gone or stuck)
 
 
-class _Outgoing:
-    __slots__ = ("text", "first_token_sent")
-
-    def __init__(self, text: StreamText, first_token_sent: bool):
-        self.text = text
-        # Its prefill worker sent the first token to the gateway itself (GenerateRequest.
-        # prefill_sends_first_token): the first delta with tokens only advances `text`.
-        self.first_token_sent = first_token_sent
-
-
 class TokenPublisher:
     def __init__(self, worker_id: str, tokenizer, stats_sink: str | None = None,
                  on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000, secret: bytes = b""):
@@ -59,7 +49,7 @@ class TokenPublisher:
         self.stats_sink = stats_sink
         self._secret = secret
         self.on_stop = on_stop
-        self._requests: dict[str, _Outgoing] = {}  # written by callers' threads, read by the publisher's
+        self._requests: dict[str, StreamText] = {}  # written by callers' threads, read by the publisher's
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._local: deque = deque(maxlen=keep_local)
         self._local_cv = threading.Condition()
@@ -71,10 +61,9 @@ class TokenPublisher:
         self._thread.start()
 
     # -- callers' threads -------------------------------------------------------------------------
-    def register(self, req: GenerateRequest, first_token_sent: bool = False) -> None:
-        """Before the request can produce a token (reserve / submit_local). `first_token_sent`: its
-        prefill worker sends the first token to its gateway; this publisher sends only what follows."""
-        self._requests[req.request_id] = _Outgoing(StreamText(self.tokenizer, req), first_token_sent)
+    def register(self, req: GenerateRequest) -> None:
+        """Before the request can produce a token (reserve / submit_local)."""
+        self._requests[req.request_id] = StreamText(self.tokenizer, req)
 
     def forget(self, request_id: str) -> None:
         """A registered request that will produce nothing (not placed here after all)."""
@@ -115,21 +104,16 @@ class TokenPublisher:
     def _text_delta(self, d: TokenDelta):
         """(reply_to, StreamDelta) for a loop delta, or None when nobody may see it any more (cluster.
         stream_text.StreamText: the text rule the prefill worker's first token follows too)."""
-        out = self._requests.get(d.request_id)
-        if out is None:
+        text = self._requests.get(d.request_id)
+        if text is None:
             return None  # ended here already (stop string), or never ours (an abort after the end)
-        delta, stopped_here = out.text.delta(d.request_id, d.token_ids, d.finish_reason, d.error, d.logprobs,
-                                             d.prompt_logprobs, self._strings)
+        delta, stopped_here = text.delta(d.request_id, d.token_ids, d.finish_reason, d.error, d.logprobs,
+                                         d.prompt_logprobs, self._strings)
         if delta.finish_reason is not None:
             del self._requests[d.request_id]
         if stopped_here and self.on_stop is not None:
             self.on_stop(d.request_id)  # the loop still runs it: drop it there, free its blocks
-        if out.first_token_sent and d.token_ids:
-            # Its prefill worker sent this token (and, had it ended the request, the same finish) to
-            # the gateway already: counted once, it only advanced the text state above.
-            out.first_token_sent = False
-            return None
-        return out.text.reply_to, delta
+        return text.reply_to, delta
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.

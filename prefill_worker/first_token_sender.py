@@ -11,14 +11,14 @@ gateway: three, after the transfer lands).
 
 What the client sees is the decode side's rule, computed here from the same request: the finish
 reason of the Sequence (cluster.sequence: EOS / stop_token_ids, max_tokens, the grammar) and the text
-of cluster.stream_text.StreamText (stop strings, held-back bytes). Its decode worker registered the
-request with `first_token_sent` (GenerateRequest.prefill_sends_first_token, the one rule both read)
-and only advances its own text state with this token. A send that fails (a gateway not taking frames)
-fails the prompt instead: the router migrates it from the tokens its client has (none), so the
-token is never lost nor sent twice.
+of cluster.stream_text.StreamText (stop strings, held-back bytes). Its decode worker sends the same
+delta again (same position, `StreamDelta.start` 0) and the gateway keeps the copy that comes first:
+the two travel on two sockets in no fixed order. A send that fails (a gateway not taking frames)
+fails the prompt instead: the router migrates it from the tokens its client has.
 
 Runs on the prefill loop's thread, before the KV commit (a few tens of microseconds per prompt): the
-frame is on its way before the decode worker can produce the second token. Its connection to a
+frame is on its way before the decode worker can produce the second token (usually first at the
+gateway, but not by any ordering guarantee). Its connection to a
 gateway is opened when a prompt for it is first scheduled (`connect`), before its forward, so the
 first frame never waits for a TCP handshake the decode worker's frames no longer need.
 """

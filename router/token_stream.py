@@ -6,7 +6,9 @@ runs on the gateway's event loop; per frame it checks the MAC under the cluster'
 (cluster/frame_auth.py: a frame from anyone else is dropped and counted), does one msgspec decode
 (typed, no dict per row) and
 appends each delta to its request's `TokenMailbox`, waking the request's reader if it waits. Deltas of
-requests nobody waits for (finished, aborted, or a dead worker's late frames) are dropped.
+requests nobody waits for (finished, aborted, or a dead worker's late frames) are dropped. A prefill
+worker PUSHes a prompt's first token here too (prefill_worker/first_token_sender.py), which the decode
+worker sends again: the mailbox keeps each position of a placement's output once.
 
 No task and no timer per token: a request's "no token for token_timeout_s" deadline is checked by
 one watchdog for all requests, which puts an error delta into a mailbox that has waited too long.
@@ -32,14 +34,23 @@ log = logging.getLogger(__name__)
 class TokenMailbox:
     """The deltas of one request not read yet, and its reader's wake-up."""
 
-    __slots__ = ("pending", "waiter", "last_activity")
+    __slots__ = ("pending", "waiter", "last_activity", "_tokens_in")
 
     def __init__(self, now: float):
         self.pending: list[StreamDelta] = []
         self.waiter: asyncio.Future | None = None
         self.last_activity = now
+        self._tokens_in: dict[str, int] = {}  # per placement: the output tokens taken so far
 
     def put(self, delta: StreamDelta, now: float) -> None:
+        if delta.token_ids and delta.start >= 0:
+            # A placement's first token comes twice, from its prefill worker and its decode worker,
+            # on two sockets in no fixed order (cluster/stream_text.py): the copy that comes second
+            # is dropped, whole (the same tokens, text, logprobs and finish as the first).
+            have = self._tokens_in.get(delta.request_id, 0)
+            if delta.start + len(delta.token_ids) <= have:
+                return
+            self._tokens_in[delta.request_id] = delta.start + len(delta.token_ids)
         self.pending.append(delta)
         self.last_activity = now
         w = self.waiter

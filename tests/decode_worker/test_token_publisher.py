@@ -59,21 +59,28 @@ def test_halt_sends_what_came_before_and_nothing_after(tokenizer):
         pub.close()
 
 
-def test_a_first_token_its_prefill_worker_sent_is_not_sent_again(tokenizer):
-    """Registered with first_token_sent (GenerateRequest.prefill_sends_first_token): the first delta
-    with tokens only advances the text; what follows goes on from it, and a request the first token
-    ended sends nothing at all (its prefill worker sent that finish)."""
+def test_every_token_is_sent_numbered_by_its_position(tokenizer):
+    """Every token goes out, the first one too (its prefill worker may have sent it already: the two
+    copies race on two sockets, and the gateway keeps one by `start`, router/token_stream.py); each
+    delta says its first token's position in this placement's output, -1 for a delta without tokens."""
     ids = tokenizer(" the sea and the wind", add_special_tokens=False).input_ids
     pub = TokenPublisher("d0", tokenizer)
     try:
-        pub.register(GenerateRequest("r", (0, 5), SamplingParams(max_tokens=9), 1, 0.0), first_token_sent=True)
-        pub.register(GenerateRequest("one", (0, 5), SamplingParams(max_tokens=1), 1, 0.0), first_token_sent=True)
+        pub.register(GenerateRequest("r", (0, 5), SamplingParams(max_tokens=9), 1, 0.0))
+        pub.register(GenerateRequest("one", (0, 5), SamplingParams(max_tokens=1), 1, 0.0))
         pub.publish(TokenBatch("d0", 0, (TokenDelta("r", (ids[0],)), TokenDelta("one", (ids[0],), "length"))))
         pub.publish(TokenBatch("d0", 1, (TokenDelta("r", (ids[1],)),)))
-        pub.publish(TokenBatch("d0", 2, (TokenDelta("r", (ids[2],), "length"),)))
-        got = _texts(pub, 2)
-        assert got == [((ids[1],), tokenizer.decode(ids[:2])[len(tokenizer.decode(ids[:1])):], None),
-                       ((ids[2],), tokenizer.decode(ids[:3])[len(tokenizer.decode(ids[:2])):], "length")]
-        assert pub.drain(0.3) == []  # nothing of "one"
+        pub.publish(TokenBatch("d0", 2, (TokenDelta("r", (ids[2],)),)))
+        pub.publish(TokenBatch("d0", 3, (TokenDelta("r", (), "length"),)))
+        got = []
+        while len(got) < 5:
+            frames = pub.drain(5.0)
+            assert frames, got
+            got += [(d.request_id, d.token_ids, d.text, d.finish_reason, d.start) for f in frames for d in f.deltas]
+        texts = [tokenizer.decode(ids[:n]) for n in range(4)]
+        assert [g for g in got if g[0] == "r"] == [
+            ("r", (ids[n],), texts[n + 1][len(texts[n]):], None, n) for n in range(3)] + [("r", (), "", "length", -1)]
+        assert [g for g in got if g[0] == "one"] == [("one", (ids[0],), texts[1], "length", 0)]
+        assert pub.drain(0.3) == []
     finally:
         pub.close()
