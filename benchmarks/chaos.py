@@ -190,7 +190,8 @@ class Injector:
 
     async def transfer(self, kind: str) -> Fault:
         """Arms the prefill worker's next bundle; waits until it fired; affected: the transfers that
-        failed with it; back: its pair formed anew (the next generation)."""
+        failed with it; back: its pair formed anew (the next generation), counted from when it fired
+        (the wait for the load's next remote prefill is not the fault's)."""
         pid = self.rng.choice(self._healthy("prefill"))
         h = self._handle(pid)
         before = await self._ray(h.transfer_metrics.remote())
@@ -201,6 +202,7 @@ class Injector:
             if m.get("faults_fired", 0) > before.get("faults_fired", 0) or time.monotonic() - started > 60:
                 break
             await asyncio.sleep(0.05)
+        fired_at = time.monotonic()
         f = self._fault(kind, pid)
         f.extra["fired"] = m.get("faults_fired", 0) > before.get("faults_fired", 0)
         hit = m["fired"][-1] if f.extra["fired"] else {}  # the pair it broke: {"peer", "gen"}
@@ -214,7 +216,7 @@ class Injector:
                                      if not r["ok"]})
             pair = m["pairs"].get(hit.get("peer"))
             return failed > 0 and pair is not None and pair["gen"] > hit["gen"] and pair["dead"] is None
-        self._watch(f, reformed, started)
+        self._watch(f, reformed, fired_at)
         return f
 
     async def cancel_storm(self, rounds: int = 4, n: int = 64) -> Fault:

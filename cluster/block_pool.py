@@ -33,8 +33,7 @@ from typing import Sequence
 
 from cluster.block_hash import BlockHash, BlockHasher
 from cluster.errors import CapacityError
-from cluster.kv_blocks import blocks_for_tokens
-from cluster.kv_cache import NULL_BLOCK
+from cluster.kv_blocks import NULL_BLOCK, blocks_for_tokens
 
 
 # Events a worker's pool keeps for the router's index: enough for several seconds of churn between two

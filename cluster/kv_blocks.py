@@ -1,4 +1,4 @@
-"""Two KV-block rules, in one place (every user calls these; tests/cluster/test_single_source_rules.py):
+"""The null block and two KV-block rules, in one place (every user calls these; tests/cluster/test_single_source_rules.py):
 
 - `blocks_for_tokens`: the blocks `num_tokens` tokens take, rounded up to whole blocks of `block_size`.
 - `decode_held_tokens`: a decode worker holds a sequence's tokens plus one decode slot (the K/V of the
@@ -7,6 +7,11 @@
 """
 
 from __future__ import annotations
+
+# Block 0 of every KV cache is never allocated: padded rows and unused block-table slots point at it, so
+# a graph replay with fewer live rows writes its padding there. (Here and not in kv_cache.py, which
+# needs torch: the block pool and the messages that carry its changes do not.)
+NULL_BLOCK = 0
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

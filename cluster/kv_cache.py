@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.kv_blocks import blocks_for_tokens
+from cluster.kv_blocks import NULL_BLOCK, blocks_for_tokens
 from cluster.model.config import ModelArchConfig
 
 if TYPE_CHECKING:
     from cluster.worker_config import WorkerConfig
 
-NULL_BLOCK = 0
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 

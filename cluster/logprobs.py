@@ -17,12 +17,16 @@ token publisher (cluster.stream_messages.PositionLogprobs), never by a gateway.
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
 import msgspec
-import torch
 
-from cluster import kernels
+if TYPE_CHECKING:
+    import torch
+
+# torch and cluster.kernels are imported by the two functions that compute logprobs, not here: the
+# types above travel through processes that never compute (the decode worker's publisher process
+# would otherwise pay torch's import, seconds, at every start and restart).
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -59,6 +63,8 @@ def rows_to_logprobs(lp, top_ids, top_lp, ks: Seq[int | None]) -> list[TokenLogp
 
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: Seq[int | None]) -> list[TokenLogprobs | None]:
     """Logprobs of tokens just sampled from `logits` (rows whose k is None get None). Syncs."""
+    from cluster import kernels
+
     kmax = max((k for k in ks if k is not None), default=None)
     if kmax is None:
         return [None] * len(ks)
@@ -72,6 +78,10 @@ def prompt_logprobs(logits_of, num_rows: int, prompt: Seq[int], start: int, k: i
     positions start .. start + num_rows - 1 (row i predicts token start + i + 1); `logits_of(a, b)`
     gives rows a..b. The prompt's first token gets None (nothing predicts it). A slice of rows at a
     time, so that no [T, V] float32 temporary is ever whole. Syncs."""
+    import torch
+
+    from cluster import kernels
+
     out: list[TokenLogprobs | None] = [None] if start == 0 else []
     n = max(0, min(num_rows, len(prompt) - 1 - start))
     for a in range(0, n, slice_rows):

@@ -21,7 +21,8 @@ import torch
 
 from cluster.attention import AttentionMetadata
 from cluster.distributed.step_messages import Chunk, EagerDecode, PrefillPass, PromptLogprobsWant, pack_ids, unpack_ids
-from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
+from cluster.kv_blocks import NULL_BLOCK
+from cluster.kv_cache import KVCacheSpec
 from cluster.logprobs import prompt_logprobs
 from cluster.model.llama import LlamaForCausalLM
 

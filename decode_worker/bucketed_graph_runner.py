@@ -61,7 +61,7 @@ from cluster.attention import AttentionMetadata
 from cluster.distributed.step_messages import DecodeStep, SlotInit, pack_ids, unpack_ids
 from cluster.graph_buckets import bucket_sizes, feature_bucket_sizes, padded_size
 from cluster.kernels.step_layout import DecodeStepLayout
-from cluster.kv_cache import NULL_BLOCK
+from cluster.kv_blocks import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
 from cluster.sampler import SamplingTensors, StepOutputs, features_state_bytes, log_min_p, sample_step
 from cluster.sampling_params import MAX_LOGPROBS

@@ -2,7 +2,7 @@ import pytest
 
 from cluster.block_pool import PrefixCachingBlockPool
 from cluster.errors import CapacityError
-from cluster.kv_cache import NULL_BLOCK
+from cluster.kv_blocks import NULL_BLOCK
 
 
 def test_never_hands_out_the_null_block():

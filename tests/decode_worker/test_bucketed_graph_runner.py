@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from cluster.kv_cache import NULL_BLOCK, KVCacheSpec
+from cluster.kv_blocks import NULL_BLOCK
+from cluster.kv_cache import KVCacheSpec
 from cluster.model.loader import load_model
 from cluster.model_runner import ModelRunner, PrefillChunk
 from cluster.sampling_params import SamplingParams
