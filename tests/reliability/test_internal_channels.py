@@ -150,6 +150,11 @@ def test_store_forgeries_change_nothing_in_a_serving_cluster(cluster, reference_
     while store.get(f"{ns}/ctl/decode-0") != real_ctl and time.monotonic() < deadline:
         time.sleep(0.05)
     assert store.get(f"{ns}/ctl/decode-0") == real_ctl  # put back by the decode worker
+    # The prefill worker counts a transfer once its send returned, which may be after the decode side
+    # already streamed the whole reply (a loaded host): wait for the count, bounded.
+    deadline = time.monotonic() + 30
+    while (sent := transfers()[0]) - sent_before < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sent, failed = transfers()
     assert sent - sent_before == len(prompts) and failed == failed_before  # each through the KV path, none lost
     wait_clean(sc)
