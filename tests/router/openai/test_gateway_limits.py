@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import tempfile
 import threading
@@ -154,34 +155,84 @@ async def _ok_app(scope, receive, send):
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-def test_request_heads_are_bounded_in_size_and_time():
+def _start_server(protocol, **config):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_ok_app, http=_QuickHeadServer, lifespan="off", log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
+    server = uvicorn.Server(uvicorn.Config(_ok_app, http=protocol, lifespan="off", log_level="critical", **config))
+    failed = []
 
+    def run():
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, failed
+    return server, thread, sock.getsockname()[1]
+
+
+def _openai_error(reply: bytes, status: int, code: str) -> dict:
+    """The reply's status is `status` and its body OpenAI's error shape with `code`."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    assert b"content-type: application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code and err["message"], err
+    return err
+
+
+def _exchange(port: int, *parts: bytes, pause: float = 0.0) -> bytes:
+    """What the server answers to `parts`: up to its close (an error closes), or a 200's status line."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for p in parts:
+            s.sendall(p)
+            time.sleep(pause)
+        reply = b""
+        while not reply.startswith(b"HTTP/1.1 200"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        return reply
+
+
+def test_request_heads_are_bounded_in_size_and_time():
+    server, thread, port = _start_server(_QuickHeadServer)
+    try:
         def exchange(*parts: bytes, pause: float = 0.0) -> bytes:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                for p in parts:
-                    s.sendall(p)
-                    time.sleep(pause)
-                return s.recv(4096)
+            return _exchange(port, *parts, pause=pause)
 
         assert exchange(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
         big = b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(80))
-        assert exchange(b"GET / HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n").startswith(b"HTTP/1.1 431")
-        assert exchange(b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 431")
+        _openai_error(exchange(b"GET / HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n"), 431,
+                      "request_header_fields_too_large")
+        _openai_error(exchange(b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n"), 431, "request_header_fields_too_large")
         t0 = time.monotonic()  # slowloris: a header a while, never the end of the head
-        assert exchange(b"GET / HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: b\r\n", pause=0.3).startswith(b"HTTP/1.1 408")
+        _openai_error(exchange(b"GET / HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: b\r\n", pause=0.3), 408,
+                      "request_timeout")
         assert time.monotonic() - t0 < 5
+        _openai_error(exchange(b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"), 400, "invalid_http_request")
         assert exchange(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")  # serving on
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_past_the_connection_limit_is_503_in_openais_shape():
+    """uvicorn's own answer past limit_concurrency is plain text; ours is OpenAI's error body."""
+    server, thread, port = _start_server(BoundedHttpToolsProtocol, limit_concurrency=2)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10):  # holds one of the two
+            time.sleep(0.1)
+            reply = _exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        err = _openai_error(reply, 503, "too_many_connections")
+        assert err["type"] == "service_unavailable" and b"retry-after: 1" in reply.lower()
+        time.sleep(0.1)
+        assert _exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
     finally:
         server.should_exit = True
         thread.join(10)
