@@ -40,7 +40,7 @@ import torch
 from cluster.block_hash import prefix_cache_salt
 from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.chunked_prefill import fcfs_chunks
-from cluster.errors import InvalidRequestError
+from cluster.errors import CapacityError, InvalidRequestError
 from cluster.logprobs import PrefillLogprobs
 from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
 from cluster.model.config import ModelArchConfig
@@ -171,7 +171,7 @@ class PrefillWorker:
                 self.grammars.check(req.params.structured)
                 prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
                 grammar = self.grammars.grammar_for(req.params.structured, req.request_id, prior)
-        except InvalidRequestError as e:
+        except (InvalidRequestError, CapacityError) as e:  # (CapacityError: its compiles are all taken)
             fut.set_result(self._failed(task, 0.0, str(e)))
             self._spawn_abort(task)
             return fut

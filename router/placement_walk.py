@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Callable
 
+from cluster.errors import CapacityError
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
@@ -119,6 +120,7 @@ class PlacementWalk:
             cached = await self.workers.clients[d.worker_id].submit_local(rs.request, timeout=self.cfg.call_timeout_s)
         except Exception as e:
             d.rollback(wrid)
+            self._raise_refusal(rs, e)
             self.health.call_failed(d, e)
             return False
         except BaseException:
@@ -150,6 +152,7 @@ class PlacementWalk:
             d.rollback(wrid)
             p.rollback(wrid)
             if isinstance(e, Exception):
+                self._raise_refusal(rs, e)
                 self.health.call_failed(d, e)
                 return False
             # NOTE: cancelled (the client left) while D reserved. Once D has reserved, P must hear of
@@ -170,6 +173,15 @@ class PlacementWalk:
         p.placed_total += 1
         self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
         return True
+
+    @staticmethod
+    def _raise_refusal(rs: PlacedRequest, e: Exception) -> None:
+        """A worker's own 429 (CapacityError: e.g. its grammar compiles are all taken) ends the
+        placement with it: the request is refused, and the worker is not counted as failing."""
+        cause = getattr(e, "cause", e)  # (Ray wraps what an actor raised; .cause is the original)
+        if isinstance(cause, CapacityError):
+            rs.decode_worker_id = None
+            raise cause from None
 
     def _hand_off_orphan(self, call: asyncio.Future, rs: PlacedRequest, p: WorkerView) -> None:
         """A reservation made for a request that was given up meanwhile: P gets the task and its abort

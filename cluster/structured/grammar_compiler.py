@@ -10,6 +10,10 @@
   is stopped: each pool thread compiles in a child process of its own (cluster.structured.
   compile_process), killed at the deadline, so a grammar that would compile for minutes holds a
   thread no longer than that (a backend that cannot export itself compiles on the thread).
+- At most `max_compiling` distinct grammars compile or wait for a thread at once (2 per thread): a
+  request that needs one more gets CapacityError (a 429, Retry-After 1) at once, instead of waiting
+  behind grammars that may each take the whole compile deadline. A grammar already cached, or
+  compiling for another request, is never refused.
 - The backend itself (its tokenizer tables: a second for a 128k vocabulary, and xgrammar's import)
   is built on the pool by the first request that needs it, never on a caller's thread.
 - `on_ready` is called (on a pool thread) when a compile finishes: the decode loop wakes to schedule
@@ -25,7 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from cluster.errors import InvalidRequestError
+from cluster.errors import CapacityError, InvalidRequestError
 from cluster.structured.compile_process import START_TIMEOUT_S, CompileProcess
 from cluster.structured.grammar import GrammarBackend
 from cluster.structured.registry import DEFAULT_BACKEND, get_grammar_backend
@@ -36,6 +40,7 @@ COMPILE_THREADS = 2
 CACHE_ENTRIES = 256  # compiled grammars kept per worker ...
 CACHE_BYTES = 1 << 30  # ... and the host memory they may hold (a schema over a 128k vocabulary: MBs)
 COMPILE_TIMEOUT_S = 60.0
+COMPILES_PER_THREAD = 2  # distinct grammars compiling or queued per compile thread, then 429
 _CHECKED_ENTRIES = 4096
 
 
@@ -43,8 +48,9 @@ class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
                  backend: str = DEFAULT_BACKEND, threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
                  cache_bytes: int = CACHE_BYTES, compile_timeout_s: float = COMPILE_TIMEOUT_S,
-                 on_ready: Callable[[], None] | None = None):
-        """`load_tokenizer()` returns the HF tokenizer (called once, on the pool)."""
+                 on_ready: Callable[[], None] | None = None, max_compiling: int | None = None):
+        """`load_tokenizer()` returns the HF tokenizer (called once, on the pool). `max_compiling`:
+        distinct grammars compiling or queued at once (default COMPILES_PER_THREAD per thread)."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
@@ -53,6 +59,9 @@ class GrammarCompiler:
         self.compile_timeout_s = compile_timeout_s
         self.on_ready = on_ready
         self._threads = threads
+        self.max_compiling = max_compiling if max_compiling is not None else COMPILES_PER_THREAD * threads
+        self._compiling = 0  # compiles submitted and not done (under the lock)
+        self.refused = 0  # requests refused with a 429 because max_compiling were compiling
         self._pool: ThreadPoolExecutor | None = None
         self._backend: Future | None = None
         self._lock = threading.Lock()
@@ -92,6 +101,11 @@ class GrammarCompiler:
             fut = self._cache.get(so.key)
             new = fut is None
             if new:
+                if self._compiling >= self.max_compiling:
+                    self.refused += 1
+                    raise CapacityError(f"{self._compiling} structured-output grammars are compiling on this worker "
+                                        "(its limit); retry shortly, or reuse a schema already sent")
+                self._compiling += 1
                 backend = self._backend_future()
                 fut = self._cache[so.key] = self._executor().submit(self._compile, backend, so)
             else:
@@ -162,6 +176,7 @@ class GrammarCompiler:
 
     def _compiled(self, key, fut: Future) -> None:
         with self._lock:
+            self._compiling -= 1  # (also for a compile cancelled by close())
             if self._cache.get(key) is fut:
                 if fut.exception() is not None:
                     del self._cache[key]  # not cached: a later request tries again

@@ -114,6 +114,30 @@ def test_a_failed_call_counts_against_the_worker_and_the_next_one_takes_it():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_workers_own_429_refuses_the_request_and_is_no_failure(remote):
+    """A decode worker whose grammar compiles are all taken raises CapacityError (through Ray: a
+    RayTaskError whose cause it is): the request gets that 429 at once, the worker stays healthy
+    and nothing stays counted on it."""
+    from ray.exceptions import RayTaskError
+
+    from cluster.errors import CapacityError
+
+    async def main():
+        d0 = StubWorker("d0", "decode")
+        h = Harness([StubWorker("p0", "prefill")] if remote else [], [d0], unhealthy_after_failures=1)
+        await h.health.poll_once()
+        busy = CapacityError("2 structured-output grammars are compiling on this worker (its limit); retry shortly")
+        d0.fail = RayTaskError("reserve" if remote else "submit_local", "traceback", busy).as_instanceof_cause()
+        rs = h.request("r1")
+        with pytest.raises(CapacityError) as refused:
+            await h.walk.place(rs)
+        assert refused.value is busy and rs.decode_worker_id is None
+        v = h.workers.views["d0"]
+        assert v.healthy and v.consecutive_failures == 0 and not v.inflight and not v.placing
+    asyncio.run(main())
+
+
 def test_a_remote_prefill_reserves_on_the_decode_worker_then_runs_on_the_prefill_worker():
     async def main():
         p0, d0 = StubWorker("p0", "prefill"), StubWorker("d0", "decode")

@@ -2,11 +2,12 @@
 accepted while compiling, reports failures; fill_bitmasks equals row-by-row fills."""
 
 import threading
+import time
 
 import pytest
 import torch
 
-from cluster.errors import InvalidRequestError
+from cluster.errors import CapacityError, InvalidRequestError
 from cluster.structured import GrammarCompiler, StructuredOutput, fill_bitmasks
 from cluster.structured.grammar import GrammarBackend, GrammarMatcher, bitmask_words
 from cluster.structured.registry import register_grammar_backend
@@ -199,3 +200,25 @@ def test_compiles_in_a_child_process_killed_at_the_deadline(demo_model_dir):
         assert ready(StructuredOutput.regex("x+"), "r3").matcher is not None
     finally:
         gc.close()
+
+
+def test_distinct_grammars_past_the_compile_slots_get_a_429_at_once(gated):
+    """Issue 37: every compile slot busy with a distinct grammar (here gated: think of each taking the
+    whole deadline); the next distinct one is refused with a 429 at once instead of queueing behind
+    them; the same grammars, and any once compiled, are still served; after the compiles, room again."""
+    c, _ = gated
+    busy = [c.grammar_for(StructuredOutput.regex(f"a{{{k}}}"), f"r{k}") for k in range(c.max_compiling)]
+    t0 = time.monotonic()
+    with pytest.raises(CapacityError) as refused:
+        c.grammar_for(StructuredOutput.regex("b+"), "r-new")
+    assert time.monotonic() - t0 < 0.5 and "compiling on this worker" in str(refused.value)
+    e = refused.value  # what the gateway answers (router/openai/errors.py::api_error reads these)
+    assert (e.http_status, e.openai_type, e.openai_code, e.retry_after_s) == (429, "rate_limit_error",
+                                                                               "rate_limit_exceeded", 1)
+    same = c.grammar_for(StructuredOutput.regex("a{0}"), "r-same")  # compiling already: shares it
+    GatedBackend.gate.set()
+    assert all(g.wait(10) for g in busy) and same.wait(10)
+    deadline = time.monotonic() + 10
+    while c._compiling and time.monotonic() < deadline:  # (the done callbacks run on the pool)
+        time.sleep(0.01)
+    assert c.grammar_for(StructuredOutput.regex("b+"), "r-again").wait(10) and c.refused == 1
