@@ -28,6 +28,9 @@ class PdserveError(Exception):
     openai_type: ClassVar[str] = "internal_error"
     openai_code: ClassVar[str | None] = None
     close_connection: ClassVar[bool] = False  # answered with `Connection: close` (the server is going away)
+    # Raised by a worker about one request it cannot take now (not a fault of the worker): the router
+    # answers the request with it and does not count it against the worker's health.
+    worker_refusal: ClassVar[bool] = False
     # Per instance where a subclass says so (class defaults otherwise); both travel on the channel.
     param: str | None = None  # the request field at fault
     retry_after_s: int | None = None  # the Retry-After header, in seconds (None: no header)
@@ -67,3 +70,4 @@ class CapacityError(PdserveError):
     openai_type = "rate_limit_error"
     openai_code = "rate_limit_exceeded"
     retry_after_s = 1
+    worker_refusal = True  # (e.g. a worker's grammar compiles are all taken)

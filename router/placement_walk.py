@@ -21,7 +21,6 @@ import logging
 import time
 from typing import Callable
 
-from cluster.errors import CapacityError
 from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
@@ -176,10 +175,11 @@ class PlacementWalk:
 
     @staticmethod
     def _raise_refusal(rs: PlacedRequest, e: Exception) -> None:
-        """A worker's own 429 (CapacityError: e.g. its grammar compiles are all taken) ends the
-        placement with it: the request is refused, and the worker is not counted as failing."""
+        """A worker's refusal of this one request (an error class with `worker_refusal`, e.g. the 429
+        of a worker whose grammar compiles are all taken) ends the placement with it: the request is
+        refused, and the worker is not counted as failing."""
         cause = getattr(e, "cause", e)  # (Ray wraps what an actor raised; .cause is the original)
-        if isinstance(cause, CapacityError):
+        if getattr(cause, "worker_refusal", False):
             rs.decode_worker_id = None
             raise cause from None
 
