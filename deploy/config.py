@@ -49,7 +49,7 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
     **{n: (WorkerConfig, n) for n in (
         "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
         "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
-        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed", "gpu_memory_utilization",
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "prefill_graph_max_tokens", "seed", "gpu_memory_utilization",
         "quantization", "kv_cache_dtype", "max_loop_restarts")},
     **{n: (RouterConfig, n) for n in (
         "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
@@ -193,8 +193,14 @@ class ClusterConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
     use_cuda_graph: bool = _d("use_cuda_graph")
     """Replay decode steps as CUDA graphs (GPU only)."""
+    prefill_graph_max_tokens: int = Field(_d("prefill_graph_max_tokens"), ge=0)
+    """Prefill passes of at most this many tokens (short prompts, cached-prefix tails, chunk tails)
+    replay CUDA graphs captured at token buckets (16, 32, 64, 128, then every 64) instead of launching
+    each layer's kernels from Python; longer passes run eagerly. 0: every prefill pass eagerly. GPU with
+    the triton attention backend, one GPU per prefill worker (otherwise every pass is eager)."""
     enforce_eager: bool = False
-    """vLLM's: run every decode step eagerly, no CUDA graphs (the same as --no-use-cuda-graph)."""
+    """vLLM's: no CUDA graphs at all, decode steps and prefill passes run eagerly (the same as
+    --no-use-cuda-graph --prefill-graph-max-tokens 0)."""
     chat_template: str | None = None
     """The chat template /v1/chat/completions renders messages with, instead of the tokenizer's: a file's
     path, or the Jinja template itself (vLLM's --chat-template). Checked before anything starts."""

@@ -60,6 +60,12 @@ def test_every_setting_reaches_its_component():
     # vLLM's --enforce-eager: no graphs, whatever use_cuda_graph says
     assert worker_config(ClusterConfig(enforce_eager=True), "/m", "cuda").use_cuda_graph is False
     assert worker_config(ClusterConfig(), "/m", "cuda").use_cuda_graph is True
+    # ... nor prefill graphs; otherwise the passes up to prefill_graph_max_tokens replay them
+    assert worker_config(ClusterConfig(enforce_eager=True), "/m", "cuda").prefill_graph_max_tokens == 0
+    assert worker_config(ClusterConfig(prefill_graph_max_tokens=128), "/m", "cuda").prefill_graph_max_tokens == 128
+    assert worker_config(ClusterConfig(), "/m", "cuda").prefill_graph_max_tokens == 512
+    with pytest.raises(ValueError):
+        ClusterConfig(prefill_graph_max_tokens=-1)
     s = built[GatewayConfig]
     assert (s.router_address, s.served_model_name, s.max_model_len, s.sink_host, s.drain_timeout_s) == \
         ("ipc://r", "m", 512, "h", cfg.drain_timeout_s)
