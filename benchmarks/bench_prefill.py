@@ -10,7 +10,16 @@ GEMM (8192^3). Each row also carries the attention kernel's share of the device 
 over one forward) and, for comparison, the same forward with the torch reference attention (one SDPA
 call per prompt).
 
-    python -m benchmarks.bench_prefill [--out loadtest/results/prefill_h200.json]
+Short passes (`--mode short`, rows with `mode: "short"`): 1x16, 1x128, 4x128 and 1x512 tokens, as the
+prefill worker runs them, i.e. replayed as CUDA graphs at token buckets (cluster/prefill_graph_runner.py,
+buckets up to 512 tokens). Per row: `wall_ms`, the host's time from the call to the logits being on
+the device (median, synchronised); `device_ms`, the same pass's time on the GPU alone (CUDA events
+around it, its launches queued behind a sleep kernel so no host gap is inside); `kernels`, the kernels
+one pass runs (torch.profiler); and the same three for the eager pass (`eager_*`) for comparison.
+Target: wall_ms <= 1.3 x device_ms. With --mode short an existing --out file keeps its other rows and
+fields (its short rows are replaced).
+
+    python -m benchmarks.bench_prefill [--out loadtest/results/prefill_h200.json] [--mode mixes|short|all]
     python -m benchmarks.bench_prefill --dry-run --out /tmp/prefill.json   # CPU, tiny model, seconds
 """
 
@@ -30,10 +39,15 @@ import torch
 from cluster.kv_cache import KVCacheSpec
 from cluster.model.loader import random_model
 from cluster.model_runner import ModelRunner, PrefillChunk
+from cluster.prefill_graph_runner import PrefillGraphRunner
 from benchmarks.common import BLOCK_SIZE, arch_of, model_flops
 
 MIXES = [(32, 128), (8, 512), (2, 2048), (1, 4096)]
 DRY_MIXES = [(4, 16), (1, 64)]
+SHORT = [(1, 16), (1, 128), (4, 128), (1, 512)]
+DRY_SHORT = [(1, 16), (2, 24)]
+SHORT_MAX_TOKENS = 512  # the prefill worker's default prefill_graph_max_tokens
+SLEEP_MS = 40  # queued ahead of a pass whose device time is measured: longer than any pass's launches
 
 
 def log(*a):
@@ -115,19 +129,85 @@ class PrefillBench:
         finally:
             self._set_backend(fused)
 
+    # -- short passes --------------------------------------------------------------------------------
+    def capture_graphs(self) -> PrefillGraphRunner:
+        graphs = PrefillGraphRunner(self.model, self.runner.kv_cache, BLOCK_SIZE, self.spec.num_blocks,
+                                    SHORT_MAX_TOKENS)
+        graphs.capture()
+        return graphs
+
+    def short_pass(self, chunks, graphs: PrefillGraphRunner | None, reps: int) -> dict:
+        """wall_ms, device_ms and kernels of one pass (graphed when `graphs` is given, else eager)."""
+        self.runner.prefill_graphs = graphs
+        try:
+            for _ in range(3 if self.device == "cuda" else 1):
+                self.runner.prefill(chunks)  # warm-up
+            walls = []
+            for _ in range(reps):
+                sync(self.device)
+                t0 = time.perf_counter()
+                self.runner.prefill(chunks)
+                sync(self.device)
+                walls.append(time.perf_counter() - t0)
+            out = {"wall_ms": statistics.median(walls) * 1e3}
+            if self.device == "cuda":
+                out.update(self._device_ms(chunks, reps), kernels=self._kernels(chunks))
+            else:  # the dry run: the CPU ran it synchronously
+                out.update(device_ms=out["wall_ms"], kernels=None, launch_ms=None)
+            return out
+        finally:
+            self.runner.prefill_graphs = None
+
+    def _device_ms(self, chunks, reps: int) -> dict:
+        """The pass on the GPU alone: its launches are queued behind a sleep kernel, then CUDA events around
+        it time the kernels back to back. launch_ms (the host's enqueue time) must stay under the sleep."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(10**7)
+        end.record()
+        torch.cuda.synchronize()
+        cycles = int(10**7 * SLEEP_MS / start.elapsed_time(end))  # the sleep kernel counts clock cycles
+        times, launches = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            start.record()
+            self.runner.prefill(chunks)
+            end.record()
+            launches.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        launch_ms = statistics.median(launches) * 1e3
+        assert launch_ms < SLEEP_MS, f"the pass took {launch_ms:.1f} ms to enqueue, past the {SLEEP_MS} ms sleep"
+        return {"device_ms": statistics.median(times), "launch_ms": launch_ms}
+
+    def _kernels(self, chunks) -> int:
+        """Kernels one pass runs on the GPU (copies and memsets not counted)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.runner.prefill(chunks)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if str(e.device_type).endswith("CUDA")
+                   and not e.name.startswith(("Memcpy", "Memset")))
+
     def _set_backend(self, backend) -> None:
         self.model.attention_backend = backend
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, small mixes: checks the script")
     ap.add_argument("--out", default="loadtest/results/prefill_h200.json")
     ap.add_argument("--models", default=None)
     ap.add_argument("--reps", type=int, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--mode", choices=("mixes", "short", "all"), default="all",
+                    help="the packed mixes (MFU), the short passes (graphed vs eager, mode: short), or both")
+    args = ap.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     assert args.dry_run or torch.cuda.is_available(), "the prefill benchmark needs a GPU (or --dry-run)"
     models = args.models.split(",") if args.models else (["tiny-shape"] if args.dry_run else
@@ -137,19 +217,34 @@ def main():
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
-    peak = matmul_tflops(device)
-    log(f"dense bf16 matmul: {peak:.0f} TFLOP/s")
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
-              "torch": torch.__version__, "command": " ".join(sys.argv), "matmul_tflops": peak,
-              "flops": "2 x matmul weights per token (LM head: last token per prompt) + causal attention",
-              "rows": [], "errors": []}
+    command = " ".join(["python -m benchmarks.bench_prefill", *(sys.argv[1:] if argv is None else argv)])
+    if args.mode == "short" and out_path.exists():  # the other rows and fields stay; the short rows are replaced
+        result = json.loads(out_path.read_text())
+        result["rows"] = [r for r in result.get("rows", []) if r.get("mode") != "short"]
+        result.setdefault("errors", [])
+    else:
+        peak = matmul_tflops(device) if args.mode != "short" else None
+        result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+                  "torch": torch.__version__, "command": command, "matmul_tflops": peak,
+                  "flops": "2 x matmul weights per token (LM head: last token per prompt) + causal attention",
+                  "rows": [], "errors": []}
+    if args.mode != "mixes":
+        result["short"] = {"command": command, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                           "torch": torch.__version__, "graphs": {},
+                           "note": "mode short: wall_ms = host call to logits on the device (median); device_ms = "
+                                   "the pass alone on the GPU (events, launches queued behind a sleep); kernels per "
+                                   "pass (torch.profiler); eager_*: the same pass without graphs"}
 
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
     for name in models:
         bench = PrefillBench(name, device)
-        for prompts, length in mixes:
+        if args.mode != "mixes":
+            run_short(bench, name, DRY_SHORT if args.dry_run else SHORT, reps, result)
+            save()
+        for prompts, length in mixes if args.mode != "short" else []:
+            peak = result["matmul_tflops"]
             try:
                 chunks = bench.chunks(prompts, length)
                 ms = bench.time_ms(chunks, reps)
@@ -175,6 +270,32 @@ def main():
             torch.cuda.empty_cache()
     save()
     log(f"wrote {out_path}")
+
+
+def run_short(bench: PrefillBench, name: str, passes, reps: int, result: dict) -> None:
+    """The short passes' rows: graphed (the prefill worker's path) and eager, per pass."""
+    try:
+        graphs = bench.capture_graphs()
+        result["short"]["graphs"][name] = graphs.summary()
+    except Exception as e:  # noqa: BLE001 - keep the other measurements
+        traceback.print_exc()
+        result["errors"].append(f"{name} short: capture: {e!r}")
+        return
+    for prompts, length in passes:
+        try:
+            chunks = bench.chunks(prompts, length)
+            graphed = bench.short_pass(chunks, graphs, reps * 4)
+            eager = bench.short_pass(chunks, None, reps)
+            row = {"model": name, "mode": "short", "prompts": prompts, "prompt_len": length, **graphed,
+                   "bucket": graphs.bucket_for(chunks), "wall_over_device": graphed["wall_ms"] / graphed["device_ms"],
+                   **{f"eager_{k}": v for k, v in eager.items()}}
+            result["rows"].append(row)
+            log(f"  {name} short {prompts}x{length}: wall {row['wall_ms']:.3f} ms, device {row['device_ms']:.3f} ms "
+                f"({row['wall_over_device']:.2f}x), {row['kernels']} kernels; eager wall {row['eager_wall_ms']:.3f} ms, "
+                f"{row['eager_kernels']} kernels")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            result["errors"].append(f"{name} short {prompts}x{length}: {e!r}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ The decode step's features variant (logits processing, state update, logprobs: r
 batch where some row asks for them) is captured at a coarser subset, `feature_bucket_sizes`: a
 features batch pads to it. Half the graphs (capture time) for ~10 % more padded rows on the
 batches that need the variant, which are the rarer ones.
+
+Prefill passes have their own rule (`prefill_token_buckets`, `prefill_graph_seqs`): a short pass of T
+tokens over S prompts replays the graph of the smallest token bucket >= T when S fits that bucket's
+prompt rows (cluster/prefill_graph_runner.py); a longer pass, or one of more prompts, runs eagerly.
 """
 
 from __future__ import annotations
@@ -77,3 +81,30 @@ def padding_waste(sizes: Seq[int], batch_sizes: Iterable[int]) -> float:
     batch_sizes = list(batch_sizes)
     padded = sum(padded_size(sizes, n) for n in batch_sizes)
     return (padded - sum(batch_sizes)) / padded if padded else 0.0
+
+
+# Most prompts one graphed prefill pass holds: the captured LM head computes this many rows, and the
+# attention grid has a tile for each (cluster/prefill_graph_runner.py).
+PREFILL_GRAPH_MAX_SEQS = 64
+
+
+def prefill_token_buckets(max_tokens: int) -> list[int]:
+    """Token counts the prefill graphs are captured at, ascending: 16, 32, 64, 128, then every 64, the
+    largest max_tokens itself (none for max_tokens 0). Below ~512 tokens a pass's device time is mostly
+    reading the weights once, so padding to the next bucket costs little."""
+    if max_tokens <= 0:
+        return []
+    sizes = [16, 32, 64, 128] + list(range(192, max_tokens, 64))
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+def prefill_graph_seqs(bucket: int) -> int:
+    """Prompts a prefill pass in this token bucket may hold (each has at least one token)."""
+    return min(bucket, PREFILL_GRAPH_MAX_SEQS)
+
+
+def prefill_bucket_for(sizes: Seq[int], num_tokens: int, num_seqs: int) -> int | None:
+    """The token bucket a prefill pass replays in, or None: it runs eagerly (more tokens than the
+    largest bucket, or more prompts than its bucket's rows)."""
+    b = bucket_for(sizes, num_tokens)
+    return b if b is not None and 0 < num_seqs <= prefill_graph_seqs(b) else None

@@ -1,7 +1,7 @@
 """Turns host-side batches into model inputs and runs the eager forward passes.
 
-Shared by the in-process engine, the prefill worker (packed variable-length prefill) and the
-decode worker (whose graph runner reuses `build_decode_metadata` for its eager fallback).
+Shared by the in-process engine, the prefill worker (packed variable-length prefill; its short passes
+replay CUDA graphs, `prefill_graphs`) and the decode worker (whose graph runner reuses `build_decode_metadata` for its eager fallback).
 
 Tensor parallelism: on rank 0 of a group (`group`, a cluster.distributed.TPGroup), every pass is first
 announced to the followers (a PrefillPass / EagerDecode step message), which run the same pass through
@@ -66,6 +66,9 @@ class ModelRunner:
         self.kv_cache = kv_cache if kv_cache is not None else spec.allocate(self.device)
         self.group = group if group is not None and group.size > 1 else None
         self.shipment_of_pass = None  # rank 0, prefill worker: () -> the pass's KV shipment (bytes) for followers
+        # A prefill worker on one GPU: a cluster.prefill_graph_runner.PrefillGraphRunner that replays the
+        # short passes (last-token logits only) as CUDA graphs; the passes it declines run here eagerly.
+        self.prefill_graphs = None
         model.bind_kv_cache(self.kv_cache)
 
     # -- tensor parallelism ---------------------------------------------------------------------------
@@ -124,6 +127,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _prefill(self, chunks: Seq[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
+        if not all_logits and self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(chunks)
+            if logits is not None:
+                return logits
         ids, pos, meta, last = self.build_prefill_inputs(chunks)
         hidden = self.model(ids, pos, meta)
         return self.model.compute_logits(hidden if all_logits else hidden[last])

@@ -31,6 +31,9 @@ class WorkerConfig:
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
+    # Prefill worker: passes of at most this many tokens replay CUDA graphs captured at token buckets
+    # (cluster/prefill_graph_runner.py; one GPU, triton attention); longer ones run eagerly. 0: all eager.
+    prefill_graph_max_tokens: int = 512
     seed: int = 0
     # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
     # (cluster/distributed/tp_group.py). 1: the worker is this one process.

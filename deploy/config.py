@@ -49,7 +49,7 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
     **{n: (WorkerConfig, n) for n in (
         "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
         "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
-        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "seed", "gpu_memory_utilization",
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "prefill_graph_max_tokens", "seed", "gpu_memory_utilization",
         "quantization", "kv_cache_dtype", "max_loop_restarts")},
     **{n: (RouterConfig, n) for n in (
         "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
@@ -165,9 +165,8 @@ class ClusterConfig(BaseModel):
     """Fraction of the GPU memory left after the weights that the KV cache takes (when
     gpu_memory_utilization is not set)."""
     gpu_memory_utilization: float | None = Field(_d("gpu_memory_utilization"), gt=0.0, le=1.0)
-    """vLLM's: the fraction of a worker's GPU (of its share, when workers share one) that weights,
-    activations and KV cache take together; the KV cache gets what is left of it. None: size the KV
-    cache by kv_memory_fraction."""
+    """vLLM's: the fraction of a worker's GPU (of its share, when workers share one) that weights, activations and KV
+    cache take together; the KV cache gets what is left of it. None: size the KV cache by kv_memory_fraction."""
     cpu_num_blocks: int = Field(_d("cpu_num_blocks"), ge=2)
     """KV blocks per worker on CPU."""
     max_num_seqs: int = Field(_d("max_num_seqs"), ge=1)
@@ -175,11 +174,10 @@ class ClusterConfig(BaseModel):
     max_prefill_tokens: int = Field(_d("max_prefill_tokens"), ge=1)
     """Token budget of one prefill step."""
     local_prefill_chunk_tokens: int = Field(_d("local_prefill_chunk_tokens"), ge=1)
-    """Most prompt tokens a decode worker prefills locally between two decode steps while requests are
-    decoding on it (the rest of a long prompt goes in later chunks, each followed by a decode step).
-    256 tokens of the 8B shape take ~5.7 ms on an H200 (42-46k prompt tokens/s measured,
-    loadtest/results/prefill_h200.md), as long as its decode step at batch 64 (5.82 ms,
-    decode_h200.md): a running request's token gap at most doubles while a long prompt goes in."""
+    """Most prompt tokens a decode worker prefills locally between two decode steps while requests are decoding on it
+    (the rest of a long prompt goes in later chunks, each followed by a decode step). 256 tokens of the 8B shape take
+    ~5.7 ms on an H200 (42-46k prompt tokens/s measured, loadtest/results/prefill_h200.md), as long as its decode step
+    at batch 64 (5.82 ms, decode_h200.md): a running request's token gap at most doubles while a long prompt goes in."""
     warmup: bool = True
     """Warm every worker up before /ready: each prefill shape class (twice; the second run seeds the
     measured rates), the decode worker's local-prefill path and a decode step of every graph variant."""
@@ -193,8 +191,10 @@ class ClusterConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs: 'vllm', 'pow2' or a list like 1,2,4,8."""
     use_cuda_graph: bool = _d("use_cuda_graph")
     """Replay decode steps as CUDA graphs (GPU only)."""
+    prefill_graph_max_tokens: int = Field(_d("prefill_graph_max_tokens"), ge=0)
+    """Prefill passes up to this many tokens replay CUDA graphs (GPU, triton, TP 1); 0: all eager."""
     enforce_eager: bool = False
-    """vLLM's: run every decode step eagerly, no CUDA graphs (the same as --no-use-cuda-graph)."""
+    """vLLM's: no CUDA graphs, decode or prefill (--no-use-cuda-graph --prefill-graph-max-tokens 0)."""
     chat_template: str | None = None
     """The chat template /v1/chat/completions renders messages with, instead of the tokenizer's: a file's
     path, or the Jinja template itself (vLLM's --chat-template). Checked before anything starts."""

@@ -46,6 +46,7 @@ from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillT
 from cluster.model.config import ModelArchConfig
 from cluster.model_runner import PrefillChunk
 from cluster.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.prefill_graph_runner import PrefillGraphRunner
 from cluster.request_limits import check_request_fits, served_max_model_len
 from cluster.sampler import sample_tokens
 from cluster.structured.grammar_compiler import GrammarCompiler
@@ -85,6 +86,10 @@ class PrefillWorker:
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
+        # Short passes replay CUDA graphs (cluster/prefill_graph_runner.py), captured now, before serving.
+        self.graphs_off = PrefillGraphRunner.eager_reason(cfg, self.group is not None)
+        self.prefill_graphs = None if self.graphs_off else PrefillGraphRunner.for_worker(wm, cfg, self.max_model_len)
+        self.runner.prefill_graphs = self.prefill_graphs
         # Measured cost of a packed prefill (per token + per pass), reported in stats().
         self.rate_meter = PassRateMeter()
         self._timer = DevicePassTimer(self.rate_meter, self.device)
@@ -241,6 +246,7 @@ class PrefillWorker:
             extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
         if self.warmup_info:
             extra["warmup"] = self.warmup_info
+        extra["prefill_graphs"] = self.prefill_graphs.summary() if self.prefill_graphs else {"off": self.graphs_off}
         self._timer.harvest()
         if self.group is not None:
             extra["tensor_parallel"] = self.group.describe()

@@ -9,9 +9,10 @@
 #
 # Cases, per shape: 1 user with 128-, 512- and 2048-token unique prompts, and 1 user with 2048-token
 # prompts of which 1920 are a cached prefix; the 1B shape also at the ITL run's levels (1..256 users,
-# 128-token prompts, 256 output tokens). Not here: prefill_h200.json's `mode: "short"` rows (the
-# short-pass benchmark is not written yet).
-# Knobs: BUDGET (575), CASE_SECONDS (8), LEVEL_SECONDS (8), LEVELS, SKIP (comma-separated: 1b,8b).
+# 128-token prompts, 256 output tokens). prefill_h200.json's `mode: "short"` rows and the GPU tests of
+# the graphed prefill pass: scripts/short_prefill_h200.sh, which runs this script last.
+# Knobs: BUDGET (575), CASE_SECONDS (8), LEVEL_SECONDS (8), LEVELS, LEVELS_LIMIT (150: the levels stage's
+# share of the budget), SKIP (comma-separated: 1b,8b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -94,7 +95,7 @@ measure() {  # name model_dir shape row_name levels
     --cases "$CASES" --seconds "$CASE_SECONDS" "${CASE_ARGS[@]}" --out "$RESULT" > "$OUT/ttft_cases_$name.log" 2>&1
   stamp "$name cases exit $?"
   if [ -n "$levels" ]; then
-    timeout "$(limit 150)" $PY -m benchmarks.ttft_cases --url "$url" --model-name "$row" --vocab-size "$VOCAB" \
+    timeout "$(limit "${LEVELS_LIMIT:-150}")" $PY -m benchmarks.ttft_cases --url "$url" --model-name "$row" --vocab-size "$VOCAB" \
       --levels "$levels" --seconds "$LEVEL_SECONDS" "${CASE_ARGS[@]}" --out "$RESULT" > "$OUT/ttft_levels_$name.log" 2>&1
     stamp "$name levels exit $?"
   fi

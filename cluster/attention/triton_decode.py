@@ -202,8 +202,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if not meta.is_prefill or not kernels.enabled(meta.block_tables):
-            return meta
+        if not meta.is_prefill or meta.prefill_plan is not None or not kernels.enabled(meta.block_tables):
+            return meta  # a captured prefill pass brings its own plan, in static buffers
         return dataclasses.replace(meta, prefill_plan=plan_tiles(meta.query_lens, meta.context_lens_host,
                                                                    meta.block_tables.device))
 

@@ -17,6 +17,10 @@ per-sequence Python loop, no device sync) and shared by every layer; longest til
 walks the keys from its window's start (0 without a sliding window) to its last query, masking every
 key tile: separate unmasked and masked loops would save a few ALU ops per score but push the
 128 x 128 tile past the register file (checked with the sm_90 resource report: spills).
+
+A captured prefill pass (cluster/prefill_graph_runner.py) launches a fixed grid, `max_tiles` of its
+token bucket: the tiles it does not need name a sequence without queries, and their programs return
+before loading anything.
 """
 
 from __future__ import annotations
@@ -32,8 +36,23 @@ _LOG2E = 1.4426950408889634
 
 def plan_tiles(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_query_lens [S + 1] and the tile list [2, num_tiles] (sequence, first query index), int32, in
-    one host-to-device copy. Tiles are ordered by the keys they attend to, most first, so that the
-    longest programs start first and short ones fill the tail of the launch."""
+    one host-to-device copy (the host arrays: `tile_plan`)."""
+    cu, seq, start = tile_plan(query_lens, context_lens)
+    packed = np.concatenate([cu, seq, start]).astype(np.int32)
+    dev = torch.from_numpy(packed).to(device)
+    return dev[: len(cu)], dev[len(cu) :].view(2, len(seq))
+
+
+def max_tiles(num_tokens: int, num_seqs: int) -> int:
+    """The most tiles `tile_plan` makes for at most num_seqs sequences of num_tokens tokens in all:
+    sum(ceil(q_i / BLOCK_M)) <= num_tokens // BLOCK_M + num_seqs. A CUDA graph's fixed grid."""
+    return num_tokens // BLOCK_M + num_seqs
+
+
+def tile_plan(query_lens, context_lens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cu_query_lens [S + 1], each tile's sequence, each tile's first query index), int64 numpy. Tiles
+    are ordered by the keys they attend to, most first, so that the longest programs start first and
+    short ones fill the tail of the launch."""
     q = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
     cu = np.zeros(len(q) + 1, dtype=np.int64)
@@ -44,9 +63,7 @@ def plan_tiles(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Te
     start = (np.arange(len(seq)) - np.repeat(first_tile, tiles)) * BLOCK_M
     keys = (ctx - q)[seq] + np.minimum(start + BLOCK_M, q[seq])  # the causal span each tile reads
     order = np.argsort(-keys, kind="stable")
-    packed = np.concatenate([cu, seq[order], start[order]]).astype(np.int32)
-    dev = torch.from_numpy(packed).to(device)
-    return dev[: len(cu)], dev[len(cu) :].view(2, len(seq))
+    return cu, seq[order], start[order]
 
 
 @triton.jit
@@ -102,6 +119,8 @@ def _prefill_attention_kernel(
     q_first = tl.load(Tiles + num_tiles + tile)
     q_begin = tl.load(CuQ + seq)
     q_len = tl.load(CuQ + seq + 1) - q_begin
+    if q_first >= q_len:  # a graph's unused tile (cluster/prefill_graph_runner.py): nothing to compute or store
+        return
     ctx = tl.load(Ctx + seq)
     cached = ctx - q_len
 

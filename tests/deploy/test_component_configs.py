@@ -19,7 +19,8 @@ from router.router_config import RouterConfig
 NOT_DEFAULT = dict(
     dtype="float16", attention_backend="triton", block_size=32, num_blocks=77, kv_memory_fraction=0.5,
     cpu_num_blocks=99, max_num_seqs=7, max_prefill_tokens=1000, local_prefill_chunk_tokens=33, max_model_len=999,
-    enable_prefix_caching=False, graph_buckets=(1, 3), use_cuda_graph=False, seed=5, gpu_memory_utilization=0.7,
+    enable_prefix_caching=False, graph_buckets=(1, 3), use_cuda_graph=False, prefill_graph_max_tokens=96, seed=5,
+    gpu_memory_utilization=0.7,
     quantization="fp8", kv_cache_dtype="fp8", max_loop_restarts=9,
     prefill_placement="static", local_prefill_threshold=9, itl_cost_weight=3.5, stats_interval_s=0.7,
     call_timeout_s=11.0, prefill_timeout_s=12.0, reserve_wait_s=0.3, migration_wait_s=13.0,
@@ -60,6 +61,12 @@ def test_every_setting_reaches_its_component():
     # vLLM's --enforce-eager: no graphs, whatever use_cuda_graph says
     assert worker_config(ClusterConfig(enforce_eager=True), "/m", "cuda").use_cuda_graph is False
     assert worker_config(ClusterConfig(), "/m", "cuda").use_cuda_graph is True
+    # ... nor prefill graphs; otherwise the passes up to prefill_graph_max_tokens replay them
+    assert worker_config(ClusterConfig(enforce_eager=True), "/m", "cuda").prefill_graph_max_tokens == 0
+    assert worker_config(ClusterConfig(prefill_graph_max_tokens=128), "/m", "cuda").prefill_graph_max_tokens == 128
+    assert worker_config(ClusterConfig(), "/m", "cuda").prefill_graph_max_tokens == 512
+    with pytest.raises(ValueError):
+        ClusterConfig(prefill_graph_max_tokens=-1)
     s = built[GatewayConfig]
     assert (s.router_address, s.served_model_name, s.max_model_len, s.sink_host, s.drain_timeout_s) == \
         ("ipc://r", "m", 512, "h", cfg.drain_timeout_s)
