@@ -1,5 +1,5 @@
 """TransportFaults: the faults armed in one KV transport (chaos and reliability tests arm them through
-the worker's fault interface, cluster/worker_api.py's FaultControl; in production none is ever armed).
+the worker's fault interface, cluster/faults/fault_control.py; in production none is ever armed).
 Each side looks at one place: the sender when a bundle's first launch goes out, the receiver when a
 pair forms."""
 
