@@ -1,5 +1,6 @@
-"""The control plane every KV transport shares; how the payload moves is a subclass's (torch_dist.py:
-NCCL/gloo point-to-point, same_gpu.py: CUDA IPC copies).
+"""The control plane every KV transport shares; how the bytes move is the payload's, an object the
+transport is given (payload.py; torch_dist.py: NCCL/gloo point-to-point, same_gpu.py: CUDA IPC copies,
+tp_payload.py: a tensor-parallel worker's ranks).
 
 The store (the launcher's TCPStore, or an in-process HashStore in tests) holds ownership and liveness
 only, never anything a transfer waits for. Every value in it is sealed under the cluster's secret
