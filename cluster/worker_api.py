@@ -9,6 +9,9 @@ awaitable and under a per-call timeout; the launcher calls them on the Ray handl
 Over Ray every call is asynchronous whatever the method: an `async def` here is a method the actor
 runs on its own event loop (many in flight at once), a plain `def` one the actor runs in turn. Only
 the messages of cluster/messages.py (and plain values) cross.
+
+Serving only: what the tests and the chaos run call besides (fault injection, the block-accounting
+check) is the fault interface, cluster/faults/fault_control.py, which the actors also implement.
 """
 
 from __future__ import annotations
@@ -48,17 +51,8 @@ class WorkerAPI(Protocol):
         """Joins the cluster's KV transport (once per incarnation: a second call keeps it)."""
         ...
 
-    def check_blocks(self) -> None:
-        """Raises if the KV block accounting is inconsistent (tests and the chaos run call it)."""
-        ...
-
     def transfer_metrics(self) -> dict:
         """The KV transport's counters and recent transfers ({} without a transport)."""
-        ...
-
-    def inject_transport_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Fault injection in the KV transport (chaos and reliability tests; ControlledTransport.
-        inject_fault): a prefill worker's "transfer" / "stuck_transfer", a decode worker's "slow_hello"."""
         ...
 
     def shutdown(self) -> None:
@@ -96,15 +90,6 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
     def lost(self, request_id: str) -> bool:
         """Whether the worker dropped the request through a failure of its own (its loop failed), so
         that the router moves it like a dead worker's."""
-        ...
-
-    def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
-        """Fault injection for the reliability tests and the chaos run ("loop", "restart"; with
-        `after_tokens`: right after a request has sent exactly that many tokens)."""
-        ...
-
-    def clear_faults(self) -> None:
-        """Disarms the injected faults that have not fired."""
         ...
 
     def step_metrics(self) -> dict:

@@ -1,6 +1,7 @@
 """DecodeWorkerActor: the Ray face of DecodeWorker. Every method returns at once; the decode loop
 runs on the worker's own thread, and tokens leave through the ZMQ token sink, never through Ray.
-Its methods are the decode worker interface, cluster.worker_api.DecodeWorkerAPI (documented there).
+Its methods are the decode worker interface, cluster.worker_api.DecodeWorkerAPI, and the fault interface
+the tests and the chaos run use, cluster.faults.fault_control.DecodeFaultControl (both documented there).
 
 The launcher creates it with e.g. `ray.remote(num_gpus=1)(DecodeWorkerActor).remote(id, cfg, stats_sink)`;
 tokens go to the gateway each request names (`GenerateRequest.reply_to`), step records to `stats_sink`.

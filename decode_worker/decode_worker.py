@@ -56,7 +56,7 @@ from decode_worker.sequence_builder import SequenceBuilder
 from decode_worker.step_handle import StepHandle
 from decode_worker.step_interval import LaunchSpan, StepIntervalClock
 from decode_worker.publisher_process import make_publisher
-from decode_worker.fault_plan import FaultPlan, TokenCountFault
+from cluster.faults.fault_plan import FaultPlan, TokenCountFault
 from decode_worker.warmup import DecodeWorkerWarmup, WarmupParts
 
 log = logging.getLogger(__name__)

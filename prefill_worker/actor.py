@@ -7,7 +7,8 @@
     result = await w.submit.remote(task)                      # -> PrefillResult
 
 Only small typed messages cross Ray; the KV goes through the transport. Its methods are the prefill
-worker interface, cluster.worker_api.PrefillWorkerAPI (documented there).
+worker interface, cluster.worker_api.PrefillWorkerAPI, and the fault interface the tests and the chaos
+run use, cluster.faults.fault_control.FaultControl (both documented there).
 
 Tensor parallelism (cfg.tensor_parallel_size > 1): this actor is rank 0 and starts its followers through
 `rank_launcher`, as DecodeWorkerActor does.

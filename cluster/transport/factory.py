@@ -3,14 +3,21 @@
     spec = TransportSpec("torch_dist", store_host=internal_ip, store_port=store.port)  # launcher
     transport = create_transport(spec, runner.kv_cache, worker_id, role="prefill")    # each worker
     transport.connect(decode_worker_ids)                   # prefill workers, before the cluster is ready
+
+The transport is a ControlledTransport (control.py) over the payload chosen here: TorchDistPayload
+(kind "torch_dist"), TPPayload (torch_dist, a tensor-parallel worker's rank 0) or SameGPUPayload
+("same_gpu" / "local").
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from cluster.transport.base import KVTransport
-from cluster.transport.payload_hooks import kv_payload_view
+from cluster.transport.control import ControlledTransport
+from cluster.transport.payload import kv_payload_view
 from cluster.transport.plan import KVNumerics
 from cluster.transport.rendezvous_store import store_factory
 from cluster.transport.transport_spec import KINDS, TransportSpec
@@ -30,16 +37,20 @@ def create_transport(spec: TransportSpec, kv_cache: torch.Tensor, worker_id: str
         numerics = KVNumerics(str(kv_cache.dtype).removeprefix("torch."), str(kv_cache.dtype))
     kv_cache = kv_payload_view(kv_cache)
     factory = store_factory(spec)
-    if group is not None and group.size > 1:
+    tp_size = group.size if group is not None else 1
+    if tp_size > 1:
         if spec.kind != "torch_dist":
             raise ValueError(f"a tensor-parallel worker moves KV over torch_dist, not {spec.kind!r}")
-        from cluster.transport.tp_payload import TPTorchDistTransport
+        from cluster.transport.tp_payload import TPPayload
 
-        return TPTorchDistTransport(spec, kv_cache, worker_id, role, factory, group, kv_heads, numerics)
-    if spec.kind == "torch_dist":
-        from cluster.transport.torch_dist import TorchDistTransport
+        payload = partial(TPPayload, group=group, kv_heads=kv_heads)
+    elif spec.kind == "torch_dist":
+        from cluster.transport.torch_dist import TorchDistPayload
 
-        return TorchDistTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)
-    from cluster.transport.same_gpu import SameGPUTransport
+        payload = TorchDistPayload
+    else:
+        from cluster.transport.same_gpu import SameGPUPayload
 
-    return SameGPUTransport(spec, kv_cache, worker_id, role, factory, numerics=numerics)
+        payload = SameGPUPayload
+    return ControlledTransport(spec, kv_cache, worker_id, role, factory, payload,
+                               kv_heads=kv_heads if tp_size > 1 else None, tp_size=tp_size, numerics=numerics)

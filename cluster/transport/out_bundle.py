@@ -1,4 +1,4 @@
-"""OutBundle: one bundle out, prefill side (sender_side.py sends it; receiver_side.InBundle is its
+"""OutBundle: one bundle out, prefill side (sender_side.py sends it; in_bundle.InBundle is its
 other end)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class OutBundle:
     items: list[ItemPlan]
     launches: list[Launch]
     issued: int = 0
-    payload: Any = None  # the payload subclass's per-bundle state
+    payload: Any = None  # the payload's per-bundle state
     completion: Completion | None = None
     commit_event: int = -1
     failed: str | None = None

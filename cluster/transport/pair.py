@@ -1,4 +1,4 @@
-"""One prefill-decode pair as either side of a ControlledTransport sees it, the error that ends it,
+"""One prefill-decode pair as either side of a KV transport sees it, the error that ends it,
 and the claim entries of its transfers in the store (control.py's docstring has the whole layout).
 
 Both sides import this module and nothing above it: the sender side (sender_side.py) claims with
@@ -50,9 +50,9 @@ class Pair:
         self.order = threading.Lock()  # prefill: held from a bundle's begin until its last launch is issued
         self.io = threading.Lock()  # the payload channel is used by one thread at a time (abort included)
         self.outbox: Outbox | None = None
-        self.payload: Any = None  # the payload subclass's per-pair state
+        self.payload: Any = None  # the payload's per-pair state (payload.py)
         self.spec: Any = None  # the pair's PlanSpec (plan.py): both sides' layouts and tensor-parallel sizes
         self.waiter = Waiter(f"kv-wait-{me}-{peer}")
-        self.bundles: list = []  # in flight: sender_side.OutBundle or receiver_side.InBundle
+        self.bundles: list = []  # in flight: out_bundle.OutBundle or in_bundle.InBundle
         self.dead: str | None = None
         self.wedged = False  # fault "stuck_transfer" (prefill side): nothing goes out on it any more

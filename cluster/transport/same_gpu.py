@@ -27,8 +27,8 @@ import torch
 
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import DeferredCompletion, EventCompletion, ReadyCompletion
-from cluster.transport.control import ControlledTransport
 from cluster.transport.pair import Pair
+from cluster.transport.payload import KVPayload, PayloadEnd
 from cluster.transport.plan import Launch, bundle_blocks, plan_copies, plan_item
 
 _LOCAL_POOLS: dict[tuple[str, str], torch.Tensor] = {}  # (namespace, decode worker id) -> its KV cache
@@ -75,14 +75,19 @@ class _Pool:
         self.pool, self.stream, self.events, self.next_event = pool, stream, events, 0
 
 
-class SameGPUTransport(ControlledTransport):
-    def _payload_info(self) -> dict:
+class SameGPUPayload(KVPayload):
+    """The same-device payload: copies into the decode worker's mapped pool (the module docstring)."""
+
+    def __init__(self, end: PayloadEnd):
+        self.kv_cache, self.ns, self.worker_id = end.kv_cache, end.spec.namespace, end.worker_id
+
+    def info(self) -> dict:
         return {"ipc": export_handle(self.kv_cache, self.ns, self.worker_id)}
 
-    def _payload_plan(self) -> tuple[str, int]:
+    def plan_kind(self) -> tuple[str, int]:
         return "same_gpu", 0
 
-    def _plan(self, pair, srcs, dsts, layerwise):
+    def plan(self, pair, srcs, dsts, layerwise):
         items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
         return items, plan_copies(pair.spec, sum(it.n for it in items), layerwise)
 
@@ -93,7 +98,7 @@ class SameGPUTransport(ControlledTransport):
         return t
 
     # -- prefill side -----------------------------------------------------------------------------------
-    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
+    def prepare(self, pair: Pair, info: dict) -> list[bytes]:
         pool = import_handle(info["ipc"], self.ns, pair.peer, self.kv_cache.device)
         if tuple(pool.shape[:2]) + tuple(pool.shape[3:]) != tuple(self.kv_cache.shape[:2]) + tuple(self.kv_cache.shape[3:]) \
                 or pool.dtype != self.kv_cache.dtype:
@@ -107,7 +112,7 @@ class SameGPUTransport(ControlledTransport):
             pair.payload = _Pool(pool, torch.cuda.Stream(self.kv_cache.device), events)
             return [bytes(e.ipc_handle()) for e in events]
 
-    def _payload_warm(self, pair: Pair) -> None:
+    def warm(self, pair: Pair) -> None:
         p = pair.payload
         with self._on_stream(p.stream):
             zero = self._ids([0])
@@ -115,7 +120,7 @@ class SameGPUTransport(ControlledTransport):
         if p.stream is not None:
             p.stream.synchronize()
 
-    def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
+    def issue(self, pair: Pair, b, launch: Launch, ready) -> None:
         p = pair.payload
         with self._on_stream(p.stream):
             if ready is not None:
@@ -126,7 +131,7 @@ class SameGPUTransport(ControlledTransport):
             l0, l1, b0, b1 = launch.l0, launch.l1, launch.b0, launch.b1
             copy_blocks(p.pool[l0:l1], dst_ids[b0:b1], self.kv_cache[l0:l1], src_ids[b0:b1])
 
-    def _payload_seal(self, pair: Pair, b):
+    def seal(self, pair: Pair, b):
         p = pair.payload
         if p.stream is None:
             return ReadyCompletion(), -1  # the copies ran on this thread
@@ -136,16 +141,16 @@ class SameGPUTransport(ControlledTransport):
         ev.record(p.stream)
         return EventCompletion(ev, keep=b.payload), k
 
-    def _payload_abort(self, pair: Pair) -> None:
+    def abort(self, pair: Pair) -> None:
         """Nothing to tear down: the copies in flight finish on their own (or died with the prefill)."""
 
     # -- decode side ------------------------------------------------------------------------------------
-    def _payload_accept(self, pair: Pair, hello) -> None:
+    def accept(self, pair: Pair, hello) -> None:
         dev = self.kv_cache.device
         pair.payload = [torch.cuda.Event.from_ipc_handle(dev, h) for h in hello.events]
 
-    def _payload_post(self, pair: Pair, b):
+    def post(self, pair: Pair, b):
         return DeferredCompletion(), None  # nothing to post: the commit names the event to query
 
-    def _payload_commit(self, pair: Pair, b, msg) -> None:
+    def commit(self, pair: Pair, b, msg) -> None:
         b.completion.bind(EventCompletion(pair.payload[msg.event]) if msg.event >= 0 else ReadyCompletion())

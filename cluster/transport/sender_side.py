@@ -1,4 +1,4 @@
-"""The prefill side of a ControlledTransport (control.py tells the whole protocol): pairs formed from
+"""The prefill side of a KV transport (control.py tells the whole protocol): pairs formed from
 this end, claims, bundles, layer-wise launches, seal and commit, the watch over transfers in flight,
 aborts.
 
@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -30,12 +29,11 @@ from cluster.kv_blocks import blocks_for_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import ReadyCompletion, WedgedCompletion
+from cluster.transport.link import Link
 from cluster.transport.out_bundle import OutBundle
 from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
+from cluster.transport.payload import KVPayload
 from cluster.transport.plan import KVNumerics, PlanSpec, check_pair_numerics, fingerprint
-
-if TYPE_CHECKING:
-    from cluster.transport.control import ControlledTransport
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +49,7 @@ class _Shipment(Shipment):
         if self._kv_done or not any(b.issued < len(b.launches) and b.launches[b.issued].last_layer <= layer
                                     for b in self.bundles):
             return  # no launch waits for this layer (not layer-wise, or already issued)
-        ready = self.s.t._payload_mark()
+        ready = self.s.payload.mark()
         for b in self.bundles:
             self.s._issue_through(b, layer, ready)
 
@@ -59,7 +57,7 @@ class _Shipment(Shipment):
         if self._kv_done:
             return
         self._kv_done = True
-        ready = self.s.t._payload_mark() if self.bundles else None
+        ready = self.s.payload.mark() if self.bundles else None
         for b in self.bundles:
             self.s._issue_through(b, None, ready)
             self.s._seal(b)
@@ -75,32 +73,30 @@ class _Shipment(Shipment):
 
 
 class SenderSide(KVSender):
-    """Owns what only a prefill worker has: its pair locks and bundle ids. Everything shared (the pairs,
-    the dead peers, the lock, the store, liveness, records) and the payload hooks are the transport's."""
+    """Owns what only a prefill worker has: its pair locks, bundle ids and pair generations. What both
+    sides share (the pairs, the dead peers, the lock, the store, liveness, records) is the link's
+    (link.py); the bytes move through the payload (payload.py) it is given."""
 
-    def __init__(self, transport: ControlledTransport):
-        self.t = transport
+    def __init__(self, link: Link, payload: KVPayload):
+        self.link, self.payload = link, payload
         self._pair_locks: dict[str, threading.Lock] = {}
         self._bundle_ids = itertools.count()
         self._gens: dict[str, tuple[int, int]] = {}  # decode peer -> (its incarnation, the last pair generation)
-        # Pairs that broke while their peer lived on: peer -> its heartbeat count when the pair broke.
-        # Re-formed (watch_pairs) once the peer is seen beating after that (guarded by t.lock).
-        self._broken: dict[str, int] = {}
 
     # -- pairs ----------------------------------------------------------------------------------------
     def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
-        t, out = self.t, {}
-        store = t.store()
+        link, out = self.link, {}
+        store = link.store()
         for peer in sorted(set(decode_worker_ids)):  # the same order everywhere: see _pair
             t0 = time.perf_counter()
-            raw = store.get(f"{t.ns}/ctl/{peer}") if store.check([f"{t.ns}/ctl/{peer}"]) else None
+            raw = store.get(f"{link.ns}/ctl/{peer}") if store.check([f"{link.ns}/ctl/{peer}"]) else None
             inc = msgspec.msgpack.decode(raw).get("incarnation", 0) if raw is not None else None
-            with t.lock:
-                pair = t.pairs.get(peer)
+            with link.lock:
+                pair = link.pairs.get(peer)
                 # A dead peer that has not published a new incarnation stays dead (_pair raises).
-                stale = inc is not None and (pair.peer_inc != inc if pair is not None else peer in t.dead_peers)
+                stale = inc is not None and (pair.peer_inc != inc if pair is not None else peer in link.dead_peers)
             if stale:  # the decode worker restarted: form the pair with its new incarnation
-                t.forget_incarnation(peer, f"published incarnation {inc}")
+                link.forget_incarnation(peer, f"published incarnation {inc}")
             self._pair(peer)
             out[peer] = time.perf_counter() - t0
         return out
@@ -111,14 +107,14 @@ class SenderSide(KVSender):
         The decode side forms its half on our hello, from its control thread, one hello at a time; a
         prefill forms one pair at a time. So a decode worker only ever waits for a prefill worker that
         is forming a pair with it: no cycle, whatever the order of hellos."""
-        t = self.t
-        with t.lock:
-            pair = t.pairs.get(peer)
+        link = self.link
+        with link.lock:
+            pair = link.pairs.get(peer)
             lock = self._pair_locks.setdefault(peer, threading.Lock())
         if pair is None:
             with lock:
-                with t.lock:
-                    pair = t.pairs.get(peer)
+                with link.lock:
+                    pair = link.pairs.get(peer)
                 if pair is None:
                     pair = self._open_pair(peer)
         if pair.dead is not None:
@@ -128,124 +124,111 @@ class SenderSide(KVSender):
         return pair
 
     # -- pairs that break (not their peers) -----------------------------------------------------------
-    def note_broken(self, peer: str) -> None:
-        """mark_dead(pair_only): the pair broke; re-formed once the peer is seen beating after now."""
-        try:
-            hb = self.t.heartbeat_of(self.t.store(), peer)
-        except Exception:  # noqa: BLE001 - the store is gone: nothing to re-form with
-            return
-        with self.t.lock:
-            self._broken[peer] = hb
-
-    def forget_broken(self, peer: str) -> None:
-        with self.t.lock:
-            self._broken.pop(peer, None)
-
     def watch_pairs(self, store) -> None:
         """Heartbeat thread: a pair the decode side broke (its down_key names the pair's generation)
         breaks here too; a broken pair whose peer still beats is formed anew (the next generation),
         so the cluster keeps its P->D path without a restart."""
-        t = self.t
-        with t.lock:
-            live = [p for p in t.pairs.values() if p.dead is None]
-            broken = dict(self._broken)
+        link = self.link
+        with link.lock:
+            live = [p for p in link.pairs.values() if p.dead is None]
+            broken = dict(link.broken)
         for pair in live:
-            key = down_key(t.ns, t.worker_id, pair.peer, pair.peer_inc)
+            key = down_key(link.ns, link.worker_id, pair.peer, pair.peer_inc)
             if store.check([key]) and int(store.get(key)) >= pair.gen:
-                t.mark_dead(pair.peer, f"the decode worker broke the pair (generation {pair.gen})", pair_only=True)
+                link.mark_dead(pair.peer, f"the decode worker broke the pair (generation {pair.gen})", pair_only=True)
         for peer, hb in broken.items():
             try:
-                if t.heartbeat_of(store, peer) <= hb:
+                if link.heartbeat_of(store, peer) <= hb:
                     continue  # not seen beating since the pair broke (yet)
-                t.forget_incarnation(peer, "re-forming a broken pair")
-                with t.lock:
-                    self._broken.pop(peer, None)
+                link.forget_incarnation(peer, "re-forming a broken pair")
+                with link.lock:
+                    link.broken.pop(peer, None)
                 gc.collect()  # the old pair's channel goes now (gloo: its sockets close, the peer's receives end)
                 self._pair(peer)
-                log.warning("KV transport %s: the pair with %s re-formed (generation %d)", t.worker_id, peer,
-                            t.pairs[peer].gen)
+                log.warning("KV transport %s: the pair with %s re-formed (generation %d)", link.worker_id, peer,
+                            link.pairs[peer].gen)
             except Exception as e:  # noqa: BLE001 - retried next heartbeat while the peer beats
-                log.warning("KV transport %s: re-forming the pair with %s failed: %s", t.worker_id, peer, e)
-                with t.lock:
-                    if peer in t.dead_peers:
-                        self._broken[peer] = hb
+                log.warning("KV transport %s: re-forming the pair with %s failed: %s", link.worker_id, peer, e)
+                with link.lock:
+                    if peer in link.dead_peers:
+                        link.broken[peer] = hb
 
     def _open_pair(self, peer: str) -> Pair:
         """Any failure leaves the peer dead: its half of the channel may exist, ours never will."""
-        t = self.t
-        if peer in t.dead_peers:
-            raise PeerDeadError(f"peer {peer} is marked dead: {t.dead_peers[peer]}")
-        pair = Pair(peer, t.worker_id)
+        link = self.link
+        if peer in link.dead_peers:
+            raise PeerDeadError(f"peer {peer} is marked dead: {link.dead_peers[peer]}")
+        pair = Pair(peer, link.worker_id)
         try:
-            raw = self._wait_key(t.store(), f"{t.ns}/ctl/{peer}", peer,
-                                 time.monotonic() + t.spec.transfer_timeout_s, "its KV control endpoint")
+            raw = self._wait_key(link.store(), f"{link.ns}/ctl/{peer}", peer,
+                                 time.monotonic() + link.spec.transfer_timeout_s, "its KV control endpoint")
             if raw is None:
                 raise TimeoutError(f"decode worker {peer} never published its KV control endpoint "
-                                   f"(within transfer_timeout_s={t.spec.transfer_timeout_s})")
+                                   f"(within transfer_timeout_s={link.spec.transfer_timeout_s})")
             info = msgspec.msgpack.decode(raw)
             pair.peer_inc = info.get("incarnation", 0)
-            check_pair_numerics(t.worker_id, t.numerics, peer, KVNumerics.from_dict(info.get("numerics")))
-            with t.lock:  # a pair re-formed between the same incarnations takes the next generation
+            check_pair_numerics(link.worker_id, link.numerics, peer, KVNumerics.from_dict(info.get("numerics")))
+            with link.lock:  # a pair re-formed between the same incarnations takes the next generation
                 gen = self._gens.get(peer)
                 pair.gen = 0 if gen is None or gen[0] != pair.peer_inc else gen[1] + 1
                 self._gens[peer] = (pair.peer_inc, pair.gen)
             theirs = PlanSpec.from_wire(info["layout"], peer)
-            pair.spec = t.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
-            pair.spec.check_peer(theirs.joined(t.plan_spec, "decode"), peer)
-            pair.outbox = Outbox(info["endpoint"], t.spec.secret, receiver=f"{peer}.{pair.peer_inc}")
-            events = t._payload_prepare(pair, info)
-            pair.outbox.send(Hello(t.worker_id, pair.spec.to_wire(), events, t.incarnation, pair.gen))
-            key = verdict_key(t.ns, t.worker_id, t.incarnation, peer, pair.peer_inc, pair.gen)
-            verdict = self._wait_key(t.store(), key, peer, time.monotonic() + t.spec.transfer_timeout_s,
+            pair.spec = link.plan_spec.joined(theirs, "prefill")  # with the decode worker's tensor-parallel size
+            pair.spec.check_peer(theirs.joined(link.plan_spec, "decode"), peer)
+            pair.outbox = Outbox(info["endpoint"], link.spec.secret, receiver=f"{peer}.{pair.peer_inc}")
+            events = self.payload.prepare(pair, info)
+            pair.outbox.send(Hello(link.worker_id, pair.spec.to_wire(), events, link.incarnation, pair.gen))
+            key = verdict_key(link.ns, link.worker_id, link.incarnation, peer, pair.peer_inc, pair.gen)
+            verdict = self._wait_key(link.store(), key, peer, time.monotonic() + link.spec.transfer_timeout_s,
                                      "its answer to our hello", inc=pair.peer_inc)
             if verdict is None:
                 raise TimeoutError(f"decode worker {peer} did not answer our hello within "
-                                   f"transfer_timeout_s={t.spec.transfer_timeout_s}")
-            t.store().delete_key(key)
+                                   f"transfer_timeout_s={link.spec.transfer_timeout_s}")
+            link.store().delete_key(key)
             if verdict != b"ok":
                 raise RuntimeError(f"decode worker {peer} refused the pair: {verdict.decode(errors='replace')}")
 
             def warm():
                 with pair.io:
-                    t._payload_warm(pair)
+                    self.payload.warm(pair)
             # NOTE: the rendezvous blocks until the decode side joins; a peer that dies meanwhile
             # (the router tells us, or its heartbeat stops) fails it now, not at its own timeout.
-            t.form_interruptibly(peer, warm, f"forming the KV pair with {peer}", inc=pair.peer_inc)
+            link.form_interruptibly(peer, warm, f"forming the KV pair with {peer}", inc=pair.peer_inc)
         except Exception as e:
             if pair.outbox is not None:
                 pair.outbox.close()
-            t._payload_release(pair)
-            with t.lock:
-                t.dead_peers.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
+            self.payload.release(pair)
+            with link.lock:
+                link.dead_peers.setdefault(peer, f"connecting failed: {type(e).__name__}: {e}")
             raise
         pair.waiter.start()
-        with t.lock:
-            t.pairs[peer] = pair
+        with link.lock:
+            link.pairs[peer] = pair
         return pair
 
     def _wait_key(self, store, key: str, peer: str, deadline: float, what: str, inc: int | None = None) -> bytes | None:
         """Connecting only (never on a transfer's path): polls until `key` exists; None at the deadline;
         raises if the peer died meanwhile, or (inc) if a later incarnation than `inc` of it started:
         our hello went to one that is gone and nobody will answer it."""
-        t = self.t
+        link = self.link
         delay, next_live = 1e-4, 0.0
         while True:
             try:
                 if store.check([key]):
                     return store.get(key)
             except dist.DistStoreError as e:  # this client is broken (see renew_store); not the peer
-                log.warning("KV transport %s: store client failed waiting for %s (%s): a new one", t.worker_id, key, e)
-                store = t.renew_store()
+                log.warning("KV transport %s: store client failed waiting for %s (%s): a new one", link.worker_id, key, e)
+                store = link.renew_store()
             now = time.monotonic()
             if now >= deadline:
                 return None
-            if t.closed.is_set():
-                raise RuntimeError(f"KV transport of {t.worker_id} closed while waiting for {what}")
+            if link.closed.is_set():
+                raise RuntimeError(f"KV transport of {link.worker_id} closed while waiting for {what}")
             if now >= next_live:
-                t.check_alive(store, peer)
+                link.check_alive(store, peer)
                 if inc is not None:
-                    t.check_incarnation(store, peer, inc)
-                next_live = now + t.spec.heartbeat_s
+                    link.check_incarnation(store, peer, inc)
+                next_live = now + link.spec.heartbeat_s
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, 0.05)
 
@@ -256,7 +239,7 @@ class SenderSide(KVSender):
         for s in sends:
             sh.futures[s.reservation.request_id] = Future()
             groups.setdefault(s.reservation.decode_worker_id, []).append(s)
-        store = self.t.store()
+        store = self.link.store()
         for peer in sorted(groups):  # pair locks in one order: concurrent shipments can't deadlock
             todo = groups[peer]
             try:
@@ -273,7 +256,7 @@ class SenderSide(KVSender):
                 for s in todo:
                     if not sh.futures[s.reservation.request_id].done():
                         self._fail_send(sh.futures[s.reservation.request_id], s, e, peer)
-                self.t.mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}", pair_only=True)
+                self.link.mark_dead(peer, f"opening a KV bundle failed: {type(e).__name__}: {e}", pair_only=True)
                 continue
             if b is None:
                 pair.order.release()
@@ -282,8 +265,8 @@ class SenderSide(KVSender):
         return sh
 
     def _check_send(self, s: KVSend) -> None:
-        res, n, block_size = s.reservation, len(s.src_block_ids), self.t.block_size
-        if res.decode_worker_id == self.t.worker_id:
+        res, n, block_size = s.reservation, len(s.src_block_ids), self.link.block_size
+        if res.decode_worker_id == self.link.worker_id:
             raise ValueError("a KV transfer to itself")
         if not 0 < n <= len(res.block_ids):
             raise ValueError(f"{n} source blocks for a reservation of {len(res.block_ids)}")
@@ -291,24 +274,24 @@ class SenderSide(KVSender):
             raise ValueError(f"{s.num_tokens} tokens do not fill {n} blocks of {block_size}")
 
     def _claim(self, store, pair: Pair, res: Reservation, value: bytes) -> None:
-        t = self.t
-        key = claim_key(t.ns, t.worker_id, res.decode_worker_id, pair.peer_inc, res.transfer_seq)
+        link = self.link
+        key = claim_key(link.ns, link.worker_id, res.decode_worker_id, pair.peer_inc, res.transfer_seq)
         got = store.compare_set(key, "", value)
         if got == CANCEL:
             store.delete_key(key)
             raise TimeoutError(f"decode worker {res.decode_worker_id} gave up on transfer {res.transfer_seq} "
-                               f"({res.request_id}) before it was sent (expect_timeout_s={t.spec.expect_timeout_s} "
+                               f"({res.request_id}) before it was sent (expect_timeout_s={link.spec.expect_timeout_s} "
                                "or cancelled); its blocks are back in its pool")
         if got != value:
             raise RuntimeError(f"transfer {res.transfer_seq} to {res.decode_worker_id} was already claimed")
 
     def _fail_send(self, fut: Future, s: KVSend, e: BaseException, peer: str) -> None:
-        self.t.record("send", s.reservation.request_id, 0, 0.0, False, peer)
+        self.link.record("send", s.reservation.request_id, 0, 0.0, False, peer)
         fut.set_exception(e)
 
     def _open_bundle(self, store, pair: Pair, todo: list[KVSend], futures, layerwise) -> OutBundle | None:
         """Under pair.order: claims, plans and announces one bundle (None if nothing was claimed)."""
-        t = self.t
+        link = self.link
         claimed = []
         for s in todo:
             fut = futures[s.reservation.request_id]
@@ -321,21 +304,21 @@ class SenderSide(KVSender):
             claimed.append(s)
         if not claimed:
             return None
-        lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= t.layerwise_min_tokens
+        lw = layerwise if layerwise is not None else sum(s.num_tokens for s in claimed) >= link.spec.layerwise_min_tokens
         srcs = [tuple(s.src_block_ids) for s in claimed]
-        items, launches = t._plan(pair, srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)],
+        items, launches = self.payload.plan(pair, srcs, [tuple(s.reservation.block_ids[:len(x)]) for s, x in zip(claimed, srcs)],
                                   lw)
         b = OutBundle(next(self._bundle_ids), pair, claimed, [futures[s.reservation.request_id] for s in claimed],
                        items, launches)
-        msg = Begin(t.worker_id, b.id, lw, fingerprint(items, launches),
+        msg = Begin(link.worker_id, b.id, lw, fingerprint(items, launches),
                     [(s.reservation.transfer_seq, s.reservation.request_id, s.num_tokens,
                       np.asarray(x, dtype="<i4").tobytes()) for s, x in zip(claimed, srcs)])
-        with t.lock:
+        with link.lock:
             pair.bundles.append(b)
         try:
             pair.outbox.send(msg)
         except Exception as e:  # noqa: BLE001 - the decode side never hears of these claims
-            t.mark_dead(pair.peer, f"pushing a begin failed: {e}", pair_only=True, of=pair)
+            link.mark_dead(pair.peer, f"pushing a begin failed: {e}", pair_only=True, of=pair)
         return b
 
     def _issue_through(self, b: OutBundle, layer: int | None, ready) -> None:
@@ -347,7 +330,7 @@ class SenderSide(KVSender):
                 break
             if b.fault is None and b.issued == 0:
                 b.fault = next((k for k in ("transfer", "stuck_transfer")
-                                if self.t.take_fault(k, pair) is not None), "")
+                                if self.link.faults.take(k, pair) is not None), "")
             if b.fault == "stuck_transfer":
                 # Injected: the pair's channel wedges here. Nothing of this bundle, nor anything
                 # after it, goes out on the pair; its completion never comes (WedgedCompletion).
@@ -356,10 +339,10 @@ class SenderSide(KVSender):
                 break
             try:
                 with pair.io:
-                    self.t._payload_issue(pair, b, b.launches[b.issued], ready)
+                    self.payload.issue(pair, b, b.launches[b.issued], ready)
             except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
                 b.failed = f"{type(e).__name__}: {e}"
-                self.t.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}", pair_only=True, of=pair)
+                self.link.mark_dead(pair.peer, f"issuing a KV launch failed: {b.failed}", pair_only=True, of=pair)
                 b.issued = len(b.launches)
                 break
             b.issued += 1
@@ -373,19 +356,19 @@ class SenderSide(KVSender):
     def _kill_pair(self, pair: Pair, why: str) -> None:
         """The pair breaks here (fault "transfer"): its channel is torn down, it is marked dead (the
         pair only: re-formed while the peer lives), and the decode side is told at once (Broken)."""
-        t = self.t
-        with t.lock:
+        link = self.link
+        with link.lock:
             bundles = list(pair.bundles)
 
         def broken() -> None:
             try:
-                pair.outbox.send(Broken(t.worker_id, pair.gen, why))
+                pair.outbox.send(Broken(link.worker_id, pair.gen, why))
             except Exception:  # noqa: BLE001 - it finds out from its receives
                 pass
-            t.mark_dead(pair.peer, why, pair_only=True, of=pair)
+            link.mark_dead(pair.peer, why, pair_only=True, of=pair)
         with pair.io:
             try:
-                t._payload_kill(pair, bundles, broken)
+                self.payload.kill(pair, bundles, broken)
             except Exception:  # noqa: BLE001
                 log.exception("tearing down the KV channel to %s failed", pair.peer)
                 broken()
@@ -397,68 +380,68 @@ class SenderSide(KVSender):
             return
         try:
             with b.pair.io:
-                b.completion, b.commit_event = self.t._payload_seal(b.pair, b)
+                b.completion, b.commit_event = self.payload.seal(b.pair, b)
         except Exception as e:  # noqa: BLE001
             b.failed = b.failed or f"{type(e).__name__}: {e}"
             b.completion = ReadyCompletion()
-            self.t.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}", pair_only=True, of=b.pair)
+            self.link.mark_dead(b.pair.peer, f"sealing a KV bundle failed: {b.failed}", pair_only=True, of=b.pair)
 
     def _commit(self, b: OutBundle, first_tokens: Mapping[str, int | None],
                 logprobs: Mapping[str, PrefillLogprobs]) -> None:
         toks = [first_tokens.get(s.reservation.request_id) for s in b.sends]
         lps = [logprobs.get(s.reservation.request_id) for s in b.sends] if logprobs else []
-        msg = Commit(self.t.worker_id, b.id, [-1 if tok is None else int(tok) for tok in toks],
+        msg = Commit(self.link.worker_id, b.id, [-1 if tok is None else int(tok) for tok in toks],
                      [tok is not None for tok in toks], b.commit_event, lps if any(lp is not None for lp in lps) else [])
         if b.pair.dead is None:
             try:
                 b.pair.outbox.send(msg)
             except Exception as e:  # noqa: BLE001
-                self.t.mark_dead(b.pair.peer, f"pushing a commit failed: {e}", pair_only=True, of=b.pair)
+                self.link.mark_dead(b.pair.peer, f"pushing a commit failed: {e}", pair_only=True, of=b.pair)
         b.pair.waiter.put(b.completion, lambda: self._finish_out(b))
 
     def _finish_out(self, b: OutBundle) -> None:
         """Waiter thread: this side's payload is done (or the pair died): resolve the futures."""
-        t = self.t
+        link = self.link
         seconds = time.monotonic() - b.t_kv
         err = b.failed or b.completion.error()
         if err is not None:
-            t.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
-        with t.lock:
+            link.mark_dead(b.pair.peer, f"a KV payload failed: {err}", pair_only=True, of=b.pair)
+        with link.lock:
             if b in b.pair.bundles:
                 b.pair.bundles.remove(b)
         for s, fut in zip(b.sends, b.futures):
             rid = s.reservation.request_id
             if err is not None:
-                t.record("send", rid, 0, seconds, False, b.pair.peer)
+                link.record("send", rid, 0, seconds, False, b.pair.peer)
                 exc = PeerDeadError if "PeerDeadError" in err else RuntimeError
                 fut.set_exception(exc(f"KV transfer {s.reservation.transfer_seq} ({rid}) to {b.pair.peer} failed: {err}"))
             else:
-                fut.set_result(t.record("send", rid, len(s.src_block_ids) * t.bytes_per_block, seconds, True,
+                fut.set_result(link.record("send", rid, len(s.src_block_ids) * link.bytes_per_block, seconds, True,
                                         b.pair.peer))
 
     def watch_outgoing(self, store) -> None:
         """Heartbeat thread: a peer with transfers in flight must stay alive and finish them in time."""
-        t = self.t
+        link = self.link
         now = time.monotonic()
-        with t.lock:
-            busy = [(p, list(p.bundles)) for p in t.pairs.values() if p.bundles and p.dead is None]
+        with link.lock:
+            busy = [(p, list(p.bundles)) for p in link.pairs.values() if p.bundles and p.dead is None]
         for pair, bundles in busy:
             try:
-                t.check_alive(store, pair.peer)
+                link.check_alive(store, pair.peer)
             except PeerDeadError as e:
-                t.mark_dead(pair.peer, str(e))
+                link.mark_dead(pair.peer, str(e))
                 continue
             for b in bundles:
                 if b.t_kv and b.completion is not None and not b.completion.done() \
-                        and now - b.t_kv > t.spec.transfer_timeout_s:
-                    t.mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
-                                           f"{t.spec.transfer_timeout_s}", pair_only=True, of=pair)
+                        and now - b.t_kv > link.spec.transfer_timeout_s:
+                    link.mark_dead(pair.peer, f"a KV payload was not done within transfer_timeout_s="
+                                           f"{link.spec.transfer_timeout_s}", pair_only=True, of=pair)
                     break
 
     def send_abort(self, reservation: Reservation, request_id: str, timeout_s: float) -> None:
         if reservation.request_id != request_id:
             raise ValueError(f"abort of {request_id} for the reservation of {reservation.request_id}")
         pair = self._pair(reservation.decode_worker_id)
-        self._claim(self.t.store(), pair, reservation, ABORT)
-        pair.outbox.send(Abort(self.t.worker_id, reservation.transfer_seq, request_id))
-        self.t.record("send", request_id, 0, 0.0, True, pair.peer)
+        self._claim(self.link.store(), pair, reservation, ABORT)
+        pair.outbox.send(Abort(self.link.worker_id, reservation.transfer_seq, request_id))
+        self.link.record("send", request_id, 0, 0.0, True, pair.peer)

@@ -18,7 +18,7 @@ Streams (CUDA). Each pair has its own stream on each side. ProcessGroupNCCL runs
 internal stream after making it wait for the stream current at the call (our pair stream), and
 `work.wait()` makes the *current* stream wait for NCCL: we only call it with the pair stream current.
 So the prefill's compute stream never waits for a send, the decode's graph stream never waits for a
-receive, and completion is one event recorded on the pair stream (control.py).
+receive, and completion is one event recorded on the pair stream (completion.py).
   sender, launch k in slot s:  pair stream waits for the send that last read s (ring.last), gathers
                                into s, sends s (NCCL waits for the gather). Gather k+1 thus runs while
                                send k is on the wire, and sends queue back to back on NCCL's stream.
@@ -38,9 +38,9 @@ between one prefill rank and one decode rank, with its own stream and staging ri
 (`_Link`, one per link a rank serves: `pair.payload` maps link index -> `_Link`). Every launch names its
 link; a rank issues and posts only its own links' launches. A link that moves part of a rank's heads
 gathers and scatters them with the head-range copy (head_copy.py); a whole link (N = M) copies whole
-blocks. The code here runs on every rank: rank 0 as its worker's transport (TorchDistTransport), the
-followers as payload agents that rank 0 drives (tp_payload.py); without tensor parallelism there is one
-whole link, link 0, and everything is as it was.
+blocks. The code here runs on every rank: rank 0's inside its worker's TPPayload, the followers' inside
+the payload agents that rank 0 drives (tp_payload.py); without tensor parallelism a worker's transport
+holds one TorchDistPayload with one whole link, link 0.
 
 gloo (CPU caches, tests, the same plan and ring): a gloo op blocks the thread that waits for it, so
 the pair's waiter thread does the payload work in order (completion.HostCompletion): on the prefill
@@ -55,6 +55,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,9 +65,9 @@ import torch.distributed as dist
 
 from cluster.transport.block_copy import copy_blocks
 from cluster.transport.completion import AllCompletion, EventCompletion, HostCompletion, ReadyCompletion
-from cluster.transport.control import ControlledTransport
 from cluster.transport.head_copy import copy_block_heads
 from cluster.transport.pair import Pair, PeerDeadError
+from cluster.transport.payload import KVPayload, PayloadEnd
 from cluster.transport.plan import HeadLink, Launch, bundle_blocks, plan_item, plan_launches
 from cluster.transport.rendezvous_store import local_address_towards
 from cluster.transport.staging import StagingBudget, StagingRing
@@ -138,12 +139,16 @@ class _BundleIO:
         return [w for ws in self.works.values() for w in ws]
 
 
-class TorchDistPayload:
-    """The torch_dist payload of one rank: what TorchDistTransport (rank 0, with the control plane) and a
-    follower's payload agent (tp_payload.py) share. Needs: spec (TransportSpec), kv_cache, worker_id,
-    incarnation and role of the worker, ns, _new_store, lock, tp_rank, and pairs whose `spec` is set."""
+class TorchDistPayload(KVPayload):
+    """The torch_dist payload of one rank: a worker's own (factory.py), rank 0's links under tensor
+    parallelism (TPPayload holds one) and each follower's (its PayloadAgent holds one)."""
 
-    def _setup_payload(self) -> None:
+    def __init__(self, end: PayloadEnd):
+        self.spec, self.kv_cache = end.spec, end.kv_cache
+        self.worker_id, self.role, self.incarnation, self.tp_rank = end.worker_id, end.role, end.incarnation, end.tp_rank
+        self.ns = end.spec.namespace
+        self._new_store = end.new_store
+        self.lock = threading.Lock()  # guards each link's `reserved` (released once, by whichever comes first)
         self.backend = self.spec.backend
         cuda = self.kv_cache.is_cuda
         if self.backend == "nccl" and not cuda:
@@ -152,14 +157,14 @@ class TorchDistPayload:
             raise ValueError("KV caches on a GPU move over nccl (gloo carries CPU caches only)")
         self.staging = StagingBudget(self.spec.staging_cap_bytes)
 
-    def _payload_plan(self) -> tuple[str, int]:
+    def plan_kind(self) -> tuple[str, int]:
         return f"torch_dist/{self.backend}", self.spec.staging_bytes
 
-    def _plan(self, pair, srcs, dsts, layerwise):
+    def plan(self, pair, srcs, dsts, layerwise):
         items = [plan_item(s, d) for s, d in zip(srcs, dsts)]
         return items, plan_launches(pair.spec, sum(it.n for it in items))
 
-    def _payload_metrics(self) -> dict:
+    def metrics(self) -> dict:
         return {"staging_bytes": self.staging.reserved, "staging_rings": self.staging.rings}
 
     def my_links(self, spec) -> list[tuple[int, HeadLink]]:
@@ -191,7 +196,7 @@ class TorchDistPayload:
             stream = torch.cuda.Stream(self.kv_cache.device)
         else:
             # gloo fails an op as soon as the peer's socket closes (a dead process), else at this
-            # timeout (a hung one): that is what ends a transfer with a dead gloo peer (see _payload_abort).
+            # timeout (a hung one): that is what ends a transfer with a dead gloo peer (see abort).
             timeout = datetime.timedelta(seconds=2 * self.spec.transfer_timeout_s)
             host = self.spec.bind_host or local_address_towards(self.spec.store_host or "127.0.0.1", self.spec.store_port)
             opts = dist.ProcessGroupGloo._Options()
@@ -201,7 +206,7 @@ class TorchDistPayload:
             stream = None
         link.pg, link.store, link.peer_rank, link.stream = pg, store, 1 - rank, stream
 
-    def _reserve(self, pair: Pair) -> None:
+    def reserve(self, pair: Pair) -> None:
         """Before the pair is answered (decode) or greeted (prefill): this side's ring of each of its
         links, counted against staging_cap_bytes (raises past it: the pair is refused, both sides know
         at once)."""
@@ -219,7 +224,7 @@ class TorchDistPayload:
             raise
         pair.payload = links
 
-    def _open(self, pair: Pair, send: bool) -> None:
+    def open_links(self, pair: Pair, send: bool) -> None:
         """Forms each of this rank's links of the pair, allocates its staging ring, and moves one tiny
         transfer through the real path (forms the NCCL communicator, compiles the copy kernel). Links in
         index order on every rank: the lowest link not formed yet always has both ends forming it."""
@@ -260,20 +265,20 @@ class TorchDistPayload:
         if err is not None:
             raise RuntimeError(f"warm-up transfer failed: {err}")
 
-    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
-        self._reserve(pair)
+    def prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        self.reserve(pair)
         return []
 
-    def _payload_warm(self, pair: Pair) -> None:
-        self._open(pair, send=True)
+    def warm(self, pair: Pair) -> None:
+        self.open_links(pair, send=True)
 
-    def _payload_admit(self, pair: Pair, hello) -> None:
-        self._reserve(pair)
+    def admit(self, pair: Pair, hello) -> None:
+        self.reserve(pair)
 
-    def _payload_accept(self, pair: Pair, hello) -> None:
-        self._open(pair, send=False)
+    def accept(self, pair: Pair, hello) -> None:
+        self.open_links(pair, send=False)
 
-    def _payload_abort(self, pair: Pair) -> None:
+    def abort(self, pair: Pair) -> None:
         """NCCL: ncclCommAbort ends the kernels in flight, so the pair stream (and the bundles'
         completion events) move on. gloo: nothing; its abort() neither wakes an op in flight nor lets
         it see the peer's socket close any more, while left alone the op fails at that close or at the
@@ -284,7 +289,7 @@ class TorchDistPayload:
             if link.pg is not None:
                 link.pg.abort()
 
-    def _payload_kill(self, pair: Pair, bundles: list, then) -> None:
+    def kill(self, pair: Pair, bundles: list, then) -> None:
         """Fault injection ("transfer"): NCCL, the abort. gloo has no way to end a peer's operation in
         flight but closing the sockets, which it does once nothing references the group any more: on
         the pair's thread, in order after the launches issued so far, their sends are waited for (the
@@ -292,7 +297,7 @@ class TorchDistPayload:
         this rank's links dropped, so the decode side's later receives fail at once ("Connection
         closed by peer"); then `then()`. Launches after it fail (no ring)."""
         if self.backend == "nccl":
-            self._payload_abort(pair)
+            self.abort(pair)
             then()
             return
         links = list(pair.payload.values()) if pair.payload else []
@@ -309,14 +314,14 @@ class TorchDistPayload:
                         pass
                 io.works.clear()  # (the works hold the groups)
                 io.error = io.error or "the pair was killed (injected fault)"
-            self._payload_release(pair)
+            self.release(pair)
             for link in links:
                 link.pg = link.ring = None
             gc.collect()
             then()
         pair.waiter.put(HostCompletion(kill), _noop)
 
-    def _payload_release(self, pair: Pair) -> None:
+    def release(self, pair: Pair) -> None:
         if pair.payload is None:
             return
         for link in pair.payload.values():
@@ -355,7 +360,7 @@ class TorchDistPayload:
         return (k,) + link.ring.slot(k, launch, launch.nbytes(pair.spec), self.kv_cache, link.heads)
 
     # -- prefill side -----------------------------------------------------------------------------------
-    def _payload_issue(self, pair: Pair, b, launch: Launch, ready) -> None:
+    def issue(self, pair: Pair, b, launch: Launch, ready) -> None:
         link = pair.payload.get(launch.link)
         if link is None:
             return  # another rank's link (tensor parallelism): that rank issues it
@@ -401,7 +406,7 @@ class TorchDistPayload:
         except Exception as e:  # noqa: BLE001 - the pair's sends and receives no longer match
             io.error = f"{type(e).__name__}: {e}"
 
-    def _payload_seal(self, pair: Pair, b):
+    def seal(self, pair: Pair, b):
         io = b.payload or _BundleIO()
         if not pair.payload:  # no link of this pair on this rank (tensor parallelism)
             return ReadyCompletion(), -1
@@ -427,7 +432,7 @@ class TorchDistPayload:
             raise RuntimeError(f"a launch failed: {io.error}")
 
     # -- decode side ------------------------------------------------------------------------------------
-    def _payload_post(self, pair: Pair, b):
+    def post(self, pair: Pair, b):
         io = b.payload = _BundleIO()
         if not pair.payload:  # no link of this pair on this rank (tensor parallelism)
             return ReadyCompletion(), None
@@ -486,8 +491,3 @@ class TorchDistPayload:
                 for w in works:
                     w.wait()
                 self._scatter(link, self.kv_cache[launch.l0:launch.l1], io.ids[launch.b0:launch.b1], view)
-
-
-class TorchDistTransport(TorchDistPayload, ControlledTransport):
-    """The torch_dist transport of a worker process (rank 0 of its group under tensor parallelism):
-    the shared control plane (control.py) over this payload."""

@@ -1,6 +1,6 @@
-"""The KV transport of a tensor-parallel worker: rank 0's transport runs the control plane and its own
-links (`TPTorchDistTransport`), each follower's payload agent its own links (`PayloadAgent`), over the
-head mapping of plan.py (PlanSpec.links: which prefill rank sends which heads to which decode rank).
+"""The KV payload of a tensor-parallel worker: rank 0's transport runs the control plane, and its
+payload (`TPPayload`) rank 0's own links and the calls that drive the followers; each follower's
+payload agent (`PayloadAgent`) runs its own links; all over the head mapping of plan.py (PlanSpec.links: which prefill rank sends which heads to which decode rank).
 
 Per pair (a prefill worker of N ranks, a decode worker of M):
 - forming, once per pair of incarnations: rank 0 reserves its links' staging and forms them as before
@@ -34,10 +34,10 @@ import torch
 
 from cluster.transport.completion import AllCompletion, Completion
 from cluster.transport.pair import Pair
-from cluster.transport.payload_hooks import kv_payload_view, on_stream
+from cluster.transport.payload import KVPayload, PayloadEnd, kv_payload_view
 from cluster.transport.plan import Launch, PlanSpec, bundle_blocks, plan_item
 from cluster.transport.rendezvous_store import store_factory
-from cluster.transport.torch_dist import TorchDistPayload, TorchDistTransport
+from cluster.transport.torch_dist import TorchDistPayload
 from cluster.transport.transport_spec import TransportSpec
 
 log = logging.getLogger(__name__)
@@ -152,21 +152,23 @@ class _FollowerParts(Completion):
         return self.errors[0] if self.errors else None
 
 
-class TPTorchDistTransport(TorchDistTransport):
-    """Rank 0 of a tensor-parallel worker: the worker's transport (control plane and rank 0's links),
-    driving its followers' payload agents."""
+class TPPayload(KVPayload):
+    """Rank 0's payload in a tensor-parallel worker: its own links (a TorchDistPayload) and, per pair,
+    the followers' over the group's RPC (the module docstring)."""
 
-    def __init__(self, spec, kv_cache: torch.Tensor, worker_id: str, role: str, store_factory_, group,
-                 kv_heads: int, numerics=None):
+    def __init__(self, end: PayloadEnd, group, kv_heads: int):
+        self.own = TorchDistPayload(end)
+        self.kv_cache, self.role, self.spec = end.kv_cache, end.role, end.spec
         self.group = group
         self._parts: dict[tuple, _FollowerParts] = {}
         self._early: dict[tuple, dict[int, str]] = {}  # Done notifications ahead of their bundle's seal/post
         self._parts_lock = threading.Lock()
+        # (A bundle's arrival needs no wake-up from here: its pair's waiter wakes the decode loop once
+        # the whole completion, followers' parts included, is done.)
         group.rpc.on_notify = self._on_notify
-        super().__init__(spec, kv_cache, worker_id, role, store_factory_, tp=(group.size, kv_heads), numerics=numerics)
         # With the cluster's secret: a follower's links rendezvous through the (sealed) store. The
         # RPC channel it goes on is a private ipc:// path (rank_rpc.py).
-        attach = Attach(spec, worker_id, role, self.incarnation)
+        attach = Attach(end.spec, end.worker_id, end.role, end.incarnation)
         self._wait_all(self._call(range(1, group.size), attach))
 
     # -- calls to the followers -------------------------------------------------------------------
@@ -197,8 +199,6 @@ class TPTorchDistTransport(TorchDistTransport):
         with self._parts_lock:
             if parts.done():
                 self._parts.pop(key, None)
-        if self.receiver is not None:
-            self.receiver.wake()  # an arrival may be complete now
 
     def _follower_parts(self, pair: Pair, bundle: int, side: str, ranks) -> _FollowerParts:
         key = (pair.peer, pair.peer_inc, bundle, side)
@@ -214,63 +214,86 @@ class TPTorchDistTransport(TorchDistTransport):
                 self._parts.pop(key, None)
         return parts
 
-    # -- payload hooks: rank 0's own links (torch_dist.py), then the followers' ----------------------
-    def _payload_prepare(self, pair: Pair, info: dict) -> list[bytes]:
-        out = super()._payload_prepare(pair, info)
+    # -- the payload: rank 0's own links (torch_dist.py), then the followers' ----------------------------
+    def plan_kind(self) -> tuple[str, int]:
+        return self.own.plan_kind()
+
+    def plan(self, pair, srcs, dsts, layerwise):
+        return self.own.plan(pair, srcs, dsts, layerwise)
+
+    def metrics(self) -> dict:
+        return self.own.metrics()
+
+    def prepare(self, pair: Pair, info: dict) -> list[bytes]:
+        out = self.own.prepare(pair, info)
         self._reserve_followers(pair)
         return out
 
-    def _payload_admit(self, pair: Pair, hello) -> None:
-        super()._payload_admit(pair, hello)
+    def admit(self, pair: Pair, hello) -> None:
+        self.own.admit(pair, hello)
         self._reserve_followers(pair)
 
     def _reserve_followers(self, pair: Pair) -> None:
         try:
             self._wait_all(self._call(self._ranks_in(pair), Reserve(pair.peer, pair.peer_inc, pair.spec.to_wire(), pair.gen)))
         except Exception:
-            super()._payload_release(pair)
+            self.own.release(pair)
             self._call(self._ranks_in(pair), Release(pair.peer, pair.peer_inc, pair.gen))
             raise
 
-    def _payload_warm(self, pair: Pair) -> None:
+    def warm(self, pair: Pair) -> None:
         futures = self._call(self._ranks_in(pair), Form(pair.peer))  # the followers form theirs meanwhile
-        super()._payload_warm(pair)
+        self.own.warm(pair)
         self._wait_all(futures)
 
-    def _payload_accept(self, pair: Pair, hello) -> None:
+    def accept(self, pair: Pair, hello) -> None:
         futures = self._call(self._ranks_in(pair), Form(pair.peer))
-        super()._payload_accept(pair, hello)
+        self.own.accept(pair, hello)
         self._wait_all(futures)
 
-    def _payload_seal(self, pair: Pair, b):
-        own, event = super()._payload_seal(pair, b)
+    def issue(self, pair: Pair, b, launch: Launch, ready) -> None:
+        self.own.issue(pair, b, launch, ready)  # (the followers issue theirs from their own passes)
+
+    def seal(self, pair: Pair, b):
+        own, event = self.own.seal(pair, b)
         ranks = self._ranks_in(pair)
         if not ranks:
             return own, event
         return AllCompletion([own, self._follower_parts(pair, b.id, "src", ranks)]), event
 
-    def _payload_post(self, pair: Pair, b):
+    def post(self, pair: Pair, b):
         ranks = self._ranks_in(pair)
         parts = None
         if ranks:
             parts = self._follower_parts(pair, b.id, "dst", ranks)  # before the post: a Done may come at once
             dst = np.asarray(bundle_blocks(b.items, "dst"), dtype="<i8").tobytes()
             self._call(ranks, Post(pair.peer, b.id, dst, _launch_rows(b.launches)))
-        own, err = super()._payload_post(pair, b)
+        own, err = self.own.post(pair, b)
         return (own if parts is None else AllCompletion([own, parts])), err
 
-    def _payload_abort(self, pair: Pair) -> None:
-        super()._payload_abort(pair)
+    def kill(self, pair: Pair, bundles: list, then) -> None:
+        """Fault "transfer": rank 0's links as torch_dist kills them; then the followers' go the same
+        way (NCCL: aborted; gloo: released, so their sockets close) before `then()`."""
+        def followers_then() -> None:
+            if pair.spec is not None:
+                msg = (Abort(pair.peer, pair.peer_inc, pair.gen, pair.dead or "") if self.own.backend == "nccl"
+                       else Release(pair.peer, pair.peer_inc, pair.gen))
+                self._call(self._ranks_in(pair), msg)
+            then()
+        self.own.kill(pair, bundles, followers_then)
+
+    def abort(self, pair: Pair) -> None:
+        self.own.abort(pair)
         if pair.spec is not None:
             self._call(self._ranks_in(pair), Abort(pair.peer, pair.peer_inc, pair.gen, pair.dead or ""))
 
-    def _payload_release(self, pair: Pair) -> None:
-        super()._payload_release(pair)
+    def release(self, pair: Pair) -> None:
+        self.own.release(pair)
         if pair.spec is not None:
             self._call(self._ranks_in(pair), Release(pair.peer, pair.peer_inc, pair.gen))
 
     # -- prefill: what the followers ship with a pass ----------------------------------------------------
-    def shipment_for_followers(self, shipment) -> bytes:
+    def followers_part(self, shipment) -> bytes:
         """The bundles a pass ships (a SenderSide shipment), for the PrefillPass the followers run:
         their plans and source blocks; b"" when none has a follower's link."""
         if shipment is None:
@@ -292,25 +315,18 @@ class _Bundle:
         self.payload = None
 
 
-class PayloadAgent(TorchDistPayload):
-    """A follower rank's part of its worker's KV transport: its links of every pair, driven by rank 0's
-    calls (prefill: also by the passes it runs, `begin_pass` / `layer_done` / `kv_done`)."""
+class PayloadAgent:
+    """A follower rank's part of its worker's KV transport: its links of every pair (its own
+    TorchDistPayload), driven by rank 0's calls (prefill: also by the passes it runs, `begin_pass` /
+    `layer_done` / `kv_done`)."""
 
     def __init__(self, group, kv_cache: torch.Tensor, attach: Attach):
         self.group = group
-        self.spec = attach.spec
-        self.kv_cache = kv_cache
-        self.worker_id, self.role, self.incarnation = attach.worker_id, attach.role, attach.incarnation
-        self.ns = self.spec.namespace
-        self._new_store = store_factory(self.spec)
-        self.lock = threading.Lock()
-        self.tp_rank = group.rank
+        self.worker_id, self.role, self.tp_rank = attach.worker_id, attach.role, group.rank
+        self.payload = TorchDistPayload(PayloadEnd(attach.spec, kv_cache, attach.worker_id, attach.role,
+                                                   attach.incarnation, store_factory(attach.spec), group.rank))
         self.pairs: dict[str, Pair] = {}
         self._pass: list[_Bundle] = []  # prefill: the bundles of the pass being computed
-        self._setup_payload()
-
-    def _on_stream(self, stream):
-        return on_stream(stream, self.kv_cache.device)
 
     # -- rank 0's calls (the group's RPC thread, one at a time) -------------------------------------
     def handle(self, msg) -> None:
@@ -320,13 +336,13 @@ class PayloadAgent(TorchDistPayload):
                 self._drop(old)
             pair = Pair(msg.peer, f"{self.worker_id}.r{self.tp_rank}")
             pair.peer_inc, pair.gen, pair.spec = msg.peer_inc, msg.gen, PlanSpec.from_wire(msg.spec, msg.peer)
-            self._reserve(pair)
+            self.payload.reserve(pair)
             pair.waiter.start()
             self.pairs[msg.peer] = pair
         elif isinstance(msg, Form):
             pair = self.pairs[msg.peer]
             with pair.io:
-                self._open(pair, send=self.role == "prefill")
+                self.payload.open_links(pair, send=self.role == "prefill")
         elif isinstance(msg, Post):
             self._post(msg)
         elif isinstance(msg, Abort):
@@ -334,7 +350,7 @@ class PayloadAgent(TorchDistPayload):
             if pair is not None:
                 pair.dead = msg.why or "aborted by rank 0"
                 with pair.io:
-                    self._payload_abort(pair)
+                    self.payload.abort(pair)
         elif isinstance(msg, Release):
             pair = self._pair_of(msg.peer, msg.peer_inc, msg.gen)
             if pair is not None:
@@ -348,7 +364,7 @@ class PayloadAgent(TorchDistPayload):
 
     def _drop(self, pair: Pair) -> None:
         pair.waiter.stop()
-        self._payload_release(pair)
+        self.payload.release(pair)
 
     def _done(self, pair: Pair, b: _Bundle, side: str, completion: Completion, err: str | None = None) -> None:
         def report():
@@ -362,7 +378,7 @@ class PayloadAgent(TorchDistPayload):
             raise RuntimeError(f"a bundle from {msg.peer}, whose links this rank has not formed")
         b = _Bundle(msg.bundle, pair, _ids(msg.dst), msg.launches)
         with pair.io:
-            completion, err = self._payload_post(pair, b)
+            completion, err = self.payload.post(pair, b)
         self._done(pair, b, "dst", completion, err)
 
     # -- prefill: the pass's shipment (the main thread, in the forward) -----------------------------
@@ -377,30 +393,23 @@ class PayloadAgent(TorchDistPayload):
                                    f"whose links this rank has not formed")
             self._pass.append(_Bundle(sb.bundle, pair, _ids(sb.src), sb.launches))
 
-    def _mark(self):
-        if not self.kv_cache.is_cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.kv_cache.device))
-        return ev
-
     def layer_done(self, layer: int | None) -> None:
         """This rank's launches whose layers are written (every one left when layer is None)."""
         ready = None
         for b in self._pass:
             while b.issued < len(b.launches) and (layer is None or b.launches[b.issued].last_layer <= layer):
                 if ready is None:
-                    ready = self._mark()
+                    ready = self.payload.mark()
                 if b.pair.dead is None:
                     with b.pair.io:
-                        self._payload_issue(b.pair, b, b.launches[b.issued], ready)
+                        self.payload.issue(b.pair, b, b.launches[b.issued], ready)
                 b.issued += 1
 
     def kv_done(self) -> None:
         self.layer_done(None)
         for b in self._pass:
             with b.pair.io:
-                completion, _ = self._payload_seal(b.pair, b)
+                completion, _ = self.payload.seal(b.pair, b)
             self._done(b.pair, b, "src", completion, b.pair.dead)
         self._pass = []
 

@@ -1,7 +1,8 @@
 """The worker interface (cluster/worker_api.py) is what both Ray actors implement and what the
 router's WorkerClient calls: same methods, same parameters, same types, checked here; and every
 method the router uses, called through WorkerClient on the real actor classes (in process, CPU, the
-local KV transport), answers with the type the Protocol declares."""
+local KV transport), answers with the type the Protocol declares. The actors' other methods are the
+fault interface (cluster/faults/fault_control.py), checked as exactly, and never called by the router."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.faults.fault_control import DecodeFaultControl, FaultControl
 from cluster.messages import GenerateRequest, PrefillTask, ReserveRequest
 from cluster.sampling_params import SamplingParams
 from cluster.transport.factory import TransportSpec
@@ -25,7 +27,9 @@ from prefill_worker.actor import PrefillWorkerActor
 from router.worker_client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = [(DecodeWorkerAPI, DecodeWorkerActor), (PrefillWorkerAPI, PrefillWorkerActor)]
+# (serving interface, fault interface, the actor that implements both)
+ACTORS = [(DecodeWorkerAPI, DecodeFaultControl, DecodeWorkerActor), (PrefillWorkerAPI, FaultControl, PrefillWorkerActor)]
+PROTOCOLS = (WorkerAPI, DecodeWorkerAPI, PrefillWorkerAPI, FaultControl, DecodeFaultControl)
 NAMES = {"TransportSpec": TransportSpec}  # behind TYPE_CHECKING in the modules
 
 
@@ -33,7 +37,7 @@ def protocol_methods(proto) -> dict[str, typing.Callable]:
     """Every method a Protocol declares, its bases' included."""
     out = {}
     for cls in reversed(proto.__mro__):
-        if cls in (WorkerAPI, DecodeWorkerAPI, PrefillWorkerAPI):
+        if cls in PROTOCOLS:
             out.update({n: f for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")})
     return out
 
@@ -55,10 +59,16 @@ def shape(fn, drop: tuple[str, ...] = ()) -> tuple:
     return params, hints
 
 
-@pytest.mark.parametrize("proto,actor", PAIRS, ids=["decode", "prefill"])
-def test_each_actor_implements_its_protocol_exactly(proto, actor):
-    declared, offered = protocol_methods(proto), public_methods(actor)
-    assert set(offered) == set(declared), "actor and Protocol list different methods"
+@pytest.mark.parametrize("serving,faults,actor", ACTORS, ids=["decode", "prefill"])
+def test_each_actor_implements_its_two_protocols_exactly(serving, faults, actor):
+    """The actor's public methods are the serving interface's and the fault interface's, nothing else;
+    no method is in both."""
+    served, faulted, offered = protocol_methods(serving), protocol_methods(faults), public_methods(actor)
+    assert not set(served) & set(faulted), f"in both interfaces: {sorted(set(served) & set(faulted))}"
+    declared = {**served, **faulted}
+    assert set(offered) == set(declared), (f"actor and Protocols list different methods: only the actor "
+                                           f"{sorted(set(offered) - set(declared))}, only the Protocols "
+                                           f"{sorted(set(declared) - set(offered))}")
     for name, fn in declared.items():
         assert shape(offered[name]) == shape(fn), f"{actor.__name__}.{name} differs from {proto.__name__}.{name}"
         assert inspect.iscoroutinefunction(offered[name]) == inspect.iscoroutinefunction(fn), name
@@ -86,6 +96,15 @@ def test_the_router_uses_every_client_method_and_calls_workers_only_through_them
     for name in public_methods(WorkerClient):
         assert re.search(rf"\.{name}\(", text), f"WorkerClient.{name} is never called in router/"
     assert ".call(" not in text and ".remote(" not in text
+
+
+def test_the_router_never_calls_the_fault_interface():
+    """No method of the fault interface is called (nor named) anywhere in router/, WorkerClient included."""
+    faults = protocol_methods(DecodeFaultControl)
+    assert {"inject_fault", "clear_faults", "inject_transport_fault", "check_blocks"} <= set(faults)
+    for path in (ROOT / "router").rglob("*.py"):
+        for name in faults:
+            assert not re.search(rf"\b{name}\b", path.read_text()), f"{path.relative_to(ROOT)} names {name}"
 
 
 def conforms(value, hint) -> bool:

@@ -1,7 +1,7 @@
 """A migrated stream is exact at every point (issue 29), on one real cluster (1 prefill + 2 decode
 workers, KV over gloo, real HTTP): for every K in 1..40 a decode worker fails right after the client
 has received exactly K tokens of the stream (`inject_fault(kind, after_tokens=K, seed=S)`, keyed on the
-request's token count, resumed tokens included: decode_worker/fault_plan.py TokenCountFault), the
+request's token count, resumed tokens included: cluster/faults/fault_plan.py TokenCountFault), the
 request moves, and the client's text equals the in-process engine's (cluster/engine.py LLMEngine).
 
 - the loop-exception path ("loop": the decode loop raises, its requests are lost and moved) and the

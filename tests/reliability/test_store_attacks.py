@@ -99,8 +99,8 @@ def test_a_forged_heartbeat_neither_kills_nor_revives_a_peer(store):
              old)  # a replay: valid, but older than what the prefill took already
     for seq, fake in enumerate(fakes):
         rogue.set(f"{ns}/hb/d", fake)
-        tp.sender.watch_outgoing(tp.store())  # what the heartbeat thread runs: the peer must stay alive
-        tp.check_incarnation(tp.store(), "d", td.incarnation)  # and not restarted
+        tp.sender.watch_outgoing(tp.link.store())  # what the heartbeat thread runs: the peer must stay alive
+        tp.link.check_incarnation(tp.link.store(), "d", td.incarnation)  # and not restarted
         _land(td, tp, seq, src, dst, blocks=(5 + 2 * seq, 6 + 2 * seq), srcb=(3 + seq,))
     assert "d" not in tp.metrics()["dead_peers"] and tp.metrics()["failures"] == 0
     tp.close(), td.close()

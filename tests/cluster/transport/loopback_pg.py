@@ -128,10 +128,10 @@ class LoopbackPG:
 
 
 def install(monkeypatch, seed: int = 0) -> dict[str, LoopbackGroup]:
-    """TorchDistTransport forms LoopbackPGs instead of NCCL groups (both ends in this process)."""
+    """TorchDistPayload forms LoopbackPGs instead of NCCL groups (both ends in this process)."""
     from cluster.transport import torch_dist
 
-    def form(self, peer: str, peer_inc: int, gen: int, link) -> None:  # (TorchDistTransport._form's signature)
+    def form(self, peer: str, peer_inc: int, gen: int, link) -> None:  # (TorchDistPayload._form's signature)
         me, them = f"{self.worker_id}.{self.incarnation}", f"{peer}.{peer_inc}"
         pair = f"{me}/{them}" if self.role == "prefill" else f"{them}/{me}"
         key = f"{self.ns}/{pair}/g{gen}/L{link.index}"  # per pair generation and link, as the real rendezvous
@@ -140,9 +140,9 @@ def install(monkeypatch, seed: int = 0) -> dict[str, LoopbackGroup]:
         rank = 0 if self.role == "prefill" else 1
         link.pg, link.peer_rank, link.stream = LoopbackPG(group), 1 - rank, torch.cuda.Stream(self.kv_cache.device)
 
-    real = inspect.signature(torch_dist.TorchDistTransport._form).parameters
+    real = inspect.signature(torch_dist.TorchDistPayload._form).parameters
     if list(inspect.signature(form).parameters) != list(real):
         raise TypeError(f"loopback form{tuple(inspect.signature(form).parameters)} no longer matches "
-                        f"TorchDistTransport._form{tuple(real)}")
-    monkeypatch.setattr(torch_dist.TorchDistTransport, "_form", form)
+                        f"TorchDistPayload._form{tuple(real)}")
+    monkeypatch.setattr(torch_dist.TorchDistPayload, "_form", form)
     return _GROUPS
