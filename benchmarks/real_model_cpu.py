@@ -240,7 +240,10 @@ def main() -> None:
         for key, run in (("checks", lambda: checks(client, ref)), ("concurrent_chats", lambda: concurrent_chats(client)),
                          ("max_tokens_1_latency", lambda: one_token_latency(client)),
                          ("lm_eval", lambda: lm_eval_run(port, gguf))):
-            result[key] = run()
+            try:
+                result[key] = run()
+            except Exception as e:  # noqa: BLE001 - recorded; the next part still runs
+                result[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
             out.write_text(json.dumps(result, indent=2) + "\n")  # each part as it is done
     finally:
         proc.terminate()
