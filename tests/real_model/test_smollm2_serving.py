@@ -1,24 +1,27 @@
 """SmolLM2-135M-Instruct (GGUF) served disaggregated (prefill worker -> KV transfer -> decode worker)
 over real HTTP, against transformers loading the same file: greedy completions and chats equal token
-for token (streamed too), a chat stops at <|im_end|>, JSON-schema output validates, a forced tool call
-parses, prompt logprobs equal, and the log-likelihood choices of the project's own multiple-choice
-task (benchmarks/real_model_task/facts.jsonl, lm-eval's request shape) are transformers' choices."""
+for token (streamed too), a chat stops at <|im_end|>, JSON-schema output validates, forced tool calls
+(named and "required") end with their call within 64 tokens, without a parser as with hermes, prompt
+logprobs equal, and the log-likelihood choices of the project's own multiple-choice task
+(benchmarks/real_model_task/facts.jsonl, lm-eval's request shape) are transformers' choices. The
+requests are benchmarks/real_model_requests.py's, which benchmarks/real_model_cpu.py records."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
+from benchmarks.real_model_requests import (CITY_SCHEMA, FORCED_CHOICES, MODEL, PROMPTS, QUESTIONS, SCORED_TEXT,
+                                            TIME_TOOL, TOOL_QUESTION, WEATHER_TOOL, chat_ids, forced_tool_call,
+                                            greedy_chat, greedy_completion, json_schema_chat, loglikelihood,
+                                            prompt_logprobs, task_items)
+
 openai = pytest.importorskip("openai")
 
-MODEL = "smollm2"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 7 times 8?"]
-FACTS = Path(__file__).resolve().parents[2] / "benchmarks" / "real_model_task" / "facts.jsonl"
 ATOL = 2e-4  # float32 on both sides; the kernels sum in another order
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
 
 
 @pytest.fixture(scope="module")
@@ -26,39 +29,27 @@ def client(smollm2_cluster):
     return openai.OpenAI(base_url=f"{smollm2_cluster.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _chat_ids(tok, question: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                   tokenize=False)
-    return tok(text, add_special_tokens=False).input_ids
-
-
 def test_greedy_completions_equal_transformers(client, hf_smollm2, hf_greedy):
     tok = hf_smollm2[1]
     for prompt in PROMPTS:
         want = hf_greedy(tok(prompt).input_ids, 24)
-        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-        assert got.choices[0].text == tok.decode(want), prompt
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True) if c.choices)
-        assert streamed == got.choices[0].text
+        got, streamed = greedy_completion(client, prompt, 24)
+        assert got == tok.decode(want), prompt
+        assert streamed == got
 
 
 def test_greedy_chats_equal_transformers_and_stop_at_im_end(client, hf_smollm2, hf_greedy):
     tok = hf_smollm2[1]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     stopped = 0
-    for q in QUESTIONS:
-        want = hf_greedy(_chat_ids(tok, q), 48)
+    for q in QUESTIONS[:3]:
+        want = hf_greedy(chat_ids(tok, q), 48)
         ended = want[-1] == eos  # transformers ended the answer at EOS (else at max_new_tokens)
         stopped += ended
-        got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                             max_tokens=48, temperature=0)
+        got, streamed = greedy_chat(client, q, 48)
         choice = got.choices[0]
         assert choice.message.content == tok.decode(want[:-1] if ended else want), q
         assert (choice.finish_reason, got.usage.completion_tokens) == ("stop" if ended else "length", len(want))
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=48, temperature=0, stream=True)
-            if c.choices)
         assert streamed == choice.message.content
         if q == QUESTIONS[0]:
             assert "Paris" in choice.message.content
@@ -67,59 +58,79 @@ def test_greedy_chats_equal_transformers_and_stop_at_im_end(client, hf_smollm2, 
 
 def test_json_schema_output_validates(client):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                              "is_capital": {"type": "boolean"}},
-              "required": ["city", "is_capital"], "additionalProperties": False}
-    got = client.chat.completions.create(
-        model=MODEL, max_tokens=60, temperature=0,
-        messages=[{"role": "user", "content": "Give the largest city of Japan as JSON, and whether it is the capital."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
-    jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    jsonschema.validate(json.loads(json_schema_chat(client)), CITY_SCHEMA)
 
 
-def test_forced_tool_call(client):
-    tool = {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    got = client.chat.completions.create(
-        model=MODEL, max_tokens=120, temperature=0, tools=[tool],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-    calls = got.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "get_weather"
-    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+@pytest.fixture(scope="module")
+def forced_over_http(client):
+    """Each forced tool_choice's response from the cluster, which runs the hermes parser."""
+    return {choice: forced_tool_call(client, choice, max_tokens=64) for choice in FORCED_CHOICES}
+
+
+@pytest.mark.parametrize("choice", sorted(FORCED_CHOICES))
+def test_forced_calls_end_with_their_call(forced_over_http, choice):
+    """A named call and "required" each end when their JSON closes (issue 36: "required" with hermes
+    repeated its call until max_tokens, and a hermes-wrapped call took ~51 tokens): finish
+    "tool_calls" well within 64 tokens, arguments valid under the function's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    got = forced_over_http[choice]
+    c = got.choices[0]
+    calls = c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and got.usage.completion_tokens < 48, got
+    assert calls and c.message.content is None
+    if choice == "named":
+        assert [t.function.name for t in calls] == ["get_weather"]
+    for t in calls:
+        jsonschema.validate(json.loads(t.function.arguments), SCHEMAS[t.function.name])
+
+
+def test_forced_calls_without_a_parser_are_the_same_calls(smollm2_gguf, forced_over_http):
+    """Without --tool-call-parser (the gateway's ToolCalling over the engine in this process, on the
+    same file): the same grammar, so greedy writes the same calls as the hermes server, ending the
+    same way."""
+    from cluster.engine import LLMEngine
+    from cluster.sampling_params import SamplingParams
+    from cluster.tokenizer import encode_chat
+    from router.openai.protocol import ChatCompletionRequest
+    from router.openai.tool_calling import ToolCalling
+
+    engine = LLMEngine(smollm2_gguf, dtype="float32", num_blocks=64)
+    messages = [{"role": "user", "content": TOOL_QUESTION}]
+    for choice, tool_choice in FORCED_CHOICES.items():
+        body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages, "tools": [
+            WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice})
+        tc = ToolCalling.of(body, None, False)
+        ids = encode_chat(engine.tokenizer, messages, list(tc.template_tools))
+        out = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0, structured=tc.constraint))[0]
+        _, calls = tc.parse(out.text)
+        served = forced_over_http[choice].choices[0]
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            (t.function.name, t.function.arguments) for t in served.message.tool_calls], choice
+        assert tc.finish_reason(bool(calls), out.finish_reason) == served.finish_reason == "tool_calls"
 
 
 def test_prompt_logprobs_equal_transformers(client, hf_smollm2, hf_log_softmax):
     tok = hf_smollm2[1]
-    ids = tok("The quick brown fox jumps over the lazy dog. Paris is the capital of").input_ids
-    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
-    lp = got.choices[0].logprobs
+    ids = tok(SCORED_TEXT).input_ids
+    lp = prompt_logprobs(client, ids)
     ref = hf_log_softmax(ids)
-    assert lp.token_logprobs[0] is None
+    assert lp[0] is None
     for j in range(1, len(ids)):
-        assert math.isclose(lp.token_logprobs[j], ref[j - 1, ids[j]].item(), abs_tol=ATOL), j
-
-
-def _loglikelihood(client, ctx: list[int], cont: list[int]) -> float:
-    """lm-eval's local-completions log-likelihood request: the continuation's summed logprobs."""
-    got = client.completions.create(model=MODEL, prompt=ctx + cont, max_tokens=0, echo=True, logprobs=1,
-                                    temperature=0)
-    return sum(got.choices[0].logprobs.token_logprobs[len(ctx):])
+        assert math.isclose(lp[j], ref[j - 1, ids[j]].item(), abs_tol=ATOL), j
 
 
 def test_multiple_choice_loglikelihood_chooses_as_transformers(client, hf_smollm2, hf_log_softmax):
     """The project's own task, scored as lm-eval scores it (context, then " " + choice), by the server
     and by transformers: the same choice on every item (lm-eval itself: benchmarks/real_model_cpu.py)."""
     tok = hf_smollm2[1]
-    items = [json.loads(line) for line in FACTS.read_text().splitlines()]
+    items = task_items()
     agree = correct = 0
     for item in items:
         ctx = tok(item["question"]).input_ids
         ours, theirs = [], []
         for choice in item["choices"]:
             cont = tok(" " + choice, add_special_tokens=False).input_ids
-            ours.append(_loglikelihood(client, ctx, cont))
+            ours.append(loglikelihood(client, ctx, cont))
             lsm = hf_log_softmax(ctx + cont)
             theirs.append(sum(lsm[len(ctx) + j - 1, t].item() for j, t in enumerate(cont)))
             assert math.isclose(ours[-1], theirs[-1], abs_tol=1e-3)

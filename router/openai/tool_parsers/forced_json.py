@@ -1,6 +1,7 @@
-"""Forced tool calls on a server without `--tool-call-parser`, as vLLM serves them by default: the
-grammar engine writes plain JSON under a schema built from the tools (vLLM's
-`_get_json_schema_from_tool`), and these parsers turn that JSON into OpenAI tool calls.
+"""Forced tool calls (tool_choice "required" or a named function), as vLLM serves them: the grammar
+engine writes plain JSON under a schema built from the tools (vLLM's `_get_json_schema_from_tool`),
+and these parsers turn that JSON into OpenAI tool calls. The same with or without a
+`--tool-call-parser`: the format parsers read "auto" replies only.
 
 - a named tool_choice: the whole reply is the function's arguments object (its `parameters`
   schema; any object when it has none): one call of that function (`NamedCallParser`);
@@ -8,12 +9,19 @@ grammar engine writes plain JSON under a schema built from the tools (vLLM's
   each under an anyOf of the tools' schemas (at most one with parallel_tool_calls false):
   one call per element (`RequiredCallsParser`).
 
+Why not the model's own format (`<tool_call>...</tool_call>` and the like): its wrapper is text the
+grammar would make the model spell, token by token, under the mask, and a model that is not sure of
+it picks fragments (SmolLM2-135M: 51 tokens for one hermes call with a 6-token arguments object,
+against 10 for the object alone); and a sequence of tagged calls has no end of its own, so a model
+that likes the format writes call after call until max_tokens. Here the JSON value's close is the
+end of the grammar: after it only the model's EOS is allowed, and the reply stops there.
+
 The JSON layout is the grammar engine's (no free whitespace), so every byte of it is the call's;
 both parsers stream (the arguments in fragments as they are written), and a reply cut by max_tokens
 ends with its last call as far as it got, as the format parsers do (an element cut before its name is
-dropped: this format has no content). The grammar lets "required" end after any call; how many it
-writes is the model's choice (random weights may go on until max_tokens; parallel_tool_calls false
-ends it after one).
+dropped: this format has no content). How many calls "required" writes with parallel calls allowed
+is the model's choice (random weights may go on until max_tokens; parallel_tool_calls false closes
+the array after one).
 """
 
 from __future__ import annotations
@@ -27,6 +35,14 @@ from router.openai.tool_parsers.tool_parser import FunctionTool, ToolCallDelta, 
 _WS = " \t\r\n"
 
 
+def named_tool(tools: Sequence[FunctionTool], name: str) -> FunctionTool:
+    """The tool a named tool_choice calls (a 400 naming tool_choice when no tool has that name)."""
+    for t in tools:
+        if t.name == name:
+            return t
+    raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+
+
 def named_call_schema(tool: FunctionTool) -> StructuredOutput:
     """The arguments object of one function: its parameters schema (any object without one)."""
     return StructuredOutput.json_schema(tool.parameters if tool.parameters is not None else {"type": "object"})
@@ -34,6 +50,8 @@ def named_call_schema(tool: FunctionTool) -> StructuredOutput:
 
 def required_calls_schema(tools: Sequence[FunctionTool], parallel: bool) -> StructuredOutput:
     """vLLM's array of calls: `[{"name": <one of the tools>, "parameters": <its schema>}, ...]`."""
+    if not tools:
+        raise InvalidRequestError("tool_choice needs tools", "tool_choice")
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t.name]},
                              "parameters": t.parameters if t.parameters is not None else {"type": "object"}},
@@ -54,8 +72,9 @@ class NamedCallParser(ToolParser):
         self.function_name = function_name
 
     @classmethod
-    def bound(cls, function_name: str) -> Callable[[], "NamedCallParser"]:
-        return lambda: cls(function_name)
+    def bound(cls, function_name: str, id_factory: Callable[[], str] | None = None
+              ) -> Callable[[], "NamedCallParser"]:
+        return lambda: cls(function_name, id_factory)
 
     def _feed(self, text: str) -> None:
         if not self._calls:
@@ -68,23 +87,19 @@ class NamedCallParser(ToolParser):
             self._calls = 1
             self._out_calls.append(ToolCallDelta(0, self._new_id(), self.function_name, ""))
 
-    @classmethod
-    def constraint(cls, tools, tool_choice, parallel_tool_calls=True) -> StructuredOutput:
-        chosen = cls.chosen(tools, tool_choice)
-        if len(chosen) != 1:
-            raise InvalidRequestError("a named tool_choice names one function", "tool_choice")
-        return named_call_schema(chosen[0])
-
 
 class RequiredCallsParser(ToolParser):
     """The reply is a JSON array of calls (`{"name", "parameters"}` objects): one call per element."""
 
     name = "forced_required"
-    args_key = "parameters"
 
     def __init__(self, id_factory: Callable[[], str] | None = None):
         super().__init__(id_factory)
         self._state = "open"  # open ("[" next) | call | after (a "," or "]" next) | end
+
+    @classmethod
+    def bound(cls, id_factory: Callable[[], str] | None = None) -> Callable[[], "RequiredCallsParser"]:
+        return lambda: cls(id_factory)
 
     def _feed(self, text: str) -> None:
         i = 0
@@ -113,7 +128,3 @@ class RequiredCallsParser(ToolParser):
             else:
                 self._close()
         self._state = "end"
-
-    @classmethod
-    def constraint(cls, tools, tool_choice, parallel_tool_calls=True) -> StructuredOutput:
-        return required_calls_schema(cls.chosen(tools, tool_choice), parallel_tool_calls)

@@ -4,30 +4,18 @@ calls). `<tool_call>` is an ordinary added token in these tokenizers: it is in t
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from cluster.structured import JSONTag, TaggedJSON
-from router.openai.tool_parsers.tool_parser import FunctionTool, ToolParser, held_back
+from router.openai.tool_parsers.tool_parser import ToolParser, held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
-    args_key = "arguments"
 
     def __init__(self, id_factory=None):
         super().__init__(id_factory)
         self._buf = ""
         self._state = "content"  # content | call | close
-
-    @classmethod
-    def call_tag(cls, tool: FunctionTool) -> JSONTag:
-        return cls._tag(tool, OPEN + "\n", "\n" + CLOSE)
-
-    @classmethod
-    def call_format(cls, tags: Sequence[JSONTag], parallel: bool) -> TaggedJSON:
-        return TaggedJSON("", tuple(tags), separator="\n", at_least_one=True, stop_after_first=not parallel)
 
     def _feed(self, text: str) -> None:
         buf = self._buf + text

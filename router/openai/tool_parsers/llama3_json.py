@@ -5,30 +5,18 @@ tokens for it to be seen (a reply opening with `{` needs nothing)."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from cluster.structured import JSONTag, TaggedJSON
-from router.openai.tool_parsers.tool_parser import FunctionTool, ToolParser
+from router.openai.tool_parsers.tool_parser import ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    args_key = "parameters"
 
     def __init__(self, id_factory=None):
         super().__init__(id_factory)
         self._buf = ""
         self._state = "start"  # start | call | separator | content
-
-    @classmethod
-    def call_tag(cls, tool: FunctionTool) -> JSONTag:
-        return cls._tag(tool, "", "")
-
-    @classmethod
-    def call_format(cls, tags: Sequence[JSONTag], parallel: bool) -> TaggedJSON:
-        return TaggedJSON("", tuple(tags), separator="; ", at_least_one=True, stop_after_first=not parallel)
 
     def _feed(self, text: str) -> None:
         buf = self._buf + text

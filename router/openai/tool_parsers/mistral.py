@@ -5,32 +5,19 @@ Mistral's chat templates require of the calls sent back."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from cluster.structured import JSONTag, TaggedJSON
-from router.openai.tool_parsers.tool_parser import FunctionTool, ToolParser, alphanumeric_id, held_back
+from router.openai.tool_parsers.tool_parser import ToolParser, alphanumeric_id, held_back
 
 BOT = "[TOOL_CALLS]"
 
 
 class MistralToolParser(ToolParser):
     name = "mistral"
-    args_key = "arguments"
     default_id = staticmethod(alphanumeric_id)
 
     def __init__(self, id_factory=None):
         super().__init__(id_factory)
         self._buf = ""
         self._state = "content"  # content | list | item | call | after_item
-
-    @classmethod
-    def call_tag(cls, tool: FunctionTool) -> JSONTag:
-        return cls._tag(tool, "", "")
-
-    @classmethod
-    def call_format(cls, tags: Sequence[JSONTag], parallel: bool) -> TaggedJSON:
-        return TaggedJSON(BOT + "[", tuple(tags), separator=", ", suffix="]", at_least_one=True,
-                          stop_after_first=not parallel)
 
     def _feed(self, text: str) -> None:
         buf = self._buf + text

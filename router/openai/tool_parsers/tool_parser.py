@@ -10,9 +10,8 @@ Content that could still turn into a call's opening tag is held back until it ca
 has started, whitespace alone between or after calls is not content. A call opened but never valid
 (no function name: not JSON, or not a call) is given back as content, verbatim.
 
-`constraint(tools, tool_choice, parallel_tool_calls)`: the StructuredOutput that makes the model
-write a valid call in this parser's own format (tool_choice "required" or a named function), built
-from the tools' parameter schemas; the grammar engine (cluster.structured) enforces it.
+A format parser reads replies the model wrote freely (tool_choice "auto"); a forced call is written
+by the grammar engine in vLLM's plain JSON and read by forced_json.py's parsers, whatever the format.
 
 Formats (one file each): llama3_json.py, hermes.py, mistral.py; the registry is this package's
 __init__ (keyed by the `--tool-call-parser` name).
@@ -20,15 +19,13 @@ __init__ (keyed by the `--tool-call-parser` name).
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable
 
 from cluster.errors import InvalidRequestError
-from cluster.structured import JSONTag, StructuredOutput, TaggedJSON
 from router.openai.tool_parsers.json_call_scanner import JSONCallScanner
 
 
@@ -138,10 +135,9 @@ class _OpenCall:
 
 class ToolParser(ABC):
     """One choice's parser (stateful). Subclasses define the format: the streaming machine in
-    `_feed`, and `call_format` for the constraint."""
+    `_feed` and `_finish`."""
 
     name: ClassVar[str] = ""
-    args_key: ClassVar[str] = "arguments"  # the key a call's arguments go under, in this format
 
     def __init__(self, id_factory: Callable[[], str] | None = None):
         self._new_id = id_factory or self.default_id
@@ -184,50 +180,6 @@ class ToolParser(ABC):
     def called(self) -> bool:
         """Some tool call was made (finish_reason "tool_calls")."""
         return self._calls > 0
-
-    # -- the constraint ------------------------------------------------------------------------------
-    # A format spelled around tags implements `call_tag` and `call_format`; a parser whose grammar is
-    # not built from tags (forced_json.py: plain JSON) overrides `constraint` instead.
-    @classmethod
-    def call_format(cls, tags: Sequence[JSONTag], parallel: bool) -> TaggedJSON:
-        """This format's calls around per-function tags (see _tag)."""
-        raise NotImplementedError(f"{cls.__name__} builds its constraint without tags")
-
-    @classmethod
-    def _tag(cls, tool: FunctionTool, begin: str, end: str) -> JSONTag:
-        head = '{"name": ' + json.dumps(tool.name) + ', "' + cls.args_key + '": '
-        return JSONTag(begin + head, tool.parameters if tool.parameters is not None else {"type": "object"},
-                       "}" + end)
-
-    @classmethod
-    def constraint(cls, tools: Sequence[FunctionTool], tool_choice, parallel_tool_calls: bool = True
-                   ) -> StructuredOutput:
-        """tool_choice "required" (a call to any of `tools`) or {"type": "function", "function":
-        {"name": ...}} (that one): the grammar of a valid call in this format."""
-        chosen = cls.chosen(tools, tool_choice)
-        fmt = cls.call_format([cls.call_tag(t) for t in chosen], parallel_tool_calls and tool_choice == "required")
-        return StructuredOutput.tagged(fmt)
-
-    @staticmethod
-    def chosen(tools: Sequence[FunctionTool], tool_choice) -> list[FunctionTool]:
-        """The tools a forced tool_choice may call (a 400 for one naming no tool)."""
-        if not tools:
-            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
-        if tool_choice == "required":
-            return list(tools)
-        if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
-            name = tool_choice["function"].get("name")
-            chosen = [t for t in tools if t.name == name]
-            if not chosen:
-                raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-            return chosen
-        raise InvalidRequestError('tool_choice must be "none", "auto", "required" or a named function',
-                                  "tool_choice")
-
-    @classmethod
-    def call_tag(cls, tool: FunctionTool) -> JSONTag:
-        """One function's call in this format (begin + name + arguments schema + end)."""
-        raise NotImplementedError(f"{cls.__name__} builds its constraint without tags")
 
     # -- for the formats -----------------------------------------------------------------------------
     @abstractmethod

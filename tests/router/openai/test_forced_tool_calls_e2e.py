@@ -1,9 +1,10 @@
 """Forced tool calls on a server without --tool-call-parser (as vLLM serves them by default), through
 real HTTP with the official `openai` client on the real workers (`real_pd_cluster`) and the
 random-weight demo model, which obeys the grammar and nothing else: a named tool_choice comes back
-as one call of that function whose arguments validate against its schema ("stop", as vLLM), and
-"required" as one or more calls of the tools ("tool_calls"; one with parallel_tool_calls false),
-within max_tokens 64, streamed equal to the whole response."""
+as one call of that function whose arguments validate against its schema, and "required" as one or
+more calls of the tools (one with parallel_tool_calls false), each ending "tool_calls" when its JSON
+closes, within max_tokens 64, streamed equal to the whole response. A tool_choice naming no tool, or
+forcing a call without tools, is a 400 in OpenAI's error shape naming tool_choice."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _streamed(client, **kw):
 
 
 @pytest.mark.parametrize("choice,parallel,finish", [
-    ({"type": "function", "function": {"name": "get_weather"}}, None, "stop"),
+    ({"type": "function", "function": {"name": "get_weather"}}, None, "tool_calls"),
     ("required", False, "tool_calls"),
     # Parallel calls: random weights may write calls until max_tokens ("length"); every one complete
     # validates, and a call cut before its name is neither a call nor content.
@@ -69,3 +70,16 @@ def test_forced_calls_follow_the_tools_schemas(real_pd_cluster, choice, parallel
     if parallel is False:
         assert len(calls) == 1
     assert _streamed(client, **kw) == (calls, finish)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_stock_price"}}),
+    dict(tool_choice="required"),
+    dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+])
+def test_a_forced_call_that_cannot_be_made_is_a_400(real_pd_cluster, kw):
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(real_pd_cluster).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **kw)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == "tool_choice"
+    assert "tool" in err["message"], err

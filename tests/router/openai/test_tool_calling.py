@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -40,27 +41,34 @@ def test_which_tool_choice_is_served():
     none = ToolCalling.of(chat(tools=[WEATHER], tool_choice="none"), None, False)
     assert none.choice == "none" and not none.parses and none.template_tools[0] == WEATHER
     req = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required"), "mistral", False)
-    assert req.constraint.kind == "tagged_json" and not req.constraint.tagged_json().stop_after_first
+    assert req.choice == "required" and req.constraint.kind == "json" and "maxItems" not in req.constraint.spec
+    call = req.parse('[{"name": "get_time", "parameters": {}}]')[1][0]  # the format's ids, vLLM's JSON
+    assert call.function.name == "get_time" and re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
     one = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), "hermes",
                          False)
-    assert one.max_calls == 1 and one.constraint.tagged_json().stop_after_first
+    assert one.max_calls == 1 and json.loads(one.constraint.spec)["maxItems"] == 1
     named = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
                            "llama3_json", False)
-    assert named.choice == "function" and [t.begin for t in named.constraint.tagged_json().tags] == [
-        '{"name": "get_time", "parameters": ']
+    assert named.choice == "function" and json.loads(named.constraint.spec) == {"type": "object"}
     assert ToolCalling.of(chat(tools=[WEATHER], parallel_tool_calls=False), "hermes", True).max_calls == 1
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     forced = ToolCalling.of(chat(tools=[strict], tool_choice="required"), "hermes", False)  # the grammar keeps it
-    assert forced.constraint.tagged_json().tags[0].schema == WEATHER["function"]["parameters"]
+    assert json.loads(forced.constraint.spec)["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER[
+        "function"]["parameters"]
     assert ToolCalling.of(chat(tools=[strict], tool_choice="none"), None, False).choice == "none"  # no call: no promise
 
 
 @pytest.mark.parametrize("kw,parser,auto,param,match", [
     ({"tool_choice": "required"}, "hermes", True, "tool_choice", "needs tools"),
+    ({"tool_choice": "required"}, None, False, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, None, False, "tool_choice",
+     "needs tools"),
     ({"tools": [WEATHER]}, "hermes", False, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [WEATHER]}, None, False, "tool_choice", "--tool-call-parser"),
     ({"tools": [WEATHER]}, None, True, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "hermes", True,
+     "tool_choice", "not among the tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, False,
      "tool_choice", "not among the tools"),
     ({"tools": [WEATHER, WEATHER]}, "hermes", True, "tools", "twice"),
     # "auto" has no grammar: strict arguments cannot be promised there.
@@ -198,27 +206,30 @@ def test_call_arguments_render_as_an_object_when_they_are_one():
     assert rendered('{"x": "\\ud800"}') == '{"x": "\\ud800"}'  # would decode to a lone surrogate: kept as text
 
 
-def test_forced_calls_without_a_parser_are_vllms_json():
-    """No --tool-call-parser: a named tool_choice is its arguments object under the function's schema,
-    "required" an array of {name, parameters} under an anyOf of the tools' (vLLM's
-    _get_json_schema_from_tool), one element with parallel_tool_calls false."""
-    named = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
-        "name": "get_weather"}}), None, False)
-    assert named.choice == "function" and named.constraint.kind == "json" and named.max_calls == 1
-    assert json.loads(named.constraint.spec) == WEATHER["function"]["parameters"]
-    req = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required"), None, False)
-    schema = json.loads(req.constraint.spec)
-    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
-    assert [s["properties"]["name"] for s in schema["items"]["anyOf"]] == [{"type": "string", "enum": ["get_weather"]},
-                                                                           {"type": "string", "enum": ["get_time"]}]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
-    one = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None, False)
-    assert json.loads(one.constraint.spec)["maxItems"] == 1 and one.max_calls == 1
+def test_forced_calls_are_vllms_json_with_or_without_a_parser():
+    """A named tool_choice is its arguments object under the function's schema, "required" an array of
+    {name, parameters} under an anyOf of the tools' (vLLM's _get_json_schema_from_tool), one element
+    with parallel_tool_calls false: the same grammar with any --tool-call-parser or none (a format's
+    tagged calls cost the wrapper's tokens and have no end of their own)."""
+    for parser in (None, *sorted(TOOL_PARSERS)):
+        named = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}), parser, False)
+        assert named.choice == "function" and named.constraint.kind == "json" and named.max_calls == 1
+        assert json.loads(named.constraint.spec) == WEATHER["function"]["parameters"]
+        req = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required"), parser, False)
+        schema = json.loads(req.constraint.spec)
+        assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+        assert [s["properties"]["name"] for s in schema["items"]["anyOf"]] == [
+            {"type": "string", "enum": ["get_weather"]}, {"type": "string", "enum": ["get_time"]}]
+        assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+        one = ToolCalling.of(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), parser,
+                             False)
+        assert json.loads(one.constraint.spec)["maxItems"] == 1 and one.max_calls == 1
 
 
 @pytest.mark.parametrize("choice,text,calls,finish", [
     ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Par\\"is"}',
-     [("get_weather", '{"city": "Par\\"is"}')], "stop"),
+     [("get_weather", '{"city": "Par\\"is"}')], "tool_calls"),
     ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
      [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")], "tool_calls"),
 ])
