@@ -70,7 +70,9 @@ class Migrator:
         # The placement that failed made no token of its own (what a migrated request resumed with is
         # not its): its KV transfer failed on that pair, which the next placement avoids. (Counting
         # every token instead sent a migrated request back through the same dead pair until
-        # max_migrations ran out: the chaos "transfer" fault, 1 error in 205 requests.)
+        # max_migrations ran out: the chaos "transfer" fault, 1 error in 205 requests.) A transfer
+        # that failed after the prefill worker sent the first token is avoided by PlacementWalk,
+        # which sees the failure (here that token counts as made).
         made_here = len(generated) - rs.request.resumed_tokens
         if made_here <= 0 and rs.prefill_worker_id is not None and rs.decode_worker_id is not None:
             rs.avoid_pairs.add((rs.prefill_worker_id, rs.decode_worker_id))

@@ -242,10 +242,13 @@ class PlacementWalk:
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
             if self.cfg.migrate_on_worker_death:
-                # Nothing was generated yet, and the prompt's computation or its KV transfer failed:
-                # a failure of the cluster, not of the request. Its gateway's Migrate places it again,
-                # not through this pair (router.migrator).
+                # The prompt's computation or its KV transfer failed (its first token may have reached
+                # the client already: the prefill worker sends it before the commit): a failure of the
+                # cluster, not of the request. Its gateway's Migrate places it again, never through
+                # this pair again (a wedged pair fails every transfer until it is formed anew).
                 rs.lost = error
+                if rs.decode_worker_id is not None:
+                    rs.avoid_pairs.add((p.worker_id, rs.decode_worker_id))
             self.notify(rs, error)
             # HAZARD: the notice and the decode worker's end of the placement reach the gateway on two
             # channels, in either order. Ended as a plain abort, a stream read before the notice

@@ -178,16 +178,42 @@ def test_a_migrated_request_whose_new_transfer_fails_avoids_that_pair_too():
         rs = await router.submit(req)
         assert rs.prefill_worker_id == "p0"
         rs.lost = "decode worker d0 died"  # it had made two tokens on d0
-        p0.prefill_ok = False  # from now on, the pair's transfers fail
         assert await router.migrate("r1", "r1.m1", (11, 12), 2, rs.lost) is None
+        # A decode worker's death after tokens of its own: the pair is not to blame.
         assert rs.prefill_worker_id == "p0" and rs.request.resumed_tokens == 2 and not rs.avoid_pairs
+        rs.lost = "decode worker d0 died"  # again, after a third token
+        p0.prefill_ok = False  # from now on, the pair's transfers fail
+        assert await router.migrate("r1", "r1.m2", (11, 12, 13), 3, rs.lost) is None
+        assert rs.prefill_worker_id == "p0" and rs.request.resumed_tokens == 3
         for _ in range(100):
             if notified:
                 break
             await asyncio.sleep(0.01)
         assert notified and rs.lost  # the new placement's transfer failed: a failure of the cluster
-        assert await router.migrate("r1", "r1.m2", (11, 12), 2, notified[-1][1]) is None
+        assert await router.migrate("r1", "r1.m3", (11, 12, 13), 3, notified[-1][1]) is None
         assert rs.local_prefill and rs.prefill_worker_id is None and ("p0", "d0") in rs.avoid_pairs
+        router.finish("r1", abort=True)
+        await router.stop()
+    asyncio.run(main())
+
+
+def test_a_transfer_that_failed_after_the_first_token_was_sent_avoids_that_pair():
+    """The prefill worker sends the first token to the gateway before its KV commit: when the
+    transfer then fails, the client already has that token and the migration carries it, yet the
+    placement's pair failed and is avoided (before, the token counted as the placement's own, and a
+    wedged pair took the request back until max_migrations ran out: chaos "stuck_transfer")."""
+    async def main():
+        router, notified, p0, req = await _started_one_pair_router()
+        p0.prefill_ok = False
+        rs = await router.submit(req)
+        for _ in range(100):
+            if notified:
+                break
+            await asyncio.sleep(0.01)
+        assert notified and rs.lost
+        assert await router.migrate("r1", "r1.m1", (11,), 1, notified[0][1]) is None
+        assert rs.local_prefill and rs.prefill_worker_id is None and ("p0", "d0") in rs.avoid_pairs
+        assert rs.request.resumed_tokens == 1
         router.finish("r1", abort=True)
         await router.stop()
     asyncio.run(main())
