@@ -67,6 +67,8 @@ class WorkerHealth:
         self._poller: asyncio.Task | None = None
         self._refreshing: asyncio.Future | None = None
         self._incarnations: dict[str, str] = {}  # worker id -> the incarnation it serves as
+        # worker id -> the incarnation it served as when it last failed: that one never pairs again
+        self._failed_incarnation: dict[str, str | None] = {}
         self._rejoining: dict[str, asyncio.Task] = {}
         self._rejoin_after: dict[str, float] = {}  # worker id -> when a failed rejoin may be retried
         self._restarts: dict[str, int] = {}  # worker id -> restarts seen (new incarnations answering)
@@ -231,6 +233,7 @@ class WorkerHealth:
 
     def _worker_failed(self, v: WorkerView, dead: bool, why: str) -> None:
         v.healthy = False
+        self._failed_incarnation[v.worker_id] = self._incarnations.get(v.worker_id)
         self.kv_index.drop(v.worker_id)
         if dead:
             self._tell_peers(v, why)
@@ -301,13 +304,17 @@ class WorkerHealth:
 
     def _joined_peers(self, role: str) -> list[str]:
         """Workers of the other role that serve: healthy, or rejoined and waiting for the poll that
-        marks them healthy (their current incarnation is the one the router has)."""
+        marks them healthy (their current incarnation is the one the router has, and it has not
+        failed since: a dead worker's last stats still name the incarnation it served as, and a
+        rejoin that took it for joined waited out a hello to its dead endpoint, transfer_timeout_s)."""
         other = "decode" if role == "prefill" else "prefill"
         out = []
         for w in self.workers.ids(other):
             v = self.workers.views[w]
+            known = self._incarnations.get(w)
             if v.healthy or (w not in self._rejoining and v.stats.extra.get("incarnation") is not None
-                             and self._incarnations.get(w) == v.stats.extra.get("incarnation")):
+                             and known == v.stats.extra.get("incarnation")
+                             and self._failed_incarnation.get(w, "") != known):
                 out.append(w)
         return out
 

@@ -229,6 +229,39 @@ def test_workers_restarting_together_get_their_pair_in_the_rejoin():
     asyncio.run(main())
 
 
+def test_a_peer_that_died_during_a_rejoin_is_not_taken_for_joined():
+    """A restarted prefill worker rejoins; a decode worker dies meanwhile and fails that rejoin. The
+    retry pairs with the live peers, and not then with the dead one, whose last stats still name the
+    incarnation it served as (the rejoin sent a hello to its dead endpoint and waited
+    transfer_timeout_s: chaos "rejoin_peer_death", 17 s against 12)."""
+    async def main():
+        h = None
+        d1_died = asyncio.Event()
+
+        async def rejoin(wid, role, peers):
+            h.rejoined.append((wid, role, list(peers)))
+            if "d1" in peers and len(h.rejoined) == 1:
+                await d1_died.wait()
+                raise RuntimeError("peer d1 died while forming the KV pair")
+        p0, d0, d1 = StubWorker("p0", "prefill"), StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([p0], [d0, d1], rejoin=rejoin)
+        await h.health.poll_once()
+        p0.incarnation = "i1"  # p0 restarted
+        await h.health.poll_once()
+        await asyncio.sleep(0.01)
+        d1.fail = RayActorError()  # d1 dies while p0's rejoin forms its pairs
+        await h.health.poll_once()
+        assert not h.workers.views["d1"].healthy
+        d1_died.set()
+        await asyncio.sleep(0.01)
+        h.health._rejoin_after.clear()  # (the retry's back-off, 1 s)
+        await h.health.poll_once()
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert h.rejoined == [("p0", "prefill", ["d0", "d1"]), ("p0", "prefill", ["d0"])], h.rejoined
+    asyncio.run(main())
+
+
 def test_a_death_is_told_to_the_peers_that_are_rejoining_too():
     async def main():
         p0, d0, d1 = StubWorker("p0", "prefill"), StubWorker("d0", "decode"), StubWorker("d1", "decode")
