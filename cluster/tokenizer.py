@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.decode_tokenizer import DecodeTokenizer
 from cluster.errors import InvalidRequestError, ModelLoadError
 
 
@@ -22,6 +23,8 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None):
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {why}") from None
     if isinstance(tok, bool) or not hasattr(tok, "encode"):  # transformers may hand back a non-tokenizer
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: no tokenizer files found there")
+    # For the processes that only decode (the decode worker's publisher): they load it without transformers.
+    DecodeTokenizer.remember(model_dir, tok)
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok

@@ -239,12 +239,25 @@ def make_publisher(worker_id: str, cfg, stats_sink: str | None, on_stop, where: 
                           secret=cfg.cluster_secret)
 
 
+def publisher_tokenizer(model_dir: str):
+    """The tokenizer the process decodes with: the cached Rust one (cluster/decode_tokenizer.py: no
+    transformers or torch import, ~0.1 s) once any process of this machine loaded the checkpoint's
+    tokenizer, else transformers' (3-9 s of CPU), which also caches it for the next start."""
+    from cluster.decode_tokenizer import DecodeTokenizer
+
+    tok = DecodeTokenizer.cached(model_dir)
+    if tok is None:
+        from cluster.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+    return tok
+
+
 def _serve(args) -> None:
     """The process: a TokenPublisher fed from the worker's frames."""
     import zmq
 
     from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint
-    from cluster.tokenizer import load_tokenizer
     from decode_worker.token_publisher import TokenPublisher
 
     ctx = zmq.Context.instance()
@@ -258,7 +271,7 @@ def _serve(args) -> None:
             control.send(_STOP + request_id.encode())
 
     secret = bytes.fromhex(sys.stdin.readline().strip())  # the worker writes it first (never in argv)
-    pub = TokenPublisher(args.worker_id, load_tokenizer(args.model_dir), args.stats_sink, on_stop=stopped,
+    pub = TokenPublisher(args.worker_id, publisher_tokenizer(args.model_dir), args.stats_sink, on_stop=stopped,
                          secret=secret)
     inbox = bound(ctx.socket(zmq.PULL), MAX_INTERNAL_FRAME, _HWM)
     inbox.connect(check_private_endpoint(args.input))
