@@ -50,8 +50,8 @@ def fake_decode_main(cmd_addr: str, stats_sink: str, step_s: float, model_dir: s
 
     import msgspec
 
-    from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-    from cluster.tokenizer import load_tokenizer
+    from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+    from cluster.text.tokenizer import load_tokenizer
     from decode_worker.token_publisher import TokenPublisher
 
     tok = load_tokenizer(model_dir)
@@ -129,7 +129,7 @@ class FakeDecodeFleet:
         self._sock.send(self._encode(("abort", None, request_id)))
 
     def stats(self):
-        from cluster.messages import WorkerStats
+        from cluster.wire.messages import WorkerStats
 
         big = 1 << 30
         return WorkerStats("fake-decode", "decode", True, free_blocks=big, total_blocks=big,

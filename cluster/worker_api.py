@@ -8,7 +8,7 @@ awaitable and under a per-call timeout; the launcher calls them on the Ray handl
 
 Over Ray every call is asynchronous whatever the method: an `async def` here is a method the actor
 runs on its own event loop (many in flight at once), a plain `def` one the actor runs in turn. Only
-the messages of cluster/messages.py (and plain values) cross.
+the messages of cluster/wire/messages.py (and plain values) cross.
 
 Serving only: what the tests and the chaos run call besides (fault injection, the block-accounting
 check) is the fault interface, cluster/faults/fault_control.py, which the actors also implement.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from cluster.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
+from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
                               WorkerStats)
 
 if TYPE_CHECKING:  # torch behind it: the API-server processes import this module without it

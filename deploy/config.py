@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.errors import PdserveError
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from deploy.api_key import apply_key_sources, open_api_warnings, read_key_file
 from deploy.bind_address import is_one_interface
 from router.admission import AdmissionLimits
@@ -390,7 +390,7 @@ class ClusterConfig(BaseModel):
     @field_validator("prefill_policy")
     @classmethod
     def _prefill_policy(cls, v: str) -> str:
-        # Lazy: the policies' module imports torch (through cluster.messages); `serve --help` reads
+        # Lazy: the policies' module imports torch (through cluster.wire.messages); `serve --help` reads
         # this class without validating anything.
         from router.placement import PREFILL_POLICIES
 

@@ -43,7 +43,7 @@ class StepRecord:
     padded_rows: int
     step_ms: float
     graph: bool
-    # The interval since the previous step and what filled it (cluster.messages.StepTiming); None /
+    # The interval since the previous step and what filled it (cluster.wire.messages.StepTiming); None /
     # 0 from a server that does not report them.
     interval_ms: float | None = None
     prefill_ms: float = 0.0
@@ -236,7 +236,7 @@ class ServerStatsPoller:
         return empty_summary(None)
 
 
-INTERVAL_PARTS = ("prefill", "idle", "gap")  # interval = previous step + these (cluster.messages.StepTiming)
+INTERVAL_PARTS = ("prefill", "idle", "gap")  # interval = previous step + these (cluster.wire.messages.StepTiming)
 
 
 def empty_summary(source: str | None) -> dict:

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from cluster.errors import InvalidRequestError
-from cluster.kv_blocks import blocks_for_tokens, decode_held_blocks
-from cluster.request_limits import check_request_fits
+from cluster.kv.kv_blocks import blocks_for_tokens, decode_held_blocks
+from cluster.kv.request_limits import check_request_fits
 from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, NotPlacedError, OverloadedError
 
 if TYPE_CHECKING:  # annotations only: AdmissionLimits stays importable without torch (deploy/config.py)
@@ -123,7 +123,7 @@ class AdmissionController:
         return blocks_for_tokens(num_tokens, self.limits.block_size)
 
     def decode_blocks_for(self, num_tokens: int) -> int:
-        """What a decode worker holds for a sequence of `num_tokens` tokens (cluster.kv_blocks)."""
+        """What a decode worker holds for a sequence of `num_tokens` tokens (cluster.kv.kv_blocks)."""
         return decode_held_blocks(num_tokens, self.limits.block_size)
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:

@@ -1,8 +1,8 @@
 """KVBlockIndex: which worker holds which cached KV block, as the workers report it.
 
-Each worker's block pool keeps a change feed of the addresses it caches (cluster.block_pool); the
+Each worker's block pool keeps a change feed of the addresses it caches (cluster.kv.block_pool); the
 router polls it with the worker's stats (`kv_events(epoch, seq)`) and applies the net changes here.
-Addresses are hash chains (cluster.block_hash), so a block's address names its whole prefix: a flat map
+Addresses are hash chains (cluster.kv.block_hash), so a block's address names its whole prefix: a flat map
 address -> workers answers "how many leading blocks of this prompt does worker W hold" by walking the
 prompt's addresses, which is what Dynamo's radix tree answers. The index is approximate (it lags the
 workers by a poll, and a worker may evict a block right after reporting it): placement uses it to rank
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from cluster.block_hash import BlockHash, BlockHasher
-from cluster.messages import KVCacheEvents
+from cluster.kv.block_hash import BlockHash, BlockHasher
+from cluster.wire.messages import KVCacheEvents
 
 
 class KVBlockIndex:
@@ -74,7 +74,7 @@ class KVBlockIndex:
 
     def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """The addresses of the prompt's blocks that a hit may cover (never the last token's block:
-        the cache-hit rule of cluster.block_pool); empty before any worker reported."""
+        the cache-hit rule of cluster.kv.block_pool); empty before any worker reported."""
         if self._hasher is None or not token_ids:
             return []
         return self._hasher.extend([], token_ids, (len(token_ids) - 1) // self._hasher.block_size)

@@ -29,8 +29,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.messages import PrefillResult, WorkerStats
-from cluster.stream_messages import DecodeStepRecord
+from cluster.wire.messages import PrefillResult, WorkerStats
+from cluster.wire.stream_messages import DecodeStepRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -114,7 +114,7 @@ class GatewayMetrics(_Metrics):
         self._rejected.labels(self.model_name, str(status)).inc()
 
     def frame_rejected(self, channel: str) -> None:
-        """A frame on one of the cluster's own sockets without a valid MAC (cluster/frame_auth.py)."""
+        """A frame on one of the cluster's own sockets without a valid MAC (cluster/wire/frame_auth.py)."""
         self._frames_rejected.labels(self.model_name, channel).inc()
     def prompt_placed(self, n: int, max_tokens: int) -> None:
         """One prompt of a request was admitted with its n choices (vLLM counts each prompt a request)."""

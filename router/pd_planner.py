@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import TYPE_CHECKING
 
-from cluster.pass_rate import PassRate
+from cluster.worker.pass_rate import PassRate
 from router.arrival_stats import ArrivalMix
 
 if TYPE_CHECKING:  # annotations only: PlannerConfig stays importable without torch (deploy/config.py)

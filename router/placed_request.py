@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.messages import GenerateRequest, PrefillResult
+from cluster.wire.messages import GenerateRequest, PrefillResult
 
 
 @dataclass

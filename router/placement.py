@@ -19,9 +19,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
-from cluster.block_hash import BlockHash
-from cluster.graph_buckets import padding_fraction
-from cluster.messages import GenerateRequest, WorkerStats
+from cluster.kv.block_hash import BlockHash
+from cluster.engine.graph_buckets import padding_fraction
+from cluster.wire.messages import GenerateRequest, WorkerStats
 from router.kv_index import KVBlockIndex
 
 T = TypeVar("T")
@@ -228,7 +228,7 @@ class LeastLoadedDecode(DecodePolicy):
     size pads least to its next graph bucket, then to more free blocks, then to the worker that was
     given fewer requests so far (equal idle workers alternate instead of one taking everything).
     Buckets and batch limit are each worker's own (`WorkerStats.graph_buckets`, `max_num_seqs`); the
-    padding is cluster.graph_buckets' rule, the one the worker's graph runner pads by."""
+    padding is cluster.engine.graph_buckets' rule, the one the worker's graph runner pads by."""
 
     def __init__(self, load_quantum: float = 0.05):
         self.load_quantum = load_quantum

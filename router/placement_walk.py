@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Callable
 
-from cluster.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
+from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
 from router.kv_index import KVBlockIndex

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.pass_rate import PassRate, PassRateMeter
+from cluster.worker.pass_rate import PassRate, PassRateMeter
 from router.placement import WorkerView
 
 

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import zmq
 
-from cluster.frame_auth import FrameVerifier
-from cluster.socket_bounds import RateLimitedLog
+from cluster.wire.frame_auth import FrameVerifier
+from cluster.wire.socket_bounds import RateLimitedLog
 
 log = logging.getLogger(__name__)
 # A flood of forgeries costs one log line per interval, not one per frame (each is still counted).

@@ -30,7 +30,7 @@ import logging
 import time
 from typing import Coroutine, Mapping
 
-from cluster.messages import GenerateRequest
+from cluster.wire.messages import GenerateRequest
 from router.admission import AdmissionController
 from router.arrival_stats import ArrivalStats
 from router.errors import DrainingError, NotPlacedError

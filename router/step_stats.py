@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from cluster.messages import PrefillResult, PrefillTimeline
-from cluster.stream_messages import DecodeStepRecord
+from cluster.wire.messages import PrefillResult, PrefillTimeline
+from cluster.wire.stream_messages import DecodeStepRecord
 
 DEFAULT_LIMIT = 5_000
 MAX_LIMIT = 20_000
@@ -81,7 +81,7 @@ class StepStats:
             "worker_id": r.worker_id, "t": r.t, "step": r.step, "batch_size": r.batch_size, "bucket": r.bucket,
             "padded_rows": max(0, r.bucket - r.batch_size) if r.bucket else 0, "step_ms": r.step_time_s * 1e3,
             "graph": r.bucket > 0,
-            # Where the interval since the previous step went (cluster.messages.StepTiming), and how long
+            # Where the interval since the previous step went (cluster.wire.messages.StepTiming), and how long
             # the worker's publisher held the step's tokens.
             "interval_ms": None if r.interval_s is None else r.interval_s * 1e3, "prefill_ms": r.prefill_s * 1e3,
             "idle_ms": r.idle_s * 1e3, "gap_ms": r.gap_s * 1e3, "host_ms": r.host_s * 1e3,

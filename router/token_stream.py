@@ -3,7 +3,7 @@
 Each decode worker PUSHes to this gateway's PULL socket a `StreamBatch` holding only the deltas of
 the requests this gateway holds (their `reply_to` is `address`), already detokenized. The receiver
 runs on the gateway's event loop; per frame it checks the MAC under the cluster's secret
-(cluster/frame_auth.py: a frame from anyone else is dropped and counted), does one msgspec decode
+(cluster/wire/frame_auth.py: a frame from anyone else is dropped and counted), does one msgspec decode
 (typed, no dict per row) and
 appends each delta to its request's `TokenMailbox`, waking the request's reader if it waits. Deltas of
 requests nobody waits for (finished, aborted, or a dead worker's late frames) are dropped. A prefill
@@ -23,9 +23,9 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
-from cluster.socket_bounds import MAX_TOKEN_FRAME, bound
-from cluster.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
+from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier
+from cluster.wire.socket_bounds import MAX_TOKEN_FRAME, bound
+from cluster.wire.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
 from router.receive_loop import received, verified
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class TokenMailbox:
     def put(self, delta: StreamDelta, now: float) -> None:
         if delta.token_ids and delta.start >= 0:
             # A placement's first token comes twice, from its prefill worker and its decode worker,
-            # on two sockets in no fixed order (cluster/stream_text.py): the copy that comes second
+            # on two sockets in no fixed order (cluster/text/stream_text.py): the copy that comes second
             # is dropped, whole (the same tokens, text, logprobs and finish as the first).
             have = self._tokens_in.get(delta.request_id, 0)
             if delta.start + len(delta.token_ids) <= have:
@@ -94,11 +94,11 @@ class TokenMailbox:
 
 class TokenStreamReceiver:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token_timeout_s: float = 600.0, secret: bytes = b""):
-        """secret: the cluster's (cluster/frame_auth.py); a frame without its MAC is dropped and counted
+        """secret: the cluster's (cluster/wire/frame_auth.py); a frame without its MAC is dropped and counted
         (`frames_rejected`, and `on_rejected()`, the gateway's metric)."""
         # Bound at construction (before any loop runs): the address goes out in every request.
         self._ctx = zmq.asyncio.Context()
-        # Bounded before any MAC is checked (cluster/socket_bounds.py): a frame larger than
+        # Bounded before any MAC is checked (cluster/wire/socket_bounds.py): a frame larger than
         # MAX_TOKEN_FRAME disconnects its sender, and at most RECV_QUEUED frames wait per sender (a
         # decode worker's sends never block: past its own high-water mark it drops, and says so).
         self._sock = bound(self._ctx.socket(zmq.PULL), MAX_TOKEN_FRAME)

@@ -14,7 +14,7 @@ import asyncio
 import inspect
 from typing import Any, Callable
 
-from cluster.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
+from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
                               WorkerStats)
 
 try:  # the router runs without Ray in unit tests; with Ray, a dead actor is recognised at once

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from cluster.messages import WorkerStats
+from cluster.wire.messages import WorkerStats
 from router.kv_index import KVBlockIndex
 from router.metrics import RouterMetrics
 from router.placed_request import Notify, PlacedRequest

@@ -8,7 +8,7 @@ workers joined.
 
 from __future__ import annotations
 
-from cluster.messages import WorkerStats
+from cluster.wire.messages import WorkerStats
 from router.placement import WorkerView
 from router.worker_client import WorkerClient
 

@@ -36,10 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from cluster.errors import InvalidRequestError
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import GrammarCompiler, StructuredOutput
-from cluster.stream_messages import StreamDelta
+from cluster.wire.stream_messages import StreamDelta
 from router.channel.client import RouterClient
 from router.channel.messages import Drain, PrefillDone, RequestFailed
 from router.errors import DrainingError, OverloadedError

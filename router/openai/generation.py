@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from cluster.messages import GenerateRequest
-from cluster.stream_messages import DeltaLogprobs
+from cluster.wire.messages import GenerateRequest
+from cluster.wire.stream_messages import DeltaLogprobs
 from router.channel.client import RouterClient
 from router.errors import GenerationError
 from router.metrics import GatewayMetrics

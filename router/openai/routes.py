@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import InvalidRequestError, PdserveError
-from cluster.tokenizer import encode_chat
+from cluster.text.tokenizer import encode_chat
 from router.metrics import CONTENT_TYPE
 from router.openai.errors import APIError, api_error, error_response, http_error, invalid_body, unexpected_error
 from router.openai.gateway import Gateway

@@ -1,8 +1,8 @@
 import pytest
 
-from cluster.block_pool import PrefixCachingBlockPool
+from cluster.kv.block_pool import PrefixCachingBlockPool
 from cluster.errors import CapacityError
-from cluster.kv_blocks import NULL_BLOCK
+from cluster.kv.kv_blocks import NULL_BLOCK
 
 
 def test_never_hands_out_the_null_block():

@@ -1,7 +1,7 @@
 import pytest
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.tokenizer import load_tokenizer
+from cluster.text.detokenizer import IncrementalDetokenizer
+from cluster.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_engine_stops_on_a_replacement_character_stop_string(reference_engine):
     """A U+FFFD stop string ends a request with finish_reason "stop" at the token that completes it (the
     engine and the decode worker's publisher share the detokenizer rule), also when the held bytes are
     the last tokens max_tokens allows."""
-    from cluster.sampling_params import SamplingParams
+    from cluster.sampling.sampling_params import SamplingParams
 
     prompt, found = "Once upon a time", 0
     for seed in range(40):
@@ -267,7 +267,7 @@ def test_resume_at_random_points_never_diverges(tokenizer):
 def test_long_output_is_appended_in_linear_time_and_stops_exactly(tokenizer, use_decode_stream):
     """A long output (many times the compaction chunk) comes out whole and stops at a stop string far
     into it; the detokenizer's working tail stays bounded (no copy of the whole text per token)."""
-    from cluster.detokenizer import _COMPACT_CHARS
+    from cluster.text.detokenizer import _COMPACT_CHARS
 
     words = tokenizer(" lorem ipsum dolor sit amet, é 漢字 consectetur", add_special_tokens=False).input_ids
     out = words * 800 + tokenizer(" STOP here", add_special_tokens=False).input_ids + words * 10

@@ -1,8 +1,8 @@
 import pytest
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time", "The sea is wide", "A decode step launches hundreds of small kernels " * 2, "x"]
 

@@ -10,9 +10,9 @@ import torch
 from fp8_checkpoints import write_compressed_tensors
 from safetensors.torch import load_file
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.model import linear
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = ["Once upon a time there was a little", "The cat sat on the mat and looked at the",
@@ -122,9 +122,9 @@ def test_fp8_kv_cache_greedy_equals_the_reference(demo_model_dir, monkeypatch):
 
 
 def test_kv_pool_doubles_with_fp8_against_bf16():
-    from cluster.kv_cache import DeviceMemory, kv_pool_blocks
+    from cluster.kv.kv_cache import DeviceMemory, kv_pool_blocks
     from cluster.model.config import ModelArchConfig
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
 
     arch = ModelArchConfig.from_dict({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
                                       "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -138,7 +138,7 @@ def test_kv_pool_doubles_with_fp8_against_bf16():
 
 def test_prefix_cache_salt_separates_numerics(demo_model_dir):
     """A float and an FP8 engine over one checkpoint must not take each other's cached blocks."""
-    from cluster.kv_cache import kv_numerics_tag
+    from cluster.kv.kv_cache import kv_numerics_tag
 
     assert kv_numerics_tag(torch.float32, "none", torch.float32) == "torch.float32"  # as before FP8
     tags = {kv_numerics_tag(torch.bfloat16, q, kv) for q in ("none", "fp8:channel/dynamic")

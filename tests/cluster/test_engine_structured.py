@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import StructuredOutput
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 

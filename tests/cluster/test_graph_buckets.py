@@ -1,9 +1,9 @@
-"""The graph-bucket rule (cluster/graph_buckets.py): capture policies, the bucket a batch replays in,
+"""The graph-bucket rule (cluster/engine/graph_buckets.py): capture policies, the bucket a batch replays in,
 and its padding. That the runner and the router's placement both use it: test_single_source_rules.py."""
 
 import pytest
 
-from cluster.graph_buckets import bucket_for, bucket_sizes, padded_size, padding_fraction, padding_waste
+from cluster.engine.graph_buckets import bucket_for, bucket_sizes, padded_size, padding_fraction, padding_waste
 
 
 def test_bucket_policies():
@@ -40,7 +40,7 @@ def test_padding_waste_of_the_default_policy_is_under_4_percent():
 
 
 def test_the_features_variant_is_captured_at_a_coarser_subset():
-    from cluster.graph_buckets import feature_bucket_sizes
+    from cluster.engine.graph_buckets import feature_bucket_sizes
 
     plain = bucket_sizes("vllm", 256)
     f = feature_bucket_sizes(plain)

@@ -1,4 +1,4 @@
-"""The KV-block rules of cluster/kv_blocks.py, the chat default max_tokens of cluster/request_limits.py
+"""The KV-block rules of cluster/kv/kv_blocks.py, the chat default max_tokens of cluster/kv/request_limits.py
 and the router's ZMQ receive loop (router/receive_loop.py), each written once: every user gives the
 rule's answer, and no module spells the arithmetic again (a source check)."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from cluster.block_pool import PrefixCachingBlockPool
+from cluster.kv.block_pool import PrefixCachingBlockPool
 from cluster.errors import InvalidRequestError
-from cluster.kv_blocks import blocks_for_tokens, decode_held_blocks, decode_held_tokens
-from cluster.request_limits import check_request_fits, default_max_tokens, largest_max_tokens
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.kv.kv_blocks import blocks_for_tokens, decode_held_blocks, decode_held_tokens
+from cluster.kv.request_limits import check_request_fits, default_max_tokens, largest_max_tokens
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from router.admission import AdmissionController, AdmissionLimits
 from router.receive_loop import received

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time there was a little dragon who"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
 
 
 def test_fits_overhead_and_per_unit_cost():

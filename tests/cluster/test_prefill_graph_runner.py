@@ -1,4 +1,4 @@
-"""PrefillGraphRunner (cluster/prefill_graph_runner.py): the bucket a short prefill pass replays in, its
+"""PrefillGraphRunner (cluster/engine/prefill_graph_runner.py): the bucket a short prefill pass replays in, its
 padded inputs, the eager fallback, and the padded pass against the eager one - on CPU (the same padded
 pass without capture; the packed attention kernel through Triton's interpreter) and, marked gpu, the
 captured graphs against the eager pass on CUDA."""
@@ -13,13 +13,13 @@ from triton_interpreter import use_interpreter_without_cuda
 use_interpreter_without_cuda()  # before triton is imported
 
 from cluster import kernels  # noqa: E402
-from cluster.graph_buckets import (PREFILL_GRAPH_MAX_SEQS, prefill_bucket_for, prefill_graph_seqs,  # noqa: E402
+from cluster.engine.graph_buckets import (PREFILL_GRAPH_MAX_SEQS, prefill_bucket_for, prefill_graph_seqs,  # noqa: E402
                                    prefill_token_buckets)
 from cluster.kernels.prefill_attention import BLOCK_M, max_tiles, tile_plan  # noqa: E402
-from cluster.kv_cache import NULL_BLOCK, KVCacheSpec  # noqa: E402
-from cluster.model_runner import ModelRunner, PrefillChunk  # noqa: E402
-from cluster.prefill_graph_runner import PassLayout, PrefillGraphRunner  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.kv.kv_cache import NULL_BLOCK, KVCacheSpec  # noqa: E402
+from cluster.engine.model_runner import ModelRunner, PrefillChunk  # noqa: E402
+from cluster.engine.prefill_graph_runner import PassLayout, PrefillGraphRunner  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 
 
 def test_token_buckets_and_the_bucket_a_pass_replays_in():

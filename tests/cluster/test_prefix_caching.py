@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

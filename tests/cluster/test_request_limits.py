@@ -1,11 +1,11 @@
-"""cluster.request_limits on CPU: the served context length and the fit of a request."""
+"""cluster.kv.request_limits on CPU: the served context length and the fit of a request."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.errors import InvalidRequestError
-from cluster.request_limits import check_request_fits, served_max_model_len
+from cluster.kv.request_limits import check_request_fits, served_max_model_len
 
 
 def test_served_max_model_len_is_clamped_to_the_model():

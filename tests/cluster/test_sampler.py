@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from cluster.errors import InvalidRequestError
-from cluster.sampler import SamplingTensors, sample, uniform_noise
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampler import SamplingTensors, sample, uniform_noise
+from cluster.sampling.sampling_params import SamplingParams
 
 
 def _tensors(params, seeds):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import load_tokenizer
+from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import load_tokenizer
 from decode_worker.token_publisher import TokenPublisher
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from deploy.api_server import APIServerSpec
 from deploy.component_configs import admission_limits, api_server_settings, gpus_per_actor, router_config, worker_config
 from deploy.config import COMPONENT_DEFAULTS, ClusterConfig

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import MODEL, completion_text, start_cluster, wait_clean
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.pass_rate import PassRate
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.worker.pass_rate import PassRate
+from cluster.sampling.sampling_params import SamplingParams
 from deploy.planner_loop import PlannerLoop
 from deploy.role_switcher import RoleSwitcher
 from router.admission import AdmissionController, AdmissionLimits

@@ -24,7 +24,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from cluster.stream_messages import DecodeStepRecord
+from cluster.wire.stream_messages import DecodeStepRecord
 from router.step_stats import StepStats
 
 pytestmark = pytest.mark.slow  # Locust and servers in subprocesses

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import WorkerStats
-from cluster.pass_rate import PassRate
+from cluster.wire.messages import WorkerStats
+from cluster.worker.pass_rate import PassRate
 from router.admission import AdmissionController, AdmissionLimits
 from router.errors import CapacityShortError
 from router.local_prefill_policy import LOCAL_PREFILL_POLICIES, AdaptivePrefill, StaticThreshold

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from cluster.errors import InvalidRequestError
-from cluster.messages import WorkerStats
+from cluster.wire.messages import WorkerStats
 from router.admission import AdmissionController, AdmissionLimits
 from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, OverloadedError
 from router.placement import WorkerView

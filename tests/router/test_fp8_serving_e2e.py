@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 import serving_harness
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time there was a little", "The cat sat on the mat and looked at the",
            "In the beginning the sun rose over the hills and", "Hi"]

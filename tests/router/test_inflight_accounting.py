@@ -14,9 +14,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits
 from router.metrics import RouterMetrics
 from router.router import Router

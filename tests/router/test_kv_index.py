@@ -1,7 +1,7 @@
 """KVBlockIndex fed by real block pools' change feeds: overlaps per worker, resets, dead workers."""
 
-from cluster.block_pool import PrefixCachingBlockPool
-from cluster.messages import KVCacheEvents
+from cluster.kv.block_pool import PrefixCachingBlockPool
+from cluster.wire.messages import KVCacheEvents
 from router.kv_index import KVBlockIndex
 
 BS = 4

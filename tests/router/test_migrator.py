@@ -8,8 +8,8 @@ import asyncio
 
 from ray.exceptions import RayActorError
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from router.admission import AdmissionController, AdmissionLimits
 from router.router import Router
 from router.router_config import RouterConfig

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.messages import WorkerStats
-from cluster.pass_rate import PassRate
+from cluster.wire.messages import WorkerStats
+from cluster.worker.pass_rate import PassRate
 from router.arrival_stats import ArrivalStats
 from router.pd_planner import (PDPlanner, PlannerConfig, PlannerInputs, best_split, decode_capacity, observe,
                                utilization)

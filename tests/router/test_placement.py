@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.graph_buckets import bucket_sizes, padding_fraction
-from cluster.messages import GenerateRequest, WorkerStats
-from cluster.sampling_params import SamplingParams
+from cluster.engine.graph_buckets import bucket_sizes, padding_fraction
+from cluster.wire.messages import GenerateRequest, WorkerStats
+from cluster.sampling.sampling_params import SamplingParams
 from router.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView
 
 REQ = GenerateRequest("r", (1, 2, 3), SamplingParams(), 0, 0.0)
@@ -85,8 +85,8 @@ def test_each_worker_is_judged_by_its_own_buckets():
 # -- prefix-aware -----------------------------------------------------------------------------------
 def _index_with(holdings: dict[str, list[int]]):
     """A KVBlockIndex fed by real pools: worker -> the prompt it ran (its full blocks are cached)."""
-    from cluster.block_pool import PrefixCachingBlockPool
-    from cluster.messages import KVCacheEvents
+    from cluster.kv.block_pool import PrefixCachingBlockPool
+    from cluster.wire.messages import KVCacheEvents
     from router.kv_index import KVBlockIndex
 
     index = KVBlockIndex()

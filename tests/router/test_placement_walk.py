@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
 from router.arrival_stats import ArrivalStats
 from router.kv_index import KVBlockIndex

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from router.admission import AdmissionController, AdmissionLimits
 from router.router import Router

@@ -1,7 +1,7 @@
 """Prefix-cache metrics on /metrics from the workers' polled totals: per worker, and the hit rate over
 all workers of a role."""
 
-from cluster.messages import WorkerStats
+from cluster.wire.messages import WorkerStats
 from loadtest.server_stats import parse_counter_totals
 from router.metrics import RouterMetrics
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import ray
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import completion_text, wait_idle
 
 MODEL = "pdserve-demo"

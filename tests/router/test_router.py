@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits
 from router.errors import NoHealthyWorkerError
 from router.router import Router
@@ -139,8 +139,8 @@ def test_dead_worker_fails_its_requests_and_503_when_none_left(workers):
 def test_token_stream_dispatch_over_zmq():
     import zmq
 
-    from cluster.frame_auth import TOKEN_STREAM, FrameSigner
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
 
     async def main():
         stream = TokenStreamReceiver(secret=b"k" * 32)

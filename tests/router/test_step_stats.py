@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from cluster.stream_messages import DecodeStepRecord
+from cluster.wire.stream_messages import DecodeStepRecord
 import pytest
 
-from cluster.messages import PrefillResult, PrefillTimeline
+from cluster.wire.messages import PrefillResult, PrefillTimeline
 from router.step_stats import MAX_LIMIT, StepStats, TTFTPoints
 
 

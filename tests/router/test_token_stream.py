@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.stream_messages import StreamDelta
+from cluster.wire.stream_messages import StreamDelta
 from router.token_stream import TokenMailbox
 
 

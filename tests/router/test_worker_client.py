@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cluster.messages import WorkerStats
+from cluster.wire.messages import WorkerStats
 from router.worker_client import WorkerClient
 
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from router.kv_index import KVBlockIndex
 from router.placed_request import PlacedRequest
 from router.router_config import RouterConfig

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from cluster.errors import CapacityError, InvalidRequestError
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import StreamDelta
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.wire.stream_messages import StreamDelta
+from cluster.worker.worker_config import WorkerConfig
 from router.admission import AdmissionController, AdmissionLimits
 from router.channel.client import RouterClient
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate, Query,

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import encode_bad_words, encode_chat
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import encode_bad_words, encode_chat
 
 openai = pytest.importorskip("openai")
 

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
 from cluster.errors import InvalidRequestError
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 from router.metrics import GatewayMetrics
 from router.openai.errors import APIError
 from router.openai.gateway_config import GatewayConfig

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.sampling_params import SamplingParams
+from cluster.text.detokenizer import IncrementalDetokenizer
+from cluster.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.structured.request_grammar import RequestGrammar
@@ -30,7 +30,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are in this worker's cache
-    block_hashes: list[bytes] = field(default_factory=list)  # addresses of its full blocks (cluster.block_hash)
+    block_hashes: list[bytes] = field(default_factory=list)  # addresses of its full blocks (cluster.kv.block_hash)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None

@@ -21,9 +21,9 @@ sockets, so the decode worker's second token can reach the gateway before the pr
 
 from __future__ import annotations
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.messages import GenerateRequest
-from cluster.stream_messages import DeltaLogprobs, PositionLogprobs, StreamDelta
+from cluster.text.detokenizer import IncrementalDetokenizer
+from cluster.wire.messages import GenerateRequest
+from cluster.wire.stream_messages import DeltaLogprobs, PositionLogprobs, StreamDelta
 
 
 class TokenStrings:

@@ -33,7 +33,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
+from cluster.sampling.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
 
 # iparams columns
 FLAGS, NUM_BIAS, NUM_BAD, NUM_GENERATED = 0, 1, 2, 3

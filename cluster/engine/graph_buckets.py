@@ -16,7 +16,7 @@ batches that need the variant, which are the rarer ones.
 
 Prefill passes have their own rule (`prefill_token_buckets`, `prefill_graph_seqs`): a short pass of T
 tokens over S prompts replays the graph of the smallest token bucket >= T when S fits that bucket's
-prompt rows (cluster/prefill_graph_runner.py); a longer pass, or one of more prompts, runs eagerly.
+prompt rows (cluster/engine/prefill_graph_runner.py); a longer pass, or one of more prompts, runs eagerly.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def padding_waste(sizes: Seq[int], batch_sizes: Iterable[int]) -> float:
 
 
 # Most prompts one graphed prefill pass holds: the captured LM head computes this many rows, and the
-# attention grid has a tile for each (cluster/prefill_graph_runner.py).
+# attention grid has a tile for each (cluster/engine/prefill_graph_runner.py).
 PREFILL_GRAPH_MAX_SEQS = 64
 
 

@@ -21,13 +21,13 @@ import torch
 
 from cluster.attention import AttentionMetadata
 from cluster.distributed.step_messages import Chunk, EagerDecode, PrefillPass, PromptLogprobsWant, pack_ids, unpack_ids
-from cluster.kv_blocks import NULL_BLOCK
-from cluster.kv_cache import KVCacheSpec
-from cluster.logprobs import prompt_logprobs
+from cluster.kv.kv_blocks import NULL_BLOCK
+from cluster.kv.kv_cache import KVCacheSpec
+from cluster.sampling.logprobs import prompt_logprobs
 from cluster.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from cluster.sequence import Sequence
+    from cluster.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ModelRunner:
         self.kv_cache = kv_cache if kv_cache is not None else spec.allocate(self.device)
         self.group = group if group is not None and group.size > 1 else None
         self.shipment_of_pass = None  # rank 0, prefill worker: () -> the pass's KV shipment (bytes) for followers
-        # A prefill worker on one GPU: a cluster.prefill_graph_runner.PrefillGraphRunner that replays the
+        # A prefill worker on one GPU: a cluster.engine.prefill_graph_runner.PrefillGraphRunner that replays the
         # short passes (last-token logits only) as CUDA graphs; the passes it declines run here eagerly.
         self.prefill_graphs = None
         model.bind_kv_cache(self.kv_cache)
@@ -138,7 +138,7 @@ class ModelRunner:
     def prefill_with_prompt_logprobs(self, chunks: Seq[PrefillChunk], wants: Seq[tuple[Seq[int], int] | None]):
         """prefill(chunks) -> (last-token logits [num_chunks, vocab], per chunk: None, or for
         wants[i] = (prompt, k) the logprobs of the prompt tokens its positions predict
-        (cluster.logprobs.prompt_logprobs), from the chunk's hidden states a slice at a time).
+        (cluster.sampling.logprobs.prompt_logprobs), from the chunk's hidden states a slice at a time).
         Without any want it is prefill(chunks) and Nones."""
         if all(w is None for w in wants):
             return self.prefill(chunks), [None] * len(chunks)

@@ -12,7 +12,7 @@ import msgspec
 
 
 class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One position's logprobs (cluster.logprobs: the model's raw distribution) with token strings:
+    """One position's logprobs (cluster.sampling.logprobs: the model's raw distribution) with token strings:
     its token's, and the most likely ones'. A token's string is `tokenizer.decode([id])` (as vLLM:
     a piece of a multi-byte character decodes to U+FFFD)."""
 
@@ -62,7 +62,7 @@ class StreamBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class DecodeStepRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One decode step as it ran: what load tests join client latencies with (`GET /stats`).
 
-    The interval fields are cluster.messages.StepTiming's (None for a step with no previous one);
+    The interval fields are cluster.wire.messages.StepTiming's (None for a step with no previous one);
     `publish_lag_s` is how long its tokens waited for the publisher thread after the loop handed
     them over (a publisher falling behind delays the client, not the next step)."""
 

@@ -1,14 +1,14 @@
 """Batched sampling on the device with per-row parameters and no host synchronisation.
 
 A step, for rows that need more than the plain draw (`SamplingParams.needs_features`):
-  1. logits processing (cluster.kernels.process_logits, from per-sequence state in cluster.sampling_state):
+  1. logits processing (cluster.kernels.process_logits, from per-sequence state in cluster.sampling.sampling_state):
      allowed_token_ids, logit_bias, repetition / frequency / presence penalties, bad words, in float32;
   1b. grammar masks of constrained rows (structured output: cluster.kernels.apply_token_bitmask, -inf
      where the row's grammar bans a token), on the processed logits (or, without processing, in place
      on the logits: any step, features or not);
   2. the draw (below) from the processed logits;
   3. the sampled tokens counted into their sequences' state (update_sampling_state);
-  4. logprobs of the sampled token and the top ones under the raw logits (cluster.logprobs).
+  4. logprobs of the sampled token and the top ones under the raw logits (cluster.sampling.logprobs).
 Rows that need none of it run only the draw, reading the logits as they are (the decode graph has a
 variant without steps 1, 3, 4 for batches where no row needs them: cluster-wide the default path).
 
@@ -35,9 +35,9 @@ import torch
 
 from cluster import kernels
 from cluster.kernels.reference import uniform_noise
-from cluster.logprobs import TokenLogprobs, rows_to_logprobs
-from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
-from cluster.sampling_state import SamplingState
+from cluster.sampling.logprobs import TokenLogprobs, rows_to_logprobs
+from cluster.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
+from cluster.sampling.sampling_state import SamplingState
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 
@@ -113,7 +113,7 @@ class StepOutputs:
 def features_state_bytes(rows: int, vocab: int) -> int:
     """Device bytes the decode graph's features variant holds for `rows` batch rows: the per-slot
     sampling state and the step outputs (shapes taken from the allocators themselves, on the meta
-    device). The KV pool sizing counts it (cluster.kv_cache.kv_pool_blocks)."""
+    device). The KV pool sizing counts it (cluster.kv.kv_cache.kv_pool_blocks)."""
     meta = torch.device("meta")
     return SamplingState.allocate(rows, vocab, meta).nbytes + StepOutputs.allocate(rows, vocab, meta).nbytes
 

@@ -5,7 +5,7 @@ An eager pass of the 1B shape costs ~11 ms of host launches whatever its length,
 device work for 128 tokens; long prompts hide the launches behind their compute, short ones do not.
 Prompts stay packed and variable-length; only the pass's token count is padded.
 
-- Buckets: cluster.graph_buckets (`prefill_token_buckets`: 16, 32, 64, 128, then every 64 up to
+- Buckets: cluster.engine.graph_buckets (`prefill_token_buckets`: 16, 32, 64, 128, then every 64 up to
   WorkerConfig.prefill_graph_max_tokens). A pass of T tokens over S prompts replays the smallest bucket
   b >= T whose prompt rows (`prefill_graph_seqs(b)`) hold S (`prefill_bucket_for`); any other pass -
   longer, more prompts, prompt logprobs (every position's logits), or any pass before capture - is
@@ -44,14 +44,14 @@ import numpy as np
 import torch
 
 from cluster.attention import AttentionMetadata
-from cluster.graph_buckets import PREFILL_GRAPH_MAX_SEQS, prefill_bucket_for, prefill_graph_seqs, prefill_token_buckets
+from cluster.engine.graph_buckets import PREFILL_GRAPH_MAX_SEQS, prefill_bucket_for, prefill_graph_seqs, prefill_token_buckets
 from cluster.kernels.prefill_attention import max_tiles, tile_plan
-from cluster.kv_cache import NULL_BLOCK
+from cluster.kv.kv_cache import NULL_BLOCK
 
 if TYPE_CHECKING:
     from cluster.model.llama import LlamaForCausalLM
-    from cluster.model_runner import PrefillChunk
-    from cluster.worker_config import WorkerConfig
+    from cluster.engine.model_runner import PrefillChunk
+    from cluster.worker.worker_config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class PrefillGraphRunner:
 
     @classmethod
     def for_worker(cls, wm, cfg: "WorkerConfig", max_model_len: int) -> "PrefillGraphRunner":
-        """A prefill worker's runner over its WorkerModel (cluster/worker_model.py), captured."""
+        """A prefill worker's runner over its WorkerModel (cluster/engine/worker_model.py), captured."""
         runner = cls(wm.model, wm.runner.kv_cache, cfg.block_size, wm.spec.blocks_for_tokens(max_model_len),
                      min(cfg.prefill_graph_max_tokens, cfg.max_prefill_tokens, max_model_len))
         runner.capture()

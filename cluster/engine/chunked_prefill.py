@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence, TypeVar
 
-from cluster.model_runner import PrefillChunk
+from cluster.engine.model_runner import PrefillChunk
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ Every usable block is in exactly one state:
 - *in use*: ref count > 0 (one per block table holding it). Never handed out again, never evicted:
   a cached block shared by several requests is only ever read by them (a request writes only past its
   cached prefix), so it can't be overwritten while anyone uses it.
-- *cached and free*: ref count 0 but holding a full block whose address (cluster.block_hash) is
+- *cached and free*: ref count 0 but holding a full block whose address (cluster.kv.block_hash) is
   registered; kept in LRU order and evicted (address dropped, block reused) only when no free block
   is left. A request that finds it by address takes it back into use (ref count 1).
 
@@ -31,9 +31,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.block_hash import BlockHash, BlockHasher
+from cluster.kv.block_hash import BlockHash, BlockHasher
 from cluster.errors import CapacityError
-from cluster.kv_blocks import NULL_BLOCK, blocks_for_tokens
+from cluster.kv.kv_blocks import NULL_BLOCK, blocks_for_tokens
 
 
 # Events a worker's pool keeps for the router's index: enough for several seconds of churn between two

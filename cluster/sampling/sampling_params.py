@@ -3,7 +3,7 @@
 Every field is validated here with a message fit for an HTTP 400; token ids are checked against the
 model's vocabulary by `check_token_ids` (the vocabulary is not known here), which every worker calls
 before a request's ids can reach a kernel. What each field does to the logits, and in which order,
-is `cluster.logits_processing` (processing) and `cluster.sampler` (min_p, top-k, top-p, the draw).
+is `cluster.logits_processing` (processing) and `cluster.sampling.sampler` (min_p, top-k, top-p, the draw).
 """
 
 from __future__ import annotations

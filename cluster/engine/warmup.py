@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampler import sample_tokens
-from cluster.sampling_params import SamplingParams
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling.sampler import sample_tokens
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import GrammarCompiler, StructuredOutput
 
 # One pass = chunks of (new tokens, tokens already cached).
@@ -108,7 +108,7 @@ def warm_prefill(runner: ModelRunner, shapes: Sequence[Shape], blocks_for: Calla
 def warm_grammars(grammars: GrammarCompiler, vocab_size: int, device: torch.device, timeout_s: float = 300.0) -> float:
     """Compiles WARMUP_SCHEMA on the compiler's pool (which builds the backend first: the engine's
     import and the tokenizer's tables) and samples a first token under its mask on `device` (the
-    host-side mask path, cluster.sampler.sample_tokens). Returns the seconds it took; raises
+    host-side mask path, cluster.sampling.sampler.sample_tokens). Returns the seconds it took; raises
     RuntimeError if the grammar failed, TimeoutError past `timeout_s`."""
     t0 = time.perf_counter()
     g = grammars.grammar_for(WARMUP_SCHEMA, WARMUP_GRAMMAR_ID)

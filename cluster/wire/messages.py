@@ -2,7 +2,7 @@
 
 Control messages are small frozen dataclasses. They cross Ray actor calls (Ray serialises them) or
 the gateway -> router channel (msgspec msgpack, router/channel/messages.py); the token stream's own
-messages are in cluster/stream_messages.py. No pickle on a socket of ours. The bulk KV never travels
+messages are in cluster/wire/stream_messages.py. No pickle on a socket of ours. The bulk KV never travels
 in a message; it goes through a KVTransport into reserved blocks.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.block_pool import CacheChanges
-from cluster.pass_rate import PassRate
-from cluster.logprobs import PrefillLogprobs, TokenLogprobs
-from cluster.sampling_params import SamplingParams
+from cluster.kv.block_pool import CacheChanges
+from cluster.worker.pass_rate import PassRate
+from cluster.sampling.logprobs import PrefillLogprobs, TokenLogprobs
+from cluster.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class StepTiming:
 @dataclass(frozen=True)
 class TokenBatch:
     """Decode loop -> its token publisher (same process): every token one step produced, for all
-    requests; the publisher turns it into text for each gateway (cluster/stream_messages.py)."""
+    requests; the publisher turns it into text for each gateway (cluster/wire/stream_messages.py)."""
 
     worker_id: str
     step: int
@@ -192,7 +192,7 @@ class WorkerStats:
     graph_buckets: tuple[int, ...] = ()
     max_num_seqs: int = 0
     extra: dict = field(default_factory=dict)
-    # Measured costs (cluster.pass_rate), None until the worker ran a pass. Prefill worker: its packed
+    # Measured costs (cluster.worker.pass_rate), None until the worker ran a pass. Prefill worker: its packed
     # prefills, per token. Decode worker: its local prefill chunks, per token (prefill_rate), and its
     # decode steps, per row (decode_rate). The router's prefill cost model and the planner read them.
     prefill_rate: PassRate | None = None
@@ -206,7 +206,7 @@ class WorkerStats:
 class KVCacheEvents:
     """Worker -> router, polled with the stats: how the worker's cached KV blocks changed since the
     router's last look (router.kv_index). `salt` and `block_size` name the address space
-    (cluster.block_hash) the router hashes prompts in to match them."""
+    (cluster.kv.block_hash) the router hashes prompts in to match them."""
 
     worker_id: str
     salt: bytes

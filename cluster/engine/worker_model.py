@@ -3,7 +3,7 @@ parallelism), its KV cache and the eager runner over them.
 
 Built by the same code on every rank of a worker (prefill and decode workers' rank 0 and their
 followers, the engine's), so their start-up collectives pair up: the KV pool is sized by the one rule
-(cluster.kv_cache.kv_pool_blocks) on each rank for its own KV heads, then the ranks take the smallest
+(cluster.kv.kv_cache.kv_pool_blocks) on each rank for its own KV heads, then the ranks take the smallest
 count (block ids mean the same blocks on every rank: rank 0's allocator hands them out).
 """
 
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from cluster.distributed.sharding import TPShard
-from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
+from cluster.kv.kv_cache import KVCacheSpec, kv_numerics_tag, kv_pool_blocks, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model.parallel_linear import TensorParallel
-from cluster.model_runner import ModelRunner
-from cluster.worker_config import WorkerConfig
+from cluster.engine.model_runner import ModelRunner
+from cluster.worker.worker_config import WorkerConfig
 
 
 def tensor_parallel(group, arch: ModelArchConfig) -> TensorParallel | None:
@@ -38,7 +38,7 @@ class WorkerModel:
     model: LlamaForCausalLM
     spec: KVCacheSpec
     runner: ModelRunner
-    # What the K/V it holds depends on (cluster.kv_cache.kv_numerics_tag: activation dtype, weight
+    # What the K/V it holds depends on (cluster.kv.kv_cache.kv_numerics_tag: activation dtype, weight
     # quantization, cache dtype): prefill and decode workers compute it by this one rule, so both
     # salt their prefix caches alike and the KV transport's pair check compares like with like.
     kv_numerics: str

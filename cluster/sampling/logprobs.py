@@ -12,7 +12,7 @@ prefill (first token). Prompt logprobs (`prompt_logprobs`) come from the prefill
 prompt position.
 
 On the wire they are `TokenLogprobs` (msgpack arrays); token strings are added by the decode worker's
-token publisher (cluster.stream_messages.PositionLogprobs), never by a gateway.
+token publisher (cluster.wire.stream_messages.PositionLogprobs), never by a gateway.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bounds on the cluster's own ZMQ sockets, and where a process's private sockets live.
 
-A frame is checked (cluster/frame_auth.py) only once ZMQ has received all of it; so, before any MAC is
+A frame is checked (cluster/wire/frame_auth.py) only once ZMQ has received all of it; so, before any MAC is
 checked, what a sender without the secret can make a receiver hold must be bounded:
 
 - `bound(sock, max_frame, queued)`: ZMQ_MAXMSGSIZE (a peer sending a larger frame is disconnected

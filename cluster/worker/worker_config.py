@@ -27,22 +27,22 @@ class WorkerConfig:
     # what costs about one decode step by the measured rates (decode_worker/local_prefill_pacer.py).
     local_prefill_chunk_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True  # freed full KV blocks stay findable by content (cluster.block_pool)
+    enable_prefix_caching: bool = True  # freed full KV blocks stay findable by content (cluster.kv.block_pool)
     # Decode graphs: "vllm" ([1,2,4] + 8..248 step 8 + 256.. step 16), "pow2", or explicit sizes.
     graph_buckets: str | tuple[int, ...] = "vllm"
     use_cuda_graph: bool = True
     # Prefill worker: passes of at most this many tokens replay CUDA graphs captured at token buckets
-    # (cluster/prefill_graph_runner.py; one GPU, triton attention); longer ones run eagerly. 0: all eager.
+    # (cluster/engine/prefill_graph_runner.py; one GPU, triton attention); longer ones run eagerly. 0: all eager.
     prefill_graph_max_tokens: int = 512
     seed: int = 0
     # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
     # (cluster/distributed/tp_group.py). 1: the worker is this one process.
     tensor_parallel_size: int = 1
     quantization: str | None = None  # "fp8": quantize the float checkpoint's weights at load (None: as stored)
-    kv_cache_dtype: str = "auto"  # cluster.kv_cache.resolve_kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # cluster.kv.kv_cache.resolve_kv_cache_dtype: "auto" | "fp8" | "fp8_e4m3"
     # Decode worker: a loop that raised more often than this (each time its requests are moved) stays
     # down, and the worker reports itself unhealthy.
     max_loop_restarts: int = 3
-    # The cluster's secret (cluster/frame_auth.py): the frames a worker sends on the token streams and
+    # The cluster's secret (cluster/wire/frame_auth.py): the frames a worker sends on the token streams and
     # the stats sink carry a MAC under it. Drawn by the launcher, handed over through Ray; never printed.
     cluster_secret: bytes = field(default=b"", repr=False)

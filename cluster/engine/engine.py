@@ -8,7 +8,7 @@ the cache are taken from it and only the rest is computed, attending to them.
 Structured output (params.structured): checked at add_request (a bad schema is an
 InvalidRequestError), compiled on the GrammarCompiler's pool; a prompt is prefilled once its grammar
 is ready (others go ahead; with nothing else to run the engine waits for it), and every token is
-sampled under its grammar's mask (cluster.sampler.sample_tokens). A prompt-scoring request
+sampled under its grammar's mask (cluster.sampling.sampler.sample_tokens). A prompt-scoring request
 (max_tokens 0) ends after its prefill with its prompt logprobs and no token.
 
 With tensor_parallel_size=N > 1 the model is split over N processes (this one is rank 0; the others
@@ -27,26 +27,26 @@ from typing import Sequence as Seq
 
 import torch
 
-from cluster.block_hash import prefix_cache_salt
-from cluster.block_pool import PrefixCachingBlockPool
-from cluster.chunked_prefill import fcfs_chunks
-from cluster.detokenizer import IncrementalDetokenizer
+from cluster.kv.block_hash import prefix_cache_salt
+from cluster.kv.block_pool import PrefixCachingBlockPool
+from cluster.engine.chunked_prefill import fcfs_chunks
+from cluster.text.detokenizer import IncrementalDetokenizer
 from cluster.distributed.follower import RankFollower
 from cluster.distributed.rank_launcher import exit_now
 from cluster.distributed.step_messages import EagerDecode, PrefillPass
-from cluster.kv_blocks import decode_held_tokens
-from cluster.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
+from cluster.kv.kv_blocks import decode_held_tokens
+from cluster.kv.kv_cache import KVCacheSpec, kv_numerics_tag, resolve_kv_cache_dtype
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.request_limits import check_request_fits, served_max_model_len
-from cluster.sampler import sample_tokens
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.kv.request_limits import check_request_fits, served_max_model_len
+from cluster.sampling.sampler import sample_tokens
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.structured.grammar_compiler import GrammarCompiler
-from cluster.tokenizer import encode_prompt, load_tokenizer
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import join_group, lead_group, rank_config, tensor_parallel
+from cluster.text.tokenizer import encode_prompt, load_tokenizer
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import join_group, lead_group, rank_config, tensor_parallel
 
 
 def _engine_runner(model_dir: Path, group, *, dtype, device, attention_backend, quantization, kv_cache_dtype,
@@ -77,7 +77,7 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str
-    logprobs: tuple | None = None  # one cluster.logprobs.TokenLogprobs per token, with params.logprobs
+    logprobs: tuple | None = None  # one cluster.sampling.logprobs.TokenLogprobs per token, with params.logprobs
     prompt_logprobs: tuple | None = None  # one per prompt token (the first None), with params.prompt_logprobs
     error: str | None = None  # with finish_reason "error"
 

@@ -14,7 +14,7 @@ default when a request asks for none: the most that check leaves (vLLM's), cappe
 from __future__ import annotations
 
 from cluster.errors import InvalidRequestError
-from cluster.kv_blocks import blocks_for_tokens
+from cluster.kv.kv_blocks import blocks_for_tokens
 
 
 def served_max_model_len(configured: int | None, max_position_embeddings: int) -> int:

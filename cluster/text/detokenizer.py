@@ -11,7 +11,7 @@ Special tokens (`<s>`, `<|python_tag|>`, `[TOOL_CALLS]` ...) are dropped from th
 asks to keep them (`skip_special_tokens=False`: vLLM's field; tool-call parsers whose opening tag is
 a special token need it).
 
-The decode worker's token publisher runs one per request (cluster/stream_messages.py carries the
+The decode worker's token publisher runs one per request (cluster/wire/stream_messages.py carries the
 text to the gateway); the in-process engine runs one per sequence.
 """
 

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.kv_blocks import NULL_BLOCK, blocks_for_tokens
+from cluster.kv.kv_blocks import NULL_BLOCK, blocks_for_tokens
 from cluster.model.config import ModelArchConfig
 
 if TYPE_CHECKING:
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
@@ -44,7 +44,7 @@ def resolve_kv_cache_dtype(name: str | torch.dtype | None, model_dtype: torch.dt
 
 
 def kv_numerics_tag(model_dtype: torch.dtype, quant_tag: str, kv_dtype: torch.dtype) -> str:
-    """What the K/V a worker computes depends on, for the prefix-cache salt (cluster.block_hash): the
+    """What the K/V a worker computes depends on, for the prefix-cache salt (cluster.kv.block_hash): the
     activation dtype, the weights' quantization (QuantConfig.tag) and the cache dtype. Workers that
     exchange KV must agree on it. Unquantized with a cache in the model's dtype: str(model_dtype), as
     before FP8 existed."""
@@ -107,7 +107,7 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     - `cfg.num_blocks` if set; on CPU `cfg.cpu_num_blocks`.
     - On CUDA: this worker's share of the device (`cfg.gpu_share`, < 1 when actors share a GPU) less
       what this process already holds (weights), less headroom for the largest step's activations,
-      less the decode graph's features-variant state for max_num_seqs rows (cluster.sampler.
+      less the decode graph's features-variant state for max_num_seqs rows (cluster.sampling.sampler.
       features_state_bytes: allocated by a decode worker's graph runner after the pool), times
       `kv_memory_fraction`; never more than what is actually free. Counting the share from the
       total, not from free memory, keeps actors that start at the same time on one GPU from each
@@ -130,7 +130,7 @@ def kv_pool_blocks(cfg: "WorkerConfig", arch: ModelArchConfig, dtype: torch.dtyp
     decode_act = cfg.max_num_seqs * (arch.vocab_size * 4 * elem + 4 * arch.intermediate_size * elem)
     prefill_act = cfg.max_prefill_tokens * (6 * arch.intermediate_size + 8 * arch.hidden_size) * elem
     headroom = max(1 << 30, 2 * max(decode_act, prefill_act))
-    from cluster.sampler import features_state_bytes  # here: kv_cache is imported by much that needs no sampler
+    from cluster.sampling.sampler import features_state_bytes  # here: kv_cache is imported by much that needs no sampler
 
     features = features_state_bytes(cfg.max_num_seqs, arch.vocab_size)
     share = mem.total * min(1.0, cfg.gpu_share)
