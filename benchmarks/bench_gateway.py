@@ -199,8 +199,8 @@ def client_main(host: str, port: int, users: int, body: bytes, t_start: float, t
 # -- one measurement --------------------------------------------------------------------------------
 def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     from deploy.api_server import APIServerPool
-    from router.admission import AdmissionController, AdmissionLimits
-    from router.metrics import RouterMetrics
+    from router.requests.admission import AdmissionController, AdmissionLimits
+    from router.stats.metrics import RouterMetrics
     from router.router import Router, RouterConfig, WorkerClient
     from router.channel.server import RouterServer
 

@@ -2,7 +2,7 @@
 
 Both Ray actors implement it (decode_worker/actor.py: DecodeWorkerActor, prefill_worker/actor.py:
 PrefillWorkerActor; tests/cluster/test_worker_api.py checks every signature against these Protocols).
-The router calls the workers through router.worker_client.WorkerClient, whose methods are these,
+The router calls the workers through router.workers.worker_client.WorkerClient, whose methods are these,
 awaitable and under a per-call timeout; the launcher calls them on the Ray handles
 (`handle.warmup.remote()`). A method is called by name nowhere.
 
@@ -34,7 +34,7 @@ class WorkerAPI(Protocol):
         ...
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """The prefix cache's block changes since (epoch, seq) (router.kv_index)."""
+        """The prefix cache's block changes since (epoch, seq) (router.placement.kv_index)."""
         ...
 
     def abort(self, request_id: str) -> None:

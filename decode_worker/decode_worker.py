@@ -266,7 +266,7 @@ class DecodeWorker:
             )
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        """How this worker's cached blocks changed since (epoch, seq) (router.placement.kv_index)."""
         with self._lock:
             pool = self.blocks.allocator
             return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))

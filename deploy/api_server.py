@@ -35,11 +35,11 @@ from cluster.text.tokenizer import load_tokenizer
 from deploy.bounded_http import BoundedHttpToolsProtocol
 from router.channel.client import RouterClient
 from router.channel.messages import Drain
-from router.metrics import GatewayMetrics
+from router.stats.metrics import GatewayMetrics
 from router.openai.gateway import Gateway
 from router.openai.gateway_config import GatewayConfig
 from router.openai.routes import build_app
-from router.token_stream import TokenStreamReceiver
+from router.streams.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")
 

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.errors import PdserveError
 from cluster.worker.worker_config import WorkerConfig
 from deploy.config import ClusterConfig
-from router.admission import AdmissionLimits
+from router.requests.admission import AdmissionLimits
 from router.router_config import RouterConfig
 
 
@@ -76,7 +76,7 @@ def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: s
 
 
 def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:
-    """The KV cache settings vllm:cache_config_info reports (router.metrics.RouterMetrics), as vLLM names them."""
+    """The KV cache settings vllm:cache_config_info reports (router.stats.metrics.RouterMetrics), as vLLM names them."""
     return {"block_size": cfg.block_size, "cache_dtype": cfg.kv_cache_dtype,
             "enable_prefix_caching": cfg.enable_prefix_caching,
             "gpu_memory_utilization": cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else "",

@@ -54,9 +54,9 @@ from deploy.planner_loop import PlannerLoop
 from deploy.preflight import ServedModel, check_model
 from deploy.ray_runtime import RAY_STOP_BUDGET_S, gcs_gone, init_ray, kill_children, run_within
 from deploy.ray_workers import RayWorkers
-from router.admission import AdmissionController
-from router.arrival_stats import ArrivalStats
-from router.metrics import RouterMetrics
+from router.requests.admission import AdmissionController
+from router.stats.arrival_stats import ArrivalStats
+from router.stats.metrics import RouterMetrics
 from router.router import Router, WorkerClient
 from router.channel.server import RouterServer
 

@@ -71,7 +71,7 @@ class RequestRecord:
     e2e_ms: float
     output_tokens: int
     local_prefill: bool
-    # The TTFT's consecutive parts (router.step_stats.TTFTPoints: admission, placement, dispatch,
+    # The TTFT's consecutive parts (router.stats.step_stats.TTFTPoints: admission, placement, dispatch,
     # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill), in ms
     parts_ms: dict[str, float] | None = None
     forward_device_ms: float | None = None  # the prompt's completing prefill pass: device time

@@ -3,7 +3,7 @@ drawn, not after the KV transfer, the decode worker's pick-up and its next step 
 P/D return it from the prefill side too).
 
 Path (one hop): prefill loop -> ZMQ PUSH -> the request's gateway's token-stream PULL socket
-(`GenerateRequest.reply_to`, router/token_stream.py), a `StreamBatch` with a MAC under the cluster's
+(`GenerateRequest.reply_to`, router/streams/token_stream.py), a `StreamBatch` with a MAC under the cluster's
 secret, exactly the frame a decode worker's publisher sends. The alternatives cost more hops: through
 the router (prefill -> router -> gateway: two, and a third process's event loop on every first
 token), or with the KV commit through the decode worker (prefill -> decode loop -> publisher process ->

@@ -257,7 +257,7 @@ class PrefillWorker:
                            prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        """How this worker's cached blocks changed since (epoch, seq) (router.placement.kv_index)."""
         with self._cv:
             pool = self.allocator
             return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))

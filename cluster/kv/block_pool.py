@@ -20,7 +20,7 @@ With caching off the pool is a plain allocator: nothing is registered, every fre
 Change feed: with `event_log_size`, every address registered or evicted is logged, and
 `events_since(epoch, seq)` gives the net change of the cached set since a reader's last look (or the
 whole set, when the reader's position is from another pool or older than what the log keeps). The
-router indexes the workers' caches from it (router.kv_index), as Dynamo's KV router does from its
+router indexes the workers' caches from it (router.placement.kv_index), as Dynamo's KV router does from its
 workers' block events.
 """
 

@@ -5,7 +5,7 @@ worker sends the first token (prefill_worker/first_token_sender.py) and its deco
 (decode_worker/token_publisher.py), the first one again. Built from the same request, the two sides'
 StreamTexts turn the same tokens into the same deltas, each numbered by its first token's position
 (`StreamDelta.start`): the gateway keeps whichever copy of the first token comes first and drops the
-other (router/token_stream.py TokenMailbox). HAZARD: the two copies travel from two processes on two
+other (router/streams/token_stream.py TokenMailbox). HAZARD: the two copies travel from two processes on two
 sockets, so the decode worker's second token can reach the gateway before the prefill worker's first
 (a loaded host; the chaos "faults" run found it as a stream with its first two tokens swapped).
 

@@ -38,7 +38,7 @@ class GenerateRequest:
     def prefill_sends_first_token(self) -> bool:
         """Whether a prefill worker that computes this prompt sends the first token to the gateway
         itself, as soon as it is drawn (its decode worker continues from it, and sends it again: the
-        gateway keeps one copy, router/token_stream.py): every request with a gateway whose first
+        gateway keeps one copy, router/streams/token_stream.py): every request with a gateway whose first
         token is wanted (prefill_worker/first_token_sender.py)."""
         return self.reply_to is not None and not self.params.scores_prompt_only
 
@@ -205,7 +205,7 @@ class WorkerStats:
 @dataclass(frozen=True)
 class KVCacheEvents:
     """Worker -> router, polled with the stats: how the worker's cached KV blocks changed since the
-    router's last look (router.kv_index). `salt` and `block_size` name the address space
+    router's last look (router.placement.kv_index). `salt` and `block_size` name the address space
     (cluster.kv.block_hash) the router hashes prompts in to match them."""
 
     worker_id: str

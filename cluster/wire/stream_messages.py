@@ -47,7 +47,7 @@ class StreamDelta(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: DeltaLogprobs | None = None  # only when the request asks (else one msgpack nil byte)
     # Index of token_ids[0] among this placement's output tokens (-1: not counted, no tokens). Two
     # processes send a placement's first token (its prefill worker, then its decode worker again) on
-    # two sockets in no fixed order: the gateway keeps each position once (router/token_stream.py).
+    # two sockets in no fixed order: the gateway keeps each position once (router/streams/token_stream.py).
     start: int = -1
 
 

@@ -35,10 +35,10 @@ from cluster.wire.stream_messages import StreamDelta, decode_step_records
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
                                      error_to_wire)
-from router.metrics import RouterMetrics
-from router.receive_loop import received, verified
+from router.stats.metrics import RouterMetrics
+from router.streams.receive_loop import received, verified
 from router.router import PlacedRequest, Router
-from router.step_stats import StepStats, TTFTPoints
+from router.stats.step_stats import StepStats, TTFTPoints
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from cluster.wire.messages import GenerateRequest
 from cluster.wire.stream_messages import DeltaLogprobs
 from router.channel.client import RouterClient
 from router.errors import GenerationError
-from router.metrics import GatewayMetrics
-from router.token_stream import TokenMailbox, TokenStreamReceiver
+from router.stats.metrics import GatewayMetrics
+from router.streams.token_stream import TokenMailbox, TokenStreamReceiver
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The KV-block rules of cluster/kv/kv_blocks.py, the chat default max_tokens of cluster/kv/request_limits.py
-and the router's ZMQ receive loop (router/receive_loop.py), each written once: every user gives the
+and the router's ZMQ receive loop (router/streams/receive_loop.py), each written once: every user gives the
 rule's answer, and no module spells the arithmetic again (a source check)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from cluster.kv.request_limits import check_request_fits, default_max_tokens, la
 from cluster.sampling.sampling_params import SamplingParams
 from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
-from router.admission import AdmissionController, AdmissionLimits
-from router.receive_loop import received
+from router.requests.admission import AdmissionController, AdmissionLimits
+from router.streams.receive_loop import received
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = ("cluster", "prefill_worker", "decode_worker", "router", "deploy")

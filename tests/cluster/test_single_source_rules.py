@@ -228,8 +228,8 @@ def test_request_fit_is_one_rule(demo_model_dir, max_model_len, num_blocks):
     from cluster.wire.messages import PrefillTask, Reservation, WorkerStats
     from cluster.kv.request_limits import check_request_fits
     from prefill_worker.prefill_worker import PrefillWorker
-    from router.admission import AdmissionController, AdmissionLimits
-    from router.placement import WorkerView
+    from router.requests.admission import AdmissionController, AdmissionLimits
+    from router.placement.placement import WorkerView
 
     cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=num_blocks, max_model_len=max_model_len,
                        use_cuda_graph=False, max_num_seqs=4)
@@ -275,9 +275,9 @@ def test_cluster_config_takes_every_shared_default_from_its_component():
     import dataclasses
 
     from deploy.config import COMPONENT_DEFAULTS, DEPLOY_CHOICES, ClusterConfig
-    from router.admission import AdmissionLimits
+    from router.requests.admission import AdmissionLimits
     from router.openai.gateway_config import GatewayConfig
-    from router.pd_planner import PlannerConfig
+    from router.placement.pd_planner import PlannerConfig
     from router.router_config import RouterConfig
 
     fields = ClusterConfig.model_fields
@@ -303,7 +303,7 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
     from deploy.api_server import APIServerSpec
     from deploy.component_configs import admission_limits, api_server_settings, router_config, worker_config
     from deploy.config import ClusterConfig
-    from router.admission import AdmissionLimits
+    from router.requests.admission import AdmissionLimits
     from router.openai.gateway_config import GatewayConfig
     from router.router_config import RouterConfig
 
@@ -335,8 +335,8 @@ def test_graph_bucket_rule_is_the_runners_and_the_routers(demo_model_dir):
     from decode_worker import bucketed_graph_runner
     from decode_worker.bucketed_graph_runner import BucketedGraphRunner
     from decode_worker.scheduler import DecodeRow
-    from router import placement
-    from router.placement import LeastLoadedDecode, WorkerView
+    from router.placement import placement
+    from router.placement.placement import LeastLoadedDecode, WorkerView
 
     # One function each, imported, not copied.
     assert placement.padding_fraction is graph_buckets.padding_fraction

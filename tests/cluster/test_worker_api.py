@@ -24,7 +24,7 @@ from cluster.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI
 from cluster.worker.worker_config import WorkerConfig
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[2]
 # (serving interface, fault interface, the actor that implements both)

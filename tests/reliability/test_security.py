@@ -78,7 +78,7 @@ def test_token_stream_never_unpickles(tmp_path):
 
     from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
     from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
-    from router.token_stream import TokenStreamReceiver
+    from router.streams.token_stream import TokenStreamReceiver
 
     marker = tmp_path / "pwned"
 
@@ -186,7 +186,7 @@ def test_token_stream_drops_and_counts_frames_without_the_key():
 
     from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
     from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
-    from router.token_stream import TokenStreamReceiver
+    from router.streams.token_stream import TokenStreamReceiver
 
     async def main():
         rx = TokenStreamReceiver("127.0.0.1", secret=SECRET)
@@ -225,7 +225,7 @@ def test_stats_sink_drops_and_counts_frames_without_the_key(tmp_path):
     from cluster.wire.frame_auth import STATS_SINK, FrameSigner
     from cluster.wire.stream_messages import DecodeStepRecord, StepRecordBatch, encode
     from router.channel.server import RouterServer
-    from router.metrics import RouterMetrics
+    from router.stats.metrics import RouterMetrics
 
     async def main():
         rs = RouterServer(f"ipc://{tmp_path}/router", "127.0.0.1", RouterMetrics("m"), secret=SECRET)

@@ -7,11 +7,11 @@ import pytest
 
 from cluster.wire.messages import WorkerStats
 from cluster.worker.pass_rate import PassRate
-from router.admission import AdmissionController, AdmissionLimits
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.errors import CapacityShortError
-from router.local_prefill_policy import LOCAL_PREFILL_POLICIES, AdaptivePrefill, StaticThreshold
-from router.placement import WorkerView
-from router.prefill_cost_model import PrefillCostModel
+from router.placement.local_prefill_policy import LOCAL_PREFILL_POLICIES, AdaptivePrefill, StaticThreshold
+from router.placement.placement import WorkerView
+from router.placement.prefill_cost_model import PrefillCostModel
 
 # An 8B-on-H200-like worker: 40k prompt tokens/s + 2 ms per pass; decode step 7 ms + 0.05 ms per row.
 PREFILL = PassRate(0.002, 25e-6, 100)

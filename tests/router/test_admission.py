@@ -9,9 +9,9 @@ import pytest
 
 from cluster.errors import InvalidRequestError
 from cluster.wire.messages import WorkerStats
-from router.admission import AdmissionController, AdmissionLimits
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, OverloadedError
-from router.placement import WorkerView
+from router.placement.placement import WorkerView
 
 
 def view(wid="decode-0", free=100, total=100, healthy=True, running=0):
@@ -125,7 +125,7 @@ def test_duplicate_request_id_is_400():
 
 
 def test_draining_is_503_before_anything_else():
-    from router.admission import DrainingError
+    from router.requests.admission import DrainingError
 
     ac = controller()
     ac.check_open()

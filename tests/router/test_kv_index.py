@@ -2,7 +2,7 @@
 
 from cluster.kv.block_pool import PrefixCachingBlockPool
 from cluster.wire.messages import KVCacheEvents
-from router.kv_index import KVBlockIndex
+from router.placement.kv_index import KVBlockIndex
 
 BS = 4
 

@@ -10,10 +10,10 @@ from ray.exceptions import RayActorError
 
 from cluster.wire.messages import GenerateRequest
 from cluster.sampling.sampling_params import SamplingParams
-from router.admission import AdmissionController, AdmissionLimits
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.router import Router
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 from router_fakes import StubWorker
 
 

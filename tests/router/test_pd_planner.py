@@ -12,10 +12,10 @@ import pytest
 
 from cluster.wire.messages import WorkerStats
 from cluster.worker.pass_rate import PassRate
-from router.arrival_stats import ArrivalStats
-from router.pd_planner import (PDPlanner, PlannerConfig, PlannerInputs, best_split, decode_capacity, observe,
+from router.stats.arrival_stats import ArrivalStats
+from router.placement.pd_planner import (PDPlanner, PlannerConfig, PlannerInputs, best_split, decode_capacity, observe,
                                utilization)
-from router.placement import WorkerView
+from router.placement.placement import WorkerView
 
 BLOCK = 16
 KV_BLOCKS = 12_500  # 200k tokens per decode worker

@@ -7,7 +7,7 @@ import pytest
 from cluster.engine.graph_buckets import bucket_sizes, padding_fraction
 from cluster.wire.messages import GenerateRequest, WorkerStats
 from cluster.sampling.sampling_params import SamplingParams
-from router.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView
+from router.placement.placement import DECODE_POLICIES, PREFILL_POLICIES, LeastLoadedDecode, WorkerView
 
 REQ = GenerateRequest("r", (1, 2, 3), SamplingParams(), 0, 0.0)
 
@@ -87,7 +87,7 @@ def _index_with(holdings: dict[str, list[int]]):
     """A KVBlockIndex fed by real pools: worker -> the prompt it ran (its full blocks are cached)."""
     from cluster.kv.block_pool import PrefixCachingBlockPool
     from cluster.wire.messages import KVCacheEvents
-    from router.kv_index import KVBlockIndex
+    from router.placement.kv_index import KVBlockIndex
 
     index = KVBlockIndex()
     for wid, tokens in holdings.items():

@@ -10,16 +10,16 @@ import pytest
 
 from cluster.wire.messages import GenerateRequest
 from cluster.sampling.sampling_params import SamplingParams
-from router.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
-from router.arrival_stats import ArrivalStats
-from router.kv_index import KVBlockIndex
+from router.requests.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
+from router.stats.arrival_stats import ArrivalStats
+from router.placement.kv_index import KVBlockIndex
 from router.placed_request import PlacedRequest
-from router.placement import PlacementPolicies
-from router.placement_walk import PlacementWalk
+from router.placement.placement import PlacementPolicies
+from router.requests.placement_walk import PlacementWalk
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
-from router.worker_health import WorkerHealth
-from router.worker_set import WorkerSet
+from router.workers.worker_client import WorkerClient
+from router.workers.worker_health import WorkerHealth
+from router.workers.worker_set import WorkerSet
 from router_fakes import StubWorker
 
 

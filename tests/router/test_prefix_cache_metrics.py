@@ -3,7 +3,7 @@ all workers of a role."""
 
 from cluster.wire.messages import WorkerStats
 from loadtest.server_stats import parse_counter_totals
-from router.metrics import RouterMetrics
+from router.stats.metrics import RouterMetrics
 
 
 def stats(wid, role, queries, hits):

@@ -8,7 +8,7 @@ from cluster.wire.stream_messages import DecodeStepRecord
 import pytest
 
 from cluster.wire.messages import PrefillResult, PrefillTimeline
-from router.step_stats import MAX_LIMIT, StepStats, TTFTPoints
+from router.stats.step_stats import MAX_LIMIT, StepStats, TTFTPoints
 
 
 def _step(i: int, bs: int = 4) -> DecodeStepRecord:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster.wire.stream_messages import StreamDelta
-from router.token_stream import TokenMailbox
+from router.streams.token_stream import TokenMailbox
 
 
 def _read_all(box: TokenMailbox) -> list[StreamDelta]:

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from cluster.wire.messages import WorkerStats
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 
 class Plain:

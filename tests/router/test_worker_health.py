@@ -10,12 +10,12 @@ from ray.exceptions import RayActorError
 
 from cluster.wire.messages import GenerateRequest
 from cluster.sampling.sampling_params import SamplingParams
-from router.kv_index import KVBlockIndex
+from router.placement.kv_index import KVBlockIndex
 from router.placed_request import PlacedRequest
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
-from router.worker_health import WorkerHealth
-from router.worker_set import WorkerSet
+from router.workers.worker_client import WorkerClient
+from router.workers.worker_health import WorkerHealth
+from router.workers.worker_set import WorkerSet
 from router_fakes import StubWorker
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.worker_client import WorkerClient
-from router.worker_set import WorkerSet
+from router.workers.worker_client import WorkerClient
+from router.workers.worker_set import WorkerSet
 
 
 def client(wid: str, role: str) -> WorkerClient:

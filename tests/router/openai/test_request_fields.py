@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.errors import InvalidRequestError
 from cluster.text.tokenizer import load_tokenizer
-from router.metrics import GatewayMetrics
+from router.stats.metrics import GatewayMetrics
 from router.openai.errors import APIError
 from router.openai.gateway_config import GatewayConfig
 from router.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest,

@@ -26,7 +26,7 @@ import zmq.asyncio
 from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier
 from cluster.wire.socket_bounds import MAX_TOKEN_FRAME, bound
 from cluster.wire.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
-from router.receive_loop import received, verified
+from router.streams.receive_loop import received, verified
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """PlacementWalk: places an admitted request on a decode worker, its prompt prefilled there or on a
 prefill worker.
 
-The walk: rank the decode workers (router.placement's decode policy) and, for each in turn, decide
-where the prompt is prefilled (router.local_prefill_policy over router.prefill_cost_model) ->
+The walk: rank the decode workers (router.placement.placement's decode policy) and, for each in turn, decide
+where the prompt is prefilled (router.placement.local_prefill_policy over router.placement.prefill_cost_model) ->
 - local: `D.submit_local` (D prefills it in chunks between its decode steps);
 - remote: `D.reserve` (blocks for the prompt), then `P.submit` in the background (P computes the
   prompt, ships its KV into the reserved blocks and returns timings);
@@ -22,17 +22,17 @@ import time
 from typing import Callable
 
 from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
-from router.admission import AdmissionController
-from router.arrival_stats import ArrivalStats
-from router.kv_index import KVBlockIndex
-from router.local_prefill_policy import LOCAL_PREFILL_POLICIES
-from router.metrics import RouterMetrics
+from router.requests.admission import AdmissionController
+from router.stats.arrival_stats import ArrivalStats
+from router.placement.kv_index import KVBlockIndex
+from router.placement.local_prefill_policy import LOCAL_PREFILL_POLICIES
+from router.stats.metrics import RouterMetrics
 from router.placed_request import Notify, PlacedRequest, Prefilled
-from router.placement import PlacementPolicies, WorkerView
-from router.prefill_cost_model import PrefillCostModel
+from router.placement.placement import PlacementPolicies, WorkerView
+from router.placement.prefill_cost_model import PrefillCostModel
 from router.router_config import RouterConfig
-from router.worker_health import Spawn, WorkerHealth
-from router.worker_set import WorkerSet
+from router.workers.worker_health import Spawn, WorkerHealth
+from router.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """WorkerSet: the router's workers by role, each with its client (how to call it) and its view (what
-the router knows of it: router.placement.WorkerView).
+the router knows of it: router.placement.placement.WorkerView).
 
 The Router changes it (workers join and leave while it serves: the P:D planner's role switches);
 its placement walk, its health checks and its migrations read it. Ids keep the order in which the
@@ -9,8 +9,8 @@ workers joined.
 from __future__ import annotations
 
 from cluster.wire.messages import WorkerStats
-from router.placement import WorkerView
-from router.worker_client import WorkerClient
+from router.placement.placement import WorkerView
+from router.workers.worker_client import WorkerClient
 
 ROLES = ("prefill", "decode")
 

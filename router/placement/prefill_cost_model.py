@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.worker.pass_rate import PassRate, PassRateMeter
-from router.placement import WorkerView
+from router.placement.placement import WorkerView
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Policies are small classes behind two registries, so a deployment picks them by name in its
 config (`prefill_policy: least_outstanding_tokens`, `decode_policy: least_loaded`). They rank the
 router's `WorkerView`s (polled `WorkerStats` corrected by what the router itself placed and released
-since the poll); the router's PlacementWalk (router/placement_walk.py) walks the ranking and falls
+since the poll); the router's PlacementWalk (router/requests/placement_walk.py) walks the ranking and falls
 back to the next worker when one refuses.
 
 The `prefix_aware` policies also weigh what each worker already caches of the prompt
-(router.kv_index, fed by the workers' block events): Dynamo's KV-router trade-off of cache overlap
+(router.placement.kv_index, fed by the workers' block events): Dynamo's KV-router trade-off of cache overlap
 against load.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Generic, TypeVar
 from cluster.kv.block_hash import BlockHash
 from cluster.engine.graph_buckets import padding_fraction
 from cluster.wire.messages import GenerateRequest, WorkerStats
-from router.kv_index import KVBlockIndex
+from router.placement.kv_index import KVBlockIndex
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ here (the HTTP mapping of the errors is the gateway's):
    has waited `queue_timeout_s`. A request cancelled while it waits (its client left) just leaves
    the queue: it holds nothing anywhere yet.
 6. An admitted request that no decode worker takes within `reserve_wait_s` (the router's placement
-   walk retries until then, router/placement_walk.py; `check_placement_wait`) waits in the queue
+   walk retries until then, router/requests/placement_walk.py; `check_placement_wait`) waits in the queue
    again, ahead of its source's later arrivals, while another attempt still ends within
    `queue_timeout_s` of its arrival (`can_requeue`; Router.submit): admission read a view a poll
    behind the worker, which refused. Then 429. A migration gets its 429 after `migration_wait_s`.
@@ -47,7 +47,7 @@ from cluster.kv.request_limits import check_request_fits
 from router.errors import CapacityShortError, DrainingError, NoHealthyWorkerError, NotPlacedError, OverloadedError
 
 if TYPE_CHECKING:  # annotations only: AdmissionLimits stays importable without torch (deploy/config.py)
-    from router.placement import WorkerView
+    from router.placement.placement import WorkerView
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from router.placement import Registry, WorkerView
-from router.prefill_cost_model import PrefillCostModel, PrefillEstimate
+from router.placement.placement import Registry, WorkerView
+from router.placement.prefill_cost_model import PrefillCostModel, PrefillEstimate
 
 
 @dataclass(frozen=True)

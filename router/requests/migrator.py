@@ -18,11 +18,11 @@ import logging
 from dataclasses import replace
 from typing import Callable
 
-from router.metrics import RouterMetrics
+from router.stats.metrics import RouterMetrics
 from router.placed_request import PlacedRequest
-from router.placement_walk import PlacementWalk
+from router.requests.placement_walk import PlacementWalk
 from router.router_config import RouterConfig
-from router.worker_health import WorkerHealth
+from router.workers.worker_health import WorkerHealth
 
 log = logging.getLogger(__name__)
 

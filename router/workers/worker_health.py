@@ -25,13 +25,13 @@ import time
 from typing import Awaitable, Callable
 
 from cluster.wire.messages import WorkerStats
-from router.kv_index import KVBlockIndex
-from router.metrics import RouterMetrics
+from router.placement.kv_index import KVBlockIndex
+from router.stats.metrics import RouterMetrics
 from router.placed_request import Notify, PlacedRequest
-from router.placement import WorkerView
+from router.placement.placement import WorkerView
 from router.router_config import RouterConfig
-from router.worker_client import ActorDead
-from router.worker_set import WorkerSet
+from router.workers.worker_client import ActorDead
+from router.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 

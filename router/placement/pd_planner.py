@@ -30,10 +30,10 @@ from statistics import median
 from typing import TYPE_CHECKING
 
 from cluster.worker.pass_rate import PassRate
-from router.arrival_stats import ArrivalMix
+from router.stats.arrival_stats import ArrivalMix
 
 if TYPE_CHECKING:  # annotations only: PlannerConfig stays importable without torch (deploy/config.py)
-    from router.placement import WorkerView
+    from router.placement.placement import WorkerView
 
 
 @dataclass(frozen=True)
