@@ -2,7 +2,7 @@
 
 Each new token is decoded against a short window of the tokens before it (vLLM's prefix/read offsets),
 so the cost per token is constant; text that ends in an incomplete UTF-8 sequence waits for the next
-token. Two decoders implement that rule and give the same text (tests/cluster/test_detokenizer.py):
+token. Two decoders implement that rule and give the same text (tests/cluster/text/test_detokenizer.py):
 the Rust `tokenizers.decoders.DecodeStream` (one call per token, ~2 us) where it is exact, and the
 same algorithm in Python over the tokenizer's decode (two calls per token) as the reference and the
 fallback. Text that could still turn into a stop string is held back until it can't.

@@ -1,4 +1,4 @@
-"""Padding (the bucket rule itself: tests/cluster/test_graph_buckets.py). On CPU the runner runs eagerly
+"""Padding (the bucket rule itself: tests/cluster/engine/test_graph_buckets.py). On CPU the runner runs eagerly
 with the same padding as the graphs."""
 
 import random

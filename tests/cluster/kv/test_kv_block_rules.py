@@ -21,7 +21,7 @@ from decode_worker.block_manager import BlockManager
 from router.requests.admission import AdmissionController, AdmissionLimits
 from router.streams.receive_loop import received
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERVING = ("cluster", "prefill_worker", "decode_worker", "router", "deploy")
 
 
