@@ -45,12 +45,12 @@ from pathlib import Path
 
 import torch
 
-from cluster.graph_buckets import bucket_sizes, feature_bucket_sizes, padding_waste
-from cluster.kv_cache import KVCacheSpec
-from cluster.messages import TokenBatch
+from cluster.engine.graph_buckets import bucket_sizes, feature_bucket_sizes, padding_waste
+from cluster.kv.kv_cache import KVCacheSpec
+from cluster.wire.messages import TokenBatch
 from cluster.model.loader import random_model
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler
@@ -60,9 +60,9 @@ from benchmarks.common import (BLOCK_SIZE, SHAPES, arch_of, copy_bandwidth_gbps,
 
 
 def msgpack_encode(batch) -> bytes:
-    """A step's deltas in their wire format (cluster/stream_messages.py), as the publisher thread
+    """A step's deltas in their wire format (cluster/wire/stream_messages.py), as the publisher thread
     sends them to a gateway; its detokenization (no tokenizer here) is not part of this timing."""
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
 
     return encode(StreamBatch(batch.worker_id, batch.step, tuple(
         StreamDelta(d.request_id, d.token_ids, "", d.finish_reason, d.error) for d in batch.deltas)))

@@ -3,7 +3,7 @@
 Sends streaming completions one at a time (so the decode batch is 1), records each inter-token gap
 as the client sees it, and reads the server's `/stats`: the decode step time of the batch-1 steps in
 the same window and, per request, time to first token split into its parts. Writes a JSON with `itl_http_p50_ms`,
-`server_step_ms`, `ttft_ms`, one `<part>_ms` per part of the TTFT (router.step_stats.TTFTPoints) and `transfer_ms`.
+`server_step_ms`, `ttft_ms`, one `<part>_ms` per part of the TTFT (router.stats.step_stats.TTFTPoints) and `transfer_ms`.
 
     python -m benchmarks.bench_e2e --url http://127.0.0.1:8000 --out loadtest/results/e2e_h200.json
 """
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         "server_steps": len(steps),
         "ttft_client_ms": _median([t * 1e3 for t in ttfts]),
         "ttft_ms": _median([r["ttft_ms"] for r in reqs]),
-        # the TTFT's parts (router.step_stats.TTFTPoints), each a median over the disaggregated requests
+        # the TTFT's parts (router.stats.step_stats.TTFTPoints), each a median over the disaggregated requests
         **{f"{k}_ms": _median([r["ttft_parts_ms"][k] for r in remote])
            for k in (remote[0]["ttft_parts_ms"] if remote else ())},
         "transfer_ms": _median([r["transfer_ms"] for r in remote]),

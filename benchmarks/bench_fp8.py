@@ -51,14 +51,14 @@ import torch.nn.functional as F
 
 from cluster import kernels
 from cluster.kernels import fp8_gemm_configs, reference
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model import linear
 from cluster.model.linear import fp8_linear_w8a8, fp8_linear_weight_only
 from cluster.model.quantization import Fp8Scheme
 from cluster.model.loader import random_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler
@@ -424,7 +424,7 @@ def bench_quality_trained(gguf: Path) -> dict:
     to e4m3; FP8 KV stores K/V in e4m3 with the per-layer scales and reads them back)."""
     from cluster.model.config import ModelArchConfig
     from cluster.model.loader import load_model
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text.tokenizer import load_tokenizer
 
     device, dtype = "cpu", torch.bfloat16
     arch = ModelArchConfig.from_dir(gguf)

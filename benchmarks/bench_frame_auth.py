@@ -1,4 +1,4 @@
-"""The cost of authenticating the cluster's own frames (cluster/frame_auth.py), on the CPU, per frame.
+"""The cost of authenticating the cluster's own frames (cluster/wire/frame_auth.py), on the CPU, per frame.
 
 The token stream carries every token of the cluster: each decode step's deltas for one gateway go out
 as one StreamBatch frame, signed by the decode worker's publisher thread and checked by the gateway's
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.frame_auth import KV_CONTROL, TOKEN_STREAM, FrameSigner, FrameVerifier, new_cluster_secret
+from cluster.wire.frame_auth import KV_CONTROL, TOKEN_STREAM, FrameSigner, FrameVerifier, new_cluster_secret
 
 
 def _per_call_us(fn, iters: int) -> float:
@@ -33,14 +33,14 @@ def _per_call_us(fn, iters: int) -> float:
 
 
 def _stream_frame(n: int) -> bytes:
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
 
     deltas = tuple(StreamDelta(f"cmpl-{i:032x}", (1000 + i,), " word") for i in range(n))
     return encode(StreamBatch("decode-0", 12345, deltas))
 
 
 def measure(iters: int) -> dict:
-    from cluster.stream_messages import decode_stream_batch
+    from cluster.wire.stream_messages import decode_stream_batch
     from cluster.transport.channel import Begin, _DECODER, _ENCODER
 
     secret = new_cluster_secret()

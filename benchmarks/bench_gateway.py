@@ -50,8 +50,8 @@ def fake_decode_main(cmd_addr: str, stats_sink: str, step_s: float, model_dir: s
 
     import msgspec
 
-    from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-    from cluster.tokenizer import load_tokenizer
+    from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+    from cluster.text.tokenizer import load_tokenizer
     from decode_worker.token_publisher import TokenPublisher
 
     tok = load_tokenizer(model_dir)
@@ -129,7 +129,7 @@ class FakeDecodeFleet:
         self._sock.send(self._encode(("abort", None, request_id)))
 
     def stats(self):
-        from cluster.messages import WorkerStats
+        from cluster.wire.messages import WorkerStats
 
         big = 1 << 30
         return WorkerStats("fake-decode", "decode", True, free_blocks=big, total_blocks=big,
@@ -199,8 +199,8 @@ def client_main(host: str, port: int, users: int, body: bytes, t_start: float, t
 # -- one measurement --------------------------------------------------------------------------------
 def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     from deploy.api_server import APIServerPool
-    from router.admission import AdmissionController, AdmissionLimits
-    from router.metrics import RouterMetrics
+    from router.requests.admission import AdmissionController, AdmissionLimits
+    from router.stats.metrics import RouterMetrics
     from router.router import Router, RouterConfig, WorkerClient
     from router.channel.server import RouterServer
 

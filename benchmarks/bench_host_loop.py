@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 
 
 class SimulatedDevice:
@@ -116,8 +116,8 @@ def _sinks(token_addr_q, stop, out_q) -> None:
     """The gateways' end, in its own process: counts tokens, collects the step records."""
     import zmq
 
-    from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
-    from cluster.stream_messages import decode_step_records, decode_stream_batch
+    from cluster.wire.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
+    from cluster.wire.stream_messages import decode_step_records, decode_stream_batch
 
     # The worker runs without a launcher: the bench's own secret (an empty one is refused).
     tok_check, st_check = FrameVerifier(_SECRET, TOKEN_STREAM), FrameVerifier(_SECRET, STATS_SINK)
@@ -162,7 +162,7 @@ def run_batch(n: int, seconds: float, step_ms: float, prefill_overhead_ms: float
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     submitted = 0
     # Text prompts (the load test's default), so the detokenizer runs its usual (Rust) path.
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text.tokenizer import load_tokenizer
 
     words = load_tokenizer(model_dir).encode(" ".join(["the sea was calm and the wind came over the water"] * 40))
     base = list(words[: prompt_tokens - 1])

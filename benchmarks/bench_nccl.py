@@ -47,8 +47,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from cluster.messages import GenerateRequest, PrefillTask, Reservation, ReserveRequest  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.wire.messages import GenerateRequest, PrefillTask, Reservation, ReserveRequest  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
 from cluster.transport.block_copy import copy_blocks  # noqa: E402
 from cluster.transport.rendezvous_store import start_store  # noqa: E402
@@ -155,7 +155,7 @@ def baseline(sizes, shape: KVShape, backend: str, devices) -> dict[int, tuple[in
 # -- 2. decode stall ---------------------------------------------------------------------------------
 def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done):
     from cluster.model.loader import random_model
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
     from decode_worker.decode_worker import DecodeWorker
     from decode_worker.metrics import StepMetrics
 
@@ -309,9 +309,9 @@ def _collect(q, kinds, procs, timeout_s: float) -> dict:
 # -- 3. TTFT with layer-wise overlap on and off ----------------------------------------------------------
 def _ttft_prefill_proc(spec_d, device, shape_name, tokens, ctl, q):
     from cluster.model.loader import random_model
-    from cluster.model_runner import PrefillChunk
-    from cluster.sampler import sample_tokens
-    from cluster.worker_config import WorkerConfig
+    from cluster.engine.model_runner import PrefillChunk
+    from cluster.sampling.sampler import sample_tokens
+    from cluster.worker.worker_config import WorkerConfig
     from prefill_worker.prefill_worker import PrefillWorker
 
     device = _device(device)

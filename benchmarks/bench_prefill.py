@@ -11,7 +11,7 @@ over one forward) and, for comparison, the same forward with the torch reference
 call per prompt).
 
 Short passes (`--mode short`, rows with `mode: "short"`): 1x16, 1x128, 4x128 and 1x512 tokens, as the
-prefill worker runs them, i.e. replayed as CUDA graphs at token buckets (cluster/prefill_graph_runner.py,
+prefill worker runs them, i.e. replayed as CUDA graphs at token buckets (cluster/engine/prefill_graph_runner.py,
 buckets up to 512 tokens). Per row: `wall_ms`, the host's time from the call to the logits being on
 the device (median, synchronised); `device_ms`, the same pass's time on the GPU alone (CUDA events
 around it, its launches queued behind a sleep kernel so no host gap is inside); `kernels`, the kernels
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model.loader import random_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.prefill_graph_runner import PrefillGraphRunner
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.engine.prefill_graph_runner import PrefillGraphRunner
 from benchmarks.common import BLOCK_SIZE, arch_of, model_flops
 
 MIXES = [(32, 128), (8, 512), (2, 2048), (1, 4096)]

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import random_model
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.structured import GrammarCompiler, StructuredOutput
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner

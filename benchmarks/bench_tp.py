@@ -36,11 +36,11 @@ from cluster.distributed.follower import RankFollower
 from cluster.distributed.rank_launcher import ProcessRankLauncher
 from cluster.distributed.step_messages import DecodeStep
 from cluster.distributed.tp_group import TPGroup
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model.loader import random_model
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
-from cluster.worker_model import tensor_parallel
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
+from cluster.engine.worker_model import tensor_parallel
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeScheduler

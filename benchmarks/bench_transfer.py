@@ -52,7 +52,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.messages import Reservation  # noqa: E402
+from cluster.wire.messages import Reservation  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
 from cluster.transport.block_copy import copy_blocks  # noqa: E402
 from cluster.transport.rendezvous_store import start_store  # noqa: E402
@@ -324,9 +324,9 @@ def plan_of(kind: str, spec: dict, shape: KVShape, tokens: int) -> dict:
 
 def measure_prefill(sizes, device="cuda:0") -> dict[int, float]:
     """8B-shape prefill seconds per prompt length (random weights, eager, one prompt per forward)."""
-    from cluster.kv_cache import KVCacheSpec
+    from cluster.kv.kv_cache import KVCacheSpec
     from cluster.model.loader import random_model
-    from cluster.model_runner import ModelRunner, PrefillChunk
+    from cluster.engine.model_runner import ModelRunner, PrefillChunk
     from benchmarks.common import arch_of
 
     arch = arch_of("llama-8b-shape")

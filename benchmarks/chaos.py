@@ -463,8 +463,8 @@ def run(sc, engine, *, duration_s: float, interval_s: float, streams: int = 8, m
         long_words: int = 30, sole_decode_kills: bool = False, faults=("prefill", "decode"),
         faults_wanted: int | None = None) -> dict:
     """The whole experiment on a started cluster `sc` (ServingCluster, router in-process) against the
-    reference `engine` (cluster.engine.LLMEngine on the same checkpoint)."""
-    from cluster.sampling_params import SamplingParams
+    reference `engine` (cluster.engine.engine.LLMEngine on the same checkpoint)."""
+    from cluster.sampling.sampling_params import SamplingParams
 
     ps = prompts(n_prompts, long_words)
     refs = {p: r.text for p, r in zip(ps, engine.generate(
@@ -530,7 +530,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
     from cluster.model.demo import ensure_demo_model
     from deploy.config import ClusterConfig
     from deploy.serving_cluster import ServingCluster

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.block_pool import PrefixCachingBlockPool
+from cluster.kv.block_pool import PrefixCachingBlockPool
 
 TOKEN_LO, TOKEN_HI = 10, 410  # inside the demo tokenizer's vocabulary, clear of its special tokens
 

@@ -10,7 +10,7 @@ request of the case, sent once before the case so that the prefix cache holds it
      server_ttft_p50_ms, server_parts_p50_ms, prefill_device_ms, decode_step_ms, floor_ms}
 
 client TTFT: the request's start to the SSE chunk carrying its first token (loadtest.records.
-token_chunks); server: `/stats` request records of the case's window (router.step_stats.TTFTPoints:
+token_chunks); server: `/stats` request records of the case's window (router.stats.step_stats.TTFTPoints:
 the gateway's arrival to its first token, and the parts adding up to it); prefill_device_ms: the
 median device time of the prefill pass that completed a prompt (its uncached tokens); decode_step_ms:
 the median device time of the decode steps in the window; floor_ms = prefill_device_ms +

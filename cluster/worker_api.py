@@ -2,13 +2,13 @@
 
 Both Ray actors implement it (decode_worker/actor.py: DecodeWorkerActor, prefill_worker/actor.py:
 PrefillWorkerActor; tests/cluster/test_worker_api.py checks every signature against these Protocols).
-The router calls the workers through router.worker_client.WorkerClient, whose methods are these,
+The router calls the workers through router.workers.worker_client.WorkerClient, whose methods are these,
 awaitable and under a per-call timeout; the launcher calls them on the Ray handles
 (`handle.warmup.remote()`). A method is called by name nowhere.
 
 Over Ray every call is asynchronous whatever the method: an `async def` here is a method the actor
 runs on its own event loop (many in flight at once), a plain `def` one the actor runs in turn. Only
-the messages of cluster/messages.py (and plain values) cross.
+the messages of cluster/wire/messages.py (and plain values) cross.
 
 Serving only: what the tests and the chaos run call besides (fault injection, the block-accounting
 check) is the fault interface, cluster/faults/fault_control.py, which the actors also implement.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from cluster.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
+from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
                               WorkerStats)
 
 if TYPE_CHECKING:  # torch behind it: the API-server processes import this module without it
@@ -34,7 +34,7 @@ class WorkerAPI(Protocol):
         ...
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """The prefix cache's block changes since (epoch, seq) (router.kv_index)."""
+        """The prefix cache's block changes since (epoch, seq) (router.placement.kv_index)."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -20,9 +20,9 @@ import threading
 import uuid
 from typing import TYPE_CHECKING
 
-from cluster.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import lead_group
+from cluster.wire.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import lead_group
 from decode_worker.decode_worker import DecodeWorker
 
 if TYPE_CHECKING:

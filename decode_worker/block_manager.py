@@ -1,4 +1,4 @@
-"""KV blocks of the decode worker's requests. Plain Python over `cluster.block_pool`, no torch.
+"""KV blocks of the decode worker's requests. Plain Python over `cluster.kv.block_pool`, no torch.
 
 With prefix caching, a block may be shared by several requests (ref-counted by the pool) and a freed
 full block stays findable by its address until evicted: a local prefill takes its prompt's cached
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCacheStats, PrefixCachingBlockPool
-from cluster.kv_blocks import blocks_for_tokens, decode_held_tokens
-from cluster.sequence import Sequence
+from cluster.kv.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCacheStats, PrefixCachingBlockPool
+from cluster.kv.kv_blocks import blocks_for_tokens, decode_held_tokens
+from cluster.engine.sequence import Sequence
 
 
 class BlockManager:
@@ -58,7 +58,7 @@ class BlockManager:
     def allocate_prompt(self, seq: Sequence, count: bool = True) -> bool:
         """Blocks for everything the sequence has plus one decode slot, its cached prefix taken from
         the cache (seq.num_cached_tokens says how much); False, with nothing taken, if they don't fit.
-        count=False for a preempted sequence's recompute (cluster.block_pool.allocate_prompt)."""
+        count=False for a preempted sequence's recompute (cluster.kv.block_pool.allocate_prompt)."""
         got = self.allocator.allocate_prompt(seq.all_token_ids, decode_held_tokens(seq.num_tokens), seq.block_hashes, count,
                                              lookup=seq.params.reads_prefix_cache)
         if got is None:

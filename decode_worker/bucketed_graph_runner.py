@@ -1,7 +1,7 @@
 """BucketedGraphRunner: one decode step = one host-to-device copy of the live batch, replay a CUDA graph.
 
 - Buckets come from a policy ("vllm", "pow2" or explicit sizes). A batch of n rows runs in the
-  smallest bucket >= n (cluster.graph_buckets: the one bucket rule, which the router's placement
+  smallest bucket >= n (cluster.engine.graph_buckets: the one bucket rule, which the router's placement
   reads too, over the buckets this runner reports); rows n..bucket are padding that point at
   NULL_BLOCK (position 0, context length 1, slot 0 of block 0), so their K/V writes land in the
   reserved block and nowhere else.
@@ -14,13 +14,13 @@
 - Input ids come from the device: a row continuing from the previous step reads that step's sampled
   token (`out_tokens[prev_row]`) inside the graph, so the host never needs the token to launch.
 - Sampling runs inside the graph: the same kernels cover greedy, temperature, top-k/top-p/min-p rows
-  alike (cluster.sampler). Two variants of the step: "plain" (the default path, exactly the draw),
+  alike (cluster.sampling.sampler). Two variants of the step: "plain" (the default path, exactly the draw),
   captured at every bucket, and "features" (logits processing from per-sequence state, the draw, the
-  state update, logprobs: `cluster.sampler.sample_step`), replayed only when some row's sequence needs
+  state update, logprobs: `cluster.sampling.sampler.sample_step`), replayed only when some row's sequence needs
   it and captured at the coarser `feature_bucket_sizes` (a features batch pads to those). Its static
   state and outputs (`features_state_bytes`, ~8 * max_num_seqs * V bytes) are allocated with the
-  runner; the KV pool sizing counts them (cluster.kv_cache.kv_pool_blocks).
-- Sampling-state slots (cluster.sampling_state): a sequence that needs features gets a slot when it
+  runner; the KV pool sizing counts them (cluster.kv.kv_cache.kv_pool_blocks).
+- Sampling-state slots (cluster.sampling.sampling_state): a sequence that needs features gets a slot when it
   first appears in a step and keeps it while it appears in every step; the host writes the slot then
   (outside the graph, on the stream before the step) from the tokens it has. A sequence missing from
   a step has left (finished, aborted, preempted: DecodeScheduler skips a running sequence that can
@@ -59,14 +59,14 @@ import torch
 from cluster import kernels
 from cluster.attention import AttentionMetadata
 from cluster.distributed.step_messages import DecodeStep, SlotInit, pack_ids, unpack_ids
-from cluster.graph_buckets import bucket_sizes, feature_bucket_sizes, padded_size
+from cluster.engine.graph_buckets import bucket_sizes, feature_bucket_sizes, padded_size
 from cluster.kernels.step_layout import DecodeStepLayout
-from cluster.kv_blocks import NULL_BLOCK
+from cluster.kv.kv_blocks import NULL_BLOCK
 from cluster.model.llama import LlamaForCausalLM
-from cluster.sampler import SamplingTensors, StepOutputs, features_state_bytes, log_min_p, sample_step
-from cluster.sampling_params import MAX_LOGPROBS
-from cluster.sampling_state import SamplingState
-from cluster.sequence import SequenceStatus
+from cluster.sampling.sampler import SamplingTensors, StepOutputs, features_state_bytes, log_min_p, sample_step
+from cluster.sampling.sampling_params import MAX_LOGPROBS
+from cluster.sampling.sampling_state import SamplingState
+from cluster.engine.sequence import SequenceStatus
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import fill_bitmasks
 from decode_worker.step_handle import HostStepOutputs, StepHandle, StepInfo
@@ -114,7 +114,7 @@ class BucketedGraphRunner:
         self.sample_positions = torch.ones(mb, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((mb, self.max_blocks), NULL_BLOCK, dtype=torch.int32, device=dev)
         self.out_tokens = torch.zeros(mb, dtype=torch.int64, device=dev)
-        # The features variant's state and outputs (cluster.sampling_state: ~4 * max_num_seqs * V bytes each).
+        # The features variant's state and outputs (cluster.sampling.sampling_state: ~4 * max_num_seqs * V bytes each).
         vocab = model.cfg.vocab_size
         self.sampling_state = SamplingState.allocate(mb, vocab, dev)
         self.step_out = StepOutputs.allocate(mb, vocab, dev)
@@ -166,7 +166,7 @@ class BucketedGraphRunner:
 
     @classmethod
     def for_worker(cls, wm, cfg, max_model_len: int, capture_progress: bool = True) -> "BucketedGraphRunner":
-        """The decode worker's runner over a WorkerModel (cluster/worker_model.py), captured: built the
+        """The decode worker's runner over a WorkerModel (cluster/engine/worker_model.py), captured: built the
         same way on every rank of a tensor-parallel worker (their captures' collectives pair up)."""
         runner = cls(wm.model, wm.kv_cache, cfg.block_size, cfg.max_num_seqs,
                      max_blocks_per_seq=wm.spec.blocks_for_tokens(max_model_len), buckets=cfg.graph_buckets,
@@ -176,7 +176,7 @@ class BucketedGraphRunner:
 
     # -- the captured region ----------------------------------------------------------------------
     def _forward(self, b: int, width: int, features: bool = False) -> None:
-        """Decode `b` rows from the packed buffer into out_tokens[:b] (features: see cluster.sampler.
+        """Decode `b` rows from the packed buffer into out_tokens[:b] (features: see cluster.sampling.sampler.
         sample_step). No host sync anywhere.
 
         NOTE: out_tokens is read (previous step's tokens, by decode_inputs) before it is written (this
@@ -277,7 +277,7 @@ class BucketedGraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     def padded_size(self, n: int, features: bool = False) -> int:
-        """Rows a batch of n computes (cluster.graph_buckets: the rule the router's placement reads);
+        """Rows a batch of n computes (cluster.engine.graph_buckets: the rule the router's placement reads);
         a features batch pads to the features variant's buckets."""
         return padded_size(self.feature_buckets if features else self.buckets, n)
 

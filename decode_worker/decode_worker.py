@@ -15,7 +15,7 @@ Tensor parallelism: with a TPGroup (`group`, this process is its rank 0) everyth
 unchanged on this rank's shard, every forward announced to the followers first (rank_follower.py). A
 failure of the loop then takes the whole worker down (`TPGroup.fail`) instead of restarting the loop.
 
-A request is refused (400) by the one fit rule, cluster.request_limits. warmup() runs warmup.py beside
+A request is refused (400) by the one fit rule, cluster.kv.request_limits. warmup() runs warmup.py beside
 the idle loop. Fault injection (tests, chaos) has one seam in the loop: a FaultPlan, None in production.
 """
 
@@ -31,21 +31,21 @@ from typing import Callable
 
 import torch
 
-from cluster.block_hash import prefix_cache_salt
+from cluster.kv.block_hash import prefix_cache_salt
 from cluster.errors import InvalidRequestError
-from cluster.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
+from cluster.wire.messages import (GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, TokenBatch, TokenDelta,
                               WorkerStats)
 from cluster.model.config import ModelArchConfig
 from cluster.model.llama import LlamaForCausalLM
-from cluster.pass_rate import PassRateMeter
-from cluster.request_limits import served_max_model_len
-from cluster.sequence import Sequence
+from cluster.worker.pass_rate import PassRateMeter
+from cluster.kv.request_limits import served_max_model_len
+from cluster.engine.sequence import Sequence
 from cluster.structured.grammar_compiler import GrammarCompiler
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 from cluster.transport.base import KVReceiver
 from cluster.transport.plan import KVNumerics
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import WorkerModel
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import WorkerModel
 from decode_worker.block_manager import BlockManager
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.expected_transfers import ExpectedTransfers
@@ -256,7 +256,7 @@ class DecodeWorker:
                        "pending_free_blocks": self.blocks.num_pending_free, "preemptions": s.num_preemptions,
                        "steps": self._step, "error": self.error, "warmup": self.warmup_info,
                        "loop_failures": self.loop_failures, "faults_fired": list(self.faults.fired if self.faults else ()),
-                       # KV control frames dropped for a bad or missing MAC (cluster/frame_auth.py)
+                       # KV control frames dropped for a bad or missing MAC (cluster/wire/frame_auth.py)
                        "kv_frames_rejected": getattr(self.transport, "frames_rejected", 0),
                        **({"tensor_parallel": self.group.describe()} if self.group is not None else {}),
                        **self.blocks.allocator.stats_extra()},
@@ -266,7 +266,7 @@ class DecodeWorker:
             )
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        """How this worker's cached blocks changed since (epoch, seq) (router.placement.kv_index)."""
         with self._lock:
             pool = self.blocks.allocator
             return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))

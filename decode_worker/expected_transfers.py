@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Iterator
 
-from cluster.messages import Reservation, TokenDelta
-from cluster.sequence import Sequence
+from cluster.wire.messages import Reservation, TokenDelta
+from cluster.engine.sequence import Sequence
 from cluster.transport.base import KVArrival, KVReceiver
 
 

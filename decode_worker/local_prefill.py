@@ -1,7 +1,7 @@
 """LocalPrefill: the decode worker's own prefill passes, run between decode steps.
 
 A request submitted to the decode worker itself (DecodeWorker.submit_local) is prefilled here by the
-worker's ModelRunner, FCFS in chunks (cluster.chunked_prefill through DecodeScheduler.schedule_prefill).
+worker's ModelRunner, FCFS in chunks (cluster.engine.chunked_prefill through DecodeScheduler.schedule_prefill).
 While requests are decoding a pass is paced (LocalPrefillPacer: about one decode step's cost by the
 measured rates, at most `chunk_tokens`, waiting a few steps for more prompts to share its fixed
 cost), so a long prompt is spread over several loop iterations; with nothing decoding, the whole
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.messages import TokenDelta
-from cluster.model_runner import ModelRunner
-from cluster.pass_rate import DevicePassTimer, PassRateMeter
-from cluster.sampler import SampledTokens, sample_tokens_async
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.wire.messages import TokenDelta
+from cluster.engine.model_runner import ModelRunner
+from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.sampling.sampler import SampledTokens, sample_tokens_async
+from cluster.engine.sequence import Sequence, SequenceStatus
 from decode_worker.local_prefill_pacer import LocalPrefillPacer
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.step_interval import StepIntervalClock

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from cluster.pass_rate import PassRate
+from cluster.worker.pass_rate import PassRate
 
 MIN_TOKENS = 32
 

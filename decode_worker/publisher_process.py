@@ -16,7 +16,7 @@ process sends like any gateway's, to the worker's own sink.
                                                -> stop matches, local frames -> worker's PULL
 
 The worker's three sockets (frames to the process, its control frames back, the local frames) are
-ipc:// paths in a directory only this user can enter (cluster/socket_bounds.py), and the process
+ipc:// paths in a directory only this user can enter (cluster/wire/socket_bounds.py), and the process
 connects only to such paths: no other local user can take the worker's frames (prompts, tokens) off
 its PUSH socket, nor send a stop for any request id to its control socket.
 
@@ -41,7 +41,7 @@ from typing import Callable
 
 import msgspec
 
-from cluster.messages import GenerateRequest, TokenBatch
+from cluster.wire.messages import GenerateRequest, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,13 @@ class PublisherProcess:
     def __init__(self, worker_id: str, model_dir: str, stats_sink: str | None = None,
                  on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000,
                  start_timeout_s: float = 120.0, secret: bytes = b""):
-        """secret: the cluster's (cluster/frame_auth.py): the process signs every frame under it; it
+        """secret: the cluster's (cluster/wire/frame_auth.py): the process signs every frame under it; it
         reaches the process on its stdin, never on its command line."""
         import zmq
 
-        from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
-        from cluster.socket_bounds import MAX_INTERNAL_FRAME, MAX_TOKEN_FRAME, bound, private_endpoint
-        from cluster.stream_messages import decode_stream_batch
+        from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier
+        from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, MAX_TOKEN_FRAME, bound, private_endpoint
+        from cluster.wire.stream_messages import decode_stream_batch
 
         self.worker_id = worker_id
         self.on_stop = on_stop
@@ -232,7 +232,7 @@ def make_publisher(worker_id: str, cfg, stats_sink: str | None, on_stop, where: 
         raise ValueError(f"token_publisher must be 'process' or 'thread', got {where!r}")
     if where == "process":
         return PublisherProcess(worker_id, cfg.model_dir, stats_sink, on_stop=on_stop, secret=cfg.cluster_secret)
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text.tokenizer import load_tokenizer
     from decode_worker.token_publisher import TokenPublisher
 
     return TokenPublisher(worker_id, load_tokenizer(cfg.model_dir), stats_sink, on_stop=on_stop,
@@ -240,14 +240,14 @@ def make_publisher(worker_id: str, cfg, stats_sink: str | None, on_stop, where: 
 
 
 def publisher_tokenizer(model_dir: str):
-    """The tokenizer the process decodes with: the cached Rust one (cluster/decode_tokenizer.py: no
+    """The tokenizer the process decodes with: the cached Rust one (cluster/text/decode_tokenizer.py: no
     transformers or torch import, ~0.1 s) once any process of this machine loaded the checkpoint's
     tokenizer, else transformers' (3-9 s of CPU), which also caches it for the next start."""
-    from cluster.decode_tokenizer import DecodeTokenizer
+    from cluster.text.decode_tokenizer import DecodeTokenizer
 
     tok = DecodeTokenizer.cached(model_dir)
     if tok is None:
-        from cluster.tokenizer import load_tokenizer
+        from cluster.text.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model_dir)
     return tok
@@ -257,7 +257,7 @@ def _serve(args) -> None:
     """The process: a TokenPublisher fed from the worker's frames."""
     import zmq
 
-    from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint
+    from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint
     from decode_worker.token_publisher import TokenPublisher
 
     ctx = zmq.Context.instance()

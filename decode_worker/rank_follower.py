@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from cluster.distributed.follower_rank import FollowerRank
 from cluster.distributed.step_messages import DecodeStep, EagerDecode, PrefillPass
-from cluster.request_limits import served_max_model_len
+from cluster.kv.request_limits import served_max_model_len
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 
 

@@ -38,11 +38,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.chunked_prefill import fcfs_chunks
-from cluster.logprobs import PrefillLogprobs, TokenLogprobs
-from cluster.messages import TokenDelta
-from cluster.model_runner import PrefillChunk
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.engine.chunked_prefill import fcfs_chunks
+from cluster.sampling.logprobs import PrefillLogprobs, TokenLogprobs
+from cluster.wire.messages import TokenDelta
+from cluster.engine.model_runner import PrefillChunk
+from cluster.engine.sequence import Sequence, SequenceStatus
 from decode_worker.block_manager import BlockManager
 
 
@@ -168,7 +168,7 @@ class DecodeScheduler:
     # -- local prefill ----------------------------------------------------------------------------
     def schedule_prefill(self, budget: int | None = None) -> list[tuple[Sequence, PrefillChunk]]:
         """Prefill chunks under the token budget (default max_prefill_tokens), FCFS
-        (cluster.chunked_prefill). A preempted sequence still waiting for blocks (readmit_preempted)
+        (cluster.engine.chunked_prefill). A preempted sequence still waiting for blocks (readmit_preempted)
         ends the batch: nothing overtakes it."""
         budget = self.max_prefill_tokens if budget is None else min(budget, self.max_prefill_tokens)
         ready = (s for s in self.waiting if s.grammar is None or s.grammar.ready())  # the rest wait for theirs

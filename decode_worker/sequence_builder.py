@@ -2,17 +2,17 @@
 
 Both ways into the decode worker (DecodeWorker.reserve for a prompt prefilled elsewhere, submit_local
 for one prefilled here) build their Sequence here, on the caller's thread, so that a request the loop
-could not serve never reaches it: the one fit rule (cluster.request_limits: context length and this
+could not serve never reaches it: the one fit rule (cluster.kv.request_limits: context length and this
 worker's KV pool), token ids the sampling kernels can index, and a grammar that compiles.
 """
 
 from __future__ import annotations
 
 from cluster.errors import InvalidRequestError
-from cluster.messages import GenerateRequest
+from cluster.wire.messages import GenerateRequest
 from cluster.model.config import ModelArchConfig
-from cluster.request_limits import check_request_fits
-from cluster.sequence import Sequence
+from cluster.kv.request_limits import check_request_fits
+from cluster.engine.sequence import Sequence
 from cluster.structured.grammar_compiler import GrammarCompiler
 from decode_worker.block_manager import BlockManager
 

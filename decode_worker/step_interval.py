@@ -1,5 +1,5 @@
 """StepIntervalClock: what the decode loop did between two decode-step launches, so that every step's
-record says where its interval went (cluster.messages.StepTiming, carried to `GET /stats`).
+record says where its interval went (cluster.wire.messages.StepTiming, carried to `GET /stats`).
 
 The loop tells the clock what it does besides launching steps: local-prefill passes (timed on the
 device, with events on the stream, as the step itself is), naps with nothing to do, and waits for a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cluster.messages import StepTiming
+from cluster.wire.messages import StepTiming
 
 
 @dataclass

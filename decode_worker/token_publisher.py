@@ -1,6 +1,6 @@
 """TokenPublisher: the decode worker's output side, on its own thread; the decode loop only enqueues.
 
-Per request, registered before it can produce a token: a detokenizer (cluster.detokenizer) with the
+Per request, registered before it can produce a token: a detokenizer (cluster.text.detokenizer) with the
 request's stop strings, and the token sink of the gateway that holds its client (`reply_to`). Per
 batch of steps taken off the queue:
 
@@ -9,7 +9,7 @@ batch of steps taken off the queue:
   blocks go back to the pool), and whatever tokens of it are still in flight are dropped;
 - each gateway gets one `StreamBatch` with only its own requests' deltas (one PUSH socket per
   gateway, connected at first use), so K gateway processes each carry 1/K of the stream; every frame
-  carries a MAC under the cluster's secret (cluster/frame_auth.py);
+  carries a MAC under the cluster's secret (cluster/wire/frame_auth.py);
 - the steps' records go to the router's stats sink in one `StepRecordBatch` (for /stats and the
   step-level Prometheus metrics), once, however many gateways there are.
 
@@ -29,9 +29,9 @@ import time
 from collections import deque
 from typing import Callable
 
-from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameSigner
-from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-from cluster.stream_text import StreamText, TokenStrings
+from cluster.wire.frame_auth import STATS_SINK, TOKEN_STREAM, FrameSigner
+from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+from cluster.text.stream_text import StreamText, TokenStrings
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _SEND_HWM = 100_000  # frames queued per gateway before its frames are dropped (
 class TokenPublisher:
     def __init__(self, worker_id: str, tokenizer, stats_sink: str | None = None,
                  on_stop: Callable[[str], None] | None = None, keep_local: int = 100_000, secret: bytes = b""):
-        """secret: the cluster's (cluster/frame_auth.py): every frame carries a MAC under it."""
+        """secret: the cluster's (cluster/wire/frame_auth.py): every frame carries a MAC under it."""
         self.worker_id = worker_id
         self.tokenizer = tokenizer
         self.stats_sink = stats_sink
@@ -117,7 +117,7 @@ class TokenPublisher:
 
     def _run(self) -> None:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
-        from cluster.stream_messages import StepRecordBatch, StreamBatch, encode
+        from cluster.wire.stream_messages import StepRecordBatch, StreamBatch, encode
 
         socks: dict[str, tuple] = {}  # sink -> (socket, its signer)
         stats_sock = None
@@ -173,7 +173,7 @@ class TokenPublisher:
     def _step_records(batches, now: float, sent_at: float) -> list:
         """The steps' records for the stats sink; `sent_at` (perf_counter) is when their tokens went
         out, so each record says how long the publisher held them (its lag behind the loop)."""
-        from cluster.stream_messages import DecodeStepRecord
+        from cluster.wire.stream_messages import DecodeStepRecord
 
         out = []
         for b in batches:

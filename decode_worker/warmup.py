@@ -2,9 +2,9 @@
 `DecodeWorker.warmup()` before /ready), so that the first request costs what the hundredth does.
 
 Three parts:
-1. every prefill shape class through the local-prefill runner, twice (cluster.warmup: the first
+1. every prefill shape class through the local-prefill runner, twice (cluster.engine.warmup: the first
    round cold, the second timed into the worker's prefill rate);
-2. the grammar engine (cluster.warmup.warm_grammars): its import, the tokenizer's tables and a first
+2. the grammar engine (cluster.engine.warmup.warm_grammars): its import, the tokenizer's tables and a first
    compile on the worker's grammar pool, and a first token sampled under a mask;
 3. synthetic requests through the real path (submit_local -> chunked local prefill -> decode steps),
    one per sampler variant and one under that grammar, with a prompt longer than the chunk cap while
@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from cluster.block_pool import PrefixCacheStats
-from cluster.messages import GenerateRequest
-from cluster.warmup import WARMUP_PARAMS, WARMUP_SCHEMA, prefill_shapes, warm_grammars, warm_prefill
-from cluster.worker_config import WorkerConfig
+from cluster.kv.block_pool import PrefixCacheStats
+from cluster.wire.messages import GenerateRequest
+from cluster.engine.warmup import WARMUP_PARAMS, WARMUP_SCHEMA, prefill_shapes, warm_grammars, warm_prefill
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.local_prefill import LocalPrefill
 from decode_worker.scheduler import DecodeScheduler
@@ -53,7 +53,7 @@ class WarmupParts:
     scheduler: DecodeScheduler
     blocks: BlockManager
     local_prefill: LocalPrefill
-    prefill_runner: Any  # cluster.model_runner.ModelRunner
+    prefill_runner: Any  # cluster.engine.model_runner.ModelRunner
     grammars: Any  # cluster.structured.GrammarCompiler
     forget: Callable[[str], None]  # drops a request's publisher state
     submit: Callable[[GenerateRequest], int | None]  # DecodeWorker.submit_local

@@ -7,7 +7,7 @@ connection stays with its process for its whole life, so a request's tokens only
 process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
 with the httptools parser and the FastAPI app of router/openai/, with its own token sink and its
 own channel to the one router (router/channel/client.py). Its settings come on stdin as JSON, so the
-API key and the cluster's secret (its token sink's MAC key, cluster/frame_auth.py) never show in `ps`.
+API key and the cluster's secret (its token sink's MAC key, cluster/wire/frame_auth.py) never show in `ps`.
 
 A child drains on SIGTERM or when the router says so (the launcher got SIGTERM), exits at once on
 SIGINT, and stops by itself if the launcher goes away (its parent pid changes).
@@ -29,17 +29,17 @@ import msgspec
 import uvicorn
 
 from cluster.errors import PdserveError
-from cluster.generation_defaults import SamplingDefaults
+from cluster.sampling.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 from deploy.bounded_http import BoundedHttpToolsProtocol
 from router.channel.client import RouterClient
 from router.channel.messages import Drain
-from router.metrics import GatewayMetrics
+from router.stats.metrics import GatewayMetrics
 from router.openai.gateway import Gateway
 from router.openai.gateway_config import GatewayConfig
 from router.openai.routes import build_app
-from router.token_stream import TokenStreamReceiver
+from router.streams.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")
 
@@ -66,9 +66,9 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     log_level: str = "WARNING"
-    cluster_secret: bytes = b""  # its token sink takes frames under this MAC key only (cluster/frame_auth.py)
+    cluster_secret: bytes = b""  # its token sink takes frames under this MAC key only (cluster/wire/frame_auth.py)
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
-    sampling_defaults: dict = {}  # cluster.generation_defaults.SamplingDefaults' fields that are set
+    sampling_defaults: dict = {}  # cluster.sampling.generation_defaults.SamplingDefaults' fields that are set
     dtype: str = ""  # what the workers serve with (deploy.preflight.ServedModel.precision): /v1/models says it
     quantization: str = ""
     kv_cache_dtype: str = ""

@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import entry_points
 
 from cluster.errors import PdserveError
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from deploy.config import ClusterConfig
 from deploy.config_flags import add_config_flags, overrides_from_args
 
@@ -25,7 +25,7 @@ def _cmd_demo_model(args) -> None:
 
 
 def _cmd_generate(args) -> None:
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
 
     from cluster.model.hub import resolve_model_dir
 

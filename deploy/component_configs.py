@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 from cluster.errors import PdserveError
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from deploy.config import ClusterConfig
-from router.admission import AdmissionLimits
+from router.requests.admission import AdmissionLimits
 from router.router_config import RouterConfig
 
 
@@ -23,7 +23,7 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
                   role: str | None = None, cluster_secret: bytes = b"") -> WorkerConfig:
     """What every worker actor of `role` is started with (None: a role-independent base, TP 1).
     gpu_share: the fraction of one GPU each actor is given (< 1 when actors share a GPU).
-    cluster_secret: the launcher's (cluster/frame_auth.py)."""
+    cluster_secret: the launcher's (cluster/wire/frame_auth.py)."""
     return WorkerConfig(
         model_dir=model_dir, dtype=cfg.dtype, device=device, attention_backend=cfg.attention_backend,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, kv_memory_fraction=cfg.kv_memory_fraction,
@@ -52,7 +52,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
 
 
 def admission_limits(cfg: ClusterConfig, max_model_len: int) -> AdmissionLimits:
-    """max_model_len: the served one (cluster.request_limits.served_max_model_len of the model)."""
+    """max_model_len: the served one (cluster.kv.request_limits.served_max_model_len of the model)."""
     return AdmissionLimits(
         max_model_len=max_model_len, block_size=cfg.block_size, max_waiting_requests=cfg.max_waiting_requests,
         queue_timeout_s=cfg.queue_timeout_s, max_inflight_tokens=cfg.max_inflight_tokens,
@@ -65,7 +65,7 @@ def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: s
                         precision: dict[str, str] | None = None) -> dict[str, Any]:
     """The fields of deploy.api_server.APIServerSpec that every API-server process shares (each adds
     its index, the listening socket's descriptor and the launcher's pid). chat_template: the template's
-    text (deploy.preflight read it); sampling_defaults: cluster.generation_defaults.SamplingDefaults as a dict;
+    text (deploy.preflight read it); sampling_defaults: cluster.sampling.generation_defaults.SamplingDefaults as a dict;
     precision: the served dtype, quantization and KV cache dtype (deploy.preflight.ServedModel.precision)."""
     return dict(router_address=router_address, model_dir=model_dir, served_model_name=served_model_name,
                 max_model_len=max_model_len, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
@@ -76,7 +76,7 @@ def api_server_settings(cfg: ClusterConfig, *, router_address: str, model_dir: s
 
 
 def cache_config_info(cfg: ClusterConfig) -> dict[str, Any]:
-    """The KV cache settings vllm:cache_config_info reports (router.metrics.RouterMetrics), as vLLM names them."""
+    """The KV cache settings vllm:cache_config_info reports (router.stats.metrics.RouterMetrics), as vLLM names them."""
     return {"block_size": cfg.block_size, "cache_dtype": cfg.kv_cache_dtype,
             "enable_prefix_caching": cfg.enable_prefix_caching,
             "gpu_memory_utilization": cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else "",

@@ -24,12 +24,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.errors import PdserveError
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from deploy.api_key import apply_key_sources, open_api_warnings, read_key_file
 from deploy.bind_address import is_one_interface
-from router.admission import AdmissionLimits
+from router.requests.admission import AdmissionLimits
 from router.openai.gateway_config import GatewayConfig
-from router.pd_planner import PlannerConfig
+from router.placement.pd_planner import PlannerConfig
 from router.router_config import RouterConfig
 
 
@@ -225,9 +225,9 @@ class ClusterConfig(BaseModel):
     """A request gets 429 when every prefill path (each prefill worker, each decode worker's local queue)
     would make it wait longer than this before its prefill starts (queued tokens over measured rates)."""
     prefill_policy: str = _d("prefill_policy")
-    """Prefill placement policy (router.placement.PREFILL_POLICIES)."""
+    """Prefill placement policy (router.placement.placement.PREFILL_POLICIES)."""
     decode_policy: str = _d("decode_policy")
-    """Decode placement policy (router.placement.DECODE_POLICIES)."""
+    """Decode placement policy (router.placement.placement.DECODE_POLICIES)."""
     max_waiting_requests: int = Field(_d("max_waiting_requests"), ge=1)
     """Requests the admission queue holds while they wait for KV and prefill capacity (FCFS per API
     server, round robin between them); beyond it, HTTP 429 with Retry-After."""
@@ -281,7 +281,7 @@ class ClusterConfig(BaseModel):
 
     # -- the P:D planner -------------------------------------------------------------------------------
     planner: bool = False
-    """Move workers between prefill and decode while serving (router.pd_planner), one at a time: drain
+    """Move workers between prefill and decode while serving (router.placement.pd_planner), one at a time: drain
     the worker, then start the other role's actor on its GPU. Needs prefill_workers >= 1."""
     planner_interval_s: float = Field(10.0, gt=0.0)
     """How often the planner looks at the measured rates and the request mix."""
@@ -390,9 +390,9 @@ class ClusterConfig(BaseModel):
     @field_validator("prefill_policy")
     @classmethod
     def _prefill_policy(cls, v: str) -> str:
-        # Lazy: the policies' module imports torch (through cluster.messages); `serve --help` reads
+        # Lazy: the policies' module imports torch (through cluster.wire.messages); `serve --help` reads
         # this class without validating anything.
-        from router.placement import PREFILL_POLICIES
+        from router.placement.placement import PREFILL_POLICIES
 
         if v not in PREFILL_POLICIES.names():
             raise ValueError(f"unknown prefill policy {v!r}; choose from {PREFILL_POLICIES.names()}")
@@ -401,7 +401,7 @@ class ClusterConfig(BaseModel):
     @field_validator("decode_policy")
     @classmethod
     def _decode_policy(cls, v: str) -> str:
-        from router.placement import DECODE_POLICIES  # lazy: see _prefill_policy
+        from router.placement.placement import DECODE_POLICIES  # lazy: see _prefill_policy
 
         if v not in DECODE_POLICIES.names():
             raise ValueError(f"unknown decode policy {v!r}; choose from {DECODE_POLICIES.names()}")

@@ -59,7 +59,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     KVTransportGroup (its rendezvous store must stay alive while the cluster serves), or None without
     prefill workers. Kind: `cfg.kv_transport`, or by default `same_gpu` when the actors share one GPU
     (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL between GPUs, gloo on CPU).
-    `secret`: the cluster's, the MAC key of the transports' control channel (cluster/frame_auth.py);
+    `secret`: the cluster's, the MAC key of the transports' control channel (cluster/wire/frame_auth.py);
     `spec`: further TransportSpec settings (timeouts: the chaos run and the fault tests shorten them).
     """
     if not prefill:

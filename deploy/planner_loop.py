@@ -1,4 +1,4 @@
-"""PlannerLoop: runs the P:D planner (router.pd_planner) beside the router and carries out its
+"""PlannerLoop: runs the P:D planner (router.placement.pd_planner) beside the router and carries out its
 decisions with the RoleSwitcher, one worker at a time.
 
 Every `interval_s`: observe (the router's views of its workers: measured rates; its ArrivalStats:
@@ -14,7 +14,7 @@ import logging
 import time
 
 from deploy.role_switcher import RoleSwitcher
-from router.pd_planner import PDPlanner, PlannerConfig, observe
+from router.placement.pd_planner import PDPlanner, PlannerConfig, observe
 from router.router import Router
 
 log = logging.getLogger("pdserve.planner")

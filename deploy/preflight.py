@@ -14,14 +14,14 @@ from pathlib import Path
 
 from cluster.distributed.sharding import check_tensor_parallel
 from cluster.errors import InvalidRequestError, ModelLoadError
-from cluster.generation_defaults import SamplingDefaults, load_sampling_defaults
+from cluster.sampling.generation_defaults import SamplingDefaults, load_sampling_defaults
 from cluster.model.checkpoint import read_config
 from cluster.model.config import ModelArchConfig
 from cluster.model.demo import ensure_demo_model
 from cluster.model.hub import resolve_model_dir
 from cluster.model.quantization import QuantConfig
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import check_chat_template, load_chat_template, load_tokenizer
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import check_chat_template, load_chat_template, load_tokenizer
 from deploy.config import ClusterConfig
 
 

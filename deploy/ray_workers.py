@@ -78,7 +78,7 @@ class RayWorkers:
     def place(self, model_dir: str, stats_sink: str, cluster_secret: bytes = b"") -> None:
         """Creates the placement group and every worker in it; returns once each has loaded the
         model. `stats_sink`: the router's step-record sink, given to the decode workers;
-        `cluster_secret`: the MAC key of the cluster's own sockets (cluster/frame_auth.py)."""
+        `cluster_secret`: the MAC key of the cluster's own sockets (cluster/wire/frame_auth.py)."""
         cfg = self.cfg
         self._prefill_cls, self._decode_cls = _remote(self._prefill_cls), _remote(self._decode_cls)
         gpus = self._gpus = gpus_per_actor(cfg, ray.cluster_resources().get("GPU", 0.0))

@@ -22,7 +22,7 @@ import logging
 import time
 
 from router.router import Router
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 log = logging.getLogger("pdserve.role_switch")
 

@@ -44,8 +44,8 @@ from typing import Any, Callable
 import ray
 
 from cluster.errors import PdserveError
-from cluster.frame_auth import new_cluster_secret
-from cluster.request_limits import served_max_model_len
+from cluster.wire.frame_auth import new_cluster_secret
+from cluster.kv.request_limits import served_max_model_len
 from deploy.api_server import APIServerPool, default_api_servers
 from deploy.component_configs import admission_limits, api_server_settings, cache_config_info, router_config
 from deploy.config import ClusterConfig
@@ -54,9 +54,9 @@ from deploy.planner_loop import PlannerLoop
 from deploy.preflight import ServedModel, check_model
 from deploy.ray_runtime import RAY_STOP_BUDGET_S, gcs_gone, init_ray, kill_children, run_within
 from deploy.ray_workers import RayWorkers
-from router.admission import AdmissionController
-from router.arrival_stats import ArrivalStats
-from router.metrics import RouterMetrics
+from router.requests.admission import AdmissionController
+from router.stats.arrival_stats import ArrivalStats
+from router.stats.metrics import RouterMetrics
 from router.router import Router, WorkerClient
 from router.channel.server import RouterServer
 
@@ -126,7 +126,7 @@ class ServingCluster:
         # The cluster's internal sockets (token streams, stats sink, KV control and payload) bind the
         # loopback when the whole cluster is this one node: nothing else on the network reaches them.
         stream_host = cfg.token_stream_host or ("127.0.0.1" if self._one_node() else ray.util.get_node_ip_address())
-        # Their frames carry a MAC under this secret (cluster/frame_auth.py), drawn anew for each
+        # Their frames carry a MAC under this secret (cluster/wire/frame_auth.py), drawn anew for each
         # start and handed to every process of the cluster: the workers through Ray, the API servers
         # on their stdin.
         secret = new_cluster_secret()

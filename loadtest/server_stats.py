@@ -43,7 +43,7 @@ class StepRecord:
     padded_rows: int
     step_ms: float
     graph: bool
-    # The interval since the previous step and what filled it (cluster.messages.StepTiming); None /
+    # The interval since the previous step and what filled it (cluster.wire.messages.StepTiming); None /
     # 0 from a server that does not report them.
     interval_ms: float | None = None
     prefill_ms: float = 0.0
@@ -71,7 +71,7 @@ class RequestRecord:
     e2e_ms: float
     output_tokens: int
     local_prefill: bool
-    # The TTFT's consecutive parts (router.step_stats.TTFTPoints: admission, placement, dispatch,
+    # The TTFT's consecutive parts (router.stats.step_stats.TTFTPoints: admission, placement, dispatch,
     # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill), in ms
     parts_ms: dict[str, float] | None = None
     forward_device_ms: float | None = None  # the prompt's completing prefill pass: device time
@@ -236,7 +236,7 @@ class ServerStatsPoller:
         return empty_summary(None)
 
 
-INTERVAL_PARTS = ("prefill", "idle", "gap")  # interval = previous step + these (cluster.messages.StepTiming)
+INTERVAL_PARTS = ("prefill", "idle", "gap")  # interval = previous step + these (cluster.wire.messages.StepTiming)
 
 
 def empty_summary(source: str | None) -> dict:

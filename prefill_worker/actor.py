@@ -20,10 +20,10 @@ import asyncio
 import dataclasses
 import uuid
 
-from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
+from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import lead_group
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import lead_group
 from prefill_worker.prefill_worker import PrefillWorker
 
 

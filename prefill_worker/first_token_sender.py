@@ -3,15 +3,15 @@ drawn, not after the KV transfer, the decode worker's pick-up and its next step 
 P/D return it from the prefill side too).
 
 Path (one hop): prefill loop -> ZMQ PUSH -> the request's gateway's token-stream PULL socket
-(`GenerateRequest.reply_to`, router/token_stream.py), a `StreamBatch` with a MAC under the cluster's
+(`GenerateRequest.reply_to`, router/streams/token_stream.py), a `StreamBatch` with a MAC under the cluster's
 secret, exactly the frame a decode worker's publisher sends. The alternatives cost more hops: through
 the router (prefill -> router -> gateway: two, and a third process's event loop on every first
 token), or with the KV commit through the decode worker (prefill -> decode loop -> publisher process ->
 gateway: three, after the transfer lands).
 
 What the client sees is the decode side's rule, computed here from the same request: the finish
-reason of the Sequence (cluster.sequence: EOS / stop_token_ids, max_tokens, the grammar) and the text
-of cluster.stream_text.StreamText (stop strings, held-back bytes). Its decode worker sends the same
+reason of the Sequence (cluster.engine.sequence: EOS / stop_token_ids, max_tokens, the grammar) and the text
+of cluster.text.stream_text.StreamText (stop strings, held-back bytes). Its decode worker sends the same
 delta again (same position, `StreamDelta.start` 0) and the gateway keeps the copy that comes first:
 the two travel on two sockets in no fixed order. A send that fails (a gateway not taking frames)
 fails the prompt instead: the router migrates it from the tokens its client has.
@@ -31,11 +31,11 @@ from typing import Callable
 
 import zmq
 
-from cluster.frame_auth import TOKEN_STREAM, FrameSigner
-from cluster.messages import GenerateRequest
-from cluster.sequence import Sequence
-from cluster.stream_messages import StreamBatch, encode
-from cluster.stream_text import StreamText, TokenStrings
+from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
+from cluster.wire.messages import GenerateRequest
+from cluster.engine.sequence import Sequence
+from cluster.wire.stream_messages import StreamBatch, encode
+from cluster.text.stream_text import StreamText, TokenStrings
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cluster.block_hash import BlockHash
-from cluster.messages import PrefillTask, PrefillTimeline
+from cluster.kv.block_hash import BlockHash
+from cluster.wire.messages import PrefillTask, PrefillTimeline
 from cluster.structured.request_grammar import RequestGrammar
 
 
@@ -26,7 +26,7 @@ class PrefillJob:
     aborted: bool = False
     prompt_logprobs: list | None = None  # accumulated over the prompt's chunks, when asked
     grammar: RequestGrammar | None = None  # structured output: its first token obeys it
-    # time.time() points for /stats (cluster.messages.PrefillTimeline): arrival here, first pass start
+    # time.time() points for /stats (cluster.wire.messages.PrefillTimeline): arrival here, first pass start
     submitted_at: float = 0.0
     forward_start_at: float = 0.0
     timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed

@@ -13,7 +13,7 @@ pinned, ref-counted, until its transfer is over); its blocks are registered as t
 and stay cached after the send, until evicted. Only the blocks the decode worker lacks are sent: the
 reservation says how many leading blocks it already holds (`Reservation.num_cached_blocks`).
 
-A prompt that cannot fit (cluster.request_limits: the served context length, this worker's pool)
+A prompt that cannot fit (cluster.kv.request_limits: the served context length, this worker's pool)
 fails at submit(), and its decode worker is told at once.
 
 Structured output: a request's grammar is checked at submit (a bad one fails the request at once)
@@ -21,7 +21,7 @@ and compiled on the GrammarCompiler's pool; the request is scheduled once it is 
 ahead), and its first token is sampled under the grammar's mask.
 
 Tensor parallelism: with a TPGroup (`group`, this process its rank 0) the model and cache are this
-rank's shard and every forward is announced to the followers first (cluster/model_runner.py;
+rank's shard and every forward is announced to the followers first (cluster/engine/model_runner.py;
 prefill_worker/rank_follower.py runs them), with what the pass ships so that each rank sends its own
 heads' KV. A forward that fails then takes the whole worker down (`TPGroup.fail`) instead of failing
 one batch: the ranks' collectives may no longer pair up.
@@ -37,25 +37,25 @@ from concurrent.futures import Future
 
 import torch
 
-from cluster.block_hash import prefix_cache_salt
-from cluster.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
-from cluster.chunked_prefill import fcfs_chunks
+from cluster.kv.block_hash import prefix_cache_salt
+from cluster.kv.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
+from cluster.engine.chunked_prefill import fcfs_chunks
 from cluster.errors import CapacityError, InvalidRequestError
-from cluster.logprobs import PrefillLogprobs
-from cluster.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
 from cluster.model.config import ModelArchConfig
-from cluster.model_runner import PrefillChunk
-from cluster.pass_rate import DevicePassTimer, PassRateMeter
-from cluster.prefill_graph_runner import PrefillGraphRunner
-from cluster.request_limits import check_request_fits, served_max_model_len
-from cluster.sampler import sample_tokens
+from cluster.engine.model_runner import PrefillChunk
+from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.engine.prefill_graph_runner import PrefillGraphRunner
+from cluster.kv.request_limits import check_request_fits, served_max_model_len
+from cluster.sampling.sampler import sample_tokens
 from cluster.structured.grammar_compiler import GrammarCompiler
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.plan import KVNumerics
-from cluster.warmup import prefill_shapes, warm_grammars, warm_prefill
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import WorkerModel
+from cluster.engine.warmup import prefill_shapes, warm_grammars, warm_prefill
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import WorkerModel
 from prefill_worker.first_token_sender import FirstTokenSender
 from prefill_worker.prefill_job import PrefillJob
 
@@ -86,7 +86,7 @@ class PrefillWorker:
         self.send_timeout_s = send_timeout_s
         self.max_prefill_tokens = cfg.max_prefill_tokens
         self.max_model_len = served_max_model_len(cfg.max_model_len, self.arch.max_position_embeddings)
-        # Short passes replay CUDA graphs (cluster/prefill_graph_runner.py), captured now, before serving.
+        # Short passes replay CUDA graphs (cluster/engine/prefill_graph_runner.py), captured now, before serving.
         self.graphs_off = PrefillGraphRunner.eager_reason(cfg, self.group is not None)
         self.prefill_graphs = None if self.graphs_off else PrefillGraphRunner.for_worker(wm, cfg, self.max_model_len)
         self.runner.prefill_graphs = self.prefill_graphs
@@ -201,7 +201,7 @@ class PrefillWorker:
             return True
 
     def warmup(self) -> dict:
-        """Runs every prefill shape class twice (cluster.warmup) before the worker serves; the timed
+        """Runs every prefill shape class twice (cluster.engine.warmup) before the worker serves; the timed
         second round seeds the rate the router plans with; then the grammar engine's import, a first
         compile and a first token under its mask (warm_grammars). Call it before any submit()."""
         t0 = time.perf_counter()
@@ -257,7 +257,7 @@ class PrefillWorker:
                            prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
-        """How this worker's cached blocks changed since (epoch, seq) (router.kv_index)."""
+        """How this worker's cached blocks changed since (epoch, seq) (router.placement.kv_index)."""
         with self._cv:
             pool = self.allocator
             return KVCacheEvents(self.worker_id, pool.hasher.salt, pool.block_size, pool.events_since(epoch, seq))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.messages import GenerateRequest, PrefillResult
+from cluster.wire.messages import GenerateRequest, PrefillResult
 
 
 @dataclass
@@ -25,7 +25,7 @@ class PlacedRequest:
     local_prefill: bool = False
     prefill_done: bool = False
     cached_tokens: int = 0  # prompt tokens the computing worker found in its prefix cache
-    # time.time() points for /stats (router.step_stats.TTFTPoints): admission let it in, the router
+    # time.time() points for /stats (router.stats.step_stats.TTFTPoints): admission let it in, the router
     # called its (latest) prefill worker, the placement returned
     admitted_time: float = 0.0
     dispatched_time: float | None = None

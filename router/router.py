@@ -1,24 +1,24 @@
 """Router: takes a tokenized request from the gateway to a prefill and a decode worker.
 
-Per request: admission (router.admission) -> placement (router.placement_walk.PlacementWalk: pick a
+Per request: admission (router.requests.admission) -> placement (router.requests.placement_walk.PlacementWalk: pick a
 decode worker D, decide where the prompt is prefilled, `D.reserve` + `P.submit` or
 `D.submit_local`) -> tokens flow D -> the request's gateway over the token stream, not through the
 router -> `finish` when the gateway is done with it (its blocks count as free at once; with `abort`
 every worker that may hold it drops it).
 
-The Router itself keeps the membership: its workers (router.worker_set.WorkerSet), which join and
+The Router itself keeps the membership: its workers (router.workers.worker_set.WorkerSet), which join and
 leave while it serves (`add_worker`, `drain_worker` + `wait_drained`, `remove_worker`: the P:D
 planner's role switches), and the requests it admitted (`inflight`). It delegates
-- worker health to router.worker_health.WorkerHealth: stats polls (WorkerViews, the KV block index
+- worker health to router.workers.worker_health.WorkerHealth: stats polls (WorkerViews, the KV block index
   of the `prefix_aware` policies), liveness, restarts and rejoins, failing a dead worker's requests;
-- migration to router.migrator.Migrator: a request whose worker died is placed again with the
+- migration to router.requests.migrator.Migrator: a request whose worker died is placed again with the
   tokens its client already has (`migrate`, called by the request's gateway).
 They share the WorkerSet and the `inflight` table, and call back through the functions they are
 given (no part holds the Router).
 
 One Router serves every gateway process: it runs on the launcher's asyncio loop, reached by the
 gateways through `RouterServer` (router/channel/server.py), which sets `notify` and `prefilled`; the
-launcher sets `rejoin`. Workers are reached through `WorkerClient` (router/worker_client.py: the
+launcher sets `rejoin`. Workers are reached through `WorkerClient` (router/workers/worker_client.py: the
 typed worker interface of cluster/worker_api.py), which takes a Ray actor handle or (in unit tests)
 a plain in-process object.
 """
@@ -30,20 +30,20 @@ import logging
 import time
 from typing import Coroutine, Mapping
 
-from cluster.messages import GenerateRequest
-from router.admission import AdmissionController
-from router.arrival_stats import ArrivalStats
+from cluster.wire.messages import GenerateRequest
+from router.requests.admission import AdmissionController
+from router.stats.arrival_stats import ArrivalStats
 from router.errors import DrainingError, NotPlacedError
-from router.kv_index import KVBlockIndex
-from router.metrics import RouterMetrics
-from router.migrator import Migrator
+from router.placement.kv_index import KVBlockIndex
+from router.stats.metrics import RouterMetrics
+from router.requests.migrator import Migrator
 from router.placed_request import Notify, PlacedRequest, Prefilled
-from router.placement import PlacementPolicies, WorkerView
-from router.placement_walk import PlacementWalk
+from router.placement.placement import PlacementPolicies, WorkerView
+from router.requests.placement_walk import PlacementWalk
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
-from router.worker_health import GoneCheck, Rejoin, WorkerHealth
-from router.worker_set import WorkerSet
+from router.workers.worker_client import WorkerClient
+from router.workers.worker_health import GoneCheck, Rejoin, WorkerHealth
+from router.workers.worker_set import WorkerSet
 
 # Defined in their own modules; the gateway, the router's channel and the launcher import them from here.
 __all__ = ["DrainingError", "PlacedRequest", "Router", "RouterConfig", "WorkerClient"]
@@ -210,7 +210,7 @@ class Router:
         if self.metrics:
             self.metrics.forget_worker(worker_id, v.role)
 
-    # -- health (router.worker_health) --------------------------------------------------------------
+    # -- health (router.workers.worker_health) --------------------------------------------------------------
     async def poll_once(self) -> None:
         await self.health.poll_once()
 
@@ -290,7 +290,7 @@ class Router:
 
     async def migrate(self, request_id: str, worker_request_id: str, generated: tuple[int, ...],
                       emitted_chars: int, failure: str) -> tuple[str, str | None] | None:
-        """The request's gateway asks to move it (router.migrator.Migrator.migrate): None when it was
+        """The request's gateway asks to move it (router.requests.migrator.Migrator.migrate): None when it was
         placed again, else the (finish_reason, error) that ends it."""
         return await self.migrator.migrate(request_id, worker_request_id, generated, emitted_chars, failure)
 

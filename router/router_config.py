@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_placement: str = "adaptive"  # router.local_prefill_policy: "adaptive" | "static"
+    prefill_placement: str = "adaptive"  # router.placement.local_prefill_policy: "adaptive" | "static"
     local_prefill_threshold: int = 0  # prompts of at most this many tokens are prefilled on D
     itl_cost_weight: float = 20.0  # TTFT seconds one second of added TPOT is worth (adaptive mode)
     stats_interval_s: float = 0.1

@@ -27,9 +27,9 @@ BUDGET=${BUDGET:-575}
 
 if ! skip tests; then
   if [ -n "${DRY_RUN:-}" ]; then  # the CPU tests of the runner (the padded pass through the interpreter is CI's)
-    SEL=(tests/cluster/test_prefill_graph_runner.py -k "bucket or tiles or reason or staged or declined")
+    SEL=(tests/cluster/engine/test_prefill_graph_runner.py -k "bucket or tiles or reason or staged or declined")
   else
-    SEL=(-m gpu tests/cluster/test_prefill_graph_runner.py tests/cluster/kernels/test_kernel_prefill_attention.py)
+    SEL=(-m gpu tests/cluster/engine/test_prefill_graph_runner.py tests/cluster/kernels/test_kernel_prefill_attention.py)
   fi
   timeout "${TESTS_TIMEOUT:-150}" $PY -m pytest -q -rfE -p no:cacheprovider "${SEL[@]}" > "$OUT/gpu_tests.log" 2>&1
   stamp "tests exit $? ($(tail -1 "$OUT/gpu_tests.log"))"

@@ -9,7 +9,7 @@ from duration_recorder import DurationRecorder
 
 
 # Pieces built without a launcher (unit tests) sign and check with an empty secret; outside a test run
-# an empty secret is refused (cluster/frame_auth.py: require_secret).
+# an empty secret is refused (cluster/wire/frame_auth.py: require_secret).
 os.environ["PDSERVE_TEST_EMPTY_SECRET"] = "1"
 
 
@@ -112,7 +112,7 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def reference_engine(demo_model_dir):
     """The in-process engine every cluster test compares its outputs with."""
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
 
     return LLMEngine(demo_model_dir, num_blocks=1024, max_num_seqs=64)
 

@@ -1,4 +1,4 @@
-"""Worker calls are typed (cluster/worker_api.py, router/worker_client.py): nowhere in router/ or
+"""Worker calls are typed (cluster/worker_api.py, router/workers/worker_client.py): nowhere in router/ or
 deploy/ is a method named by a string, neither passed to a call helper (`client.call("reserve", ...)`)
 nor looked up and called (`getattr(handle, name)(...)`, `fn = getattr(handle, name); fn.remote()`).
 Every module is parsed (AST), so a call inside a function counts too."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cluster.attention.backend import AttentionBackend
 from cluster.attention.metadata import AttentionMetadata
 from cluster.kernels.reference import FP8, kv_dequantize
-from cluster.kv_blocks import blocks_for_tokens
+from cluster.kv.kv_blocks import blocks_for_tokens
 
 
 class TorchAttentionBackend(AttentionBackend):

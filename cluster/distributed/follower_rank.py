@@ -18,8 +18,8 @@ from collections.abc import Callable
 from cluster.distributed.follower import RankFollower
 from cluster.distributed.rank_launcher import exit_now
 from cluster.transport.tp_payload import AgentHost
-from cluster.worker_config import WorkerConfig
-from cluster.worker_model import WorkerModel, join_group, rank_config
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.worker_model import WorkerModel, join_group, rank_config
 
 log = logging.getLogger(__name__)
 

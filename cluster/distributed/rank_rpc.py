@@ -21,7 +21,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
+from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The step channel of a tensor-parallel worker: rank 0 pushes every step message (step_messages.py) to
 each follower, in order, over ZMQ on an ipc:// path (a worker's ranks share one node: its
-placement-group bundle) in a directory only this user can enter (cluster/socket_bounds.py): no other
+placement-group bundle) in a directory only this user can enter (cluster/wire/socket_bounds.py): no other
 local user can connect, so no forged Stop ends a rank. Rank 0 connects only to such a path
 (`check_private_endpoint`), whatever the group's store says.
 
@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from cluster.distributed.step_messages import DECODER, ENCODER, StepMessage
-from cluster.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
+from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, bound, check_private_endpoint, private_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 
 
 def pack_ids(ids) -> bytes:

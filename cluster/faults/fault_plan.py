@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.messages import TokenDelta
-from cluster.sequence import Sequence
+from cluster.wire.messages import TokenDelta
+from cluster.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Logits processing before sampling (penalties, logit_bias, allowed_token_ids, bad words) and the
-per-slot state update after it, in two Triton kernels reading the tables of cluster.sampling_state.
+per-slot state update after it, in two Triton kernels reading the tables of cluster.sampling.sampling_state.
 
 Must equal `cluster.kernels.reference.process_logits` and `update_sampling_state` (the same
 operations rounded the same way: IEEE division, no fused multiply-add).
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
+from cluster.sampling.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CHUNK = 8192
 BLOCK = 2048

@@ -18,7 +18,7 @@ walks the keys from its window's start (0 without a sliding window) to its last 
 key tile: separate unmasked and masked loops would save a few ALU ops per score but push the
 128 x 128 tile past the register file (checked with the sm_90 resource report: spills).
 
-A captured prefill pass (cluster/prefill_graph_runner.py) launches a fixed grid, `max_tiles` of its
+A captured prefill pass (cluster/engine/prefill_graph_runner.py) launches a fixed grid, `max_tiles` of its
 token bucket: the tiles it does not need name a sequence without queries, and their programs return
 before loading anything.
 """
@@ -119,7 +119,7 @@ def _prefill_attention_kernel(
     q_first = tl.load(Tiles + num_tiles + tile)
     q_begin = tl.load(CuQ + seq)
     q_len = tl.load(CuQ + seq + 1) - q_begin
-    if q_first >= q_len:  # a graph's unused tile (cluster/prefill_graph_runner.py): nothing to compute or store
+    if q_first >= q_len:  # a graph's unused tile (cluster/engine/prefill_graph_runner.py): nothing to compute or store
         return
     ctx = tl.load(Ctx + seq)
     cached = ctx - q_len

@@ -265,8 +265,8 @@ def _penalise(x, counts, in_prompt, fp, on):
 
 
 def process_logits(logits: torch.Tensor, row_slots: torch.Tensor, state, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, V] float32 processed logits (see above); `state` is a cluster.sampling_state.SamplingState."""
-    from cluster.sampling_state import ALLOWED, FLAGS, NUM_BAD, NUM_BIAS, NUM_GENERATED, PENALTIES
+    """[B, V] float32 processed logits (see above); `state` is a cluster.sampling.sampling_state.SamplingState."""
+    from cluster.sampling.sampling_state import ALLOWED, FLAGS, NUM_BAD, NUM_BIAS, NUM_GENERATED, PENALTIES
 
     raw = logits.float()
     x = raw.clone()
@@ -312,7 +312,7 @@ def apply_token_bitmask(logits: torch.Tensor, row_mask: torch.Tensor, bitmask: t
 
 def update_sampling_state(row_slots: torch.Tensor, tokens: torch.Tensor, state) -> None:
     """After a draw: each row with a slot counts its token and appends it to the slot's history."""
-    from cluster.sampling_state import NUM_GENERATED
+    from cluster.sampling.sampling_state import NUM_GENERATED
 
     rows = torch.nonzero(row_slots >= 0).flatten()
     if not len(rows):

@@ -12,7 +12,7 @@ class DecodeStepLayout:
 
     seeds are int64 (two words per row, first so that they are 8-byte aligned); temperature, top_p
     and log_min_p are float32 bit patterns; `slot` is the row's sequence's sampling-state slot (-1:
-    none, cluster.sampling_state); `grammar` the row of the step's grammar bitmask buffer its mask
+    none, cluster.sampling.sampling_state); `grammar` the row of the step's grammar bitmask buffer its mask
     is in (-1: unconstrained, cluster.kernels.token_bitmask); the block tables come last, `width`
     words per row."""
 

@@ -9,7 +9,7 @@ tagged JSON for tool calls).
     request_grammar.py     RequestGrammar: one request's matcher (ready / accept), fill_bitmasks
 
 Where the mask is applied: the decode step (decode_worker/bucketed_graph_runner.py, the kernel in
-cluster/kernels/token_bitmask.py) and the host-side first-token sampler (cluster.sampler.sample_tokens).
+cluster/kernels/token_bitmask.py) and the host-side first-token sampler (cluster.sampling.sampler.sample_tokens).
 Importing this package imports neither a backend nor torch: SamplingParams carries a
 StructuredOutput, and `pdserve serve --help` reads SamplingParams' module; the names that need torch
 (GrammarCompiler, RequestGrammar, fill_bitmasks) load on first use.

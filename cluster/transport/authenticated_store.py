@@ -46,7 +46,7 @@ import time
 
 import torch.distributed as dist
 
-from cluster.frame_auth import require_secret
+from cluster.wire.frame_auth import require_secret
 
 _MAC_BYTES = 16
 _PERSON = b"pdserve-store"

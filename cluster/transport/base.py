@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.logprobs import PrefillLogprobs
-from cluster.messages import KVHeader, Reservation
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.wire.messages import KVHeader, Reservation
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Messages are msgspec Structs on msgpack (no pickle), tagged by kind:
           once the payload has landed too
   Abort   one claimed transfer carries no KV (the prefill failed or was aborted before its forward)
   Broken  the prefill broke the pair (the pair, not a worker, failed); a new Hello re-forms it
-Every frame carries a MAC under the cluster's secret (cluster/frame_auth.py); one without it, or that
+Every frame carries a MAC under the cluster's secret (cluster/wire/frame_auth.py); one without it, or that
 does not decode as one of them, is dropped and counted. The Inbox also wakes on
 `wake()` (an os pipe), so the decode side's other threads hand it work without a socket each.
 """
@@ -28,9 +28,9 @@ from typing import Union
 import msgspec
 import zmq
 
-from cluster.frame_auth import KV_CONTROL, FrameSigner, FrameVerifier
-from cluster.logprobs import PrefillLogprobs
-from cluster.socket_bounds import MAX_KV_CONTROL_FRAME, RateLimitedLog, bound
+from cluster.wire.frame_auth import KV_CONTROL, FrameSigner, FrameVerifier
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.wire.socket_bounds import MAX_KV_CONTROL_FRAME, RateLimitedLog, bound
 
 log = logging.getLogger(__name__)
 _rejections = RateLimitedLog(log)
@@ -90,7 +90,7 @@ def _context() -> zmq.Context:
 
 class Inbox:
     """Decode side: the PULL socket every prefill peer pushes to. Used by one thread (`recv`).
-    secret: the cluster's (cluster/frame_auth.py): a frame without its MAC is dropped and counted.
+    secret: the cluster's (cluster/wire/frame_auth.py): a frame without its MAC is dropped and counted.
     receiver: this worker's id and incarnation, which the MAC binds (a frame for another worker, or an
     earlier incarnation of this one, is dropped). Bounded (socket_bounds.py): frames of at most
     MAX_KV_CONTROL_FRAME bytes, at most _MAX_QUEUED held per peer before any MAC is checked."""

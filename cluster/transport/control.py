@@ -73,7 +73,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
-from cluster.messages import Reservation
+from cluster.wire.messages import Reservation
 from cluster.transport.base import KVArrival, KVSend, KVTransport, Shipment
 from cluster.transport.channel import Inbox
 from cluster.transport.heartbeat_records import CLOSED, HeartbeatRecords
@@ -174,7 +174,7 @@ class ControlledTransport(KVTransport):
 
     @property
     def frames_rejected(self) -> int:
-        """Decode side: control frames dropped for a missing or bad MAC (cluster/frame_auth.py)."""
+        """Decode side: control frames dropped for a missing or bad MAC (cluster/wire/frame_auth.py)."""
         return self._inbox.rejected if self._inbox is not None else 0
 
     # -- KVTransport: each call goes to the side of this transport's role -------------------------

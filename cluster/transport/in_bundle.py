@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.messages import Reservation
+from cluster.wire.messages import Reservation
 from cluster.transport.completion import Completion
 from cluster.transport.pair import Pair
 from cluster.transport.plan import ItemPlan, Launch

@@ -251,7 +251,7 @@ def fingerprint(items: list[ItemPlan], launches: list[Launch]) -> int:
 @dataclass(frozen=True)
 class KVNumerics:
     """What the K/V in a worker's cache is, beyond its shape: the cache's element type and the
-    numerics tag (cluster.kv_cache.kv_numerics_tag: activation dtype, weight quantization, cache dtype).
+    numerics tag (cluster.kv.kv_cache.kv_numerics_tag: activation dtype, weight quantization, cache dtype).
     An FP8 cache may travel as its uint8 view (gloo and NCCL send bytes), so the transport's own tensor
     no longer says it is FP8: this does."""
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from cluster.kv_blocks import blocks_for_tokens
-from cluster.messages import KVHeader, Reservation
+from cluster.kv.kv_blocks import blocks_for_tokens
+from cluster.wire.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Inbox, Message
 from cluster.transport.in_bundle import Expected, InBundle

@@ -23,9 +23,9 @@ import msgspec
 import numpy as np
 import torch.distributed as dist
 
-from cluster.logprobs import PrefillLogprobs
-from cluster.messages import Reservation
-from cluster.kv_blocks import blocks_for_tokens
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.wire.messages import Reservation
+from cluster.kv.kv_blocks import blocks_for_tokens
 from cluster.transport.base import KVSend, KVSender, Shipment
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Outbox
 from cluster.transport.completion import ReadyCompletion, WedgedCompletion

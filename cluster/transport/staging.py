@@ -18,7 +18,7 @@ itself.
 Memory: `slots * slot_bytes` per pair and side, allocated on the cache's device (CUDA) or in host
 memory (gloo). A worker's rings together never pass TransportSpec.staging_cap_bytes
 (`StagingBudget`): a pair whose ring would is refused when it forms, with an error naming the knobs.
-On a GPU this memory comes out of the headroom the KV pool sizing leaves (cluster/kv_cache.py:
+On a GPU this memory comes out of the headroom the KV pool sizing leaves (cluster/kv/kv_cache.py:
 kv_pool_blocks keeps at least 1 GiB plus (1 - kv_memory_fraction) of the device free): with the
 defaults (2 x 32 MiB per pair) a decode worker with 8 prefill peers holds 512 MiB. `metrics()` of the
 transport reports what is reserved.

@@ -28,7 +28,7 @@ class TransportSpec:
     staging_bytes: int = 32 << 20
     staging_slots: int = 2
     staging_cap_bytes: int = 1 << 30
-    # The cluster's secret (cluster/frame_auth.py): the control channel's frames carry a MAC under it.
+    # The cluster's secret (cluster/wire/frame_auth.py): the control channel's frames carry a MAC under it.
     secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):

@@ -27,7 +27,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from cluster.messages import GenerateRequest
+from cluster.wire.messages import GenerateRequest
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_gateway, encode,
                                      error_from_wire)

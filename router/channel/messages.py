@@ -17,8 +17,8 @@ import msgspec
 
 import router.errors  # noqa: F401 - registers the router's error kinds (ERROR_KINDS) on both ends
 from cluster.errors import ERROR_KINDS, PdserveError
-from cluster.messages import GenerateRequest
-from cluster.stream_messages import StreamDelta
+from cluster.wire.messages import GenerateRequest
+from cluster.wire.stream_messages import StreamDelta
 
 
 class _Msg(msgspec.Struct, tag=True, frozen=True):

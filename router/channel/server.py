@@ -7,7 +7,7 @@ Runs on the launcher's asyncio loop (the Ray driver: the router calls the worker
   (what /health and /ready answer from) and the drain on SIGTERM;
 - a PULL socket the decode workers send their step records to (`stats_sink`): /stats and the
   step-level metrics, recorded once per step however many gateways there are; it takes frames
-  carrying a MAC under the cluster's secret only (cluster/frame_auth.py);
+  carrying a MAC under the cluster's secret only (cluster/wire/frame_auth.py);
 - gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
   every request it held aborted on the workers, so its clients' KV blocks come back. Heartbeats come
   from a thread of the gateway (router/channel/client.py), so a loop busy with one request for
@@ -29,16 +29,16 @@ import zmq
 import zmq.asyncio
 
 from cluster.errors import InvalidRequestError
-from cluster.frame_auth import STATS_SINK, FrameVerifier
-from cluster.socket_bounds import MAX_INTERNAL_FRAME, MAX_STATS_FRAME, bound
-from cluster.stream_messages import StreamDelta, decode_step_records
+from cluster.wire.frame_auth import STATS_SINK, FrameVerifier
+from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, MAX_STATS_FRAME, bound
+from cluster.wire.stream_messages import StreamDelta, decode_step_records
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
                                      error_to_wire)
-from router.metrics import RouterMetrics
-from router.receive_loop import received, verified
+from router.stats.metrics import RouterMetrics
+from router.streams.receive_loop import received, verified
 from router.router import PlacedRequest, Router
-from router.step_stats import StepStats, TTFTPoints
+from router.stats.step_stats import StepStats, TTFTPoints
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RouterServer:
     def __init__(self, router_address: str, stats_host: str, metrics: RouterMetrics, *,
                  gateways_expected: int = 1, block_size: int = 16, gateway_timeout_s: float = 5.0,
                  gateway_loop_timeout_s: float = 120.0, state_interval_s: float = 0.25, secret: bytes = b""):
-        """secret: the cluster's (cluster/frame_auth.py): the stats sink takes frames carrying its MAC only."""
+        """secret: the cluster's (cluster/wire/frame_auth.py): the stats sink takes frames carrying its MAC only."""
         # Both sockets are bound at construction (before any loop runs): their addresses go to the
         # gateway processes and the decode workers when those are started.
         self._ctx = zmq.asyncio.Context()
@@ -72,7 +72,7 @@ class RouterServer:
         self._sock.bind(router_address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_INTERNAL_FRAME)
-        # Bounded before any MAC is checked (cluster/socket_bounds.py).
+        # Bounded before any MAC is checked (cluster/wire/socket_bounds.py).
         self._stats = bound(self._ctx.socket(zmq.PULL), MAX_STATS_FRAME)
         self._stats.setsockopt(zmq.LINGER, 0)
         port = self._stats.bind_to_random_port(f"tcp://{stats_host}")

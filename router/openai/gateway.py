@@ -1,7 +1,7 @@
 """Gateway: what one gateway process's endpoints share, and its lifecycle and drain.
 
 It holds the tokenizer, the channel to the router (router/channel/client.py), the token stream its
-requests' text arrives on (router/token_stream.py), the metrics and the requests in flight
+requests' text arrives on (router/streams/token_stream.py), the metrics and the requests in flight
 (`active`). `start_generation` submits one `GenerateRequest` naming this process's token sink
 (`reply_to`) to the router, which admits and places it (a refusal raises its error class here,
 before any byte of the response is sent); `end` lets a request go, however it ended, and aborts it
@@ -36,18 +36,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from cluster.errors import InvalidRequestError
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import GrammarCompiler, StructuredOutput
-from cluster.stream_messages import StreamDelta
+from cluster.wire.stream_messages import StreamDelta
 from router.channel.client import RouterClient
 from router.channel.messages import Drain, PrefillDone, RequestFailed
 from router.errors import DrainingError, OverloadedError
-from router.metrics import GatewayMetrics
+from router.stats.metrics import GatewayMetrics
 from router.openai.errors import api_error, model_not_found
 from router.openai.gateway_config import GatewayConfig
 from router.openai.generation import Generation, GenerationLink
-from router.token_stream import TokenStreamReceiver
+from router.streams.token_stream import TokenStreamReceiver
 
 TOKENIZER_THREADS = 2
 GRAMMAR_CHECK_THREADS = 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.generation_defaults import SamplingDefaults
+from cluster.sampling.generation_defaults import SamplingDefaults
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from cluster.messages import GenerateRequest
-from cluster.stream_messages import DeltaLogprobs
+from cluster.wire.messages import GenerateRequest
+from cluster.wire.stream_messages import DeltaLogprobs
 from router.channel.client import RouterClient
 from router.errors import GenerationError
-from router.metrics import GatewayMetrics
-from router.token_stream import TokenMailbox, TokenStreamReceiver
+from router.stats.metrics import GatewayMetrics
+from router.streams.token_stream import TokenMailbox, TokenStreamReceiver
 
 log = logging.getLogger(__name__)
 

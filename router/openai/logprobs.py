@@ -1,5 +1,5 @@
 """Logprobs in OpenAI's two response shapes, from what the decode worker sends (already with token
-strings: cluster.stream_messages.PositionLogprobs). Nothing here tokenizes.
+strings: cluster.wire.stream_messages.PositionLogprobs). Nothing here tokenizes.
 
 - /v1/completions (`logprobs: N`): {tokens, token_logprobs, top_logprobs, text_offset}; each position's
   top_logprobs maps the N most likely tokens' strings and the sampled token's to their logprobs (as
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from cluster.stream_messages import PositionLogprobs
+from cluster.wire.stream_messages import PositionLogprobs
 from router.openai.protocol_responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
                                               PromptLogprobs, TopLogprob)
 

@@ -10,7 +10,7 @@ answers; `extra="forbid"`). Fields we know but do not implement (beam search, le
 calling, stored completions, reasoning effort, ...: `UNSUPPORTED_FIELDS`) are rejected with a 400 naming the field
 unless their value asks for nothing, never ignored, so a client never gets an answer it did not ask
 for. Every other field has an effect (tests/router/openai/test_request_fields.py proves each). The sampling fields' ranges are
-SamplingParams' to check (cluster/sampling_params.py). These models (with the response models) are also the OpenAPI
+SamplingParams' to check (cluster/sampling/sampling_params.py). These models (with the response models) are also the OpenAPI
 schema the gateway serves at /openapi.json.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tools
@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from cluster.sampling.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import InvalidRequestError, PdserveError
-from cluster.tokenizer import encode_chat
-from router.metrics import CONTENT_TYPE
+from cluster.text.tokenizer import encode_chat
+from router.stats.metrics import CONTENT_TYPE
 from router.openai.errors import APIError, api_error, error_response, http_error, invalid_body, unexpected_error
 from router.openai.gateway import Gateway
 from router.openai.middleware import APIKeyAuth, BodySizeLimit
@@ -37,7 +37,7 @@ from router.openai.protocol_responses import (DetokenizeResponse, ModelCard, Mod
                                               VersionResponse)
 from router.openai.serving_chat import OpenAIServingChat
 from router.openai.serving_completion import OpenAIServingCompletion
-from router.step_stats import DEFAULT_LIMIT, MAX_LIMIT
+from router.stats.step_stats import DEFAULT_LIMIT, MAX_LIMIT
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from cluster.errors import InvalidRequestError
-from cluster.request_limits import check_request_fits
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import encode_bad_words
+from cluster.kv.request_limits import check_request_fits
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import encode_bad_words
 from router.errors import GenerationError
 from router.openai.errors import error_event_data
 from router.openai.generation import Generation

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 
 from cluster.errors import InvalidRequestError
-from cluster.request_limits import default_max_tokens
-from cluster.tokenizer import encode_chat
+from cluster.kv.request_limits import default_max_tokens
+from cluster.text.tokenizer import encode_chat
 from router.openai.logprobs import chat_logprobs, prompt_logprobs_map
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.protocol_responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,

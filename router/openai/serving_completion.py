@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.tokenizer import encode_prompt
+from cluster.text.tokenizer import encode_prompt
 from router.openai.logprobs import CompletionLogprobsBuilder, prompt_logprobs_map
 from router.openai.protocol import CompletionRequest
 from router.openai.protocol_responses import CompletionChoice, CompletionResponse

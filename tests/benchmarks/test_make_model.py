@@ -8,9 +8,9 @@ from benchmarks.make_model import model_config, write_model
 
 
 def test_make_model_shapes(tmp_path, demo_model_dir):
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
     from cluster.model.config import ModelArchConfig
-    from cluster.sampling_params import SamplingParams
+    from cluster.sampling.sampling_params import SamplingParams
 
     big = ModelArchConfig.from_dict(model_config("llama-1b"))
     assert big.vocab_size == 128256 and big.num_layers == 16 and big.dtype == "bfloat16"

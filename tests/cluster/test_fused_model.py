@@ -12,9 +12,9 @@ use_interpreter_without_cuda()  # before triton is imported
 
 from cluster import kernels  # noqa: E402
 from cluster.kernels.prefill_attention import BLOCK_M  # noqa: E402
-from cluster.kv_cache import KVCacheSpec  # noqa: E402
+from cluster.kv.kv_cache import KVCacheSpec  # noqa: E402
 from cluster.model.loader import load_model  # noqa: E402
-from cluster.model_runner import ModelRunner, PrefillChunk  # noqa: E402
+from cluster.engine.model_runner import ModelRunner, PrefillChunk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.model_runner import PrefillChunk
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.engine.model_runner import PrefillChunk
+from cluster.sampling.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 

@@ -3,15 +3,15 @@ packed paged attention kernel over the cached blocks plus its new tokens, and gr
 caching off, on every test checkpoint (Mistral's sliding window crossed by the cached prefix). The
 kernel itself is checked against the reference with cached prefixes on CPU too
 (tests/cluster/kernels/test_kernel_prefill_attention.py); the engine-level path on CPU is
-tests/cluster/test_prefix_caching.py."""
+tests/cluster/engine/test_prefix_caching.py."""
 
 import random
 
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -11,14 +11,14 @@ from collections import deque
 import pytest
 import torch
 
-from cluster.chunked_prefill import fcfs_chunks
-from cluster.engine import LLMEngine
-from cluster.kv_cache import DeviceMemory, KVCacheSpec, kv_pool_blocks
-from cluster.messages import GenerateRequest, WorkerStats
+from cluster.engine.chunked_prefill import fcfs_chunks
+from cluster.engine.engine import LLMEngine
+from cluster.kv.kv_cache import DeviceMemory, KVCacheSpec, kv_pool_blocks
+from cluster.wire.messages import GenerateRequest, WorkerStats
 from cluster.model.config import ModelArchConfig
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence, SequenceStatus
-from cluster.worker_config import WorkerConfig
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence, SequenceStatus
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.decode_worker import DecodeWorker
 from decode_worker.scheduler import DecodeScheduler
@@ -155,26 +155,26 @@ def test_kv_pool_sizing_rule():
 def test_kv_pool_counts_the_decode_graphs_features_state(monkeypatch):
     """The features variant's state (per-slot tables, step outputs) is allocated by the decode graph
     runner after the pool: the sizing rule leaves room for it, measured from the allocators."""
-    import cluster.sampler
-    from cluster.sampler import features_state_bytes
+    import cluster.sampling.sampler
+    from cluster.sampling.sampler import features_state_bytes
 
     arch, gib = _arch(), 1 << 30
     cfg = WorkerConfig(model_dir="x", device="cuda", max_num_seqs=256, max_prefill_tokens=4096)
     mem = DeviceMemory(total=140 * gib, free=124 * gib, reserved_here=16 * gib)
     per_block = KVCacheSpec.for_model(arch, 16, 1, torch.bfloat16).bytes_per_block
     counted = kv_pool_blocks(cfg, arch, torch.bfloat16, torch.device("cuda"), mem)
-    monkeypatch.setattr(cluster.sampler, "features_state_bytes", lambda rows, vocab: 0)
+    monkeypatch.setattr(cluster.sampling.sampler, "features_state_bytes", lambda rows, vocab: 0)
     uncounted = kv_pool_blocks(cfg, arch, torch.bfloat16, torch.device("cuda"), mem)
     state = features_state_bytes(256, arch.vocab_size)
     assert 8 * 256 * arch.vocab_size <= state < 9 * 256 * arch.vocab_size  # counts + processed logits + ...
     assert abs((uncounted - counted) - state * cfg.kv_memory_fraction / per_block) <= 1
 
 
-# -- the served context length and "does this request fit" (cluster.request_limits) ---------------
+# -- the served context length and "does this request fit" (cluster.kv.request_limits) ---------------
 def test_served_max_model_len_is_one_rule(demo_model_dir):
     """The decode worker, the prefill worker and the engine serve the context length the rule gives
     (the launcher's, which the router admits with, is the same call: no other module clamps)."""
-    from cluster.request_limits import served_max_model_len
+    from cluster.kv.request_limits import served_max_model_len
     from prefill_worker.prefill_worker import PrefillWorker
 
     arch = ModelArchConfig.from_dir(demo_model_dir)
@@ -199,7 +199,7 @@ def test_no_module_clamps_the_context_length_itself():
     found = []
     for top in ("cluster", "prefill_worker", "decode_worker", "router", "deploy"):
         for path in (root / top).rglob("*.py"):
-            if path.relative_to(root).as_posix() == "cluster/request_limits.py":
+            if path.relative_to(root).as_posix() == "cluster/kv/request_limits.py":
                 continue
             src = path.read_text()
             for node in ast.walk(ast.parse(src)):
@@ -223,13 +223,13 @@ def _verdict(fn) -> str | None:
 @pytest.mark.parametrize("max_model_len,num_blocks", [(4096, 9), (200, 64)], ids=["kv-bound", "context-bound"])
 def test_request_fit_is_one_rule(demo_model_dir, max_model_len, num_blocks):
     """Admission (against the largest decode worker), the decode worker, the engine and the prefill
-    worker (the prompt alone) accept and refuse the same requests as cluster.request_limits says, at
+    worker (the prompt alone) accept and refuse the same requests as cluster.kv.request_limits says, at
     the edges of the context length and of the KV pool."""
-    from cluster.messages import PrefillTask, Reservation, WorkerStats
-    from cluster.request_limits import check_request_fits
+    from cluster.wire.messages import PrefillTask, Reservation, WorkerStats
+    from cluster.kv.request_limits import check_request_fits
     from prefill_worker.prefill_worker import PrefillWorker
-    from router.admission import AdmissionController, AdmissionLimits
-    from router.placement import WorkerView
+    from router.requests.admission import AdmissionController, AdmissionLimits
+    from router.placement.placement import WorkerView
 
     cfg = WorkerConfig(model_dir=str(demo_model_dir), num_blocks=num_blocks, max_model_len=max_model_len,
                        use_cuda_graph=False, max_num_seqs=4)
@@ -275,9 +275,9 @@ def test_cluster_config_takes_every_shared_default_from_its_component():
     import dataclasses
 
     from deploy.config import COMPONENT_DEFAULTS, DEPLOY_CHOICES, ClusterConfig
-    from router.admission import AdmissionLimits
+    from router.requests.admission import AdmissionLimits
     from router.openai.gateway_config import GatewayConfig
-    from router.pd_planner import PlannerConfig
+    from router.placement.pd_planner import PlannerConfig
     from router.router_config import RouterConfig
 
     fields = ClusterConfig.model_fields
@@ -303,7 +303,7 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
     from deploy.api_server import APIServerSpec
     from deploy.component_configs import admission_limits, api_server_settings, router_config, worker_config
     from deploy.config import ClusterConfig
-    from router.admission import AdmissionLimits
+    from router.requests.admission import AdmissionLimits
     from router.openai.gateway_config import GatewayConfig
     from router.router_config import RouterConfig
 
@@ -327,16 +327,16 @@ def test_default_cluster_config_builds_each_component_with_its_own_defaults():
 def test_graph_bucket_rule_is_the_runners_and_the_routers(demo_model_dir):
     """The router's placement judges the padding a new request would cause on a decode worker by the
     buckets the worker reports (WorkerStats.graph_buckets: those its runner captured) and by the
-    bucket rule of cluster.graph_buckets, which the runner pads every step by."""
-    from cluster import graph_buckets
-    from cluster.kv_cache import KVCacheSpec
+    bucket rule of cluster.engine.graph_buckets, which the runner pads every step by."""
+    from cluster.engine import graph_buckets
+    from cluster.kv.kv_cache import KVCacheSpec
     from cluster.model.loader import load_model
-    from cluster.model_runner import ModelRunner
+    from cluster.engine.model_runner import ModelRunner
     from decode_worker import bucketed_graph_runner
     from decode_worker.bucketed_graph_runner import BucketedGraphRunner
     from decode_worker.scheduler import DecodeRow
-    from router import placement
-    from router.placement import LeastLoadedDecode, WorkerView
+    from router.placement import placement
+    from router.placement.placement import LeastLoadedDecode, WorkerView
 
     # One function each, imported, not copied.
     assert placement.padding_fraction is graph_buckets.padding_fraction

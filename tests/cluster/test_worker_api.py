@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from cluster.faults.fault_control import DecodeFaultControl, FaultControl
-from cluster.messages import GenerateRequest, PrefillTask, ReserveRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest, PrefillTask, ReserveRequest
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.transport.factory import TransportSpec
 from cluster.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[2]
 # (serving interface, fault interface, the actor that implements both)

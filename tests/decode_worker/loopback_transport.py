@@ -4,7 +4,7 @@ through `send` (test_decode_worker.py).
 The real transports (torch.distributed p2p, same-GPU IPC) live in cluster/transport/. This one keeps
 their decode-side protocol (expect before send, arrivals through poll_arrivals, failed and cancelled
 transfers as arrivals with an error, a wake-up per arrival) with a plain tensor copy, so the decode
-worker can be tested end to end on CPU: a test prefills with a cluster.model_runner.ModelRunner over
+worker can be tested end to end on CPU: a test prefills with a cluster.engine.model_runner.ModelRunner over
 its own cache, then `send`s the blocks.
 """
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cluster.messages import KVHeader, Reservation
+from cluster.wire.messages import KVHeader, Reservation
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 
 

@@ -1,8 +1,8 @@
 import pytest
 
 from cluster.errors import CapacityError
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 
 

@@ -1,4 +1,4 @@
-"""Padding (the bucket rule itself: tests/cluster/test_graph_buckets.py). On CPU the runner runs eagerly
+"""Padding (the bucket rule itself: tests/cluster/engine/test_graph_buckets.py). On CPU the runner runs eagerly
 with the same padding as the graphs."""
 
 import random
@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from cluster.kv_blocks import NULL_BLOCK
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_blocks import NULL_BLOCK
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model.loader import load_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeRow
 
@@ -66,7 +66,7 @@ def test_padded_rows_write_only_the_null_block_and_match_unpadded_decode(setup):
 
 def test_a_features_batch_pads_to_the_features_variants_buckets(setup):
     """A batch where some row asks for logprobs (or penalties) runs the features variant, padded by
-    cluster.graph_buckets.feature_bucket_sizes; the same rows without it pad by the plain rule."""
+    cluster.engine.graph_buckets.feature_bucket_sizes; the same rows without it pad by the plain rule."""
     model, spec, runner = setup
     gr = BucketedGraphRunner(model, runner.kv_cache, spec.block_size, max_num_seqs=8, max_blocks_per_seq=16,
                              buckets=(1, 3, 6, 8))

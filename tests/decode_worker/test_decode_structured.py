@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from cluster.engine import LLMEngine
-from cluster.messages import GenerateRequest, PrefillTask, ReserveRequest
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.wire.messages import GenerateRequest, PrefillTask, ReserveRequest
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import GrammarCompiler, StructuredOutput
 from cluster.transport.factory import TransportSpec, create_transport
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from prefill_worker.prefill_worker import PrefillWorker
 

@@ -12,13 +12,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback_transport import LoopbackTransport  # noqa: E402
 
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.kv_cache import KVCacheSpec  # noqa: E402
-from cluster.messages import GenerateRequest, KVHeader, ReserveRequest  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.kv.kv_cache import KVCacheSpec  # noqa: E402
+from cluster.wire.messages import GenerateRequest, KVHeader, ReserveRequest  # noqa: E402
 from cluster.model.loader import load_model  # noqa: E402
-from cluster.model_runner import ModelRunner, PrefillChunk  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.engine.model_runner import ModelRunner, PrefillChunk  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 from decode_worker.decode_worker import DecodeWorker  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -233,8 +233,8 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     deltas of the requests that name it (reply_to), as text equal to the engine's; every step's
     record goes to the stats sink once."""
     zmq = pytest.importorskip("zmq")
-    from cluster.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
-    from cluster.stream_messages import decode_step_records, decode_stream_batch
+    from cluster.wire.frame_auth import STATS_SINK, TOKEN_STREAM, FrameVerifier
+    from cluster.wire.stream_messages import decode_step_records, decode_stream_batch
 
     ctx = zmq.Context.instance()
     sinks, addrs = [], []
@@ -245,7 +245,7 @@ def test_each_gateway_gets_only_its_requests_text_over_zmq(demo_model_dir, engin
     ps = prompts(6, [15, 60, 22, 9])
     params = SamplingParams(max_tokens=12, **GREEDY)
     ref = engine.generate(ps, params)
-    secret = b"k" * 32  # every frame carries a MAC under the cluster's secret (cluster/frame_auth.py)
+    secret = b"k" * 32  # every frame carries a MAC under the cluster's secret (cluster/wire/frame_auth.py)
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", max_num_seqs=4, cluster_secret=secret)
     checks = [FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, TOKEN_STREAM), FrameVerifier(secret, STATS_SINK)]
     worker = DecodeWorker("d1", cfg, stats_sink=addrs[2])
@@ -405,8 +405,8 @@ def test_step_records_say_where_each_interval_went(demo_model_dir):
     step's start and its parts: previous step + local prefill + idle + host gap = the interval; a
     prompt prefilled between two steps shows as that interval's prefill."""
     zmq = pytest.importorskip("zmq")
-    from cluster.frame_auth import STATS_SINK, FrameVerifier
-    from cluster.stream_messages import decode_step_records
+    from cluster.wire.frame_auth import STATS_SINK, FrameVerifier
+    from cluster.wire.stream_messages import decode_step_records
 
     sink = zmq.Context.instance().socket(zmq.PULL)
     addr = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"

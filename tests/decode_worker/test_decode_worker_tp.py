@@ -13,12 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_decode_worker import Collector  # noqa: E402
 
 from cluster.distributed.rank_launcher import ProcessRankLauncher  # noqa: E402
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.messages import GenerateRequest  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.wire.messages import GenerateRequest  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.structured import StructuredOutput  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
-from cluster.worker_model import lead_group  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
+from cluster.engine.worker_model import lead_group  # noqa: E402
 from decode_worker.decode_worker import DecodeWorker  # noqa: E402
 from decode_worker.rank_follower import run_decode_rank  # noqa: E402
 

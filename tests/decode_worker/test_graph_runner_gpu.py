@@ -7,13 +7,13 @@ import time
 import pytest
 import torch
 
-from cluster.kv_cache import KVCacheSpec
-from cluster.messages import GenerateRequest
+from cluster.kv.kv_cache import KVCacheSpec
+from cluster.wire.messages import GenerateRequest
 from cluster.model.loader import load_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
-from cluster.worker_config import WorkerConfig
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeRow
 
@@ -29,7 +29,7 @@ def test_graph_replay_equals_eager_for_every_bucket(demo_model_dir, backend):
     eager = BucketedGraphRunner(model, runner.kv_cache, 16, max_num_seqs=32, max_blocks_per_seq=32, buckets="vllm",
                                 use_cuda_graph=False)
     graphs.capture(progress=False)
-    # The plain step at every bucket, the features variant at the coarser subset (cluster.graph_buckets).
+    # The plain step at every bucket, the features variant at the coarser subset (cluster.engine.graph_buckets).
     assert set(graphs.capture_stats["plain"]) == set(graphs.buckets) == {1, 2, 4, 8, 16, 24, 32}
     assert set(graphs.capture_stats["features"]) == set(graphs.feature_buckets) == {1, 2, 4, 8, 16, 32}
     assert all(s["seconds"] > 0 and s["bytes"] >= 0 for per in graphs.capture_stats.values() for s in per.values())
@@ -82,7 +82,7 @@ def test_graph_replay_equals_eager_for_every_bucket(demo_model_dir, backend):
 
 
 def test_worker_serves_from_graphs_without_capturing(demo_model_dir, monkeypatch):
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
     from decode_worker.decode_worker import DecodeWorker
 
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", device="cuda", attention_backend="triton",

@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from cluster.kv_cache import KVCacheSpec
+from cluster.kv.kv_cache import KVCacheSpec
 from cluster.model.loader import load_model
-from cluster.model_runner import ModelRunner, PrefillChunk
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.engine.model_runner import ModelRunner, PrefillChunk
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.structured import GrammarCompiler, StructuredOutput
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 from decode_worker.bucketed_graph_runner import BucketedGraphRunner
 from decode_worker.scheduler import DecodeRow
 

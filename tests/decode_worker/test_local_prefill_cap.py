@@ -5,10 +5,10 @@ every chunk is followed by a decode step of the running requests; outputs still 
 import random
 import time
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
-from cluster.sequence import Sequence
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.decode_worker import DecodeWorker
 from decode_worker.scheduler import DecodeScheduler

@@ -1,7 +1,7 @@
 """LocalPrefillPacer on CPU with made-up rates: a pass costs about one decode step, between the floor
 and the cap; a pass that does not fill its budget waits a few steps for more prompts to share it."""
 
-from cluster.pass_rate import PassRate
+from cluster.worker.pass_rate import PassRate
 from decode_worker.local_prefill_pacer import LocalPrefillPacer
 
 

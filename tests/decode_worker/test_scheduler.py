@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence, SequenceStatus
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence, SequenceStatus
 from decode_worker.block_manager import BlockManager
 from decode_worker.scheduler import DecodeScheduler
 

@@ -2,9 +2,9 @@
 with a token in flight (it skips the step launched while its token is on the device), waits for its
 grammar, goes last in the batch; the free rows keep pipelining; prompt scoring ends at the arrival."""
 
-from cluster.logprobs import PrefillLogprobs, TokenLogprobs
-from cluster.sampling_params import SamplingParams
-from cluster.sequence import Sequence
+from cluster.sampling.logprobs import PrefillLogprobs, TokenLogprobs
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.sequence import Sequence
 from decode_worker.block_manager import BlockManager
 from decode_worker.scheduler import DecodeScheduler
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import load_tokenizer
+from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import load_tokenizer
 from decode_worker.token_publisher import TokenPublisher
 
 
@@ -61,7 +61,7 @@ def test_halt_sends_what_came_before_and_nothing_after(tokenizer):
 
 def test_every_token_is_sent_numbered_by_its_position(tokenizer):
     """Every token goes out, the first one too (its prefill worker may have sent it already: the two
-    copies race on two sockets, and the gateway keeps one by `start`, router/token_stream.py); each
+    copies race on two sockets, and the gateway keeps one by `start`, router/streams/token_stream.py); each
     delta says its first token's position in this placement's output, -1 for a delta without tokens."""
     ids = tokenizer(" the sea and the wind", add_special_tokens=False).input_ids
     pub = TokenPublisher("d0", tokenizer)

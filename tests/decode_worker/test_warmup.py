@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from cluster.engine import LLMEngine
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.warmup import WARMUP_PARAMS
-from cluster.worker_config import WorkerConfig
+from cluster.engine.engine import LLMEngine
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.engine.warmup import WARMUP_PARAMS
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from cluster.engine import LLMEngine
-from cluster.messages import GenerateRequest
-from cluster.pass_rate import DevicePassTimer, PassRateMeter
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.engine.engine import LLMEngine
+from cluster.wire.messages import GenerateRequest
+from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from prefill_worker.prefill_worker import PrefillWorker
 

@@ -126,9 +126,9 @@ def test_dtype_names_as_vllm(given, canonical):
 
 def test_gpu_memory_utilization_bounds_weights_activations_and_kv_together():
     """vLLM's meaning: weights + activations + KV within that fraction of the (share of the) GPU."""
-    from cluster.kv_cache import DeviceMemory, KVCacheSpec, kv_pool_blocks
+    from cluster.kv.kv_cache import DeviceMemory, KVCacheSpec, kv_pool_blocks
     from cluster.model.config import ModelArchConfig
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
 
     arch = ModelArchConfig.from_dict({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
                                       "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -154,7 +154,7 @@ def test_gpu_memory_utilization_bounds_weights_activations_and_kv_together():
 
 # -- generation_config.json: the model's sampling defaults (vLLM's --generation-config) -------------------
 def test_sampling_defaults_from_generation_config(tmp_path, demo_model_dir):
-    from cluster.generation_defaults import SamplingDefaults, load_sampling_defaults
+    from cluster.sampling.generation_defaults import SamplingDefaults, load_sampling_defaults
 
     m = _model_copy(demo_model_dir, tmp_path / "m")
     (m / "generation_config.json").write_text(json.dumps(
@@ -170,8 +170,8 @@ def test_sampling_defaults_from_generation_config(tmp_path, demo_model_dir):
 
 
 def test_the_gateway_applies_the_defaults_unless_the_request_sets_them(demo_model_dir):
-    from cluster.generation_defaults import SamplingDefaults
-    from cluster.tokenizer import load_tokenizer
+    from cluster.sampling.generation_defaults import SamplingDefaults
+    from cluster.text.tokenizer import load_tokenizer
     from router.openai.gateway_config import GatewayConfig
     from router.openai.protocol import ChatCompletionRequest, CompletionRequest
     from router.openai.serving_chat import OpenAIServingChat
@@ -221,7 +221,7 @@ def test_bad_chat_template_fails_before_ray(tmp_path, demo_model_dir):
 
 
 def test_a_good_chat_template_reaches_the_tokenizer(tmp_path, demo_model_dir):
-    from cluster.tokenizer import check_chat_template, encode_chat, load_chat_template, load_tokenizer
+    from cluster.text.tokenizer import check_chat_template, encode_chat, load_chat_template, load_tokenizer
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from cluster.worker_config import WorkerConfig
+from cluster.worker.worker_config import WorkerConfig
 from deploy.api_server import APIServerSpec
 from deploy.component_configs import admission_limits, api_server_settings, gpus_per_actor, router_config, worker_config
 from deploy.config import COMPONENT_DEFAULTS, ClusterConfig
-from router.admission import AdmissionLimits
+from router.requests.admission import AdmissionLimits
 from router.openai.gateway_config import GatewayConfig
-from router.pd_planner import PlannerConfig
+from router.placement.pd_planner import PlannerConfig
 from router.router_config import RouterConfig
 
 # A valid value other than the default for every setting the mapping carries.

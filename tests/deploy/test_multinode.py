@@ -131,8 +131,8 @@ def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_d
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "pdserve-demo", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
-        from cluster.engine import LLMEngine
-        from cluster.sampling_params import SamplingParams
+        from cluster.engine.engine import LLMEngine
+        from cluster.sampling.sampling_params import SamplingParams
 
         ref = LLMEngine(demo_model_dir).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         assert r.json()["choices"][0]["text"] == ref[0].text

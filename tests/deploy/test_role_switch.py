@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import MODEL, completion_text, start_cluster, wait_clean
 
 
@@ -52,7 +52,7 @@ def test_workers_warmed_up_before_serving(cluster):
 
 def test_planner_switches_a_decode_worker_to_prefill_and_serving_stays_exact(cluster, reference_engine):
     from deploy.planner_loop import PlannerLoop
-    from router.pd_planner import PDPlanner, PlannerConfig
+    from router.placement.pd_planner import PDPlanner, PlannerConfig
 
     sc = cluster
     router = sc.router  # on the launcher's loop (sc._loop)

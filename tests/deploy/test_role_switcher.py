@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.pass_rate import PassRate
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.worker.pass_rate import PassRate
+from cluster.sampling.sampling_params import SamplingParams
 from deploy.planner_loop import PlannerLoop
 from deploy.role_switcher import RoleSwitcher
-from router.admission import AdmissionController, AdmissionLimits
-from router.pd_planner import PDPlanner, PlannerConfig
+from router.requests.admission import AdmissionController, AdmissionLimits
+from router.placement.pd_planner import PDPlanner, PlannerConfig
 from router.router import Router
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
 from router_fakes import StubWorker  # noqa: E402

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from deploy.placement_check import unmet
 from serve_process import start_serve
 

@@ -24,8 +24,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from cluster.stream_messages import DecodeStepRecord
-from router.step_stats import StepStats
+from cluster.wire.stream_messages import DecodeStepRecord
+from router.stats.step_stats import StepStats
 
 pytestmark = pytest.mark.slow  # Locust and servers in subprocesses
 

@@ -11,14 +11,14 @@ import zmq
 sys.path.insert(0, str(Path(__file__).parents[1] / "cluster" / "transport"))
 import harness  # noqa: E402
 
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.frame_auth import TOKEN_STREAM, FrameVerifier  # noqa: E402
-from cluster.messages import GenerateRequest  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.stream_messages import decode_stream_batch  # noqa: E402
-from cluster.tokenizer import load_tokenizer  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier  # noqa: E402
+from cluster.wire.messages import GenerateRequest  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
+from cluster.wire.stream_messages import decode_stream_batch  # noqa: E402
+from cluster.text.tokenizer import load_tokenizer  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 from prefill_worker.prefill_worker import PrefillWorker  # noqa: E402
 
 SECRET = b"k" * 32
@@ -78,7 +78,7 @@ def test_the_first_token_reaches_the_gateway_before_the_decode_side_takes_its_kv
     assert lp.logprobs.tokens[0].logprob == pytest.approx(ref[0].logprobs[0].logprob, abs=1e-4)
     assert lp.logprobs.tokens[0].top_ids == ref[0].logprobs[0].top_ids
     assert (got["one"].token_ids, got["one"].finish_reason) == ((ref[1].token_ids[0],), "length")
-    # A stop token: its id goes out, its text does not (the decode side's rule, cluster.stream_text)
+    # A stop token: its id goes out, its text does not (the decode side's rule, cluster.text.stream_text)
     assert (got["stop"].token_ids, got["stop"].text, got["stop"].finish_reason) == ((stop,), "", "stop")
     arrivals = {a.reservation.request_id: a for a in dec.wait_arrivals(4)}
     assert all(arrivals[r.request_id].header.first_token == res.first_token for r, res in zip(reqs, results))

@@ -11,14 +11,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "cluster" / "transport"))
 import harness  # noqa: E402
 
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.messages import GenerateRequest  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.wire.messages import GenerateRequest  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 from cluster.structured.registry import register_grammar_backend  # noqa: E402
-from cluster.tokenizer import load_tokenizer  # noqa: E402
+from cluster.text.tokenizer import load_tokenizer  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 from prefill_worker.prefill_worker import PrefillWorker  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def test_a_compiling_grammar_holds_up_only_its_own_prompt(setup, demo_model_dir)
 def test_warmup_brings_the_grammar_engine_in(setup):
     """Before serving: the backend (xgrammar's import, the tokenizer's tables) is built and a schema
     compiled; a request with that schema then finds it compiled, ready at once."""
-    from cluster.warmup import WARMUP_SCHEMA
+    from cluster.engine.warmup import WARMUP_SCHEMA
 
     dec, w = setup
     info = w.warmup()

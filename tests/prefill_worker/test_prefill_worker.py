@@ -8,10 +8,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "cluster" / "transport"))
 import harness  # noqa: E402
 
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 from prefill_worker.prefill_worker import PrefillWorker  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir)
     """The reservation says the decode side holds the prompt's first k blocks (here: those an earlier
     transfer landed); the prefill worker sends the rest into the reservation's blocks, and decoding
     from cached + landed blocks gives the engine's output."""
-    from cluster.messages import PrefillTask, Reservation
+    from cluster.wire.messages import PrefillTask, Reservation
 
     dec, w = setup
     shared = list(range(5, 5 + 64))  # 4 full blocks
@@ -127,7 +127,7 @@ def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir)
 def test_a_reservation_that_skips_the_last_token_is_refused(setup):
     """The cache-hit rule always leaves the prompt's last token to compute (its logits give the first
     token), so a reservation claiming every block is a bug upstream: a clear failure, no transfer."""
-    from cluster.messages import PrefillTask, Reservation
+    from cluster.wire.messages import PrefillTask, Reservation
 
     dec, w = setup
     req = harness.request(list(range(5, 37)))  # 32 tokens: 2 full blocks

@@ -39,7 +39,7 @@ def test_config_equals_transformers(smollm2_gguf, hf_smollm2):
 
 
 def test_tokenizer_and_chat_template_equal_transformers(smollm2_gguf, hf_smollm2):
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text.tokenizer import load_tokenizer
 
     ours, theirs = load_tokenizer(smollm2_gguf), hf_smollm2[1]
     assert ours.decode([2]) == "<|im_end|>" and ours.chat_template == theirs.chat_template

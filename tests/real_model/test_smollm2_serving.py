@@ -88,9 +88,9 @@ def test_forced_calls_without_a_parser_are_the_same_calls(smollm2_gguf, forced_o
     """Without --tool-call-parser (the gateway's ToolCalling over the engine in this process, on the
     same file): the same grammar, so greedy writes the same calls as the hermes server, ending the
     same way."""
-    from cluster.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
-    from cluster.tokenizer import encode_chat
+    from cluster.engine.engine import LLMEngine
+    from cluster.sampling.sampling_params import SamplingParams
+    from cluster.text.tokenizer import encode_chat
     from router.openai.protocol import ChatCompletionRequest
     from router.openai.tool_calling import ToolCalling
 

@@ -39,7 +39,7 @@ def cluster(ray_session, demo_model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(demo_model_dir):
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(demo_model_dir)
     out = []
@@ -111,7 +111,7 @@ async def _burst(sc, prompts, sample_metrics=False):
 
 
 def test_a_burst_of_long_prompts_waits_instead_of_failing(cluster, prompts, reference_engine):
-    from cluster.sampling_params import SamplingParams
+    from cluster.sampling.sampling_params import SamplingParams
 
     res, waiting_seen = asyncio.run(_burst(cluster, prompts[:BURST], sample_metrics=True))
     statuses = [r[0] for r in res]

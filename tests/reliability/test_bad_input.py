@@ -232,10 +232,10 @@ def test_fuzz_request_schemas_no_5xx(cluster, client):
 def _app_routes():
     """The routes of the gateway's app, as every API-server process builds it (enumerated here)."""
     from router.channel.client import RouterClient
-    from router.metrics import GatewayMetrics
+    from router.stats.metrics import GatewayMetrics
     from router.openai.gateway import Gateway, GatewayConfig
     from router.openai.routes import build_app
-    from router.token_stream import TokenStreamReceiver
+    from router.streams.token_stream import TokenStreamReceiver
 
     tokens = TokenStreamReceiver()
     try:

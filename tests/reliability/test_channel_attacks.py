@@ -15,8 +15,8 @@ import time
 import pytest
 import zmq
 
-from cluster.frame_auth import KV_CONTROL, FrameSigner
-from cluster.socket_bounds import MAX_KV_CONTROL_FRAME, check_private_endpoint, private_endpoint
+from cluster.wire.frame_auth import KV_CONTROL, FrameSigner
+from cluster.wire.socket_bounds import MAX_KV_CONTROL_FRAME, check_private_endpoint, private_endpoint
 from cluster.transport.channel import Abort, Inbox, Outbox
 
 SECRET = b"k" * 32
@@ -90,11 +90,11 @@ def test_a_frame_replayed_to_another_receiver_or_incarnation_is_dropped():
 
 def test_a_dead_gateway_does_not_stop_the_others(demo_model_dir):
     """Two gateways' sinks; one is gone (nobody listens). The live one gets every frame, at once."""
-    from cluster.messages import GenerateRequest, TokenBatch, TokenDelta
-    from cluster.sampling_params import SamplingParams
-    from cluster.tokenizer import load_tokenizer
-    from cluster.frame_auth import TOKEN_STREAM, FrameVerifier
-    from cluster.stream_messages import decode_stream_batch
+    from cluster.wire.messages import GenerateRequest, TokenBatch, TokenDelta
+    from cluster.sampling.sampling_params import SamplingParams
+    from cluster.text.tokenizer import load_tokenizer
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier
+    from cluster.wire.stream_messages import decode_stream_batch
     from decode_worker.token_publisher import TokenPublisher
 
     live = zmq.Context.instance().socket(zmq.PULL)
@@ -193,7 +193,7 @@ def test_the_publisher_process_connects_only_to_private_paths():
 
 
 def test_an_empty_secret_is_refused_outside_tests(monkeypatch):
-    from cluster.frame_auth import FrameVerifier
+    from cluster.wire.frame_auth import FrameVerifier
     from cluster.transport.authenticated_store import AuthenticatedStore
 
     monkeypatch.delenv("PDSERVE_TEST_EMPTY_SECRET", raising=False)
@@ -208,7 +208,7 @@ def test_an_empty_secret_is_refused_outside_tests(monkeypatch):
 def test_the_secret_is_in_no_repr():
     from cluster.distributed.tp_group import TPRendezvous
     from cluster.transport.transport_spec import TransportSpec
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
     from deploy.api_server import APIServerSpec
 
     secret = bytes(range(1, 33))

@@ -43,7 +43,7 @@ def cluster(ray_session, demo_model_dir):
 
 @pytest.fixture(scope="module")
 def refs(reference_engine):
-    from cluster.sampling_params import SamplingParams
+    from cluster.sampling.sampling_params import SamplingParams
 
     ps = chaos.prompts(12, 30)
     return {p: r.text for p, r in zip(ps, reference_engine.generate(

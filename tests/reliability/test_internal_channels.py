@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import zmq
 
-from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.wire.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
 from cluster.transport.channel import Abort, Begin
 from reliability_harness import MODEL, start_cluster, wait_clean
 

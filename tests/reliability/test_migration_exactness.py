@@ -2,7 +2,7 @@
 workers, KV over gloo, real HTTP): for every K in 1..40 a decode worker fails right after the client
 has received exactly K tokens of the stream (`inject_fault(kind, after_tokens=K, seed=S)`, keyed on the
 request's token count, resumed tokens included: cluster/faults/fault_plan.py TokenCountFault), the
-request moves, and the client's text equals the in-process engine's (cluster/engine.py LLMEngine).
+request moves, and the client's text equals the in-process engine's (cluster/engine/engine.py LLMEngine).
 
 - the loop-exception path ("loop": the decode loop raises, its requests are lost and moved) and the
   worker-death path ("restart": the worker's state dies as in a crash, nothing more is published and
@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import MODEL, start_cluster, wait_clean
 
 # Found by searching the demo model's outputs for prompts whose continuations split multi-byte

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import MODEL, is_openai_error, rss_mb, start_cluster, wait_clean, worker_stats
 
 CAPACITY = 8  # max_num_seqs == max_waiting_requests: 8 run, 8 wait in the admission queue

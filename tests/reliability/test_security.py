@@ -20,7 +20,7 @@ import pytest
 
 from cluster.errors import PdserveError
 from cluster.transport.rendezvous_store import start_store
-from cluster.messages import KVHeader
+from cluster.wire.messages import KVHeader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,9 +76,9 @@ def test_token_stream_never_unpickles(tmp_path):
     executed, the next good frame delivered."""
     import zmq
 
-    from cluster.frame_auth import TOKEN_STREAM, FrameSigner
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
-    from router.token_stream import TokenStreamReceiver
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
+    from router.streams.token_stream import TokenStreamReceiver
 
     marker = tmp_path / "pwned"
 
@@ -113,8 +113,8 @@ def test_kv_control_channel_never_unpickles(tmp_path):
     import torch
     import zmq
 
-    from cluster.frame_auth import KV_CONTROL, FrameSigner
-    from cluster.messages import Reservation
+    from cluster.wire.frame_auth import KV_CONTROL, FrameSigner
+    from cluster.wire.messages import Reservation
     from cluster.transport.factory import TransportSpec, create_transport
 
     marker = tmp_path / "pwned"
@@ -137,7 +137,7 @@ def test_kv_control_channel_never_unpickles(tmp_path):
     tp = create_transport(spec, src, "p", "prefill")
     res = Reservation("r", "d", (3, 4), 0)
     td.expect(res, "p")
-    from cluster.logprobs import PrefillLogprobs, TokenLogprobs
+    from cluster.sampling.logprobs import PrefillLogprobs, TokenLogprobs
 
     lp = PrefillLogprobs(TokenLogprobs(-0.5, (9, 7), (-0.5, -1.5)), (None, TokenLogprobs(-2.0)))
     tp.send(res, KVHeader("r", 0, 4, 9, logprobs=lp), [5], 10.0)  # ... and a real transfer still lands
@@ -156,7 +156,7 @@ def test_kv_control_channel_never_unpickles(tmp_path):
 def _forgeries(payload: bytes, channel: bytes) -> list[list[bytes]]:
     """What a process without the key can send: the bare payload, a MAC under another key, a MAC for
     another channel, a tag cut short, three parts."""
-    from cluster.frame_auth import KV_CONTROL, STATS_SINK, TOKEN_STREAM, FrameSigner
+    from cluster.wire.frame_auth import KV_CONTROL, STATS_SINK, TOKEN_STREAM, FrameSigner
 
     other = next(c for c in (TOKEN_STREAM, STATS_SINK, KV_CONTROL) if c != channel)
     return [[payload], FrameSigner(b"x" * 32, channel).sign(payload), FrameSigner(SECRET, other).sign(payload),
@@ -164,7 +164,7 @@ def _forgeries(payload: bytes, channel: bytes) -> list[list[bytes]]:
 
 
 def test_frame_auth_accepts_the_clusters_frames_only_and_no_replay():
-    from cluster.frame_auth import TOKEN_STREAM, FrameSigner, FrameVerifier
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner, FrameVerifier
 
     v = FrameVerifier(SECRET, TOKEN_STREAM)
     a, b = FrameSigner(SECRET, TOKEN_STREAM), FrameSigner(SECRET, TOKEN_STREAM)
@@ -184,9 +184,9 @@ def test_token_stream_drops_and_counts_frames_without_the_key():
     frames (and a replay of a real one) are dropped before they are decoded, and counted."""
     import zmq
 
-    from cluster.frame_auth import TOKEN_STREAM, FrameSigner
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
-    from router.token_stream import TokenStreamReceiver
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
+    from router.streams.token_stream import TokenStreamReceiver
 
     async def main():
         rx = TokenStreamReceiver("127.0.0.1", secret=SECRET)
@@ -222,10 +222,10 @@ def test_token_stream_drops_and_counts_frames_without_the_key():
 def test_stats_sink_drops_and_counts_frames_without_the_key(tmp_path):
     import zmq
 
-    from cluster.frame_auth import STATS_SINK, FrameSigner
-    from cluster.stream_messages import DecodeStepRecord, StepRecordBatch, encode
+    from cluster.wire.frame_auth import STATS_SINK, FrameSigner
+    from cluster.wire.stream_messages import DecodeStepRecord, StepRecordBatch, encode
     from router.channel.server import RouterServer
-    from router.metrics import RouterMetrics
+    from router.stats.metrics import RouterMetrics
 
     async def main():
         rs = RouterServer(f"ipc://{tmp_path}/router", "127.0.0.1", RouterMetrics("m"), secret=SECRET)
@@ -256,8 +256,8 @@ def test_stats_sink_drops_and_counts_frames_without_the_key(tmp_path):
 def test_no_pickle_on_our_sockets():
     """The modules that own a socket or the store (gateway, router, token stream and publisher, KV
     transports, messages) do not import pickle, cloudpickle or dill, nor call torch.load."""
-    files = [*ROOT.glob("router/**/*.py"), *ROOT.glob("cluster/transport/*.py"), ROOT / "cluster/messages.py",
-             ROOT / "cluster/stream_messages.py", ROOT / "deploy/api_server.py",
+    files = [*ROOT.glob("router/**/*.py"), *ROOT.glob("cluster/transport/*.py"), ROOT / "cluster/wire/messages.py",
+             ROOT / "cluster/wire/stream_messages.py", ROOT / "deploy/api_server.py",
              ROOT / "decode_worker/token_publisher.py", ROOT / "prefill_worker/prefill_worker.py"]
     assert len(files) > 10
     bad = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill)\b|pickle\.loads?\(|torch\.load\(|"

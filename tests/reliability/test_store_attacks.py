@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from cluster.messages import Reservation
+from cluster.wire.messages import Reservation
 from cluster.transport.authenticated_store import AuthenticatedStore
 from cluster.transport.base import KVSend
 from cluster.transport.factory import TransportSpec, create_transport

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import MODEL, start_cluster, wait_clean, worker_stats
 
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import MODEL, start_cluster, stream_completion, wait_clean
 
 

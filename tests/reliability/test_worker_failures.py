@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import start_cluster, wait_clean
 from test_worker_death import _busiest, _kill, _prompts, _run_and_kill, _serves
 

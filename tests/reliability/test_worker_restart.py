@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from reliability_harness import MODEL, start_cluster, wait_clean, worker_stats
 from test_worker_death import _busiest, _prompts, _run_and_kill, hold_prefill
 

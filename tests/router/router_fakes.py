@@ -1,6 +1,6 @@
 """Test doubles of the prefill and decode workers, with the real actors' APIs.
 
-`FakeDecodeWorker` runs `cluster.engine.LLMEngine` on its own thread and hands one TokenBatch per
+`FakeDecodeWorker` runs `cluster.engine.engine.LLMEngine` on its own thread and hands one TokenBatch per
 engine step to the real `TokenPublisher` (detokenization, stop strings, each gateway's text over
 ZMQ), exactly like the real decode worker; its greedy outputs are the reference engine's by
 construction. Reservations hold KV blocks
@@ -22,11 +22,11 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster.engine import LLMEngine
-from cluster.messages import (GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenBatch,
+from cluster.engine.engine import LLMEngine
+from cluster.wire.messages import (GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest, TokenBatch,
                               TokenDelta, WorkerStats)
-from cluster.sequence import SequenceStatus
-from cluster.worker_config import WorkerConfig
+from cluster.engine.sequence import SequenceStatus
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.token_publisher import TokenPublisher
 
 
@@ -255,7 +255,7 @@ class StubWorker:
         self.refuse = False  # reserve / submit_local answer None (full)
         self.prefill_ok = True
         self.lost_ids: set[str] = set()
-        self.prefill_rate = self.decode_rate = None  # cluster.pass_rate.PassRate, as measured
+        self.prefill_rate = self.decode_rate = None  # cluster.worker.pass_rate.PassRate, as measured
         self.calls: list[tuple] = []
 
     def _called(self, *call) -> None:

@@ -118,10 +118,10 @@ def test_the_gateway_answers_each_refusal_through_the_one_mapping(cls):
     gets are api_error's, from either endpoint."""
     from fastapi.testclient import TestClient
 
-    from router.metrics import GatewayMetrics
+    from router.stats.metrics import GatewayMetrics
     from router.openai.gateway import Gateway, GatewayConfig
     from router.openai.routes import build_app
-    from router.token_stream import TokenStreamReceiver
+    from router.streams.token_stream import TokenStreamReceiver
 
     e = instance(cls)
     want = api_error(e)

@@ -2,7 +2,7 @@
 torch_dist transport on gloo, HTTP), serving with `--quantization fp8`, with `--kv-cache-dtype fp8`,
 and a compressed-tensors FP8 checkpoint written by that library, gives the greedy output of LLMEngine
 with the same settings (the engine is checked against a from-scratch FP8 reference in
-tests/cluster/test_engine_fp8.py). Every prompt is prefilled on the prefill worker (static placement,
+tests/cluster/engine/test_engine_fp8.py). Every prompt is prefilled on the prefill worker (static placement,
 threshold 0), so each one's K/V (e4m3 with the FP8 cache: its uint8 view on the wire) crosses the
 transport. A pair whose KV numerics differ is refused at pair formation (plan.check_pair_numerics)."""
 
@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 import serving_harness
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.sampling.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time there was a little", "The cat sat on the mat and looked at the",
            "In the beginning the sun rose over the hills and", "Hi"]

@@ -14,14 +14,14 @@ from collections import Counter
 import httpx
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits
-from router.metrics import RouterMetrics
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
+from router.requests.admission import AdmissionController, AdmissionLimits
+from router.stats.metrics import RouterMetrics
 from router.router import Router
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 from router_fakes import FakeDecodeWorker, FakePrefillWorker
 
 STALE = dict(stats_interval_s=30.0, reserve_wait_s=0.5)

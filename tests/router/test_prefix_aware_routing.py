@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
-from router.admission import AdmissionController, AdmissionLimits
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.router import Router
 from router.router_config import RouterConfig
-from router.worker_client import WorkerClient
+from router.workers.worker_client import WorkerClient
 
 
 @pytest.fixture(scope="module")

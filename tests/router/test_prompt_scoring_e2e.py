@@ -96,7 +96,7 @@ def test_vllm_prompt_logprobs_field(real_pd_cluster, reference_engine, hf_log_so
         chat_msgs = [{"role": "user", "content": prompt}]
         chat = client.chat.completions.create(model=MODEL, messages=chat_msgs, max_tokens=1, temperature=0.0,
                                               extra_body={"prompt_logprobs": k})
-        from cluster.tokenizer import encode_chat
+        from cluster.text.tokenizer import encode_chat
 
         for plp, pids in ((r.choices[0].prompt_logprobs, ids), (chat.prompt_logprobs, encode_chat(tok, chat_msgs))):
             pref = hf_log_softmax(pids)

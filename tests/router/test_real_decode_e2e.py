@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import wait_idle
 
 MODEL = "pdserve-demo"

@@ -10,7 +10,7 @@ import time
 import httpx
 import ray
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import completion_text, wait_idle
 
 MODEL = "pdserve-demo"
@@ -51,7 +51,7 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     assert len(remote) == 8
     for r in remote:
         # The parts follow the request gateway -> router -> prefill worker -> gateway, in order, and
-        # add up to its TTFT (router.step_stats.TTFTPoints).
+        # add up to its TTFT (router.stats.step_stats.TTFTPoints).
         parts = r["ttft_parts_ms"]
         assert list(parts) == ["admission", "placement", "dispatch", "prefill_queue", "forward", "sample", "delivery"]
         assert all(v >= 0 for v in parts.values()), (parts, r["ttft_points"])

@@ -8,15 +8,15 @@ import asyncio
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.worker.worker_config import WorkerConfig
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.errors import NoHealthyWorkerError
 from router.router import Router
 from router.router_config import RouterConfig
-from router.token_stream import TokenStreamReceiver
-from router.worker_client import WorkerClient
+from router.streams.token_stream import TokenStreamReceiver
+from router.workers.worker_client import WorkerClient
 from router_fakes import FakeDecodeWorker, FakePrefillWorker, StubWorker
 
 
@@ -139,8 +139,8 @@ def test_dead_worker_fails_its_requests_and_503_when_none_left(workers):
 def test_token_stream_dispatch_over_zmq():
     import zmq
 
-    from cluster.frame_auth import TOKEN_STREAM, FrameSigner
-    from cluster.stream_messages import StreamBatch, StreamDelta, encode
+    from cluster.wire.frame_auth import TOKEN_STREAM, FrameSigner
+    from cluster.wire.stream_messages import StreamBatch, StreamDelta, encode
 
     async def main():
         stream = TokenStreamReceiver(secret=b"k" * 32)
@@ -247,7 +247,7 @@ def test_removing_a_worker_fails_over_what_it_still_holds():
 
 
 def test_the_request_mix_is_the_arrival_stats_given():
-    from router.arrival_stats import ArrivalStats
+    from router.stats.arrival_stats import ArrivalStats
 
     async def main():
         arrivals = ArrivalStats(window_s=5.0)
@@ -269,7 +269,7 @@ def test_the_request_mix_is_the_arrival_stats_given():
 def test_draining_refuses_new_requests_with_503_and_a_new_config_reaches_every_part():
     from dataclasses import replace
 
-    from router.admission import DrainingError
+    from router.requests.admission import DrainingError
 
     async def main():
         router = _stub_router(decode=[StubWorker("d0", "decode")])

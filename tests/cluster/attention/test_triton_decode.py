@@ -52,9 +52,9 @@ def test_kernel_matches_reference_float32(b, heads, kv_heads, head_dim, ctx, win
 
 
 def test_registered_as_backend_and_decodes_like_torch_in_the_model(demo_model_dir):
-    from cluster.kv_cache import KVCacheSpec
+    from cluster.kv.kv_cache import KVCacheSpec
     from cluster.model.loader import load_model
-    from cluster.model_runner import ModelRunner, PrefillChunk
+    from cluster.engine.model_runner import ModelRunner, PrefillChunk
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert get_backend("triton").name == "triton"

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.distributed.step_messages import (DECODER, ENCODER, Chunk, DecodeStep, EagerDecode, PrefillPass,
                                                PromptLogprobsWant, SlotInit, Stop, pack_ids, unpack_ids)
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("msg", [

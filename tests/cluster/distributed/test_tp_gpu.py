@@ -82,8 +82,8 @@ def test_one_shot_all_reduce_equals_nccl_and_replays_in_a_graph():
 
 
 def test_tp2_engine_equals_one_gpu_engine(demo_model_dir):
-    from cluster.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
+    from cluster.engine.engine import LLMEngine
+    from cluster.sampling.sampling_params import SamplingParams
 
     prompts = _prompts(0, [1, 9, 64, 157, 300])
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -102,11 +102,11 @@ def test_tp2_decode_worker_with_graphs_equals_the_engine(demo_model_dir):
     from test_decode_worker import Collector
 
     from cluster.distributed.rank_launcher import ProcessRankLauncher
-    from cluster.engine import LLMEngine
-    from cluster.messages import GenerateRequest
-    from cluster.sampling_params import SamplingParams
-    from cluster.worker_config import WorkerConfig
-    from cluster.worker_model import lead_group
+    from cluster.engine.engine import LLMEngine
+    from cluster.wire.messages import GenerateRequest
+    from cluster.sampling.sampling_params import SamplingParams
+    from cluster.worker.worker_config import WorkerConfig
+    from cluster.engine.worker_model import lead_group
     from decode_worker.decode_worker import DecodeWorker
     from decode_worker.rank_follower import run_decode_rank
 

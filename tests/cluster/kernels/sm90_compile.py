@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from cluster.attention import triton_decode
 from cluster.kernels import (decode_step_inputs, fp8_gemm, fp8_gemm_configs, fp8_quant, logits_processing, logprobs,
                              prefill_attention, rmsnorm, rotary_kv, sampling, silu_mul, token_bitmask)
-from cluster.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
+from cluster.sampling.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 

@@ -7,8 +7,8 @@ from triton_interpreter import use_interpreter_without_cuda
 use_interpreter_without_cuda()  # before triton is imported
 
 from cluster.kernels import logits_processing, logprobs, reference  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.sampling_state import SamplingState  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
+from cluster.sampling.sampling_state import SamplingState  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V = 20000  # three chunks: bias entries and bad words land in every one
@@ -92,7 +92,7 @@ def test_token_logprobs_match_reference(k):
 
 @pytest.mark.gpu
 def test_features_step_replays_in_a_cuda_graph():
-    from cluster.sampler import SamplingTensors, StepOutputs, sample_step
+    from cluster.sampling.sampler import SamplingTensors, StepOutputs, sample_step
 
     state, slots = _state()
     rows = _row_slots(slots)

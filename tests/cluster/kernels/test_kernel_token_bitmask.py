@@ -8,7 +8,7 @@ use_interpreter_without_cuda()  # before triton is imported
 
 from cluster import kernels  # noqa: E402
 from cluster.kernels import reference, token_bitmask  # noqa: E402
-from cluster.sampling_state import bitmask  # noqa: E402
+from cluster.sampling.sampling_state import bitmask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V = 9000  # three blocks of the kernel, not a multiple of 32

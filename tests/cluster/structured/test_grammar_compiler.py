@@ -11,7 +11,7 @@ from cluster.errors import CapacityError, InvalidRequestError
 from cluster.structured import GrammarCompiler, StructuredOutput, fill_bitmasks
 from cluster.structured.grammar import GrammarBackend, GrammarMatcher, bitmask_words
 from cluster.structured.registry import register_grammar_backend
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 
 VOCAB = 512
 EOS = (1, 4)

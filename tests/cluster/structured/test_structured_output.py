@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from cluster.errors import InvalidRequestError
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.structured import JSONTag, StructuredOutput, TaggedJSON
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"enum": ["x", "y"]}}, "required": ["b"]}

@@ -8,7 +8,7 @@ from cluster.errors import InvalidRequestError
 from cluster.structured import JSONTag, StructuredOutput, TaggedJSON
 from cluster.structured.grammar import bitmask_words
 from cluster.structured.registry import get_grammar_backend, grammar_backends
-from cluster.tokenizer import load_tokenizer
+from cluster.text.tokenizer import load_tokenizer
 
 pytest.importorskip("xgrammar")
 

@@ -11,14 +11,14 @@ from collections import defaultdict
 
 import torch
 
-from cluster.block_pool import PrefixCachingBlockPool
-from cluster.kv_cache import KVCacheSpec
-from cluster.messages import GenerateRequest, PrefillTask, Reservation
+from cluster.kv.block_pool import PrefixCachingBlockPool
+from cluster.kv.kv_cache import KVCacheSpec
+from cluster.wire.messages import GenerateRequest, PrefillTask, Reservation
 from cluster.model.config import ModelArchConfig
 from cluster.model.loader import load_model, resolve_dtype
-from cluster.model_runner import ModelRunner
-from cluster.sampler import SamplingTensors, sample
-from cluster.sampling_params import SamplingParams
+from cluster.engine.model_runner import ModelRunner
+from cluster.sampling.sampler import SamplingTensors, sample
+from cluster.sampling.sampling_params import SamplingParams
 from cluster.transport.base import KVSend, kv_cache_blocks
 from cluster.transport.factory import create_transport
 
@@ -87,7 +87,7 @@ class DecodeSide:
 def prefill_child(spec, worker_id, model_dir, in_q, out_q, opts):
     """Runs a PrefillWorker with a transport; tasks come on in_q as (task, abort_after_s | None)."""
     torch.set_num_threads(1)
-    from cluster.worker_config import WorkerConfig
+    from cluster.worker.worker_config import WorkerConfig
     from prefill_worker.prefill_worker import PrefillWorker
 
     cfg = WorkerConfig(model_dir=str(model_dir), num_blocks=opts.get("num_blocks", 256),

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from cluster.messages import KVHeader, Reservation
+from cluster.wire.messages import KVHeader, Reservation
 from cluster.transport.base import KVSend
 from cluster.transport.channel import Abort, Begin, Inbox, Outbox
 from cluster.transport.factory import TransportSpec, create_transport, store_factory

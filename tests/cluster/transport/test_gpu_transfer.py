@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 import loopback_pg  # noqa: E402
 
-from cluster.messages import Reservation  # noqa: E402
+from cluster.wire.messages import Reservation  # noqa: E402
 from cluster.transport.base import KVSend  # noqa: E402
 from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402

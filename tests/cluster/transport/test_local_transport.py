@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 
-from cluster.messages import KVHeader, Reservation  # noqa: E402
+from cluster.wire.messages import KVHeader, Reservation  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 
 

@@ -5,7 +5,7 @@ error naming both; an FP8 cache travels as its uint8 view (gloo and NCCL move by
 import pytest
 import torch
 
-from cluster.kv_cache import kv_numerics_tag
+from cluster.kv.kv_cache import kv_numerics_tag
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.transport.plan import KVNumerics, KVNumericsMismatch, check_pair_numerics
 

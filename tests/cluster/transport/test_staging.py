@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from cluster.messages import Reservation
+from cluster.wire.messages import Reservation
 from cluster.transport.base import KVSend
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.transport.pair import PeerDeadError

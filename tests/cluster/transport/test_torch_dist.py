@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.messages import PrefillTask, Reservation  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.wire.messages import PrefillTask, Reservation  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.base import kv_cache_blocks  # noqa: E402
 from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec  # noqa: E402
@@ -242,7 +242,7 @@ def test_prefill_killed_mid_transfer_fails_it_cleanly(demo_model_dir, store, die
 
 
 def test_killed_decode_fails_the_send_with_a_clear_error(demo_model_dir, store):
-    from cluster.messages import KVHeader
+    from cluster.wire.messages import KVHeader
     from cluster.transport.factory import create_transport
 
     spec = _spec(store, "killd", peer_timeout_s=1.0, transfer_timeout_s=30.0)

@@ -23,15 +23,15 @@ from test_decode_worker import Collector  # noqa: E402
 
 from cluster.distributed.rank_launcher import ProcessRankLauncher  # noqa: E402
 from cluster.distributed.sharding import kv_heads_of_rank  # noqa: E402
-from cluster.engine import LLMEngine  # noqa: E402
-from cluster.messages import GenerateRequest, PrefillTask, ReserveRequest  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+from cluster.wire.messages import GenerateRequest, PrefillTask, ReserveRequest  # noqa: E402
 from cluster.model.config import ModelArchConfig  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.rendezvous_store import start_store  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 from cluster.transport.plan import head_links  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
-from cluster.worker_model import lead_group  # noqa: E402
+from cluster.worker.worker_config import WorkerConfig  # noqa: E402
+from cluster.engine.worker_model import lead_group  # noqa: E402
 from decode_worker.decode_worker import DecodeWorker  # noqa: E402
 
 CASES = [("demo_model_dir", 1, 2), ("demo_model_dir", 2, 1), ("demo_model_dir", 2, 2), ("mistral_model_dir", 2, 1)]

@@ -44,7 +44,7 @@ def prefill_main(q_in, q_out, cfg, spec, dump_dir: str) -> None:
     source blocks); ("stop",) -> shuts down (the followers dump on the group's Stop)."""
     from cluster.distributed.rank_launcher import ProcessRankLauncher
     from cluster.transport.factory import create_transport
-    from cluster.worker_model import lead_group
+    from cluster.engine.worker_model import lead_group
     from prefill_worker.prefill_worker import PrefillWorker
 
     launcher = ProcessRankLauncher(prefill_rank, "p0", cfg, dump_dir)

@@ -12,20 +12,20 @@ import msgspec
 import pytest
 
 from cluster.errors import CapacityError, InvalidRequestError
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import StreamDelta
-from cluster.worker_config import WorkerConfig
-from router.admission import AdmissionController, AdmissionLimits
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.wire.stream_messages import StreamDelta
+from cluster.worker.worker_config import WorkerConfig
+from router.requests.admission import AdmissionController, AdmissionLimits
 from router.channel.client import RouterClient
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate, Query,
                                      Reply, RequestFailed, Submit, WireError, decode_to_gateway, decode_to_router,
                                      encode, error_from_wire, error_to_wire)
 from router.channel.server import RouterServer
 from router.errors import DrainingError, NoHealthyWorkerError, OverloadedError
-from router.metrics import RouterMetrics
+from router.stats.metrics import RouterMetrics
 from router.router import Router, RouterConfig, WorkerClient
-from router.token_stream import TokenStreamReceiver
+from router.streams.token_stream import TokenStreamReceiver
 from router_fakes import FakeDecodeWorker
 
 REQ = GenerateRequest("cmpl-1", (5, 6, 7), SamplingParams(max_tokens=9, temperature=0.5, top_k=3, seed=4,

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from cluster.tokenizer import encode_chat
+from cluster.text.tokenizer import encode_chat
 
 openai = pytest.importorskip("openai")
 

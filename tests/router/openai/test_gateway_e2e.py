@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from serving_harness import completion_text, wait_idle
 
 MODEL = "pdserve-demo"
@@ -92,7 +92,7 @@ def test_continuous_usage_counts_every_chunks_tokens(fake_cluster, reference_eng
 
 
 def test_chat_plain_http_and_streaming(fake_cluster, reference_engine):
-    from cluster.tokenizer import encode_chat
+    from cluster.text.tokenizer import encode_chat
 
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
     ids = encode_chat(reference_engine.tokenizer, msgs)
@@ -283,7 +283,7 @@ def test_health_ready_models_metrics(fake_cluster, demo_model_dir):
         assert name in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="pdserve-demo"}' in text
     # Per finished request: its prompt and generated token counts (vLLM's request_*_tokens histograms).
-    from cluster.tokenizer import encode_prompt, load_tokenizer
+    from cluster.text.tokenizer import encode_prompt, load_tokenizer
 
     prompt_len = len(encode_prompt(load_tokenizer(demo_model_dir), "hi"))
     before = _hist_count(text, "request_prompt_tokens")

@@ -26,11 +26,11 @@ from deploy.bounded_http import BoundedHttpToolsProtocol
 from router.channel.client import RouterClient
 from router.channel.server import RouterServer
 from router.errors import OverloadedError
-from router.metrics import GatewayMetrics, RouterMetrics
+from router.stats.metrics import GatewayMetrics, RouterMetrics
 from router.openai import gateway as gateway_module
 from router.openai.gateway import GRAMMAR_CHECK_THREADS, GRAMMAR_CHECKS_MAX, Gateway
 from router.openai.gateway_config import GatewayConfig
-from router.token_stream import TokenStreamReceiver
+from router.streams.token_stream import TokenStreamReceiver
 
 
 class _NoWorkers:

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.messages import GenerateRequest
-from cluster.sampling_params import SamplingParams
-from cluster.stream_messages import StreamDelta
-from router.metrics import GatewayMetrics
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.wire.stream_messages import StreamDelta
+from router.stats.metrics import GatewayMetrics
 from router.openai.generation import Generation
-from router.token_stream import TokenMailbox
+from router.streams.token_stream import TokenMailbox
 
 
 class FakeStream:

@@ -1,6 +1,6 @@
 """Logprobs and the sampling features through real HTTP with the official `openai` client: completions
 and chat, streaming and not, against the reference engine (whose logprobs equal a transformers
-log_softmax: tests/cluster/test_logprobs.py). `fake_cluster` decodes with the engine itself;
+log_softmax: tests/cluster/sampling/test_logprobs.py). `fake_cluster` decodes with the engine itself;
 `real_pd_cluster` with the real prefill worker (first token and its logprobs in the KV header) and the
 real decode worker (the features step of the graph runner; eager on CPU)."""
 
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import encode_bad_words, encode_chat
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import encode_bad_words, encode_chat
 
 openai = pytest.importorskip("openai")
 

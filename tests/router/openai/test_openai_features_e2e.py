@@ -11,8 +11,8 @@ import httpx
 import pytest
 from serving_harness import wait_clean
 
-from cluster.sampling_params import SamplingParams
-from cluster.tokenizer import encode_prompt
+from cluster.sampling.sampling_params import SamplingParams
+from cluster.text.tokenizer import encode_prompt
 
 openai = pytest.importorskip("openai")
 

@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
 from cluster.errors import InvalidRequestError
-from cluster.tokenizer import load_tokenizer
-from router.metrics import GatewayMetrics
+from cluster.text.tokenizer import load_tokenizer
+from router.stats.metrics import GatewayMetrics
 from router.openai.errors import APIError
 from router.openai.gateway_config import GatewayConfig
 from router.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest,

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from tool_chat_templates import TEMPLATES
 
 from cluster.errors import InvalidRequestError
-from cluster.tokenizer import encode_chat
+from cluster.text.tokenizer import encode_chat
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.serving_chat import _ChatChunks
 from router.openai.tool_calling import ToolCalling

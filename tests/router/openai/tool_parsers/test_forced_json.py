@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import SamplingParams
+from cluster.sampling.sampling_params import SamplingParams
 from router.openai.tool_parsers import FunctionTool
 from router.openai.tool_parsers.forced_json import (NamedCallParser, RequiredCallsParser, named_call_schema, named_tool,
                                                     required_calls_schema)

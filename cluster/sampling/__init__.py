@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters, their device tables, the batched sampler, logprobs, a model's generation defaults."""

@@ -1,0 +1,1 @@
+"""A request's way through the router: admission, the placement walk, migration after a failure."""

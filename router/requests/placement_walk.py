@@ -1,0 +1,257 @@
+"""PlacementWalk: places an admitted request on a decode worker, its prompt prefilled there or on a
+prefill worker.
+
+The walk: rank the decode workers (router.placement.placement's decode policy) and, for each in turn, decide
+where the prompt is prefilled (router.placement.local_prefill_policy over router.placement.prefill_cost_model) ->
+- local: `D.submit_local` (D prefills it in chunks between its decode steps);
+- remote: `D.reserve` (blocks for the prompt), then `P.submit` in the background (P computes the
+  prompt, ships its KV into the reserved blocks and returns timings);
+a None from D means it is full now: the next D in the ranking is tried, and D is not ranked again
+until a fresh poll. When no D takes it, the walk waits a poll interval and walks again, until
+admission's reserve-wait rule answers 429 (or 503 once no decode worker is healthy).
+
+Every placement is counted on the workers' views from the moment it is decided (WorkerView.begin),
+before the call goes out, so that concurrent placements awaiting their calls see each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
+from router.requests.admission import AdmissionController
+from router.stats.arrival_stats import ArrivalStats
+from router.placement.kv_index import KVBlockIndex
+from router.placement.local_prefill_policy import LOCAL_PREFILL_POLICIES
+from router.stats.metrics import RouterMetrics
+from router.placed_request import Notify, PlacedRequest, Prefilled
+from router.placement.placement import PlacementPolicies, WorkerView
+from router.placement.prefill_cost_model import PrefillCostModel
+from router.router_config import RouterConfig
+from router.workers.worker_health import Spawn, WorkerHealth
+from router.workers.worker_set import WorkerSet
+
+log = logging.getLogger(__name__)
+
+# (worker id, worker-side request id, error or None): drops the request on that worker, in the
+# background; with an error, a decode worker ends its stream with it (router.Router.abort_on).
+AbortOn = Callable[[str | None, str, str | None], None]
+
+
+class PlacementWalk:
+    def __init__(self, workers: WorkerSet, cfg: RouterConfig, policies: PlacementPolicies,
+                 admission: AdmissionController, health: WorkerHealth, kv_index: KVBlockIndex, arrivals: ArrivalStats,
+                 inflight: dict[str, PlacedRequest], notify: Notify, prefilled: Prefilled, abort_on: AbortOn,
+                 spawn: Spawn, metrics: RouterMetrics | None = None):
+        """inflight: the router's admitted requests (shared). notify / prefilled: tell a request's
+        gateway that a worker failed it / that its prompt is computed."""
+        self.workers = workers
+        self.cfg = cfg
+        self.policies = policies
+        self.prefill_choice = LOCAL_PREFILL_POLICIES.create(cfg.prefill_placement, threshold=cfg.local_prefill_threshold)
+        self.cost = PrefillCostModel(cfg.itl_cost_weight)
+        self.admission = admission
+        self.health = health
+        self.kv_index = kv_index
+        self.arrivals = arrivals
+        self.inflight = inflight
+        self.notify = notify
+        self.prefilled = prefilled
+        self.abort_on = abort_on
+        self.spawn = spawn
+        self.metrics = metrics
+
+    def cached_blocks(self, req: GenerateRequest, role: str = "decode") -> dict[str, int]:
+        """The prompt's leading blocks each worker of `role` reported caching (empty when no policy
+        keeps the index for it): a decode worker holding them needs only the rest of the prompt's
+        blocks free, as its reservation pins the cached ones; a cached prefix is not computed again
+        (the prefill cost model). Stale entries only cost a refused reservation or a misestimate."""
+        if role not in self.policies.indexed_roles or self.kv_index.block_size is None:
+            return {}
+        return self.kv_index.overlap(self.kv_index.hashes(req.prompt_token_ids), self.workers.ids(role))
+
+    async def place(self, rs: PlacedRequest, wait_s: float | None = None, wait_for_restart: bool = False) -> None:
+        """Places the request, waiting up to `wait_s` (default reserve_wait_s) for a decode worker with
+        room. A migration waits longer (migration_wait_s): the request was admitted, its client is
+        still reading, and the blocks it needs may be held by the dead worker's transfers a moment more.
+        With `wait_for_restart` it also waits while no decode worker is healthy (one is restarting)."""
+        req = rs.request
+        prompt_len = len(req.prompt_token_ids)
+        need = self.admission.decode_blocks_for(prompt_len)
+        cached = self.cached_blocks(req)
+        bs = self.kv_index.block_size or 0
+        cached_tokens = {w: n * bs for w, n in {**self.cached_blocks(req, "prefill"), **cached}.items()}
+        wait_s = self.cfg.reserve_wait_s if wait_s is None else wait_s
+        started = time.monotonic()
+        mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
+        while True:
+            prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
+            for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
+                ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
+                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
+                rs.decode_worker_id = d.worker_id
+                # What the placement takes out of the worker's free blocks until its next stats
+                # report: all of the prompt's, cached or not (a hit pins evictable cached blocks,
+                # which the worker counts as free; AdmissionController.admit says why).
+                new_blocks = need
+                if choice.local:
+                    ok = await self._try_local(rs, d, new_blocks)
+                else:
+                    ok = await self._try_disaggregated(rs, d, choice.prefill, new_blocks)
+                if ok:
+                    if self.metrics:
+                        self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
+                    return
+            rs.decode_worker_id = None
+            if not wait_for_restart:
+                self.admission.check_healthy(self.workers.of("decode"))
+            self.admission.check_placement_wait(time.monotonic() - started, wait_s)
+            await asyncio.sleep(self.cfg.stats_interval_s)
+
+    async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
+        wrid = rs.worker_request_id
+        d.begin(wrid, need, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
+        try:
+            cached = await self.workers.clients[d.worker_id].submit_local(rs.request, timeout=self.cfg.call_timeout_s)
+        except Exception as e:
+            d.rollback(wrid)
+            self._raise_refusal(rs, e)
+            self.health.call_failed(d, e)
+            return False
+        except BaseException:
+            d.rollback(wrid)
+            raise
+        if cached is None:
+            d.rollback(wrid)
+            self._refused(d)
+            return False
+        d.ack(wrid)
+        rs.local_prefill = rs.prefill_done = True
+        rs.cached_tokens = cached
+        self._placed(rs, d)
+        self.prefilled(rs)
+        if self.metrics:
+            self.metrics.local_prefills.inc()
+        return True
+
+    async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, p: WorkerView, need: int) -> bool:
+        wrid = rs.worker_request_id
+        d.begin(wrid, need, 0)
+        p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+        self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
+        call = asyncio.ensure_future(self.workers.clients[d.worker_id].reserve(
+            ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s))
+        try:
+            res: Reservation | None = await asyncio.shield(call)
+        except BaseException as e:
+            d.rollback(wrid)
+            p.rollback(wrid)
+            if isinstance(e, Exception):
+                self._raise_refusal(rs, e)
+                self.health.call_failed(d, e)
+                return False
+            # NOTE: cancelled (the client left) while D reserved. Once D has reserved, P must hear of
+            # it: D's receiver takes a pair's transfers in transfer_seq order, so a reservation P is
+            # never told about would hold up every later transfer from P to D (until D's expect
+            # timeout). The reservation finishes in the background and is handed to P, aborted.
+            call.add_done_callback(lambda f: self._hand_off_orphan(f, rs, p))
+            raise
+        if res is None:
+            d.rollback(wrid)
+            p.rollback(wrid)
+            self._refused(d)
+            return False
+        d.ack(wrid, len(res.block_ids))
+        self._placed(rs, d)
+        rs.prefill_worker_id = p.worker_id
+        p.inflight.add(rs.request_id)
+        p.placed_total += 1
+        self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
+        return True
+
+    @staticmethod
+    def _raise_refusal(rs: PlacedRequest, e: Exception) -> None:
+        """A worker's refusal of this one request (an error class with `worker_refusal`, e.g. the 429
+        of a worker whose grammar compiles are all taken) ends the placement with it: the request is
+        refused, and the worker is not counted as failing."""
+        cause = getattr(e, "cause", e)  # (Ray wraps what an actor raised; .cause is the original)
+        if getattr(cause, "worker_refusal", False):
+            rs.decode_worker_id = None
+            raise cause from None
+
+    def _hand_off_orphan(self, call: asyncio.Future, rs: PlacedRequest, p: WorkerView) -> None:
+        """A reservation made for a request that was given up meanwhile: P gets the task and its abort
+        right after (Ray starts one caller's calls in order), so P tells D there is no KV."""
+        if call.cancelled() or call.exception() is not None or call.result() is None:
+            return
+        res: Reservation = call.result()
+        self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
+        self.abort_on(p.worker_id, res.request_id, None)
+
+    def _placed(self, rs: PlacedRequest, d: WorkerView) -> None:
+        d.placed_total += 1
+        d.inflight.add(rs.request_id)
+
+    def _refused(self, d: WorkerView) -> None:
+        # D is full right now: not ranked again until a fresh poll says otherwise (asked at once).
+        d.refused = True
+        self.spawn(self.health.poll(d))
+        if self.metrics:
+            self.metrics.reserve_retries.inc()
+
+    async def _run_prefill(self, rs: PlacedRequest, p: WorkerView, task: PrefillTask) -> None:
+        rid, wrid = rs.request_id, rs.worker_request_id
+        error = None
+        result: PrefillResult | None = None
+        try:
+            # NOTE: acked when the call goes out, not when it returns (after prefill + transfer): Ray
+            # starts an actor's calls from one caller in order, so any stats poll issued after this
+            # line already sees the prompt in P's queue. No await between ack and the call.
+            p.ack(wrid)
+            rs.dispatched_time = time.time()
+            result: PrefillResult = await self.workers.clients[p.worker_id].submit(task,
+                                                                                   timeout=self.cfg.prefill_timeout_s)
+            rs.prefill_result = result
+            if not result.ok:
+                error = result.error or "prefill failed"
+            elif result.transfer_s > 0:
+                self.cost.observe_transfer(len(task.request.prompt_token_ids), result.transfer_s)
+            if result.ok and self.metrics:  # its queue and prefill phases are observed when it finishes
+                self.metrics.kv_transfer.observe(result.transfer_s)
+                self.metrics.kv_transfer_size.observe(result.transfer_bytes)
+                self.metrics.kv_transfer_bytes.inc(result.transfer_bytes)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = f"prefill worker {p.worker_id} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.health.call_failed(p, e)
+        finally:
+            p.forget(wrid)
+            current = rs.worker_request_id == wrid  # not migrated meanwhile
+            if current:
+                rs.prefill_done = True
+                p.inflight.discard(rid)
+                # Sent whatever the outcome, also for a request its gateway already finished: the
+                # gateway's reply waits for it (the decode worker's last token may come first).
+                rs.cached_tokens = result.cached_tokens if result is not None else 0
+                self.prefilled(rs)
+        if error is not None and current and rid in self.inflight and rs.lost is None:
+            log.warning("request %s: %s", rid, error)
+            if self.cfg.migrate_on_worker_death:
+                # The prompt's computation or its KV transfer failed (its first token may have reached
+                # the client already: the prefill worker sends it before the commit): a failure of the
+                # cluster, not of the request. Its gateway's Migrate places it again, never through
+                # this pair again (a wedged pair fails every transfer until it is formed anew).
+                rs.lost = error
+                if rs.decode_worker_id is not None:
+                    rs.avoid_pairs.add((p.worker_id, rs.decode_worker_id))
+            self.notify(rs, error)
+            # HAZARD: the notice and the decode worker's end of the placement reach the gateway on two
+            # channels, in either order. Ended as a plain abort, a stream read before the notice
+            # finished as if complete, with no text (CI, test_prefill_worker_death_retries_elsewhere):
+            # ended with the same error, either one makes the gateway migrate (or end) the request.
+            self.abort_on(rs.decode_worker_id, wrid, error)

@@ -1,0 +1,84 @@
+"""WorkerClient: the router's handle on one worker.
+
+Its methods are the worker interface the router uses (cluster.worker_api: WorkerAPI, DecodeWorkerAPI,
+PrefillWorkerAPI), awaitable and each under its own timeout, so that every call the router makes is
+a typed method call: `await client.reserve(ReserveRequest(...), timeout=30.0)`. The handle is a Ray
+actor handle (each call goes out as `handle.<method>.remote(...)`) or, in unit tests, a plain
+in-process object (sync or async methods). tests/cluster/test_worker_api.py checks that these
+signatures are the Protocols' and the actors'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable
+
+from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
+                              WorkerStats)
+
+try:  # the router runs without Ray in unit tests; with Ray, a dead actor is recognised at once
+    from ray.exceptions import RayActorError as ActorDead
+except ImportError:  # pragma: no cover
+    class ActorDead(Exception):  # type: ignore[no-redef]
+        pass
+
+
+async def with_timeout(aw, timeout: float | None):
+    """`await aw`, failing with TimeoutError after `timeout` s. Not asyncio.wait_for: on Python 3.11
+    it can swallow a cancellation that arrives while its inner future completes (the awaiting task
+    then runs on as if never cancelled). asyncio.timeout (3.11+) counts cancellations and has no such
+    window."""
+    if not timeout:
+        return await aw
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await aw
+    return await asyncio.wait_for(aw, timeout)  # pragma: no cover (Python 3.10)
+
+
+class WorkerClient:
+    def __init__(self, worker_id: str, role: str, handle: Any):
+        self.worker_id = worker_id
+        self.role = role  # "prefill" | "decode"
+        self.handle = handle
+
+    async def _call(self, method: Callable, *args, timeout: float | None):
+        """One call of a bound method of the handle (an actor method or a local one)."""
+        if hasattr(method, "remote"):
+            result = method.remote(*args)
+        else:
+            result = method(*args)
+            if not inspect.isawaitable(result):
+                return result
+        return await with_timeout(result, timeout)
+
+    # -- both roles (WorkerAPI) ---------------------------------------------------------------------
+    async def stats(self, *, timeout: float | None = None) -> WorkerStats:
+        return await self._call(self.handle.stats, timeout=timeout)
+
+    async def kv_events(self, epoch: str | None, seq: int, *, timeout: float | None = None) -> KVCacheEvents:
+        return await self._call(self.handle.kv_events, epoch, seq, timeout=timeout)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        await self._call(self.handle.abort, request_id, timeout=timeout)
+
+    async def peer_died(self, peer: str, why: str, *, timeout: float | None = None) -> None:
+        await self._call(self.handle.peer_died, peer, why, timeout=timeout)
+
+    # -- decode workers (DecodeWorkerAPI) -------------------------------------------------------------
+    async def fail(self, request_id: str, error: str, *, timeout: float | None = None) -> None:
+        await self._call(self.handle.fail, request_id, error, timeout=timeout)
+
+    async def reserve(self, req: ReserveRequest, *, timeout: float | None = None) -> Reservation | None:
+        return await self._call(self.handle.reserve, req, timeout=timeout)
+
+    async def submit_local(self, req: GenerateRequest, *, timeout: float | None = None) -> int | None:
+        return await self._call(self.handle.submit_local, req, timeout=timeout)
+
+    async def lost(self, request_id: str, *, timeout: float | None = None) -> bool:
+        return await self._call(self.handle.lost, request_id, timeout=timeout)
+
+    # -- prefill workers (PrefillWorkerAPI) -----------------------------------------------------------
+    async def submit(self, task: PrefillTask, *, timeout: float | None = None) -> PrefillResult:
+        return await self._call(self.handle.submit, task, timeout=timeout)

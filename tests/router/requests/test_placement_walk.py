@@ -1,0 +1,167 @@
+"""PlacementWalk on its own (no Router, no Ray, no model): the walk over the ranked decode workers,
+local and remote prefill, refusals, the reserve-wait 429 and the no-worker 503, a failed prefill.
+The workers are router_fakes.StubWorker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.wire.messages import GenerateRequest
+from cluster.sampling.sampling_params import SamplingParams
+from router.requests.admission import AdmissionController, AdmissionLimits, NoHealthyWorkerError, OverloadedError
+from router.stats.arrival_stats import ArrivalStats
+from router.placement.kv_index import KVBlockIndex
+from router.placed_request import PlacedRequest
+from router.placement.placement import PlacementPolicies
+from router.requests.placement_walk import PlacementWalk
+from router.router_config import RouterConfig
+from router.workers.worker_client import WorkerClient
+from router.workers.worker_health import WorkerHealth
+from router.workers.worker_set import WorkerSet
+from router_fakes import StubWorker
+
+
+class Harness:
+    """A PlacementWalk wired as the Router wires it, recording what it tells the rest of the router."""
+
+    def __init__(self, prefill: list[StubWorker], decode: list[StubWorker], **cfg):
+        cfg = RouterConfig(**{"stats_interval_s": 0.01, "reserve_wait_s": 0.05, "prefill_placement": "static", **cfg})
+        self.workers = WorkerSet([WorkerClient(w.worker_id, "prefill", w) for w in prefill],
+                                 [WorkerClient(w.worker_id, "decode", w) for w in decode])
+        self.inflight: dict[str, PlacedRequest] = {}
+        self.notified: list[tuple[str, str]] = []
+        self.prefilled: list[str] = []
+        self.aborted: list[tuple[str | None, str, str | None]] = []
+        self.tasks: set[asyncio.Task] = set()
+        index = KVBlockIndex()
+        policies = PlacementPolicies.create(cfg.prefill_policy, cfg.decode_policy, index)
+        self.health = WorkerHealth(self.workers, cfg, index, policies.indexed_roles, self.inflight,
+                                   notify=self.notify, rejoin=None, spawn=self.spawn, polled=lambda: None)
+        self.admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, retry_after_s=2))
+        self.walk = PlacementWalk(self.workers, cfg, policies, self.admission, self.health, index, ArrivalStats(),
+                                  self.inflight, notify=self.notify, prefilled=lambda rs: self.prefilled.append(rs.request_id),
+                                  abort_on=lambda wid, rid, error: self.aborted.append((wid, rid, error)), spawn=self.spawn)
+
+    def notify(self, rs, error) -> None:
+        self.notified.append((rs.request_id, error))
+
+    def spawn(self, coro, name=None) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return t
+
+    async def settle(self) -> None:
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
+
+    def request(self, rid: str, n: int = 20) -> PlacedRequest:
+        rs = self.inflight[rid] = PlacedRequest(GenerateRequest(rid, tuple(range(5, 5 + n)),
+                                                                SamplingParams(max_tokens=4), 0, 0.0))
+        return rs
+
+
+def test_a_full_decode_worker_is_skipped_for_the_next_and_polled_again():
+    async def main():
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        h = Harness([], [d0, d1])
+        await h.health.poll_once()
+        d0.refuse = True  # the freest-looking worker says no
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        await h.settle()
+        assert rs.decode_worker_id == "d1" and rs.local_prefill and rs.prefill_done and h.prefilled == ["r1"]
+        assert d0.names() == ["stats", "submit_local", "stats"]  # refused, then asked for fresh stats
+        assert "r1" in h.workers.views["d1"].inflight and h.workers.views["d1"].placed_total == 1
+    asyncio.run(main())
+
+
+def test_no_taker_within_the_wait_is_429():
+    async def main():
+        d0 = StubWorker("d0", "decode")
+        h = Harness([], [d0])
+        await h.health.poll_once()
+        d0.refuse = True
+        with pytest.raises(OverloadedError) as e:
+            await h.walk.place(h.request("r1"))
+        assert "within 0.05s" in str(e.value) and e.value.retry_after_s == 2
+        assert not h.workers.views["d0"].placing  # nothing left counted on the worker
+    asyncio.run(main())
+
+
+def test_no_healthy_decode_worker_is_503_unless_a_restart_is_awaited():
+    async def main():
+        d0 = StubWorker("d0", "decode")
+        h = Harness([], [d0])  # never polled: not healthy
+        with pytest.raises(NoHealthyWorkerError):
+            await h.walk.place(h.request("r1"))
+        with pytest.raises(OverloadedError):  # a migration waiting for a restart waits its time instead
+            await h.walk.place(h.request("r2"), 0.05, wait_for_restart=True)
+    asyncio.run(main())
+
+
+def test_a_failed_call_counts_against_the_worker_and_the_next_one_takes_it():
+    async def main():
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        h = Harness([], [d0, d1], unhealthy_after_failures=1)
+        await h.health.poll_once()
+        d0.fail = ConnectionError("gone")
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        assert rs.decode_worker_id == "d1" and not h.workers.views["d0"].healthy
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_workers_own_429_refuses_the_request_and_is_no_failure(remote):
+    """A decode worker whose grammar compiles are all taken raises CapacityError (through Ray: a
+    RayTaskError whose cause it is): the request gets that 429 at once, the worker stays healthy
+    and nothing stays counted on it."""
+    from ray.exceptions import RayTaskError
+
+    from cluster.errors import CapacityError
+
+    async def main():
+        d0 = StubWorker("d0", "decode")
+        h = Harness([StubWorker("p0", "prefill")] if remote else [], [d0], unhealthy_after_failures=1)
+        await h.health.poll_once()
+        busy = CapacityError("2 structured-output grammars are compiling on this worker (its limit); retry shortly")
+        d0.fail = RayTaskError("reserve" if remote else "submit_local", "traceback", busy).as_instanceof_cause()
+        rs = h.request("r1")
+        with pytest.raises(CapacityError) as refused:
+            await h.walk.place(rs)
+        assert refused.value is busy and rs.decode_worker_id is None
+        v = h.workers.views["d0"]
+        assert v.healthy and v.consecutive_failures == 0 and not v.inflight and not v.placing
+    asyncio.run(main())
+
+
+def test_a_remote_prefill_reserves_on_the_decode_worker_then_runs_on_the_prefill_worker():
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), StubWorker("d0", "decode")
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        assert rs.prefill_worker_id == "p0" and "r1" in h.workers.views["p0"].inflight and not rs.prefill_done
+        await h.settle()
+        assert ("reserve", "r1", "p0") in d0.calls and ("submit", "r1") in p0.calls
+        assert rs.prefill_done and rs.prefill_result.ok and h.prefilled == ["r1"]
+        assert not h.workers.views["p0"].inflight and not h.workers.views["p0"].placing
+        assert not h.notified
+    asyncio.run(main())
+
+
+def test_a_failed_prefill_tells_the_gateway_and_frees_the_decode_side():
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), StubWorker("d0", "decode")
+        p0.prefill_ok = False
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        await h.walk.place(h.request("r1"))
+        await h.settle()
+        assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1", "prefill broke")]
+        assert h.prefilled == ["r1"]  # told all the same: a reply waiting for the notice never waits in vain
+    asyncio.run(main())
