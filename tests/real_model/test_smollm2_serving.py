@@ -2,9 +2,9 @@
 over real HTTP, against transformers loading the same file: greedy completions and chats equal token
 for token (streamed too), a chat stops at <|im_end|>, JSON-schema output validates, forced tool calls
 (named and "required") end with their call within 64 tokens, without a parser as with hermes, prompt
-logprobs equal, and the log-likelihood choices of the project's own multiple-choice task
-(benchmarks/real_model_task/facts.jsonl, lm-eval's request shape) are transformers' choices. The
-requests are benchmarks/real_model_requests.py's, which benchmarks/real_model_cpu.py records."""
+logprobs equal (the project's own multiple-choice task, scored by lm-eval against transformers:
+test_lm_eval.py). The requests are benchmarks/real_model_requests.py's, which
+benchmarks/real_model_cpu.py records."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import pytest
 
 from benchmarks.real_model_requests import (CITY_SCHEMA, FORCED_CHOICES, MODEL, PROMPTS, QUESTIONS, SCORED_TEXT,
                                             TIME_TOOL, TOOL_QUESTION, WEATHER_TOOL, chat_ids, forced_tool_call,
-                                            greedy_chat, greedy_completion, json_schema_chat, loglikelihood,
-                                            prompt_logprobs, task_items)
+                                            greedy_chat, greedy_completion, json_schema_chat, prompt_logprobs)
 
 openai = pytest.importorskip("openai")
 
@@ -117,25 +116,3 @@ def test_prompt_logprobs_equal_transformers(client, hf_smollm2, hf_log_softmax):
     assert lp[0] is None
     for j in range(1, len(ids)):
         assert math.isclose(lp[j], ref[j - 1, ids[j]].item(), abs_tol=ATOL), j
-
-
-def test_multiple_choice_loglikelihood_chooses_as_transformers(client, hf_smollm2, hf_log_softmax):
-    """The project's own task, scored as lm-eval scores it (context, then " " + choice), by the server
-    and by transformers: the same choice on every item (lm-eval itself: benchmarks/real_model_cpu.py)."""
-    tok = hf_smollm2[1]
-    items = task_items()
-    agree = correct = 0
-    for item in items:
-        ctx = tok(item["question"]).input_ids
-        ours, theirs = [], []
-        for choice in item["choices"]:
-            cont = tok(" " + choice, add_special_tokens=False).input_ids
-            ours.append(loglikelihood(client, ctx, cont))
-            lsm = hf_log_softmax(ctx + cont)
-            theirs.append(sum(lsm[len(ctx) + j - 1, t].item() for j, t in enumerate(cont)))
-            assert math.isclose(ours[-1], theirs[-1], abs_tol=1e-3)
-        pick = max(range(len(ours)), key=ours.__getitem__)
-        agree += pick == max(range(len(theirs)), key=theirs.__getitem__)
-        correct += pick == item["answer"]
-    assert agree == len(items)
-    assert correct >= len(items) // 2, "a trained model knows most of these facts"
