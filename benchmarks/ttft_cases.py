@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,30 +64,36 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | None:
-    """One streamed request; its TTFT (ms) to the chunk carrying its first token, None if it failed."""
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | str:
+    """One streamed request; its TTFT (ms) to the chunk carrying its first token, or why it failed."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     lines: list[tuple[float, bytes]] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return None
-        async for line in r.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                lines.append((time.perf_counter(), line.encode()))
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                    lines.append((time.perf_counter(), line.encode()))
+    except httpx.HTTPError as e:  # a dropped connection or a timeout fails this request, not the case
+        return repr(e)
     carried, _, err = token_chunks(lines)
-    return (carried[0][0] - t0) * 1e3 if carried and err is None else None
+    if not carried or err is not None:
+        return f"no token chunk: {err!r}"
+    return (carried[0][0] - t0) * 1e3
 
 
 def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, requests: int, seconds: float,
-             seed: int = 0) -> tuple[list[float], float, float]:
+             seed: int = 0) -> tuple[list[float], list[str], float, float]:
     """Runs the case: its users send until each made `requests` requests or `seconds` passed (whichever
-    comes first). -> (client TTFTs in ms, the window's start and end, time.time())."""
+    comes first). -> (client TTFTs in ms, the failed requests' reasons, the window's start and end,
+    time.time())."""
     rng = random.Random(seed)
     prefix = _ids(rng, case.cached_tokens, vocab)
     ttfts: list[float] = []
+    failures: list[str] = []
 
     async def user(client, i):
         r = random.Random(seed * 1000 + i)
@@ -96,8 +103,7 @@ def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, r
                 break
             got = await _stream(client, model, prefix + _ids(r, case.prompt_tokens - case.cached_tokens, vocab),
                                 output_tokens)
-            if got is not None:
-                ttfts.append(got)
+            (failures if isinstance(got, str) else ttfts).append(got)
 
     async def run() -> tuple[float, float]:
         limits = httpx.Limits(max_connections=case.users + 4)
@@ -109,7 +115,7 @@ def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, r
             return start, time.time()
 
     start, end = asyncio.run(run())
-    return ttfts, start, end
+    return ttfts, failures, start, end
 
 
 def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
@@ -152,13 +158,24 @@ def main(argv=None) -> int:
     poller = ServerStatsPoller(url, interval_s=0.25).start()
     try:
         for i, (case, output_tokens) in enumerate(todo):
-            ttfts, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests, args.seconds,
-                                     seed=i + 1)
-            time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
-            row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+            name = f"{args.model_name} {case.users}x{case.prompt_tokens}c{case.cached_tokens}"
+            try:
+                ttfts, failures, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests,
+                                                   args.seconds, seed=i + 1)
+                time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
+                row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+            except Exception as e:  # noqa: BLE001 - the case is named in `errors`; the next ones still run
+                traceback.print_exc()
+                doc.setdefault("errors", []).append(f"{name}: {e!r}")
+                out.write_text(json.dumps(doc, indent=1))
+                continue
             doc["rows"].append(row)
+            if failures:  # the row is over the requests that got a first token; the rest are named here
+                doc.setdefault("errors", []).append(
+                    f"{name}: {len(failures)} of "
+                    f"{len(failures) + len(ttfts)} requests failed (first: {failures[0]})")
             out.write_text(json.dumps(doc, indent=1))
-            print(json.dumps(row), flush=True)
+            print(json.dumps(row), f"failed {len(failures)}" if failures else "", flush=True)
     finally:
         poller.stop()
     return 0
