@@ -37,7 +37,7 @@ VOCAB=500
 if [ -n "${DRY_RUN:-}" ]; then
   MODEL_1B=$($PY -c 'from cluster.model.demo import ensure_demo_model as e; print(e())'); MODEL_8B=$MODEL_1B
   SERVE="--device cpu --dtype float32 --cpu-num-blocks 1024 --max-model-len 1024 --api-servers 1"
-  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8)
+  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8 --users-per-process 1)  # 2 users: 2 processes
   CASE_SECONDS=${CASE_SECONDS:-4}; LEVEL_SECONDS=${LEVEL_SECONDS:-3}
   SKIP="$SKIP,8b,"
 else
