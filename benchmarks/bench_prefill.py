@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -52,6 +53,32 @@ SLEEP_MS = 200  # queued ahead of a pass whose device time is measured: longer t
 
 def log(*a):
     print(*a, flush=True)
+
+
+def device_timing(times_ms: list[float], launches_s: list[float], reached: list[bool]) -> dict:
+    """_device_ms's verdict over its reps: the median event time is the pass's device time only if in no
+    rep the GPU reached the pass (the end of the sleep) before the host had enqueued all of it (a launch
+    time under the sleep does not prove that: the sleep starts before the host clock does, and its length
+    in cycles is calibrated at one clock rate)."""
+    launch_ms = statistics.median(launches_s) * 1e3
+    if any(reached):
+        return {"device_ms": None, "launch_ms": launch_ms, "host_sync": True}
+    return {"device_ms": statistics.median(times_ms), "launch_ms": launch_ms, "host_sync": False}
+
+
+def is_short_error(error: str) -> bool:
+    """An `errors` entry of run_short's ("<model> short ...")."""
+    return error.split(" ", 2)[1:2] == ["short"]
+
+
+def source_commit() -> str | None:
+    """The checkout's commit (None where the tree is a copy without git, as on the device machine)."""
+    try:
+        r = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+                           check=False, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() or None
 
 
 def sync(device: str) -> None:
@@ -163,9 +190,10 @@ class PrefillBench:
 
     def _device_ms(self, chunks, reps: int) -> dict:
         """The pass on the GPU alone: its launches are queued behind a sleep kernel, then CUDA events around
-        it time the kernels back to back. launch_ms (the host's enqueue time) must stay under the sleep; a
-        pass that waits on the GPU inside (an eager pass reading a device value on the host) cannot be timed
-        so: device_ms None and `host_sync` True (the caller takes the sum of its kernels' durations)."""
+        it time the kernels back to back. That holds only while the GPU is still in the sleep when the host
+        has enqueued the whole pass; a pass that waits on the GPU inside (the eager pass reads a device value
+        on the host) lets the sleep run out first, and its events then time host gaps too: device_ms None
+        and `host_sync` True (the caller takes the sum of its kernels' durations)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
@@ -173,7 +201,7 @@ class PrefillBench:
         end.record()
         torch.cuda.synchronize()
         cycles = int(10**7 * SLEEP_MS / start.elapsed_time(end))  # the sleep kernel counts clock cycles
-        times, launches = [], []
+        times, launches, reached = [], [], []
         for _ in range(reps):
             torch.cuda.synchronize()
             torch.cuda._sleep(cycles)
@@ -182,12 +210,10 @@ class PrefillBench:
             self.runner.prefill(chunks)
             end.record()
             launches.append(time.perf_counter() - t0)
+            reached.append(start.query())  # True: the GPU got to the pass before the host had enqueued it all
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-        launch_ms = statistics.median(launches) * 1e3
-        if launch_ms >= SLEEP_MS:
-            return {"device_ms": None, "launch_ms": launch_ms, "host_sync": True}
-        return {"device_ms": statistics.median(times), "launch_ms": launch_ms, "host_sync": False}
+        return device_timing(times, launches, reached)
 
     def _kernels(self, chunks) -> tuple[int, float]:
         """(kernels one pass runs on the GPU, the sum of their durations in ms); copies and memsets not
@@ -213,6 +239,8 @@ def main(argv=None):
     ap.add_argument("--out", default="loadtest/results/prefill_h200.json")
     ap.add_argument("--models", default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--commit", default=None,
+                    help="the source's commit, recorded with the short rows (default: git rev-parse, if a checkout)")
     ap.add_argument("--mode", choices=("mixes", "short", "all"), default="all",
                     help="the packed mixes (MFU), the short passes (graphed vs eager, mode: short), or both")
     args = ap.parse_args(argv)
@@ -229,7 +257,7 @@ def main(argv=None):
     if args.mode == "short" and out_path.exists():  # the other rows and fields stay; the short rows are replaced
         result = json.loads(out_path.read_text())
         result["rows"] = [r for r in result.get("rows", []) if r.get("mode") != "short"]
-        result.setdefault("errors", [])
+        result["errors"] = [e for e in result.get("errors", []) if not is_short_error(e)]  # replaced with the rows
     else:
         peak = matmul_tflops(device) if args.mode != "short" else None
         result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
@@ -237,7 +265,7 @@ def main(argv=None):
                   "flops": "2 x matmul weights per token (LM head: last token per prompt) + causal attention",
                   "rows": [], "errors": []}
     if args.mode != "mixes":
-        result["short"] = {"command": command, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        result["short"] = {"command": command, "commit": args.commit or source_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            "torch": torch.__version__, "graphs": {},
                            "note": "mode short: wall_ms = host call to logits on the device (median); device_ms = "
                                    "the pass alone on the GPU (events, launches queued behind a sleep); kernels per "

@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +52,7 @@ class Case:
     cached_tokens: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "Case":
+    def parse(cls, text: str) -> Case:
         """"UxP" or "UxPcC": U users, P-token prompts of which the first C are a shared (cached) prefix."""
         users, rest = text.split("x")
         prompt, _, cached = rest.partition("c")
@@ -63,30 +66,33 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | None:
-    """One streamed request; its TTFT (ms) to the chunk carrying its first token, None if it failed."""
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | str:
+    """One streamed request; its TTFT (ms) to the chunk carrying its first token, or why it failed."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     lines: list[tuple[float, bytes]] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return None
-        async for line in r.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                lines.append((time.perf_counter(), line.encode()))
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                    lines.append((time.perf_counter(), line.encode()))
+    except httpx.HTTPError as e:  # a dropped connection or a timeout fails this request, not the case
+        return repr(e)
     carried, _, err = token_chunks(lines)
-    return (carried[0][0] - t0) * 1e3 if carried and err is None else None
+    if not carried or err is not None:
+        return f"no token chunk: {err!r}"
+    return (carried[0][0] - t0) * 1e3
 
 
-def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, requests: int, seconds: float,
-             seed: int = 0) -> tuple[list[float], float, float]:
-    """Runs the case: its users send until each made `requests` requests or `seconds` passed (whichever
-    comes first). -> (client TTFTs in ms, the window's start and end, time.time())."""
-    rng = random.Random(seed)
-    prefix = _ids(rng, case.cached_tokens, vocab)
+def _run_users(url: str, model: str, users: range, prefix: list[int], unique: int, vocab: int, output_tokens: int,
+               requests: int, seconds: float, seed: int, start_at: float) -> tuple[list[float], list[str], float, float]:
+    """One process's share of a case's users, from wall-clock `start_at` on: each sends until it made
+    `requests` requests or `seconds` passed. -> (TTFTs in ms, failures' reasons, its start and end)."""
     ttfts: list[float] = []
+    failures: list[str] = []
 
     async def user(client, i):
         r = random.Random(seed * 1000 + i)
@@ -94,22 +100,49 @@ def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, r
         for _ in range(requests):
             if time.perf_counter() >= until:
                 break
-            got = await _stream(client, model, prefix + _ids(r, case.prompt_tokens - case.cached_tokens, vocab),
-                                output_tokens)
-            if got is not None:
-                ttfts.append(got)
+            got = await _stream(client, model, prefix + _ids(r, unique, vocab), output_tokens)
+            (failures if isinstance(got, str) else ttfts).append(got)
 
     async def run() -> tuple[float, float]:
-        limits = httpx.Limits(max_connections=case.users + 4)
+        limits = httpx.Limits(max_connections=len(users) + 4)
         async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
-            if prefix:  # the shared prefix into the cache first, outside the window
-                await _stream(client, model, prefix + _ids(rng, 1, vocab), 1)
+            await asyncio.sleep(max(0.0, start_at - time.time()))
             start = time.time()
-            await asyncio.gather(*(user(client, i) for i in range(case.users)))
+            await asyncio.gather(*(user(client, i) for i in users))
             return start, time.time()
 
     start, end = asyncio.run(run())
-    return ttfts, start, end
+    return ttfts, failures, start, end
+
+
+def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, requests: int, seconds: float,
+             seed: int = 0, users_per_process: int = 16) -> tuple[list[float], list[str], float, float]:
+    """Runs the case: its users send until each made `requests` requests or `seconds` passed (whichever
+    comes first), at most `users_per_process` of them on one process's event loop (one loop reading the
+    streams of 64 users of 256 tokens each can itself be the bottleneck: on one H200 at a9322c6 the client's
+    TTFT p50 was 193 ms where the server's was 21 ms). -> (client TTFTs in ms, the failed requests' reasons, the
+    window's start and end, time.time())."""
+    rng = random.Random(seed)
+    prefix = _ids(rng, case.cached_tokens, vocab)
+    if prefix:  # the shared prefix into the cache first, outside the window
+
+        async def warm():
+            async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+                await _stream(client, model, prefix + _ids(rng, 1, vocab), 1)
+
+        asyncio.run(warm())
+    shares = [range(i, min(i + users_per_process, case.users)) for i in range(0, case.users, users_per_process)]
+    common = (prefix, case.prompt_tokens - case.cached_tokens, vocab, output_tokens, requests, seconds, seed)
+    if len(shares) == 1:
+        results = [_run_users(url, model, shares[0], *common, start_at=0.0)]
+    else:  # spawned (not forked: this process runs the stats poller's thread); all start at one time
+        with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
+            start_at = time.time() + 3.0 + 0.1 * len(shares)  # past the children's imports
+            futures = [pool.submit(_run_users, url, model, share, *common, start_at=start_at) for share in shares]
+            results = [f.result() for f in futures]
+    ttfts = [t for r in results for t in r[0]]
+    failures = [f for r in results for f in r[1]]
+    return ttfts, failures, min(r[2] for r in results), max(r[3] for r in results)
 
 
 def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
@@ -141,24 +174,41 @@ def main(argv=None) -> int:
     ap.add_argument("--level-output-tokens", type=int, default=256, help="per request of a level (the ITL run's)")
     ap.add_argument("--requests", type=int, default=60, help="per user of a case, at most")
     ap.add_argument("--seconds", type=float, default=15.0, help="per case, at most")
+    ap.add_argument("--users-per-process", type=int, default=16,
+                    help="a case's users are spread over client processes of at most this many each")
     ap.add_argument("--out", required=True, help="JSON {rows: [...]}; rows already there are kept")
     args = ap.parse_args(argv)
+    if args.users_per_process < 1:
+        ap.error("--users-per-process must be >= 1")
     url = args.url.rstrip("/")
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     todo = [(Case.parse(c), args.output_tokens) for c in args.cases.split(",") if c]
     todo += [(Case(int(u), args.level_prompt), args.level_output_tokens) for u in args.levels.split(",") if u]
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    doc["client"] = (f"benchmarks.ttft_cases: httpx streams, at most {args.users_per_process} users per client process "
+                     "(each its own event loop)")
     poller = ServerStatsPoller(url, interval_s=0.25).start()
     try:
         for i, (case, output_tokens) in enumerate(todo):
-            ttfts, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests, args.seconds,
-                                     seed=i + 1)
-            time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
-            row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+            name = f"{args.model_name} {case.users}x{case.prompt_tokens}c{case.cached_tokens}"
+            try:
+                ttfts, failures, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests,
+                                                   args.seconds, seed=i + 1, users_per_process=args.users_per_process)
+                time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
+                row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+            except Exception as e:  # noqa: BLE001 - the case is named in `errors`; the next ones still run
+                traceback.print_exc()
+                doc.setdefault("errors", []).append(f"{name}: {e!r}")
+                out.write_text(json.dumps(doc, indent=1))
+                continue
             doc["rows"].append(row)
+            if failures:  # the row is over the requests that got a first token; the rest are named here
+                doc.setdefault("errors", []).append(
+                    f"{name}: {len(failures)} of "
+                    f"{len(failures) + len(ttfts)} requests failed (first: {failures[0]})")
             out.write_text(json.dumps(doc, indent=1))
-            print(json.dumps(row), flush=True)
+            print(json.dumps(row), f"failed {len(failures)}" if failures else "", flush=True)
     finally:
         poller.stop()
     return 0

@@ -10,7 +10,7 @@
 #   DRY_RUN=1 bash scripts/short_prefill_h200.sh /tmp/x       # CPU: the CPU tests, the dry-run bench, ttft's dry run
 #
 # Knobs: SKIP (comma-separated: tests,short,ttft; ttft_h200.sh's 1b,8b pass through), BUDGET (575),
-# TESTS_TIMEOUT (150), and ttft_h200.sh's.
+# TESTS_TIMEOUT (150), COMMIT (git's), and ttft_h200.sh's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -24,6 +24,9 @@ SKIP=",${SKIP:-},"
 skip() { [[ $SKIP == *",$1,"* ]]; }
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 BUDGET=${BUDGET:-575}
+# The source's commit, recorded in both results files: git's where this is a checkout, else COMMIT (the
+# device machine gets a copy of the tree without .git: pass COMMIT=<hash> there).
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 if ! skip tests; then
   if [ -n "${DRY_RUN:-}" ]; then  # the CPU tests of the runner (the padded pass through the interpreter is CI's)
@@ -42,7 +45,7 @@ if ! skip short; then
   else
     ARGS=(--models llama-1b-shape,llama-8b-shape)
   fi
-  timeout 300 $PY -m benchmarks.bench_prefill --mode short "${ARGS[@]}" --out "$OUT/prefill_h200.json" \
+  timeout 300 $PY -m benchmarks.bench_prefill --mode short "${ARGS[@]}" --commit "$COMMIT" --out "$OUT/prefill_h200.json" \
     > "$OUT/bench_short.log" 2>&1
   stamp "short passes exit $?"
   grep " short " "$OUT/bench_short.log"

@@ -12,7 +12,7 @@
 # 128-token prompts, 256 output tokens). prefill_h200.json's `mode: "short"` rows and the GPU tests of
 # the graphed prefill pass: scripts/short_prefill_h200.sh, which runs this script last.
 # Knobs: BUDGET (575), CASE_SECONDS (8), LEVEL_SECONDS (8), LEVELS, LEVELS_LIMIT (150: the levels stage's
-# share of the budget), SKIP (comma-separated: 1b,8b).
+# share of the budget), SKIP (comma-separated: 1b,8b), COMMIT (git's; the device's copy has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -22,6 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 T0=$(date +%s)
+SKIP_ARG=${SKIP:-}
 SKIP=",${SKIP:-},"
 skip() { [[ $SKIP == *",$1,"* ]]; }
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -29,13 +30,14 @@ BUDGET=${BUDGET:-575}; RESERVE=${RESERVE:-25}
 limit() { local want=$1 left=$(( BUDGET - RESERVE - ($(date +%s) - T0) )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
 RESULT="$OUT/ttft_h200.json"
 rm -f "$RESULT"
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 # Prompt ids are drawn below VOCAB: the random-weight shapes use the demo tokenizer (benchmarks/make_model.py).
 VOCAB=500
 if [ -n "${DRY_RUN:-}" ]; then
   MODEL_1B=$($PY -c 'from cluster.model.demo import ensure_demo_model as e; print(e())'); MODEL_8B=$MODEL_1B
   SERVE="--device cpu --dtype float32 --cpu-num-blocks 1024 --max-model-len 1024 --api-servers 1"
-  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8)
+  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8 --users-per-process 1)  # 2 users: 2 processes
   CASE_SECONDS=${CASE_SECONDS:-4}; LEVEL_SECONDS=${LEVEL_SECONDS:-3}
   SKIP="$SKIP,8b,"
 else
@@ -47,6 +49,15 @@ else
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 fi
 SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching"
+# The file's header (benchmarks.ttft_cases appends the rows and keeps it): this run's command, with the
+# knobs it ran under, the commit, and what served.
+$PY - "$RESULT" "$COMMIT" "SKIP=$SKIP_ARG BUDGET=$BUDGET CASE_SECONDS=$CASE_SECONDS LEVEL_SECONDS=$LEVEL_SECONDS \
+LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150}${DRY_RUN:+ DRY_RUN=1} bash scripts/ttft_h200.sh $1" "$SERVE" <<'PYEOF'
+import json, sys
+path, commit, command, serve = sys.argv[1:]
+json.dump({"command": command, "commit": commit, "serve_args": " ".join(serve.split()), "rows": [], "errors": []},
+          open(path, "w"), indent=1)
+PYEOF
 
 PID=""
 serve() {  # name model_dir shape: its random checkpoint first, then `pdserve serve` (log: serve_<name>.log)
