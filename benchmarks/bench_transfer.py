@@ -202,8 +202,10 @@ def prefill_proc(spec_d: dict, device: str, shape: KVShape, sizes, path, quick, 
         if src.is_cuda:
             torch.cuda.current_stream().synchronize()  # the draw's .tolist(): the compute stream only
         t_done = time.monotonic()
-        sh.commit({res.request_id: 7})
+        # Read before the call: the decode side can see the arrival before commit() returns here (this
+        # process descheduled after the send; seen on a loaded 2-core machine: commit_to_arrival < 0).
         t_commit = time.monotonic()
+        sh.commit({res.request_id: 7})
         st = sh.futures[res.request_id].result(timeout=120)
         t1 = time.monotonic()
         rows.append((seq, n, rep, st.bytes, c1 - c0, t0, t1 - t0, t_done, t_commit, t1 - t_done))

@@ -32,11 +32,15 @@ class FollowerRank(ABC):
         self.group = join_group(cfg, rank, rendezvous, **options)
         # This rank's part of the KV transport: it serves rank 0's calls from now on (its cache is
         # there before rank 0 can call: rank 0's own start-up waits for this rank's collectives).
-        self.calls = AgentHost(self.group, lambda: self.kv_cache)
+        self._loaded = threading.Event()
+        self.calls = AgentHost(self.group, self._loaded_kv_cache)
         self.cfg = rank_config(cfg, rank)
         # NOTE: loading the model and what `handlers` builds (graph capture) run collectives: the same,
         # in the same order, as rank 0's start-up.
-        self.wm = WorkerModel.load(self.cfg, self.group)
+        try:
+            self.wm = WorkerModel.load(self.cfg, self.group)
+        finally:
+            self._loaded.set()
         self.follower = RankFollower(self.group, self.handlers())
         self._thread = threading.Thread(target=self.run, name=f"tp-follower-{worker_id}-{rank}", daemon=True)
         if start:
@@ -48,6 +52,15 @@ class FollowerRank(ABC):
 
     @property
     def kv_cache(self):
+        return self.wm.kv_cache
+
+    def _loaded_kv_cache(self):
+        """The KV cache for rank 0's Attach (the RPC thread). HAZARD: rank 0 goes on once this rank
+        passed the last collective of WorkerModel.load, so its Attach can arrive before the load has
+        returned here (seen on a loaded 2-core machine: no attribute 'wm'); it waits for the load."""
+        self._loaded.wait()
+        if not hasattr(self, "wm"):
+            raise RuntimeError(f"rank {self.rank} of {self.worker_id} failed to load its model")
         return self.wm.kv_cache
 
     def run(self) -> str:

@@ -47,8 +47,8 @@ Failure: a peer whose heartbeat stalls peer_timeout_s, a claimed transfer silent
 or a payload error marks the peer dead: its channel is aborted (NCCL: ncclCommAbort) and every transfer
 with it fails, each only once its completion says nothing can still write the blocks.
 
-Threads: (both) a heartbeat thread, which on the prefill side also watches the peers of transfers in
-flight; one waiter per pair; (decode) the control thread, which owns the inbox, posts receives and runs
+Threads: (both) a heartbeat thread that only beats; (prefill) a watch thread for the peers of transfers
+in flight and the pairs to re-form; one waiter per pair; (decode) the control thread, which owns the inbox, posts receives and runs
 deadlines, cancels and liveness checks.
 
 The code, one object per concern, each given what it uses (like vLLM's KV connectors, one object per
@@ -145,6 +145,10 @@ class ControlledTransport(KVTransport):
             self.sender = SenderSide(self.link, self.payload)
         self._heartbeat = threading.Thread(target=self._beat, name=f"kv-heartbeat-{worker_id}", daemon=True)
         self._heartbeat.start()
+        self._watch: threading.Thread | None = None
+        if self.sender is not None:
+            self._watch = threading.Thread(target=self._watch_sends, name=f"kv-watch-{worker_id}", daemon=True)
+            self._watch.start()
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -229,8 +233,11 @@ class ControlledTransport(KVTransport):
         m.update(self.payload.metrics())
         return m
 
-    # -- the heartbeat thread -----------------------------------------------------------------------
+    # -- the heartbeat and watch threads -------------------------------------------------------------
     def _beat(self) -> None:
+        # HAZARD: nothing but the beat on this thread. Re-forming a pair (watch_pairs) blocks in its
+        # rendezvous for up to transfer_timeout_s; on this thread it stopped the beats, and the peer
+        # took this worker for dead after peer_timeout_s (seen: "silent for 16.9s" mid re-formation).
         link = self.link
         store, count = link.new_store(), 0
         while not link.closed.is_set():
@@ -239,14 +246,20 @@ class ControlledTransport(KVTransport):
                 link.beats.publish(store, count)
             except Exception:  # store gone: peers will see us as silent, which is the truth
                 pass
-            if self.sender is not None:
-                try:
-                    self.sender.watch_outgoing(store)
-                    self.sender.watch_pairs(store)  # broken by the decode side? re-form what broke
-                except Exception:  # noqa: BLE001
-                    if not link.closed.is_set():  # (closing: the store may be gone first)
-                        log.exception("watching KV transfers failed")
             link.closed.wait(link.spec.heartbeat_s)
+
+    def _watch_sends(self) -> None:
+        """The sender's watchers, every heartbeat_s: outgoing transfers past their deadlines, and pairs
+        the decode side broke (re-formed here)."""
+        link = self.link
+        store = link.new_store()
+        while not link.closed.wait(link.spec.heartbeat_s):
+            try:
+                self.sender.watch_outgoing(store)
+                self.sender.watch_pairs(store)  # broken by the decode side? re-form what broke
+            except Exception:  # noqa: BLE001
+                if not link.closed.is_set():  # (closing: the store may be gone first)
+                    log.exception("watching KV transfers failed")
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -258,6 +271,8 @@ class ControlledTransport(KVTransport):
             self._inbox.wake()
             self._control.join(timeout=5)
         self._heartbeat.join(timeout=5)
+        if self._watch is not None:
+            self._watch.join(timeout=5)
         with link.lock:
             pairs = list(link.pairs.values())
         for pair in pairs:

@@ -18,7 +18,7 @@ CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 def down_key(namespace: str, prefill: str, decode: str, decode_inc: int) -> str:
     """{ns}/down/P/D.i: the last generation of the pair that incarnation i of D broke (a stalled or
-    failed payload): the prefill re-forms the pair once it reads it (its heartbeat thread)."""
+    failed payload): the prefill re-forms the pair once it reads it (its watch thread)."""
     return f"{namespace}/down/{prefill}/{decode}.{decode_inc}"
 
 

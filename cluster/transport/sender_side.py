@@ -125,7 +125,7 @@ class SenderSide(KVSender):
 
     # -- pairs that break (not their peers) -----------------------------------------------------------
     def watch_pairs(self, store) -> None:
-        """Heartbeat thread: a pair the decode side broke (its down_key names the pair's generation)
+        """Watch thread: a pair the decode side broke (its down_key names the pair's generation)
         breaks here too; a broken pair whose peer still beats is formed anew (the next generation),
         so the cluster keeps its P->D path without a restart."""
         link = self.link
@@ -420,7 +420,7 @@ class SenderSide(KVSender):
                                         b.pair.peer))
 
     def watch_outgoing(self, store) -> None:
-        """Heartbeat thread: a peer with transfers in flight must stay alive and finish them in time."""
+        """Watch thread: a peer with transfers in flight must stay alive and finish them in time."""
         link = self.link
         now = time.monotonic()
         with link.lock:

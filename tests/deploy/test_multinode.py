@@ -87,6 +87,13 @@ def two_node_cluster():
             time.sleep(1)
         nodes.append(_ray_node([f"--address={address}", "--node-ip-address=127.0.0.1", '--resources={"decode": 1}',
                                 f"--dashboard-agent-listen-port={_free_port()}"], env))
+        # Until the second node has joined: `pdserve serve` fails at once on a cluster that can never
+        # place its workers (seen on a loaded machine: the head alone, "decode 0 in all").
+        deadline = time.monotonic() + 120
+        while "decode" not in subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status",
+                                              f"--address={address}"], env=env, capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline and nodes[-1].poll() is None, "the decode node did not join"
+            time.sleep(1)
         yield address, env
     finally:
         for p in reversed(nodes):

@@ -99,7 +99,7 @@ def test_a_forged_heartbeat_neither_kills_nor_revives_a_peer(store):
              old)  # a replay: valid, but older than what the prefill took already
     for seq, fake in enumerate(fakes):
         rogue.set(f"{ns}/hb/d", fake)
-        tp.sender.watch_outgoing(tp.link.store())  # what the heartbeat thread runs: the peer must stay alive
+        tp.sender.watch_outgoing(tp.link.store())  # what the watch thread runs: the peer must stay alive
         tp.link.check_incarnation(tp.link.store(), "d", td.incarnation)  # and not restarted
         _land(td, tp, seq, src, dst, blocks=(5 + 2 * seq, 6 + 2 * seq), srcb=(3 + seq,))
     assert "d" not in tp.metrics()["dead_peers"] and tp.metrics()["failures"] == 0
@@ -193,3 +193,32 @@ def test_the_store_rejects_values_moved_to_another_key(store):
     raw.set("b/ctl/d", raw.get("a/ctl/d"))  # a valid value, copied under another key
     assert st.read("a/ctl/d") == b"endpoint" and st.read("b/ctl/d") is None
     assert not st.check(["b/ctl/d"])
+
+
+def test_a_pair_re_forming_never_stops_the_heartbeat(store, monkeypatch):
+    """Re-forming a broken pair blocks in its rendezvous (up to transfer_timeout_s): it runs on the
+    watch thread, and the prefill side's beats go on meanwhile (on the heartbeat thread they stopped,
+    and the decode side took the prefill worker for dead: "silent for 16.9s")."""
+    from cluster.transport.sender_side import SenderSide
+
+    blocked, release = threading.Event(), threading.Event()
+
+    def stuck_watch(self, store):  # a re-formation waiting for its peer
+        blocked.set()
+        release.wait(30)
+    monkeypatch.setattr(SenderSide, "watch_pairs", stuck_watch)
+    spec, src, dst, td, make_tp = _transports(store)
+    tp = make_tp()
+    try:
+        assert blocked.wait(10)
+        s = td.link.store()
+        first = td.link.heartbeat_of(s, "p")
+        deadline = time.monotonic() + 10
+        while td.link.heartbeat_of(s, "p") < first + 5:  # beats every 0.05 s while the watch is stuck
+            assert time.monotonic() < deadline, "the prefill side stopped beating while a pair re-formed"
+            time.sleep(0.05)
+        td.link.check_beating(s, "p")
+    finally:
+        release.set()
+        tp.close()
+        td.close()
