@@ -8,6 +8,8 @@ checked, what a sender without the secret can make a receiver hold must be bound
   from that peer, or a non-blocking send fails: the sender drops, it never waits).
 - `RateLimitedLog`: a rejected frame is counted always, logged at most once per interval (a flood of
   forgeries must not become a flood of log lines).
+- `close_on_collect(owner, ctx, socks)`: an owner of a ZMQ context dropped without its close() must
+  not hang the process when the garbage collector takes it (below).
 - `private_endpoint(name)`: an `ipc://` path in a directory only this user can enter (0700), for the
   channels between a worker's own processes (its publisher process, its tensor-parallel ranks): no
   other local user can connect to them, so they need no MAC. `check_private_endpoint` is what the
@@ -26,6 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 
 # Frame-size limits per channel (bytes). Each is far above the largest legitimate frame: a KV Begin
 # carries 4 bytes per source block of every transfer in a bundle; a token batch a few hundred deltas.
@@ -71,6 +74,23 @@ class RateLimitedLog:
 _PRIVATE_DIR: str | None = None
 _PRIVATE_LOCK = threading.Lock()
 _MAX_IPC_PATH = 100  # sun_path holds 108 bytes
+
+
+def close_on_collect(owner, ctx, socks: list) -> None:
+    """When `owner` is collected: close `socks` (a list the owner may append to), then terminate
+    `ctx`. HAZARD: an owner dropped without close() is collected in one cycle with its context and
+    sockets; weak references are cleared before finalizers run, so `Context.__del__` finds no socket to
+    close and its term() blocks for ever on the ones still open (seen: a test run stuck 600 s in a
+    garbage-collection pass). The finalizer holds them, so they outlive the owner and go in order."""
+    def close() -> None:
+        for sock in socks:
+            try:
+                sock.close(linger=0)
+            except Exception:  # noqa: BLE001 - its event loop may be gone: the socket closes all the same
+                pass
+        if not ctx.closed:
+            ctx.term()
+    weakref.finalize(owner, close).atexit = False
 
 
 def _private_dir() -> str:

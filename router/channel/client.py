@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.wire.messages import GenerateRequest
+from cluster.wire.socket_bounds import close_on_collect
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_gateway, encode,
                                      error_from_wire)
@@ -56,6 +57,7 @@ class RouterClient:
         self._sock.setsockopt(zmq.IDENTITY, gateway_id.encode())
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        close_on_collect(self, self._ctx, [self._sock])
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []

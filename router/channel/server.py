@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from cluster.errors import InvalidRequestError
 from cluster.wire.frame_auth import STATS_SINK, FrameVerifier
-from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, MAX_STATS_FRAME, bound
+from cluster.wire.socket_bounds import MAX_INTERNAL_FRAME, MAX_STATS_FRAME, bound, close_on_collect
 from cluster.wire.stream_messages import StreamDelta, decode_step_records
 from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Goodbye, Heartbeat, Hello, Migrate,
                                      PrefillDone, Query, Reply, RequestFailed, Submit, decode_to_router, encode,
@@ -75,6 +75,7 @@ class RouterServer:
         # Bounded before any MAC is checked (cluster/wire/socket_bounds.py).
         self._stats = bound(self._ctx.socket(zmq.PULL), MAX_STATS_FRAME)
         self._stats.setsockopt(zmq.LINGER, 0)
+        close_on_collect(self, self._ctx, [self._sock, self._stats])
         port = self._stats.bind_to_random_port(f"tcp://{stats_host}")
         self.stats_sink = f"tcp://{stats_host}:{port}"
         self._stats_verifier = FrameVerifier(secret, STATS_SINK)

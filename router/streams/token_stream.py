@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from cluster.wire.frame_auth import TOKEN_STREAM, FrameVerifier
-from cluster.wire.socket_bounds import MAX_TOKEN_FRAME, bound
+from cluster.wire.socket_bounds import MAX_TOKEN_FRAME, bound, close_on_collect
 from cluster.wire.stream_messages import DeltaLogprobs, StreamDelta, decode_stream_batch
 from router.streams.receive_loop import received, verified
 
@@ -103,6 +103,7 @@ class TokenStreamReceiver:
         # decode worker's sends never block: past its own high-water mark it drops, and says so).
         self._sock = bound(self._ctx.socket(zmq.PULL), MAX_TOKEN_FRAME)
         self._sock.setsockopt(zmq.LINGER, 0)
+        close_on_collect(self, self._ctx, [self._sock])
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
