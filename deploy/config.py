@@ -276,6 +276,14 @@ class ClusterConfig(BaseModel):
     kv_store_port: int = Field(0, ge=0, le=65535)
     """Port of the KV transfer group's rendezvous store, on the driver's internal address (0: any free
     port). Fix it to open it between nodes in a firewall."""
+    kv_store_memory_limit_mib: int = Field(1024, ge=64, le=1 << 20)
+    """Memory cap of the KV rendezvous store's process (a child of the launcher), in MiB beyond what it
+    uses at start (~300 MiB: torch). A client that fills the store past it gets its connection closed
+    (the allocation fails in that process, never the launcher's); the cluster's own entries are a few
+    MiB at most (cluster/transport/store_process.py)."""
+    kv_store_sweep_s: float = Field(1.0, gt=0, le=60)
+    """Seconds between the store warden's sweeps, which delete what no holder of the cluster's secret
+    wrote there (cluster/transport/store_warden.py); one sweep costs ~30 us of its CPU per key."""
     kv_transport: Literal["torch_dist", "same_gpu", "local"] | None = None
     """KV transport kind (cluster.transport.factory); none: same_gpu when actors share one GPU, else torch_dist."""
 
