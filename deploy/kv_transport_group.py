@@ -14,6 +14,7 @@ IPC mappings, copy kernels), so the first request pays none of it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ class KVTransportGroup:
 
     store: StoreProcess
     spec: Any
+    store_wait_s: float = 0.0  # how long forming the group waited for the store's process to listen
 
     def close(self) -> None:
         self.store.stop()
@@ -97,9 +99,11 @@ def _form(prefill, decode, cfg: ClusterConfig, store: StoreProcess, store_host: 
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
+    waited = time.monotonic()
     port = store.wait_ready(cfg.ready_timeout_s)
-    log.info("KV rendezvous store (pid %d) listening on %s:%d; its start: %s", store.pid, store_host, port,
-             store.startup)
+    waited = time.monotonic() - waited
+    log.info("KV rendezvous store (pid %d) listening on %s:%d; its start: %s; waited for it: %.3f s", store.pid,
+             store_host, port, store.startup, waited)
     spec = TransportSpec(kind, store_host=store_host, store_port=port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace,
                          secret=secret, **spec)
@@ -108,7 +112,7 @@ def _form(prefill, decode, cfg: ClusterConfig, store: StoreProcess, store_host: 
     if missing:
         raise PdserveError(f"workers {missing} have no init_transport(spec); run with --prefill-workers 0 "
                            "to prefill on the decode workers")
-    group = KVTransportGroup(store, spec)
+    group = KVTransportGroup(store, spec, waited)
     try:
         warm = group.join(handles, prefill, decode, cfg.ready_timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -198,7 +198,8 @@ def test_a_store_fill_grows_neither_the_launcher_nor_the_store_and_serving_goes_
     me = psutil.Process()
     reader = sp.client()
     real_ctl = reader.get(f"{ns}/ctl/decode-0")
-    print(f"\nthe cluster's own store entries: {len(reader.list_keys())}")
+    print(f"\nthe cluster's own store entries: {len(reader.list_keys())}; the store's start {sp.startup}, "
+          f"of which the cluster's start waited {sc.workers.kv_group.store_wait_s:.3f} s")
     rss_before = me.memory_info().rss
     rogue, big = sp.client(), b"x" * (8 * MiB)
     t0 = time.monotonic()

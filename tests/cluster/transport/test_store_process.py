@@ -92,7 +92,7 @@ def test_a_fill_past_the_cap_fails_in_the_child_and_never_here():
             try:
                 rogue.set(f"fill/{i}", b"x" * (8 * MiB))
                 rogue.num_keys()
-            except Exception as e:  # noqa: BLE001 (the store dropped the connection)
+            except Exception:  # noqa: BLE001 (the store dropped the connection)
                 refused = i
                 break
         child = psutil.Process(sp.pid)
