@@ -7,7 +7,7 @@ meaning of each; W is a worker id, i, j, G, s, L integers):
 
     {ns}/ctl/W  {ns}/hb/W  {ns}/verdict/W.i/W.j/gG  {ns}/down/W/W.i  {ns}/x/W/W.i/s   sealed
     {ns}/inc/W                                                                        an add() counter
-    {ns}/pg/W/W/gG/L<n>/<anything>     a pair's gloo/NCCL rendezvous: sealed (c10d reads and writes
+    {ns}/pg/W.i/W.j/gG/L<n>/<anything> a pair's gloo/NCCL rendezvous: sealed (c10d reads and writes
                                        through AuthenticatedStore), or an add() counter of c10d's
 
 A sealed value is MAC | value (authenticated_store.py). An add() counter is what TCPStore's add
@@ -86,7 +86,7 @@ class StoreWarden:
             (re.compile(rf"{ns}/down/{w}/{w}\.{n}"), Kind.SEALED),
             (re.compile(rf"{ns}/x/{w}/{w}\.{n}/{n}"), Kind.SEALED),
             (re.compile(rf"{ns}/inc/{w}"), Kind.COUNTER),
-            (re.compile(rf"{ns}/pg/{w}/{w}/g{n}/L{n}/.+", re.S), Kind.RENDEZVOUS),
+            (re.compile(rf"{ns}/pg/{w}\.{n}/{w}\.{n}/g{n}/L{n}/.+", re.S), Kind.RENDEZVOUS),
         ]
         self._sentinel = b"\0pdserve-warden\0" + os.urandom(16)  # never a stored value
 

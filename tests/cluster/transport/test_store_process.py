@@ -202,7 +202,7 @@ def test_rendezvous_go_on_while_the_warden_sweeps_at_a_high_rate():
         rogue, i = sp.client(), 0
         while not stop.is_set():
             rogue.set(f"{ns}/x/p/d.1/{10**6 + i}", b"P")
-            rogue.set(f"{ns}/pg/p/d/g{i}/L0/junk", b"10.0.0.9:1")
+            rogue.set(f"{ns}/pg/p.1/d.1/g{i}/L0/junk", b"10.0.0.9:1")
             rogue.set(f"junk/{i}", b"x" * 4096)
             rogue.num_keys()
             i += 1
@@ -233,7 +233,7 @@ def test_rendezvous_go_on_while_the_warden_sweeps_at_a_high_rate():
             out = {}
 
             def rank(r):
-                st = AuthenticatedStore(sp.client(), SECRET).prefixed(f"{ns}/pg/p/d/g{gen}/L0/")
+                st = AuthenticatedStore(sp.client(), SECRET).prefixed(f"{ns}/pg/p.1/d.1/g{gen}/L0/")
                 pg = dist.ProcessGroupGloo(st, r, 2, datetime.timedelta(seconds=30))
                 t = torch.arange(4.0) + gen if r == 0 else torch.zeros(4)
                 (pg.send if r == 0 else pg.recv)([t], 1 - r, 0).wait()

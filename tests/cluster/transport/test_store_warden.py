@@ -24,7 +24,7 @@ def _sealer(secret: bytes = SECRET) -> AuthenticatedStore:
 SEALED_KEYS = [f"{NS}/ctl/decode-0", f"{NS}/hb/prefill-0", f"{NS}/hb/decode-12",
                f"{NS}/verdict/prefill-0.1/decode-0.2/g0", f"{NS}/verdict/prefill-3.11/decode-1.4/g7",
                f"{NS}/down/prefill-0/decode-0.3", f"{NS}/x/prefill-0/decode-0.1/17",
-               f"{NS}/pg/prefill-0/decode-0/g0/L0/0/0", f"{NS}/pg/prefill-0/decode-1/g2/L3/0/1"]
+               f"{NS}/pg/prefill-0.1/decode-0.2/g0/L0/0/0", f"{NS}/pg/prefill-3.1/decode-1.9/g2/L3/0/1"]
 
 
 @pytest.mark.parametrize("key", SEALED_KEYS)
@@ -37,7 +37,7 @@ def test_a_sealed_entry_of_the_cluster_is_kept(key):
 
 @pytest.mark.parametrize("key,value", [(f"{NS}/inc/decode-0", b"1"), (f"{NS}/inc/prefill-0", b"-100"),
                                        (f"{NS}/inc/decode-0", b"0"), (f"{NS}/inc/decode-0", b"9223372036854775807"),
-                                       (f"{NS}/pg/prefill-0/decode-0/g0/L0/seq", b"2")])
+                                       (f"{NS}/pg/prefill-0.1/decode-0.1/g0/L0/seq", b"2")])
 def test_an_add_counter_where_counters_live_is_kept(key, value):
     assert StoreWarden(NS, SECRET).judge(key, value) == (Action.KEEP, b"")
 
@@ -53,8 +53,9 @@ def test_add_writes_what_the_counter_rule_keeps():
 
 @pytest.mark.parametrize("key", [
     "junk", "other-ns/ctl/decode-0", f"{NS}", f"{NS}/", f"{NS}/ctl", f"{NS}/ctl/a/b", f"{NS}/foo/decode-0",
-    f"{NS}/verdict/prefill-0/decode-0/g0", f"{NS}/x/prefill-0/decode-0.1/seven", f"{NS}/pg/p/d/g0/L0/",
-    f"{NS}/inc/", f"{NS}/ctl/" + "a" * MAX_KEY_BYTES, f"{NS}/pg/p/d/g0/L0/" + "k" * MAX_KEY_BYTES])
+    f"{NS}/verdict/prefill-0/decode-0/g0", f"{NS}/x/prefill-0/decode-0.1/seven", f"{NS}/pg/p.1/d.1/g0/L0/",
+    f"{NS}/pg/p/d/g0/L0/0/0",
+    f"{NS}/inc/", f"{NS}/ctl/" + "a" * MAX_KEY_BYTES, f"{NS}/pg/p.1/d.1/g0/L0/" + "k" * MAX_KEY_BYTES])
 def test_a_key_the_cluster_never_writes_is_deleted(key):
     """Another namespace or shape, or past MAX_KEY_BYTES: deleted whatever it holds (sealed included)."""
     w = StoreWarden(NS, SECRET)
@@ -66,7 +67,7 @@ def test_a_key_the_cluster_never_writes_is_deleted(key):
 def test_junk_in_a_cluster_key_is_replaced_by_its_tombstone():
     w, s = StoreWarden(NS, SECRET), _sealer()
     ctl, hb, inc, pg = (f"{NS}/ctl/decode-0", f"{NS}/hb/decode-0", f"{NS}/inc/decode-0",
-                        f"{NS}/pg/prefill-0/decode-0/g0/L0/0/0")
+                        f"{NS}/pg/prefill-0.1/decode-0.1/g0/L0/0/0")
     cases = {
         "unsealed": (ctl, b"tcp://10.0.0.9:5555"),
         "a forged MAC": (ctl, b"\0" * 16 + b"tcp://10.0.0.9:5555"),
