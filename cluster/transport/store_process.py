@@ -3,8 +3,10 @@ child process of the launcher, so that a client filling the store fills that chi
 launcher (which also runs the router and supervises the API servers).
 
 - A memory cap: the child sets RLIMIT_DATA to what it uses once torch is imported plus
-  `memory_limit_mib`, before the store takes its first connection. A store filled past it fails its
-  allocation and the child dies; the launcher does not (what it then does: `ServingCluster`, RELIABILITY.md).
+  `memory_limit_mib`, before the store takes its first connection. An allocation past it fails in the
+  child: c10d's libuv backend catches the std::bad_alloc and closes that client's connection, and the
+  child goes on serving (test_store_process.py). Should the child die anyway, the launcher is told
+  (`exited`, `on_exit`) and drains and stops (deploy/serving_cluster.py, RELIABILITY.md).
 - A warden thread (store_warden.py) sweeps every `sweep_s` seconds and removes what no holder of the
   cluster's secret wrote, so a fill is undone before the cap is reached in the usual case.
 - No orphan: the child's stdin is a pipe only the launcher holds; the child exits when it reads EOF
