@@ -374,7 +374,8 @@ class ServingCluster:
         self._stopped = True
         if self.api_servers is not None:
             self.api_servers.stop()
-        if self._loop is not None and self._thread is not None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            # (a serving thread that stopped on its own, e.g. a dead child, has closed its loop)
             self._loop.call_soon_threadsafe(self._stop_now)
             self._thread.join(timeout=15)
         if self._listen is not None:

@@ -90,8 +90,7 @@ class StoreProcess:
         code = self._proc.wait()
         self._ready.set()
         if not self._stopping:
-            log.error("the KV rendezvous store's process (pid %d) exited with code %d%s", self._proc.pid, code,
-                      " (its memory cap?)" if code < 0 else "")
+            log.error("the KV rendezvous store's process (pid %d) exited with code %d", self._proc.pid, code)
             if self.on_exit is not None:
                 self.on_exit(code)
 
@@ -169,12 +168,23 @@ def _report(msg: dict) -> None:
     sys.stdout.flush()
 
 
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0) (a no-op elsewhere): freed heap memory returned to the system."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: fn(0)
+
+
 def _warden_loop(settings: dict, secret: bytes) -> None:
     import torch.distributed as dist
 
     from cluster.transport.store_warden import StoreWarden
 
-    warden = StoreWarden(settings["namespace"], secret)
+    warden, trim = StoreWarden(settings["namespace"], secret), _malloc_trim()
     totals = {"sweeps": 0, "keys": 0, "deleted": 0, "tombstoned": 0, "errors": 0}
     client, reported = None, 0.0
     while True:
@@ -194,6 +204,8 @@ def _warden_loop(settings: dict, secret: bytes) -> None:
             totals["errors"] += 1
             print(f"pdserve store warden: sweep failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             client, changed = None, True  # (a client whose replies got out of step never recovers)
+        if changed:
+            trim()  # the junk's pages back to the system, not only to malloc's free lists
         now = time.monotonic()
         if changed or now - reported >= _REPORT_S:
             _report({**totals, "vm_data": _vm("VmData"), "vm_rss": _vm("VmRSS")})

@@ -27,8 +27,11 @@ Rules, per entry (`judge`):
   `compare_set(key, "", v)` takes an empty value as absent) or b"0" for an `inc/` counter (add() parses
   it; a counter set back is harmless: heartbeat_records.py). A key a cluster process may be writing is
   never deleted: a delete racing its `set` or a claim's `compare_set` would lose that write.
-So the junk's bytes go, its key (at most MAX_KEY_BYTES) may stay; junk keys in the cluster's shapes
-are bounded by the process's memory cap only.
+So junk under any other key is gone with its memory (the child then calls malloc_trim). Junk under a
+key of the cluster's shapes is harmless at once, but its memory stays: TCPStore reuses a value's
+buffer when the value is overwritten (a tombstone keeps the junk's capacity), and only a delete, or the
+cluster's own delete of that key (a claim once its transfer arrived), frees it. That is bounded by the
+process's memory cap only (RELIABILITY.md, what stays out of scope).
 
 Reading never blocks: `compare_set(key, SENTINEL, SENTINEL)` returns the value, or SENTINEL for a key
 deleted since the listing (a `get` would wait for it up to the store's timeout, and a timed-out wait
