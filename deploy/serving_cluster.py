@@ -269,8 +269,9 @@ class ServingCluster:
             code = store.exited() if store is not None else None
             if code is not None:
                 # No new pair can form and no transfer can be claimed without it, and the workers'
-                # heartbeats stop: the launcher drains (requests prefilled on a decode worker finish,
-                # ones waiting on a transfer fail) and stops, so a supervisor restarts it whole.
+                # heartbeats stop: the launcher drains and stops, so a supervisor restarts it whole.
+                # (During the drain a request prefilled on its decode worker needs no store; a
+                # transfer's claim fails without it. Only the stop itself is tested.)
                 self.failure = f"the KV rendezvous store's process exited with code {code}"
                 log.error("%s; draining and stopping", self.failure)
                 self._loop.create_task(self._drain_then_stop(), name="drain")
