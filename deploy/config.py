@@ -274,8 +274,11 @@ class ClusterConfig(BaseModel):
     """Address the decode workers push to: every API server's token sink and the router's step-record
     sink bind it (default: 127.0.0.1 locally, this node's IP in a cluster)."""
     kv_store_port: int = Field(0, ge=0, le=65535)
-    """Port of the KV transfer group's rendezvous store, on the driver's internal address (0: any free
-    port). Fix it to open it between nodes in a firewall."""
+    """Port of the KV rendezvous store, on the driver's internal address (0: any free port; fix it for a firewall)."""
+    kv_store_memory_limit_mib: int = Field(1024, ge=64, le=1 << 20)
+    """Memory cap of the KV store's process in MiB, beyond its ~300 at start: a fill past it fails there."""
+    kv_store_sweep_s: float = Field(1.0, gt=0, le=60)
+    """Seconds between sweeps of the KV store's warden, which deletes what no holder of the secret wrote."""
     kv_transport: Literal["torch_dist", "same_gpu", "local"] | None = None
     """KV transport kind (cluster.transport.factory); none: same_gpu when actors share one GPU, else torch_dist."""
 
@@ -493,8 +496,5 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def _one_line(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "config"
-        parts.append(f"{loc}: {err['msg']}")
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
     return "invalid configuration: " + "; ".join(parts)

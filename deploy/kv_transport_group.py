@@ -2,8 +2,10 @@
 for KV transfers, formed before /ready, joined by every worker that starts later (a role switch, a
 Ray restart).
 
-The launcher hosts the TCPStore (master) the transports rendezvous through (`start_store`: bound
-to the cluster's internal address only); every actor gets the same frozen `TransportSpec` via
+The launcher hosts the TCPStore (master) the transports rendezvous through in a child process
+(`start_kv_store`: cluster/transport/store_process.py, bound to the cluster's internal address only,
+under a memory cap, with a warden that removes what no holder of the cluster's secret wrote; started
+before the workers are placed, so its start overlaps theirs); every actor gets the same frozen `TransportSpec` via
 `init_transport(spec)` (a decode worker publishes its control endpoint there), then every prefill
 worker forms and warms its channel to every decode worker (`connect_transport`: NCCL communicators,
 IPC mappings, copy kernels), so the first request pays none of it.
@@ -12,6 +14,7 @@ IPC mappings, copy kernels), so the first request pays none of it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,7 +22,7 @@ import ray
 
 from cluster.errors import PdserveError
 from cluster.transport.factory import TransportSpec
-from cluster.transport.rendezvous_store import start_store
+from cluster.transport.store_process import StoreProcess
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig
 
@@ -32,11 +35,16 @@ TransportFormer = Callable[..., Any]
 
 @dataclass
 class KVTransportGroup:
-    """The KV transport group of a serving cluster: the rendezvous store (keep it alive while
-    serving) and the spec every worker was given; a worker that joins later gets the same spec."""
+    """The KV transport group of a serving cluster: the rendezvous store's process (keep it alive
+    while serving; `close()` ends it) and the spec every worker was given; a worker that joins later
+    gets the same spec."""
 
-    store: Any
+    store: StoreProcess
     spec: Any
+    store_wait_s: float = 0.0  # how long forming the group waited for the store's process to listen
+
+    def close(self) -> None:
+        self.store.stop()
 
     def join(self, handles: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
              timeout_s: float) -> dict[str, dict[str, float]]:
@@ -52,25 +60,51 @@ class KVTransportGroup:
         return dict(zip(prefill, warm))
 
 
+def start_kv_store(cfg: ClusterConfig, store_host: str, secret: bytes, namespace: str) -> StoreProcess:
+    """The rendezvous store's process (returns at once: form_kv_transport_group waits for it)."""
+    return StoreProcess.start(store_host, cfg.kv_store_port, secret=secret, namespace=namespace,
+                              memory_limit_mib=cfg.kv_store_memory_limit_mib, sweep_s=cfg.kv_store_sweep_s,
+                              timeout_s=300.0)
+
+
 def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig,
                             *, store_host: str = "127.0.0.1", device: str = "cpu",
-                            namespace: str = "pdserve", secret: bytes = b"", **spec: Any) -> KVTransportGroup | None:
+                            namespace: str = "pdserve", secret: bytes = b"", store: StoreProcess | None = None,
+                            **spec: Any) -> KVTransportGroup | None:
     """Connects every prefill worker to every decode worker for KV transfers; returns the
     KVTransportGroup (its rendezvous store must stay alive while the cluster serves), or None without
     prefill workers. Kind: `cfg.kv_transport`, or by default `same_gpu` when the actors share one GPU
     (CUDA IPC, no copy through the host) and `torch_dist` otherwise (NCCL between GPUs, gloo on CPU).
     `secret`: the cluster's, the MAC key of the transports' control channel (cluster/wire/frame_auth.py);
+    `store`: the store's process if the caller started it already (start_kv_store; the caller stops
+    it if this raises), else one is started here (and stopped if this raises);
     `spec`: further TransportSpec settings (timeouts: the chaos run and the fault tests shorten them).
     """
     if not prefill:
         return None  # every prompt is prefilled on its decode worker: no transfers at all
+    if store is None:
+        store = start_kv_store(cfg, store_host, secret, namespace)
+        try:
+            return _form(prefill, decode, cfg, store, store_host, device, namespace, secret, spec)
+        except BaseException:
+            store.stop()
+            raise
+    return _form(prefill, decode, cfg, store, store_host, device, namespace, secret, spec)
+
+
+def _form(prefill, decode, cfg: ClusterConfig, store: StoreProcess, store_host: str, device: str, namespace: str,
+          secret: bytes, spec: dict) -> KVTransportGroup:
     kind = cfg.kv_transport
     if kind is None:
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
-    store = start_store(store_host, cfg.kv_store_port, timeout_s=300.0)
-    spec = TransportSpec(kind, store_host=store_host, store_port=store.port,
+    waited = time.monotonic()
+    port = store.wait_ready(cfg.ready_timeout_s)
+    waited = time.monotonic() - waited
+    log.info("KV rendezvous store (pid %d) listening on %s:%d; its start: %s; waited for it: %.3f s", store.pid,
+             store_host, port, store.startup, waited)
+    spec = TransportSpec(kind, store_host=store_host, store_port=port,
                          backend="nccl" if device == "cuda" and kind == "torch_dist" else "gloo", namespace=namespace,
                          secret=secret, **spec)
     handles = {**prefill, **decode}
@@ -78,7 +112,7 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     if missing:
         raise PdserveError(f"workers {missing} have no init_transport(spec); run with --prefill-workers 0 "
                            "to prefill on the decode workers")
-    group = KVTransportGroup(store, spec)
+    group = KVTransportGroup(store, spec, waited)
     try:
         warm = group.join(handles, prefill, decode, cfg.ready_timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -49,7 +49,7 @@ from cluster.kv.request_limits import served_max_model_len
 from deploy.api_server import APIServerPool, default_api_servers
 from deploy.component_configs import admission_limits, api_server_settings, cache_config_info, router_config
 from deploy.config import ClusterConfig
-from deploy.kv_transport_group import KVTransportGroup, TransportFormer, form_kv_transport_group
+from deploy.kv_transport_group import KVTransportGroup, TransportFormer, form_kv_transport_group, start_kv_store
 from deploy.planner_loop import PlannerLoop
 from deploy.preflight import ServedModel, check_model
 from deploy.ray_runtime import RAY_STOP_BUDGET_S, gcs_gone, init_ray, kill_children, run_within
@@ -92,12 +92,14 @@ class ServingCluster:
         self._draining = False
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._early_store = None  # the KV rendezvous store's process, started before the workers
 
     @property
     def _kv_store(self):
-        """The KV transport group's rendezvous store (None without prefill workers)."""
+        """The KV transport group's rendezvous store's process (StoreProcess; None without prefill
+        workers, or with a test's own transport former)."""
         g = self.workers.kv_group
-        return g.store if isinstance(g, KVTransportGroup) else g
+        return g.store if isinstance(g, KVTransportGroup) else self._early_store
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> "ServingCluster":
@@ -130,6 +132,10 @@ class ServingCluster:
         # start and handed to every process of the cluster: the workers through Ray, the API servers
         # on their stdin.
         secret = new_cluster_secret()
+        if cfg.prefill_workers and self._form_transport_group is form_kv_transport_group:
+            # The store's process imports torch (~1.3 s of CPU) while the API servers and the workers
+            # start; forming the transport group waits for it. (A test's own former starts its own.)
+            self._early_store = start_kv_store(cfg, stream_host, secret, self.tag)
         self._tmp = tempfile.mkdtemp(prefix="pdserve-")
         metrics = RouterMetrics(name, cache_config=cache_config_info(cfg), precision=served.precision())
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
@@ -150,7 +156,8 @@ class ServingCluster:
         workers = self.workers
         workers.place(str(model_dir), self.router_server.stats_sink, secret)
         workers.kv_group = self._form_transport_group(workers.prefill, workers.decode, cfg, store_host=stream_host,
-                                                      device=workers.device, namespace=self.tag, secret=secret)
+                                                      device=workers.device, namespace=self.tag, secret=secret,
+                                                      store=self._early_store)
         if cfg.warmup:
             workers.warm_up(workers.handles)
 
@@ -212,7 +219,7 @@ class ServingCluster:
         self._stop = asyncio.Event()
         rs = self.router_server
         await rs.start()
-        watcher = self._loop.create_task(self._watch_api_servers(), name="api-server-watch")
+        watcher = self._loop.create_task(self._watch_children(), name="child-watch")
         planner = None
         try:
             deadline = time.monotonic() + self.cfg.ready_timeout_s
@@ -244,15 +251,29 @@ class ServingCluster:
             await asyncio.get_running_loop().run_in_executor(None, self.api_servers.stop)
             await rs.stop()
 
-    async def _watch_api_servers(self) -> None:
+    async def _watch_children(self) -> None:
         """An API server that dies on its own takes its clients with it (the router aborts its
-        requests); the others drain and the launcher stops, so that a supervisor restarts it whole."""
+        requests); the others drain and the launcher stops, so that a supervisor restarts it whole.
+        The same for the KV rendezvous store's process."""
         while True:
             await asyncio.sleep(0.5)
+            if self._draining or self._stopped:
+                continue
             dead = self.api_servers.exited()
-            if dead and not self._draining and not self._stopped:
+            if dead:
                 self.failure = f"API server {dead[0][0]} exited with code {dead[0][1]}"
                 log.error("%s; draining the others and stopping", self.failure)
+                self._loop.create_task(self._drain_then_stop(), name="drain")
+                return
+            store = self._kv_store
+            code = store.exited() if store is not None else None
+            if code is not None:
+                # No new pair can form and no transfer can be claimed without it, and the workers'
+                # heartbeats stop: the launcher drains and stops, so a supervisor restarts it whole.
+                # (During the drain a request prefilled on its decode worker needs no store; a
+                # transfer's claim fails without it. Only the stop itself is tested.)
+                self.failure = f"the KV rendezvous store's process exited with code {code}"
+                log.error("%s; draining and stopping", self.failure)
                 self._loop.create_task(self._drain_then_stop(), name="drain")
                 return
 
@@ -354,7 +375,8 @@ class ServingCluster:
         self._stopped = True
         if self.api_servers is not None:
             self.api_servers.stop()
-        if self._loop is not None and self._thread is not None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            # (a serving thread that stopped on its own, e.g. a dead child, has closed its loop)
             self._loop.call_soon_threadsafe(self._stop_now)
             self._thread.join(timeout=15)
         if self._listen is not None:
@@ -371,7 +393,12 @@ class ServingCluster:
                 kill_children()
         if self.router_server is not None:
             self.router_server.close()  # closed already if it served
-        self.workers.kv_group = None  # after the workers: they may still talk to it while shutting down
+        # The store's process after the workers: they may still talk to it while shutting down.
+        if isinstance(self.workers.kv_group, KVTransportGroup):
+            self.workers.kv_group.close()
+        if self._early_store is not None:
+            self._early_store.stop()
+        self.workers.kv_group = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 

@@ -103,6 +103,12 @@ class TPGroup:
         returns at once), then forms the group with them. Blocking."""
         from cluster.transport.rendezvous_store import start_store
 
+        # In this process, not in a capped one of its own like the cluster's (store_process.py): it
+        # listens on loopback only (no other host reaches it) and every value in it is sealed under the
+        # group's own secret, so it can be forged by nobody; a local user who fills it can take down
+        # this worker (the router moves its requests, as for any worker death), never the launcher.
+        # A capped process per TP worker would cost ~1.3 s of CPU and ~250 MiB (torch) each.
+        # (RELIABILITY.md, security: what stays out of scope.)
         master = start_store("127.0.0.1", 0, timeout_s=timeouts.get("join_timeout_s", 300.0))
         rdv = TPRendezvous("127.0.0.1", master.port, f"tp-{uuid.uuid4().hex[:12]}", size, **timeouts,
                            secret=os.urandom(32))

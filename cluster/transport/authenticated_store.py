@@ -27,8 +27,10 @@ Replays: a value copied back into its own key later is valid again. The keys tha
 generation), so an old value under a new key never verifies.
 
 What a store client without the secret can still do is deny service: delete keys, overwrite them in a
-loop, fill the server's memory. That is what anyone on the cluster's network can do by dropping
-packets; the store must listen on the cluster's internal network only (RELIABILITY.md, security).
+loop. That is what anyone on the cluster's network can do by dropping packets; the store must listen
+on the cluster's internal network only (RELIABILITY.md, security). Filling its memory is bounded: the
+cluster's store runs in its own process under a memory cap, and its warden removes what no holder of
+the secret wrote (store_process.py, store_warden.py).
 
 NOTE: torch's PrefixStore cannot wrap a Python store (c10d raises "Not implemented" from it): use
 `prefixed()` instead. HAZARD: keep a reference to the store as long as the process group made with
@@ -59,6 +61,25 @@ def _as_bytes(v) -> bytes:
     return bytes(v)
 
 
+def store_mac(secret: bytes, full_key: str, value: bytes) -> bytes:
+    """The MAC of `value` stored under `full_key` (the layout in the module docstring)."""
+    k = full_key.encode()
+    h = hashlib.blake2b(struct.pack("<I", len(k)), digest_size=_MAC_BYTES, key=secret, person=_PERSON)
+    h.update(k)
+    h.update(value)
+    return h.digest()
+
+
+def unseal(secret: bytes, full_key: str, stored: bytes) -> bytes | None:
+    """The value of an entry stored under `full_key`, or None if it is not sealed for that key under
+    `secret` (constant-time compare). The rendezvous store's warden checks entries with it too."""
+    if len(stored) >= _MAC_BYTES:
+        value = stored[_MAC_BYTES:]
+        if hmac.compare_digest(store_mac(secret, full_key, value), stored[:_MAC_BYTES]):
+            return value
+    return None
+
+
 class AuthenticatedStore(dist.Store):
     """A c10d Store (ProcessGroupGloo/NCCL and init_process_group accept it) over `raw`: values are
     sealed on the way in and checked on the way out. One client per thread, like the raw store's."""
@@ -77,11 +98,7 @@ class AuthenticatedStore(dist.Store):
 
     # -- sealing ----------------------------------------------------------------------------------------
     def _mac(self, full_key: str, value: bytes) -> bytes:
-        k = full_key.encode()
-        h = hashlib.blake2b(struct.pack("<I", len(k)), digest_size=_MAC_BYTES, key=self._key, person=_PERSON)
-        h.update(k)
-        h.update(value)
-        return h.digest()
+        return store_mac(self._key, full_key, value)
 
     def seal(self, key: str, value) -> bytes:
         value = _as_bytes(value)
@@ -89,13 +106,10 @@ class AuthenticatedStore(dist.Store):
 
     def open(self, key: str, stored) -> bytes | None:
         """The value of a stored entry, or None (counted) if it is not sealed for this key."""
-        stored = _as_bytes(stored)
-        if len(stored) >= _MAC_BYTES:
-            value = stored[_MAC_BYTES:]
-            if hmac.compare_digest(self._mac(self._prefix + key, value), stored[:_MAC_BYTES]):
-                return value
-        self.rejected += 1
-        return None
+        value = unseal(self._key, self._prefix + key, _as_bytes(stored))
+        if value is None:
+            self.rejected += 1
+        return value
 
     # -- the Store interface ----------------------------------------------------------------------------
     def set(self, key, value) -> None:

@@ -1,5 +1,7 @@
 """The cluster's rendezvous store: the launcher hosts it (`start_store`, on the internal address, so it
-outlives any worker); every worker, and every follower rank's payload agent, reaches it through
+outlives any worker) in a child process of its own, under a memory cap and with a warden
+(store_process.py); a tensor-parallel group's leader hosts its group's in-process (tp_group.py); every
+worker, and every follower rank's payload agent, reaches the cluster's through
 `store_factory(spec)`, one client per thread, each an AuthenticatedStore under the cluster's secret
 (a value no holder of it wrote is never used). What the store holds is control.py's docstring."""
 

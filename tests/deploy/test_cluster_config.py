@@ -41,7 +41,8 @@ def test_yaml_then_env_then_flags(tmp_path):
                                  {"decode_policy": "random"}, {"graph_buckets": "1,x"}, {"api_key": " "},
                                  {"unknown_setting": 1}, {"kv_memory_fraction": 1.5},
                                  {"prefill_resources": "{not json"}, {"decode_resources": {"GPU": 1}},
-                                 {"decode_resources": {"decode": -1}}, {"kv_store_port": 70000}])
+                                 {"decode_resources": {"decode": -1}}, {"kv_store_port": 70000},
+                                 {"kv_store_memory_limit_mib": 32}, {"kv_store_sweep_s": 0}])
 def test_invalid_settings_are_one_line_errors(bad):
     with pytest.raises(PdserveError) as e:
         ClusterConfig.load(None, bad, env={})
@@ -62,6 +63,13 @@ def test_tool_call_flags(tmp_path):
     assert "tool_call_parser" in str(e.value)
     with pytest.raises(PdserveError, match="enable_auto_tool_choice needs tool_call_parser"):
         ClusterConfig.load(None, parse(["--enable-auto-tool-choice"]), env={})
+
+
+def test_kv_store_settings_from_flags():
+    cfg = ClusterConfig.load(None, parse(["/m", "--kv-store-memory-limit-mib", "256", "--kv-store-sweep-s", "0.5"]),
+                             env={})
+    assert (cfg.kv_store_memory_limit_mib, cfg.kv_store_sweep_s) == (256, 0.5)
+    assert (ClusterConfig(model="/m").kv_store_memory_limit_mib, ClusterConfig(model="/m").kv_store_sweep_s) == (1024, 1.0)
 
 
 def test_bad_yaml(tmp_path):

@@ -5,7 +5,9 @@ router's stats sink and to the decode worker's KV control inbox. Each is dropped
 is the reference's, no step record or transfer appears) and counted in /metrics
 (`pdserve:frames_rejected_total{channel=...}`), and the cluster serves on. (The sockets bind the
 loopback in a one-node cluster: test_disconnects.py::test_internal_sockets_listen_on_loopback_only;
-the frame checks themselves: test_security.py.)"""
+the frame checks themselves: test_security.py.) A client of the KV rendezvous store forges its
+entries and fills it. The store's warden sweeps every 50 ms throughout the module (every test's
+transfers go on under it); the last test kills the store's process, which stops the cluster."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ PROMPT = "Story 3: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, demo_model_dir):
-    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, local_prefill_threshold=10)
+    sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1, local_prefill_threshold=10,
+                       kv_store_sweep_s=0.05)
     yield sc
     sc.shutdown()
 
@@ -52,7 +55,7 @@ def _push(endpoint: str, frames) -> None:
 def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, reference_engine):
     sc, router = cluster, cluster.router
     ref = reference_engine.generate([PROMPT], [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)])[0]
-    store = sc.workers.kv_group.store
+    store = sc.workers.kv_group.store.client()
     # (the value is sealed: 16 bytes of MAC, then the entry; cluster/transport/authenticated_store.py)
     inbox = msgspec.msgpack.decode(store.get(f"{sc.tag}/ctl/decode-0")[16:])["endpoint"]
     sink = next(iter(sc.router_server.gateways.values())).sink
@@ -124,8 +127,8 @@ def test_store_forgeries_change_nothing_in_a_serving_cluster(cluster, reference_
         extra = ray.get(sc.workers.prefill["prefill-0"].stats.remote()).extra
         return extra["transfers"], extra["failures"]
     sent_before, failed_before = transfers()
-    store = sc.workers.kv_group.store
-    rogue = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+    store = sc.workers.kv_group.store.client()
+    rogue = dist.TCPStore("127.0.0.1", sc.workers.kv_group.store.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10), use_libuv=True)
     ns = sc.tag
     real_ctl = store.get(f"{ns}/ctl/decode-0")
@@ -158,3 +161,91 @@ def test_store_forgeries_change_nothing_in_a_serving_cluster(cluster, reference_
     sent, failed = transfers()
     assert sent - sent_before == len(prompts) and failed == failed_before  # each through the KV path, none lost
     wait_clean(sc)
+
+
+def _through_prefill(sc, prompts, refs) -> None:
+    """Each prompt served through the prefill worker (a KV transfer each), its text the reference's."""
+    import ray
+
+    def transfers() -> tuple[int, int]:
+        extra = ray.get(sc.workers.prefill["prefill-0"].stats.remote()).extra
+        return extra["transfers"], extra["failures"]
+    sent_before, failed_before = transfers()
+    for prompt, ref in zip(prompts, refs):
+        r = httpx.post(f"{sc.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text, r.text
+    deadline = time.monotonic() + 30  # (counted once the send returned: may be after the reply streamed)
+    while transfers()[0] - sent_before < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sent, failed = transfers()
+    assert sent - sent_before == len(prompts) and failed == failed_before
+
+
+def test_a_store_fill_grows_neither_the_launcher_nor_the_store_and_serving_goes_on(cluster, reference_engine):
+    """Issue 37 item 1's last attack: a store client without the secret writes 64 values of 8 MiB
+    (half under keys the cluster never writes, half under claim keys of the real pair), overwrites the
+    decode worker's control entry with 8 MiB, and floods 20 000 small unsealed keys. The store runs in
+    its own process (cluster/transport/store_process.py): the launcher (this process) does not grow;
+    the warden removes the junk (tombstones in the cluster's key shapes), the store's process stays
+    under its cap, and requests through the prefill worker are the reference's, none lost."""
+    import psutil
+
+    sc = cluster
+    sp = sc.workers.kv_group.store
+    ns, MiB = sc.tag, 1 << 20
+    me = psutil.Process()
+    reader = sp.client()
+    real_ctl = reader.get(f"{ns}/ctl/decode-0")
+    prompts = [f"Story {k}: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13" for k in (8, 9, 10)]
+    refs = reference_engine.generate(prompts, [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3)
+    print(f"\nthe cluster's own store entries: {len(reader.list_keys())}; the store's start {sp.startup}, "
+          f"of which the cluster's start waited {sc.workers.kv_group.store_wait_s:.3f} s")
+    rss_before = me.memory_info().rss
+    rogue, big = sp.client(), b"x" * (8 * MiB)
+    t0 = time.monotonic()
+    for i in range(64):
+        rogue.set(f"{ns}/x/prefill-0/decode-0.1/{10**6 + i}" if i % 2 else f"fill/{i}", big)
+    rogue.set(f"{ns}/ctl/decode-0", big)
+    for i in range(20000):
+        rogue.set(f"flood/{i}", b"1")
+    rogue.num_keys()  # (sets are not answered: this round trip says all of them were applied)
+    written = time.monotonic() - t0
+    peak_child = psutil.Process(sp.pid).memory_info().rss
+
+    def junk_left() -> int:
+        keys = reader.list_keys()
+        return sum(k.startswith(("fill/", "flood/")) for k in keys) + sum(
+            len(reader.get(k)) > 0 for k in keys if k.startswith(f"{ns}/x/prefill-0/decode-0.1/1000"))
+    deadline = time.monotonic() + 60
+    while junk_left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert junk_left() == 0
+    cleaned = time.monotonic() - t0
+    deadline = time.monotonic() + 10  # the decode worker puts its entry back at its next heartbeat
+    while reader.get(f"{ns}/ctl/decode-0") != real_ctl and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reader.get(f"{ns}/ctl/decode-0") == real_ctl
+    _through_prefill(sc, prompts, refs)
+    grown = me.memory_info().rss - rss_before
+    stats = sp.stats()
+    print(f"attack written in {written:.1f} s, junk gone {cleaned:.1f} s after its start; launcher RSS "
+          f"{grown / MiB:+.1f} MiB; store process RSS at the attack's end {peak_child / MiB:.0f} MiB, "
+          f"VmData {stats['vm_data'] / MiB:.0f} MiB (cap {sp.startup['data_limit'] / MiB:.0f} MiB); warden {stats}")
+    assert grown < 64 * MiB  # (the attack wrote 520 MiB; in the launcher's own store it all stayed here)
+    assert sp.exited() is None and stats["vm_data"] <= sp.startup["data_limit"]
+    assert stats["deleted"] >= 20032 and stats["tombstoned"] >= 32
+    wait_clean(sc)
+
+
+def test_a_dead_store_process_stops_the_cluster(cluster):
+    """The store's process killed (its cap, a crash): the launcher logs it, drains and stops, and says
+    why (the CLI exits 2 with it), as for a dead API server. Last in the module: it ends the cluster."""
+    import os
+    import signal
+
+    sc = cluster
+    os.kill(sc.workers.kv_group.store.pid, signal.SIGKILL)
+    sc._thread.join(60)
+    assert not sc._thread.is_alive()
+    assert sc.failure == "the KV rendezvous store's process exited with code -9"
