@@ -212,7 +212,7 @@ class Link:
     def _publish_down(self, peer: str, pair: Pair) -> None:
         """Decode side: the prefill learns from the store that this side broke the pair."""
         try:
-            self.store().set(down_key(self.ns, peer, self.worker_id, self.incarnation), str(pair.gen))
+            self.store().set(down_key(self.ns, peer, pair.peer_inc, self.worker_id, self.incarnation), str(pair.gen))
         except Exception:  # noqa: BLE001 - the store is gone (shutting down); the peer finds out by itself
             log.warning("KV transport %s: could not publish that the pair with %s broke", self.worker_id, peer)
 

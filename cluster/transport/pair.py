@@ -16,10 +16,12 @@ from cluster.transport.completion import Waiter
 CLAIM, ABORT, CANCEL = b"P", b"A", b"C"
 
 
-def down_key(namespace: str, prefill: str, decode: str, decode_inc: int) -> str:
-    """{ns}/down/P/D.i: the last generation of the pair that incarnation i of D broke (a stalled or
-    failed payload): the prefill re-forms the pair once it reads it (its watch thread)."""
-    return f"{namespace}/down/{prefill}/{decode}.{decode_inc}"
+def down_key(namespace: str, prefill: str, prefill_inc: int, decode: str, decode_inc: int) -> str:
+    """{ns}/down/P.i/D.j: the last generation of the pair between incarnation i of P and incarnation j
+    of D that D broke (a stalled or failed payload): the prefill re-forms the pair once it reads it (its
+    watch thread). Both incarnations: a restarted P (same worker id, generation 0 again) must not read
+    its previous incarnation's note and break its new pair."""
+    return f"{namespace}/down/{prefill}.{prefill_inc}/{decode}.{decode_inc}"
 
 
 def verdict_key(namespace: str, prefill: str, prefill_inc: int, decode: str, decode_inc: int, gen: int = 0) -> str:

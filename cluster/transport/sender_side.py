@@ -133,7 +133,7 @@ class SenderSide(KVSender):
             live = [p for p in link.pairs.values() if p.dead is None]
             broken = dict(link.broken)
         for pair in live:
-            key = down_key(link.ns, link.worker_id, pair.peer, pair.peer_inc)
+            key = down_key(link.ns, link.worker_id, link.incarnation, pair.peer, pair.peer_inc)
             if store.check([key]) and int(store.get(key)) >= pair.gen:
                 link.mark_dead(pair.peer, f"the decode worker broke the pair (generation {pair.gen})", pair_only=True)
         for peer, hb in broken.items():

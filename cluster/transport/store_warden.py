@@ -5,7 +5,7 @@ long before the process's memory cap is reached.
 What the cluster writes there, every key under its namespace `{ns}/` (control.py's docstring has the
 meaning of each; W is a worker id, i, j, G, s, L integers):
 
-    {ns}/ctl/W  {ns}/hb/W  {ns}/verdict/W.i/W.j/gG  {ns}/down/W/W.i  {ns}/x/W/W.i/s   sealed
+    {ns}/ctl/W  {ns}/hb/W  {ns}/verdict/W.i/W.j/gG  {ns}/down/W.i/W.j  {ns}/x/W/W.i/s sealed
     {ns}/inc/W                                                                        an add() counter
     {ns}/pg/W.i/W.j/gG/L<n>/<anything> a pair's gloo/NCCL rendezvous: sealed (c10d reads and writes
                                        through AuthenticatedStore), or an add() counter of c10d's
@@ -86,7 +86,7 @@ class StoreWarden:
         self._shapes = [
             (re.compile(rf"{ns}/(ctl|hb)/{w}"), Kind.SEALED),
             (re.compile(rf"{ns}/verdict/{w}\.{n}/{w}\.{n}/g{n}"), Kind.SEALED),
-            (re.compile(rf"{ns}/down/{w}/{w}\.{n}"), Kind.SEALED),
+            (re.compile(rf"{ns}/down/{w}\.{n}/{w}\.{n}"), Kind.SEALED),
             (re.compile(rf"{ns}/x/{w}/{w}\.{n}/{n}"), Kind.SEALED),
             (re.compile(rf"{ns}/inc/{w}"), Kind.COUNTER),
             (re.compile(rf"{ns}/pg/{w}\.{n}/{w}\.{n}/g{n}/L{n}/.+", re.S), Kind.RENDEZVOUS),

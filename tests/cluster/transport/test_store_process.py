@@ -215,6 +215,7 @@ def test_rendezvous_go_on_while_the_warden_sweeps_at_a_high_rate():
             time.sleep(0.002)
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
+    sweeps_before = sp.stats().get("sweeps", 0)  # {} before its first report
     try:
         spec = TransportSpec("local", store_host="127.0.0.1", store_port=sp.port, secret=SECRET, namespace=ns,
                              heartbeat_s=0.05)
@@ -223,15 +224,14 @@ def test_rendezvous_go_on_while_the_warden_sweeps_at_a_high_rate():
         dst = torch.zeros(2, 2, 32, BS, 2, 8)
         td = create_transport(spec, dst, "d", "decode")
         seq = 0
-        # Four prefill workers one after the other: incarnation counters, hellos, verdicts, pairs.
-        # (Not one id restarted: a restarted prefill can read its previous incarnation's "pair broken"
-        # note, whose key names the decode incarnation only, and re-form its new pair once; with or
-        # without a warden. Reported with this change.)
+        # One prefill worker restarted three times: incarnation counters, hellos, verdicts, pairs. (Each
+        # incarnation's pair is generation 0 again: before the "pair broken" note named both incarnations,
+        # a restarted one read its predecessor's note and broke its new pair, failing a transfer.)
         for life in range(4):
-            tp = create_transport(spec, src, f"p{life}", "prefill")
+            tp = create_transport(spec, src, "p", "prefill")
             tp.connect(["d"])
             for _ in range(10):
-                _land(td, tp, seq, src, dst, f"p{life}")
+                _land(td, tp, seq, src, dst, "p")
                 seq += 1
             tp.close()
         td.close()
@@ -255,6 +255,8 @@ def test_rendezvous_go_on_while_the_warden_sweeps_at_a_high_rate():
         assert _wait(lambda: not any(k.startswith("junk/") for k in sp.client().list_keys()))
         stats = sp.stats()
         print(f"\nwarden while 40 transfers and 8 gloo pairs went on: {stats}")
-        assert stats["sweeps"] > 50 and stats["deleted"] > 0 and stats["tombstoned"] > 0 and stats["errors"] == 0
+        # At least one whole sweep inside the transfers and pair formations (the count is the warden's
+        # pace, not asserted: a loaded machine sweeps less often).
+        assert stats["sweeps"] >= sweeps_before + 2 and stats["deleted"] > 0 and stats["tombstoned"] > 0 and stats["errors"] == 0
     finally:
         sp.stop()

@@ -23,7 +23,7 @@ def _sealer(secret: bytes = SECRET) -> AuthenticatedStore:
 # Every key shape the cluster writes (control.py, pair.py, torch_dist.py), with a value as written.
 SEALED_KEYS = [f"{NS}/ctl/decode-0", f"{NS}/hb/prefill-0", f"{NS}/hb/decode-12",
                f"{NS}/verdict/prefill-0.1/decode-0.2/g0", f"{NS}/verdict/prefill-3.11/decode-1.4/g7",
-               f"{NS}/down/prefill-0/decode-0.3", f"{NS}/x/prefill-0/decode-0.1/17",
+               f"{NS}/down/prefill-0.2/decode-0.3", f"{NS}/x/prefill-0/decode-0.1/17",
                f"{NS}/pg/prefill-0.1/decode-0.2/g0/L0/0/0", f"{NS}/pg/prefill-3.1/decode-1.9/g2/L3/0/1"]
 
 
