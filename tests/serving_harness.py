@@ -16,9 +16,16 @@ MODEL = "pdserve-demo"
 # Small, fast CPU settings; a test overrides what it exercises. Prompts are placed by the static
 # threshold (tests of a path need it to be taken for sure; adaptive placement is tested where it is
 # the subject), and the prefill-queue admission limit is off (a CPU prefills ~100x slower than a GPU).
+# warmup=False: a worker's warm-up (every prefill shape twice, the grammar engine with its compile
+# process, a request per sampler variant) is ~16 s of CPU per 1P+2D cluster start on two cores (37 s of
+# CPU, 20.5 s to /ready with it; 21.5 s and 12 s without), paid by every cluster the suite starts.
+# Warm-up is tested where it is the subject: tests/deploy/test_role_switch.py (every worker warmed
+# before /ready), tests/decode_worker/test_warmup.py, the prefill worker's structured-output tests,
+# and the `pdserve serve` processes of test_serve_command.py's first test, test_drain.py and the
+# quickstart, which start with the CLI's default (warm-up on).
 CPU_DEFAULTS = dict(served_model_name=MODEL, port=0, cpu_num_blocks=256, max_num_seqs=32, use_cuda_graph=False,
                     stats_interval_s=0.05, cpus_per_worker=1.0, device="cpu", ready_timeout_s=120, api_servers=1,
-                    prefill_placement="static", max_prefill_queue_s=1e9)
+                    prefill_placement="static", max_prefill_queue_s=1e9, warmup=False)
 
 
 def init_ray(num_cpus: int = 16) -> bool:

@@ -19,7 +19,7 @@ from serving_harness import MODEL, completion_text, start_cluster, wait_clean
 def cluster(ray_session, demo_model_dir):
     # A quarter CPU each: other test modules' session-long clusters may hold Ray's CPUs meanwhile.
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=2, prefill_placement="static",
-                       cpu_num_blocks=128, cpus_per_worker=0.25)
+                       cpu_num_blocks=128, cpus_per_worker=0.25, warmup=True)
     yield sc
     sc.shutdown()
 
