@@ -7,7 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cluster.kv.block_hash import BlockHash
-from cluster.wire.messages import PrefillTask, PrefillTimeline
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.wire.messages import PrefillTask, PrefillTimeline, Reservation
 from cluster.structured.request_grammar import RequestGrammar
 
 
@@ -30,6 +31,18 @@ class PrefillJob:
     submitted_at: float = 0.0
     forward_start_at: float = 0.0
     timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed
+    # Where its KV goes: the task's, or (dispatched before its decode worker reserved) what `attach`
+    # brings later. A job whose prompt is computed before that waits `parked`, holding its blocks,
+    # its first token already sent to its gateway (prefill_worker/late_shipment.py).
+    reservation: Reservation | None = None
+    parked: bool = False
+    first_token: int = -1  # drawn (parked jobs: what the late commit sends)
+    first_logprobs: PrefillLogprobs | None = None
+    pass_points: tuple = ()  # (forward_done_at, first_token_sent, pass_host_s, pass_device_s, pass_tokens)
+
+    def __post_init__(self):
+        if self.reservation is None:
+            self.reservation = self.task.reservation
 
     @property
     def prompt(self):

@@ -42,7 +42,7 @@ from cluster.kv.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.engine.chunked_prefill import fcfs_chunks
 from cluster.errors import CapacityError, InvalidRequestError
 from cluster.sampling.logprobs import PrefillLogprobs
-from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
+from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, Reservation, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.engine.model_runner import PrefillChunk
 from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
@@ -96,6 +96,7 @@ class PrefillWorker:
         self.prefill_tokens_total = 0
         self.warmup_info: dict = {}
         self._waiting: deque[PrefillJob] = deque()
+        self._to_ship: list[PrefillJob] = []  # computed before their reservation came; it has now
         self._jobs: dict[str, PrefillJob] = {}
         self._sending = 0
         self._cv = threading.Condition()
@@ -160,13 +161,12 @@ class PrefillWorker:
                                kv_blocks=self.allocator.capacity, holder=f"prefill worker {self.worker_id}")
         except InvalidRequestError as e:
             fut.set_result(self._failed(task, 0.0, str(e)))
-            self._spawn_abort(task)
+            self._spawn_abort(task.reservation, task.request.request_id)
             return fut
-        if task.reservation.num_cached_blocks * self.spec.block_size >= n:
-            # The cache-hit rule leaves the last prompt token to compute, so its block is always sent.
-            fut.set_result(self._failed(task, 0.0, f"reservation skips {task.reservation.num_cached_blocks} "
-                                                   f"blocks of a {n}-token prompt"))
-            self._spawn_abort(task)
+        skips = self._skips_whole_prompt(task.reservation, n)
+        if skips is not None:
+            fut.set_result(self._failed(task, 0.0, skips))
+            self._spawn_abort(task.reservation, task.request.request_id)
             return fut
         req = task.request
         grammar = None
@@ -178,7 +178,7 @@ class PrefillWorker:
                 grammar = self.grammars.grammar_for(req.params.structured, req.request_id, prior)
         except (InvalidRequestError, CapacityError) as e:  # (CapacityError: its compiles are all taken)
             fut.set_result(self._failed(task, 0.0, str(e)))
-            self._spawn_abort(task)
+            self._spawn_abort(task.reservation, task.request.request_id)
             return fut
         job = PrefillJob(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time())
         with self._cv:
@@ -186,6 +186,30 @@ class PrefillWorker:
             self._waiting.append(job)
             self._cv.notify()
         return fut
+
+    def attach(self, request_id: str, reservation: Reservation) -> None:
+        """Where the KV of a prompt submitted without a reservation goes (the router dispatched it
+        before its decode worker reserved: PlacementWalk). A prompt computed already ships now (its
+        first token went to its gateway when drawn); one still queued or computing ships when its
+        last pass is done. A reservation for a prompt this worker no longer has (aborted, failed,
+        never submitted) is answered with an abort at once, so that its decode worker frees the
+        blocks instead of waiting for its expect deadline."""
+        error = None
+        with self._cv:
+            job = self._jobs.get(request_id)
+            if job is None or job.aborted or job.reservation is not None:
+                error = "no such prompt" if job is None or job.aborted else "attached twice"
+            else:
+                job.reservation = reservation
+                skips = self._skips_whole_prompt(reservation, len(job.prompt))
+                if skips is not None:
+                    self._fail_attached(job, skips)
+                elif job.parked:
+                    self._to_ship.append(job)
+                    self._cv.notify()
+        if error is not None:
+            log.info("reservation %d for %s aborted: %s", reservation.transfer_seq, request_id, error)
+            self._spawn_abort(reservation, request_id)
 
     def abort(self, request_id: str) -> bool:
         """A queued or computing prompt stops; its decode worker is told (header ok=False). A prompt
@@ -195,8 +219,12 @@ class PrefillWorker:
             if job is None or job.aborted:
                 return False
             job.aborted = True
-            if job.done_tokens == 0 and not job.blocks and job in self._waiting:
-                self._waiting.remove(job)
+            if (job.done_tokens == 0 and not job.blocks and job in self._waiting) or job.parked:
+                if job in self._waiting:
+                    self._waiting.remove(job)
+                if job in self._to_ship:
+                    self._to_ship.remove(job)
+                job.parked = False
                 self._finish_aborted(job)
             return True
 
@@ -282,10 +310,15 @@ class PrefillWorker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting:
+                while not self._stop and not self._waiting and not self._to_ship:
                     self._cv.wait()
                 if self._stop:
                     return
+                late, self._to_ship = self._to_ship, []
+            for job in late:
+                self._ship_late(job)
+            if not self._waiting:
+                continue
             if not self.step():
                 with self._cv:  # blocks held by transfers in flight: wait for one to finish
                     self._cv.wait(timeout=0.01)
@@ -308,8 +341,11 @@ class PrefillWorker:
                 if job is not None and job in self._waiting:
                     self._waiting.remove(job)
                     self._finish_aborted(job, error)
-            # A prompt whose grammar is still compiling waits for it; the others go ahead.
-            ready = [j for j in self._waiting if j.grammar is None or j.grammar.ready()]
+            # A prompt whose grammar is still compiling waits for it; the others go ahead. Under tensor
+            # parallelism the followers ship their heads' KV during the pass that completes a prompt
+            # (no late shipment): a prompt waits for its reservation there.
+            ready = [j for j in self._waiting if (j.grammar is None or j.grammar.ready())
+                     and (self.group is None or j.reservation is not None)]
             return fcfs_chunks(ready, self.max_prefill_tokens,
                                lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
@@ -370,7 +406,7 @@ class PrefillWorker:
                     self._await_send(job, shipment, -1, f"prefill failed: {e}")
                 else:
                     job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
-                    self._spawn_abort(job.task)
+                    self._spawn_abort(job.reservation, job.request_id)
             return True
         # The draws above synced the device: the pass's device time is ready without a wait.
         device_s = self._timer.seconds(start, end) if done else 0.0
@@ -384,12 +420,23 @@ class PrefillWorker:
                     lps[job.request_id] = PrefillLogprobs(lp, None if plp is None else tuple(plp))
         # The first tokens leave for their gateways now, before the KV commit; one that could not be
         # sent fails its prompt (first None: its decode worker frees the blocks, the router migrates).
+        # A prompt dispatched before its reservation came ships later (`late`); its first token goes
+        # now all the same: the client's TTFT does not wait for the decode worker's reservation.
         sent_at = self.first_tokens.send_all([(j.task.request, first[j.request_id], lps.get(j.request_id), j.grammar)
-                                              for _, j in done], first, errors) if shipment is not None else {}
+                                              for _, j in done], first, errors) if self.transport is not None else {}
         if shipment is not None:
             shipment.commit(first, lps)
         committed_at = time.time()
+        late = [j for _, j in done if self.transport is not None
+                and (shipment is None or j.request_id not in shipment.futures)]
+        for job in late:
+            rid = job.request_id
+            job.first_token, job.first_logprobs = first[rid], lps.get(rid)
+            job.pass_points = (forward_done_at, sent_at.get(rid), pass_host_s, device_s, tokens_in_pass)
+            self._park(job, errors.get(rid, "aborted"))
         for _, job in done:
+            if job in late:
+                continue
             rid = job.request_id
             job.timeline = PrefillTimeline(job.submitted_at, job.forward_start_at, forward_done_at,
                                            sent_at.get(rid, committed_at), committed_at, pass_host_s, device_s,
@@ -411,9 +458,66 @@ class PrefillWorker:
             return None
         # The decode worker holds the first num_cached_blocks of a prompt already: only the rest goes.
         bs = self.spec.block_size
-        sends = [KVSend(j.task.reservation, len(j.prompt) - j.task.reservation.num_cached_blocks * bs,
-                        tuple(j.blocks[j.task.reservation.num_cached_blocks:])) for j in jobs]
-        return self.transport.begin(sends)
+        # NOTE: a prompt whose reservation has not come yet is computed all the same and ships after
+        # its pass (_park, _ship_late); `attach` may set one meanwhile: the shipment's futures say
+        # which prompts it claimed, not the reservations read after the forward.
+        with self._cv:
+            claimed = [(j, j.reservation) for j in jobs if j.reservation is not None]
+        if not claimed:
+            return None
+        return self.transport.begin([KVSend(res, len(j.prompt) - res.num_cached_blocks * bs,
+                                            tuple(j.blocks[res.num_cached_blocks:])) for j, res in claimed])
+
+    def _park(self, job: PrefillJob, error: str) -> None:
+        """A computed prompt whose reservation had not come when its pass began: it ships now if the
+        reservation came since, else when `attach` brings it. One without a first token (aborted,
+        or it could not be sent) is over: its blocks go back; a reservation that comes later is
+        aborted (attach)."""
+        with self._cv:  # (abort() takes a parked job off both ways: parked is set with the lock held)
+            if job.first_token is None or job.aborted:
+                self._finish_aborted(job, error)
+                return
+            job.parked = True
+            if job.reservation is not None:
+                self._to_ship.append(job)
+
+    def _ship_late(self, job: PrefillJob) -> None:
+        """The loop thread: claims, ships and commits a computed prompt's KV in one go (the pass that
+        computed it is over, so no layer waits on the device), as KVSender.send does."""
+        with self._cv:
+            if not job.parked:
+                return  # abort() finished it
+            job.parked = False
+        res, bs = job.reservation, self.spec.block_size
+        shipment = self.transport.begin([KVSend(res, len(job.prompt) - res.num_cached_blocks * bs,
+                                                tuple(job.blocks[res.num_cached_blocks:]))], layerwise=False)
+        shipment.kv_done()
+        rid = job.request_id
+        shipment.commit({rid: job.first_token}, {rid: job.first_logprobs} if job.first_logprobs is not None else None)
+        committed_at = time.time()
+        forward_done_at, sent_at, host_s, device_s, tokens = job.pass_points
+        job.timeline = PrefillTimeline(job.submitted_at, job.forward_start_at, forward_done_at,
+                                       sent_at if sent_at is not None else committed_at, committed_at, host_s,
+                                       device_s, tokens)
+        self._await_send(job, shipment, job.first_token, None)
+
+    def _fail_attached(self, job: PrefillJob, error: str) -> None:
+        """Under self._cv: a reservation this prompt cannot use; the prompt fails and its decode
+        worker is told there is no KV (now, or after the pass computing it: abort's rule)."""
+        if job.parked or (job.done_tokens == 0 and not job.blocks and job in self._waiting):
+            if job in self._waiting:
+                self._waiting.remove(job)
+            job.parked = False
+            job.aborted = True
+            self._finish_aborted(job, error)
+        else:
+            job.aborted = True
+
+    def _skips_whole_prompt(self, reservation: Reservation | None, n: int) -> str | None:
+        """The cache-hit rule leaves the last prompt token to compute, so its block is always sent."""
+        if reservation is not None and reservation.num_cached_blocks * self.spec.block_size >= n:
+            return f"reservation skips {reservation.num_cached_blocks} blocks of a {n}-token prompt"
+        return None
 
     def _await_send(self, job: PrefillJob, shipment: Shipment, first_token: int, error: str | None) -> None:
         """The job's result and its blocks' release wait for its transfer future."""
@@ -457,13 +561,14 @@ class PrefillWorker:
         if job.blocks:
             self.allocator.free(job.blocks)
             job.blocks = []
-        self._jobs.pop(job.request_id, None)
+        if self._jobs.get(job.request_id) is job:  # (the id may be submitted again after an abort)
+            del self._jobs[job.request_id]
 
     def _finish_aborted(self, job: PrefillJob, error: str = "aborted") -> None:
         """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
         self._release(job)
         job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, error))
-        self._spawn_abort(job.task)
+        self._spawn_abort(job.reservation, job.request_id)
 
     def _grammar_ready(self) -> None:
         """A grammar compiled (or failed): the loop may have a prompt to schedule now."""
@@ -473,14 +578,15 @@ class PrefillWorker:
     def _failed(self, task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
         return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)
 
-    def _spawn_abort(self, task: PrefillTask) -> None:
-        """The transfer_seq must still be filled (ok=False) so the decode side frees its blocks now."""
-        if self.transport is None:
+    def _spawn_abort(self, reservation: Reservation | None, request_id: str) -> None:
+        """The transfer_seq must still be filled (ok=False) so the decode side frees its blocks now
+        (nothing to tell before a reservation came: attach aborts a late one)."""
+        if self.transport is None or reservation is None:
             return
 
         def run():
             try:
-                self.transport.send_abort(task.reservation, task.request.request_id, self.send_timeout_s)
+                self.transport.send_abort(reservation, request_id, self.send_timeout_s)
             except Exception:
                 pass  # the decode side's expect timeout covers a transport that cannot say it
 
