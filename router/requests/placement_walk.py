@@ -175,12 +175,10 @@ class PlacementWalk:
 
     def _dispatch(self, rs: PlacedRequest, p: WorkerView) -> Dispatch:
         """Sends the prompt to P now, before any decode worker reserved for it (see the module
-        docstring); counted on P's view from here on."""
+        docstring)."""
         dispatch = Dispatch(p)
-        p.begin(rs.worker_request_id, 0, len(rs.request.prompt_token_ids))
+        p.begin(rs.worker_request_id, 0, len(rs.request.prompt_token_ids))  # acked as the call goes out
         rs.prefill_worker_id = p.worker_id
-        p.inflight.add(rs.request_id)
-        p.placed_total += 1
         self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request), dispatch.placed))
         return dispatch
 
@@ -194,6 +192,11 @@ class PlacementWalk:
 
     async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, dispatch: Dispatch, need: int) -> bool:
         wrid, p = rs.worker_request_id, dispatch.p
+        # P's view counts the prompt during each try and not between them, as when P was called
+        # after D's reservation: what the next D's choice ranks is what it ranked then.
+        if wrid not in p.placing:  # a try after a refused one: the call to P is out already
+            p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+            p.ack(wrid)
         d.begin(wrid, need, 0)
         self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         call = asyncio.ensure_future(self.workers.clients[d.worker_id].reserve(
@@ -202,6 +205,7 @@ class PlacementWalk:
             res: Reservation | None = await asyncio.shield(call)
         except BaseException as e:
             d.rollback(wrid)
+            p.rollback(wrid)
             if isinstance(e, Exception):
                 self._raise_refusal(rs, e)
                 self.health.call_failed(d, e)
@@ -214,10 +218,13 @@ class PlacementWalk:
             raise
         if res is None:
             d.rollback(wrid)
+            p.rollback(wrid)
             self._refused(d)
             return False
         d.ack(wrid, len(res.block_ids))
         self._placed(rs, d)
+        p.inflight.add(rs.request_id)
+        p.placed_total += 1
         self.spawn(self._attach(rs, p, res))
         dispatch.settle(True)
         return True
@@ -272,7 +279,6 @@ class PlacementWalk:
             rs.dispatched_time = time.time()
             result: PrefillResult = await self.workers.clients[p.worker_id].submit(task,
                                                                                    timeout=self.cfg.prefill_timeout_s)
-            rs.prefill_result = result
             if not result.ok:
                 error = result.error or "prefill failed"
             elif result.transfer_s > 0:
@@ -294,12 +300,9 @@ class PlacementWalk:
         finally:
             p.forget(wrid)
         if not was_placed:
-            # Given up (P was told to abort it): nothing to report. A request placed again under the
-            # same id (it waited in the admission queue again: a new PlacedRequest) keeps P's book.
-            if self.inflight.get(rid, rs) is rs and not (rs.worker_request_id == wrid
-                                                         and rs.prefill_worker_id == p.worker_id):
-                p.inflight.discard(rid)
-            return
+            return  # given up (P was told to abort it): nothing to report
+        if result is not None:
+            rs.prefill_result = result
         current = rs.worker_request_id == wrid  # not migrated meanwhile
         if current:
             rs.prefill_done = True

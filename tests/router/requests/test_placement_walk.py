@@ -42,7 +42,15 @@ class Harness:
         self.admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, retry_after_s=2))
         self.walk = PlacementWalk(self.workers, cfg, policies, self.admission, self.health, index, ArrivalStats(),
                                   self.inflight, notify=self.notify, prefilled=lambda rs: self.prefilled.append(rs.request_id),
-                                  abort_on=lambda wid, rid, error: self.aborted.append((wid, rid, error)), spawn=self.spawn)
+                                  abort_on=self.abort_on, spawn=self.spawn)
+
+    def abort_on(self, wid, rid, error) -> None:
+        """Recorded; a prefill worker also gets the call (in the background, as the router sends it),
+        so that a prompt dispatched to it and given up is answered."""
+        self.aborted.append((wid, rid, error))
+        client = self.workers.clients.get(wid)
+        if client is not None and client.role == "prefill":
+            asyncio.get_running_loop().call_soon(client.handle.abort, rid)
 
     def notify(self, rs, error) -> None:
         self.notified.append((rs.request_id, error))
@@ -234,10 +242,9 @@ def test_a_request_no_decode_worker_takes_is_refused_and_its_dispatched_prompt_d
         with pytest.raises(OverloadedError):
             await h.walk.place(rs)
         assert h.aborted == [("p0", "r1", None)] and rs.prefill_worker_id is None
-        p0.abort("r1")  # what abort_on sends
         await h.settle()
         assert [c[0] for c in p0.calls if c[0] != "stats"] == ["submit", "abort"]
-        assert not h.prefilled and not h.notified and rs.prefill_result is not None and not rs.prefill_result.ok
+        assert not h.prefilled and not h.notified and rs.prefill_result is None
         assert not h.workers.views["p0"].inflight and not h.workers.views["p0"].placing
         assert not h.workers.views["d0"].placing
     asyncio.run(main())
@@ -257,7 +264,6 @@ def test_a_decode_worker_choosing_another_prefill_worker_moves_the_prompt_there(
         place = asyncio.ensure_future(h.walk.place(rs))
         await place
         assert ("p1", "r1", None) in h.aborted
-        p1.abort("r1")  # what abort_on sends
         await h.settle()
         assert [c[0] for c in p1.calls if c[0] != "stats"] == ["submit", "abort"]
         assert [c for c in p0.calls if c[0] != "stats"] == [("submit", "r1"), ("attach", "r1", "d1")]
@@ -282,7 +288,6 @@ def test_a_reservation_that_comes_after_the_client_left_is_handed_to_the_prefill
         with pytest.raises(asyncio.CancelledError):
             await placing
         assert h.aborted == [("p0", "r1", None)]
-        p0.abort("r1")  # what abort_on sends
         d0.go.set()
         await asyncio.sleep(0.01)
         await h.settle()
@@ -310,4 +315,31 @@ def test_a_prefill_that_fails_while_the_reservation_is_out_is_acted_on_once_plac
         assert rs.decode_worker_id == "d0"
         assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1", "prefill broke")]
         assert h.prefilled == ["r1"]
+    asyncio.run(main())
+
+
+class RefusesOnce(StubWorker):
+    def reserve(self, rr):
+        out = super().reserve(rr)
+        self.refuse = False
+        return out
+
+
+def test_the_next_try_ranks_the_prefill_workers_as_before():
+    """Between two tries P's view does not count the request (as when P was called only after a
+    reservation): two idle prefill workers, d0 refuses once, and the walk's next round picks the same
+    p0 again, which keeps the prompt it is computing; p1 is never called."""
+    async def main():
+        p0, p1 = StubWorker("p0", "prefill"), StubWorker("p1", "prefill")
+        d0 = RefusesOnce("d0", "decode")
+        h = Harness([p0, p1], [d0])
+        await h.health.poll_once()
+        d0.refuse = True
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        await h.settle()
+        assert [c[0] for c in d0.calls if c[0] == "reserve"] == ["reserve", "reserve"]  # two rounds
+        assert [c for c in p0.calls if c[0] != "stats"] == [("submit", "r1"), ("attach", "r1", "d0")]
+        assert [c for c in p1.calls if c[0] != "stats"] == [] and not h.aborted
+        assert h.workers.views["p0"].placed_total == 1 and h.workers.views["p1"].placed_total == 0
     asyncio.run(main())
