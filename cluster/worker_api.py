@@ -111,6 +111,13 @@ class PrefillWorkerAPI(WorkerAPI, Protocol):
         ...
 
     async def submit(self, task: PrefillTask) -> PrefillResult:
-        """Computes the prompt, ships its KV into `task.reservation`'s blocks, returns the first token
-        and the timings (a prompt it cannot run, or whose transfer failed: ok=False and `error`)."""
+        """Computes the prompt, ships its KV into `task.reservation`'s blocks (or, with none, those
+        `attach` names later: the prompt is computed and its first token sent meanwhile), returns
+        the first token and the timings once the KV left (a prompt it cannot run, or whose transfer
+        failed: ok=False and `error`)."""
+        ...
+
+    def attach(self, request_id: str, reservation: Reservation) -> None:
+        """The reservation for a prompt submitted without one. A prompt the worker no longer has
+        (aborted, failed) gets the reservation aborted (its decode worker frees the blocks)."""
         ...

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import uuid
 
-from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, WorkerStats
+from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
@@ -65,6 +65,9 @@ class PrefillWorkerActor:
 
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))
+
+    def attach(self, request_id: str, reservation: Reservation) -> None:
+        self.worker.attach(request_id, reservation)
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)

@@ -1,13 +1,18 @@
 """PrefillJob: one prompt on the prefill worker (prefill_worker/prefill_worker.py), from submit() until
-its transfer is over."""
+its transfer is over; what is computed from jobs alone: their KV sends, timelines, first tokens."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+
+import torch
 from dataclasses import dataclass, field
 
 from cluster.kv.block_hash import BlockHash
-from cluster.wire.messages import PrefillTask, PrefillTimeline
+from cluster.sampling.logprobs import PrefillLogprobs
+from cluster.sampling.sampler import sample_tokens
+from cluster.transport.base import KVSend
+from cluster.wire.messages import PrefillTask, PrefillTimeline, Reservation
 from cluster.structured.request_grammar import RequestGrammar
 
 
@@ -30,6 +35,19 @@ class PrefillJob:
     submitted_at: float = 0.0
     forward_start_at: float = 0.0
     timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed
+    # Where its KV goes: the task's, or (dispatched before its decode worker reserved) what `attach`
+    # brings later. A job whose prompt is computed before that waits `parked`, holding its blocks,
+    # its first token already sent to its gateway (prefill_worker/late_shipment.py).
+    reservation: Reservation | None = None
+    parked: bool = False
+    first_token: int = -1  # drawn (parked jobs: what the late commit sends)
+    first_logprobs: PrefillLogprobs | None = None
+    # Its last pass: (forward_done_at, first token sent at or None, pass_host_s, pass_device_s, pass_tokens)
+    pass_points: tuple = ()
+
+    def __post_init__(self):
+        if self.reservation is None:
+            self.reservation = self.task.reservation
 
     @property
     def prompt(self):
@@ -38,3 +56,35 @@ class PrefillJob:
     @property
     def request_id(self) -> str:
         return self.task.request.request_id
+
+    def kv_send(self, reservation: Reservation, block_size: int) -> KVSend:
+        """Its KV bound for `reservation`: the blocks its decode worker lacks (that worker may hold
+        the prompt's first `num_cached_blocks` already)."""
+        k = reservation.num_cached_blocks
+        return KVSend(reservation, len(self.prompt) - k * block_size, tuple(self.blocks[k:]))
+
+    def committed(self, at: float) -> PrefillTimeline:
+        """Its timeline, its KV commit having left at `at` (after its last pass: pass_points)."""
+        forward_done, sent, host_s, device_s, tokens = self.pass_points
+        return PrefillTimeline(self.submitted_at, self.forward_start_at, forward_done, at if sent is None else sent, at,
+                               host_s, device_s, tokens)
+
+
+def reservation_error(reservation: Reservation | None, prompt_tokens: int, block_size: int) -> str | None:
+    """The cache-hit rule leaves the last prompt token to compute, so its block is always sent: a
+    reservation that skips every block is a bug upstream."""
+    if reservation is not None and reservation.num_cached_blocks * block_size >= prompt_tokens:
+        return f"reservation skips {reservation.num_cached_blocks} blocks of a {prompt_tokens}-token prompt"
+    return None
+
+
+def sample_first_tokens(logits: torch.Tensor, jobs: list[PrefillJob]):
+    """The first token sits at position len(prompt): the same draw the engine would make.
+    -> (tokens, per job its logprobs or None)."""
+    reqs = [j.task.request for j in jobs]
+    # A migrated request's prompt ends with the tokens it generated before (resumed_tokens): its
+    # penalties and bad words count them as generated, as they did on its first placement.
+    return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                         [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
+                         [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
+                         grammars=[j.grammar for j in jobs])

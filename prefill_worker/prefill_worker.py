@@ -8,6 +8,11 @@ to its gateway (FirstTokenSender: the client has it before the KV lands), then `
 decode worker, which continues from it. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
 back to this worker's pool when its transfer future resolves (the payload left them, or failed).
 
+Dispatched before its reservation (the router reserves on the decode worker meanwhile: PlacementWalk),
+a prompt is computed all the same and its first token sent; its KV waits in its blocks (`parked`)
+until `attach` brings the reservation, then ships in one go (under tensor parallelism, whose followers
+ship during the pass, a prompt waits for its reservation before its last pass instead).
+
 Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
 pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
 and stay cached after the send, until evicted. Only the blocks the decode worker lacks are sent: the
@@ -42,22 +47,22 @@ from cluster.kv.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.engine.chunked_prefill import fcfs_chunks
 from cluster.errors import CapacityError, InvalidRequestError
 from cluster.sampling.logprobs import PrefillLogprobs
-from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, PrefillTimeline, WorkerStats
+from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.engine.model_runner import PrefillChunk
 from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.engine.prefill_graph_runner import PrefillGraphRunner
 from cluster.kv.request_limits import check_request_fits, served_max_model_len
-from cluster.sampling.sampler import sample_tokens
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.text.tokenizer import load_tokenizer
-from cluster.transport.base import KVSend, KVSender, Shipment
+from cluster.transport.base import KVSender, Shipment
 from cluster.transport.plan import KVNumerics
-from cluster.engine.warmup import prefill_shapes, warm_grammars, warm_prefill
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import WorkerModel
 from prefill_worker.first_token_sender import FirstTokenSender
-from prefill_worker.prefill_job import PrefillJob
+from prefill_worker.layer_hooks import hook_layers
+from prefill_worker.prefill_job import PrefillJob, reservation_error, sample_first_tokens
+from prefill_worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class PrefillWorker:
         self.prefill_tokens_total = 0
         self.warmup_info: dict = {}
         self._waiting: deque[PrefillJob] = deque()
+        self._to_ship: list[PrefillJob] = []  # computed before their reservation came; it has now
         self._jobs: dict[str, PrefillJob] = {}
         self._sending = 0
         self._cv = threading.Condition()
@@ -109,7 +115,7 @@ class PrefillWorker:
         # The first tokens go to their gateways from here (prefill_worker/first_token_sender.py).
         self.first_tokens = FirstTokenSender(worker_id, lambda: load_tokenizer(cfg.model_dir), self.arch.eos_token_ids,
                                              cfg.cluster_secret)
-        self._hook_layers()
+        hook_layers(self.model, self.spec.num_layers, self.device.type == "cuda", lambda: self._shipment)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -118,28 +124,6 @@ class PrefillWorker:
     def _shipment_for_followers(self) -> bytes:
         ship = getattr(self.transport, "shipment_for_followers", None)
         return ship(self._shipment) if ship is not None and self._shipment is not None else b""
-
-    def _hook_layers(self) -> None:
-        """A forward hook per decoder layer: layer i returned, so its K/V write is enqueued on the
-        current stream. Only the layer order matters, not what a layer computes inside; if the model
-        has no `layers` matching the cache, the whole KV ships after the forward instead."""
-        layers = getattr(self.model, "layers", None)
-        if layers is None or len(layers) != self.spec.num_layers:
-            return
-        cuda = self.device.type == "cuda"
-
-        def hook(i):
-            def on_layer(module, args, output):
-                sh = self._shipment
-                if sh is None or (cuda and torch.cuda.is_current_stream_capturing()):
-                    return
-                try:
-                    sh.layer_done(i)
-                except Exception:  # noqa: BLE001 - the transfer fails through its future; the forward goes on
-                    log.exception("shipping layer %d failed", i)
-            return on_layer
-        for i, layer in enumerate(layers):
-            layer.register_forward_hook(hook(i))
 
     # -- API ------------------------------------------------------------------------------------
     def start(self) -> "PrefillWorker":
@@ -151,26 +135,17 @@ class PrefillWorker:
         """Queues a prompt; the future resolves to a PrefillResult once the decode side has the KV
         (ok=False with `error` if the prefill, the transfer or an abort stopped it)."""
         fut: Future = Future()
-        n = len(task.request.prompt_token_ids)
+        req, grammar = task.request, None
+        n = len(req.prompt_token_ids)
         try:
             if n == 0:
                 raise InvalidRequestError("empty prompt", "prompt")
             # Only the prompt's KV is ever held here: max_tokens 0.
             check_request_fits(n, 0, self.max_model_len, block_size=self.spec.block_size,
                                kv_blocks=self.allocator.capacity, holder=f"prefill worker {self.worker_id}")
-        except InvalidRequestError as e:
-            fut.set_result(self._failed(task, 0.0, str(e)))
-            self._spawn_abort(task)
-            return fut
-        if task.reservation.num_cached_blocks * self.spec.block_size >= n:
-            # The cache-hit rule leaves the last prompt token to compute, so its block is always sent.
-            fut.set_result(self._failed(task, 0.0, f"reservation skips {task.reservation.num_cached_blocks} "
-                                                   f"blocks of a {n}-token prompt"))
-            self._spawn_abort(task)
-            return fut
-        req = task.request
-        grammar = None
-        try:
+            skips = reservation_error(task.reservation, n, self.spec.block_size)
+            if skips is not None:
+                raise InvalidRequestError(skips)
             req.params.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
             if req.params.structured is not None:
                 self.grammars.check(req.params.structured)
@@ -178,7 +153,7 @@ class PrefillWorker:
                 grammar = self.grammars.grammar_for(req.params.structured, req.request_id, prior)
         except (InvalidRequestError, CapacityError) as e:  # (CapacityError: its compiles are all taken)
             fut.set_result(self._failed(task, 0.0, str(e)))
-            self._spawn_abort(task)
+            self._spawn_abort(task.reservation, task.request.request_id)
             return fut
         job = PrefillJob(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time())
         with self._cv:
@@ -187,6 +162,27 @@ class PrefillWorker:
             self._cv.notify()
         return fut
 
+    def attach(self, request_id: str, reservation: Reservation) -> None:
+        """The reservation of a prompt submitted without one (see the module docstring); one for a
+        prompt this worker no longer has (aborted, failed) is aborted at once: its decode worker
+        frees the blocks instead of waiting for its expect deadline."""
+        error = None
+        with self._cv:
+            job = self._jobs.get(request_id)
+            if job is None or job.aborted or job.reservation is not None:
+                error = "no such prompt" if job is None or job.aborted else "attached twice"
+            else:
+                job.reservation = reservation
+                skips = reservation_error(reservation, len(job.prompt), self.spec.block_size)
+                if skips is not None:
+                    self._abort_locked(job, skips)
+                elif job.parked:
+                    self._to_ship.append(job)
+                    self._cv.notify()
+        if error is not None:
+            log.info("reservation %d for %s aborted: %s", reservation.transfer_seq, request_id, error)
+            self._spawn_abort(reservation, request_id)
+
     def abort(self, request_id: str) -> bool:
         """A queued or computing prompt stops; its decode worker is told (header ok=False). A prompt
         whose KV is already being sent finishes the transfer. Returns whether anything was aborted."""
@@ -194,37 +190,27 @@ class PrefillWorker:
             job = self._jobs.get(request_id)
             if job is None or job.aborted:
                 return False
-            job.aborted = True
-            if job.done_tokens == 0 and not job.blocks and job in self._waiting:
-                self._waiting.remove(job)
-                self._finish_aborted(job)
+            self._abort_locked(job, "aborted")
             return True
 
+    def _abort_locked(self, job: PrefillJob, error: str) -> None:
+        """Under self._cv. A queued prompt not started, or a computed one waiting for its reservation,
+        ends now; one in a pass ends after it (step), one whose KV is being sent finishes sending."""
+        job.aborted = True
+        if (job.done_tokens == 0 and not job.blocks and job in self._waiting) or job.parked:
+            if job in self._waiting:
+                self._waiting.remove(job)
+            if job in self._to_ship:
+                self._to_ship.remove(job)
+            job.parked = False
+            self._finish_aborted(job, error)
+
     def warmup(self) -> dict:
-        """Runs every prefill shape class twice (cluster.engine.warmup) before the worker serves; the timed
-        second round seeds the rate the router plans with; then the grammar engine's import, a first
-        compile and a first token under its mask (warm_grammars). Call it before any submit()."""
-        t0 = time.perf_counter()
-
-        def blocks_for(n: int):
-            need = self.spec.blocks_for_tokens(n)
-            return self.allocator.allocate(need) if self.allocator.can_allocate(need) else None
-
-        def timed(fn, tokens):
-            start = self._timer.start()
-            out = fn()
-            self._timer.stop(start, tokens)
-            return out
-
-        shapes = prefill_shapes(self.max_prefill_tokens, self.max_model_len, self.device.type == "cuda")
-        passes = warm_prefill(self.runner, shapes, blocks_for, self.allocator.free, self.arch.vocab_size, timed)
-        grammar_s = warm_grammars(self.grammars, self.arch.vocab_size, self.device)
-        self.first_tokens.load()  # its tokenizer, before the first request needs it
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._timer.harvest()
-        self.warmup_info = {"prefill_passes": passes, "shapes": len(shapes), "grammar_seconds": round(grammar_s, 3),
-                            "seconds": round(time.perf_counter() - t0, 3), "finished_at": time.time()}
+        """Before serving: every prefill shape class twice, the grammar engine (prefill_worker/warmup.py)."""
+        self.warmup_info = warm_up(self.runner, self.allocator, self.spec.blocks_for_tokens, self._timer, self.grammars,
+                                   self.first_tokens, max_prefill_tokens=self.max_prefill_tokens,
+                                   max_model_len=self.max_model_len, vocab_size=self.arch.vocab_size,
+                                   device=self.device)
         return self.warmup_info
 
     def kv_numerics_info(self) -> KVNumerics:
@@ -282,10 +268,15 @@ class PrefillWorker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting:
+                while not self._stop and not self._waiting and not self._to_ship:
                     self._cv.wait()
                 if self._stop:
                     return
+                late, self._to_ship = self._to_ship, []
+            for job in late:
+                self._ship_late(job)
+            if not self._waiting:
+                continue
             if not self.step():
                 with self._cv:  # blocks held by transfers in flight: wait for one to finish
                     self._cv.wait(timeout=0.01)
@@ -308,8 +299,11 @@ class PrefillWorker:
                 if job is not None and job in self._waiting:
                     self._waiting.remove(job)
                     self._finish_aborted(job, error)
-            # A prompt whose grammar is still compiling waits for it; the others go ahead.
-            ready = [j for j in self._waiting if j.grammar is None or j.grammar.ready()]
+            # A prompt whose grammar is still compiling waits for it; the others go ahead. Under tensor
+            # parallelism the followers ship their heads' KV during the pass that completes a prompt
+            # (no late shipment): a prompt waits for its reservation there.
+            ready = [j for j in self._waiting if (j.grammar is None or j.grammar.ready())
+                     and (self.group is None or j.reservation is not None)]
             return fcfs_chunks(ready, self.max_prefill_tokens,
                                lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
@@ -350,7 +344,7 @@ class PrefillWorker:
                     self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
                     if job.done_tokens == len(job.prompt):
                         done.append((i, job))
-            tokens, logprobs = (self._sample(logits[[i for i, _ in done]], [j for _, j in done]) if done
+            tokens, logprobs = (sample_first_tokens(logits[[i for i, _ in done]], [j for _, j in done]) if done
                                 else ([], []))  # syncs: KV is complete
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
@@ -370,7 +364,7 @@ class PrefillWorker:
                     self._await_send(job, shipment, -1, f"prefill failed: {e}")
                 else:
                     job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
-                    self._spawn_abort(job.task)
+                    self._spawn_abort(job.reservation, job.request_id)
             return True
         # The draws above synced the device: the pass's device time is ready without a wait.
         device_s = self._timer.seconds(start, end) if done else 0.0
@@ -384,16 +378,21 @@ class PrefillWorker:
                     lps[job.request_id] = PrefillLogprobs(lp, None if plp is None else tuple(plp))
         # The first tokens leave for their gateways now, before the KV commit; one that could not be
         # sent fails its prompt (first None: its decode worker frees the blocks, the router migrates).
+        # A prompt dispatched before its reservation came ships later (`late`); its first token goes
+        # now all the same: the client's TTFT does not wait for the decode worker's reservation.
         sent_at = self.first_tokens.send_all([(j.task.request, first[j.request_id], lps.get(j.request_id), j.grammar)
-                                              for _, j in done], first, errors) if shipment is not None else {}
+                                              for _, j in done], first, errors) if self.transport is not None else {}
         if shipment is not None:
             shipment.commit(first, lps)
         committed_at = time.time()
         for _, job in done:
             rid = job.request_id
-            job.timeline = PrefillTimeline(job.submitted_at, job.forward_start_at, forward_done_at,
-                                           sent_at.get(rid, committed_at), committed_at, pass_host_s, device_s,
-                                           tokens_in_pass)
+            job.pass_points = (forward_done_at, sent_at.get(rid), pass_host_s, device_s, tokens_in_pass)
+            if self.transport is not None and (shipment is None or rid not in shipment.futures):
+                job.first_token, job.first_logprobs = first[rid], lps.get(rid)
+                self._park(job, errors.get(rid, "aborted"))  # its reservation had not come: ships later
+                continue
+            job.timeline = job.committed(committed_at)
             tok = first[rid]
             if shipment is None:
                 with self._cv:
@@ -409,11 +408,36 @@ class PrefillWorker:
         """Claims the transfers of the prompts this forward completes (before it runs)."""
         if self.transport is None or not jobs:
             return None
-        # The decode worker holds the first num_cached_blocks of a prompt already: only the rest goes.
-        bs = self.spec.block_size
-        sends = [KVSend(j.task.reservation, len(j.prompt) - j.task.reservation.num_cached_blocks * bs,
-                        tuple(j.blocks[j.task.reservation.num_cached_blocks:])) for j in jobs]
-        return self.transport.begin(sends)
+        # NOTE: a prompt whose reservation has not come yet is computed all the same and ships after
+        # its pass (_park, _ship_late); `attach` may set one meanwhile: the shipment's futures say
+        # which prompts it claimed, not the reservations read after the forward.
+        with self._cv:
+            sends = [j.kv_send(j.reservation, self.spec.block_size) for j in jobs if j.reservation is not None]
+        return self.transport.begin(sends) if sends else None
+
+    def _park(self, job: PrefillJob, error: str) -> None:
+        """A computed prompt whose reservation had not come when its pass began ships when it has one
+        (now, or at `attach`); one without a first token (aborted, or not sent) ends here."""
+        with self._cv:  # (abort() takes a parked job off both ways: parked is set with the lock held)
+            if job.first_token is None or job.aborted:
+                self._finish_aborted(job, error)
+                return
+            job.parked = True
+            if job.reservation is not None:
+                self._to_ship.append(job)
+
+    def _ship_late(self, job: PrefillJob) -> None:
+        """The loop thread: claims, ships and commits a computed prompt's KV at once (KVSender.send)."""
+        with self._cv:
+            if not job.parked:
+                return  # abort() finished it
+            job.parked = False
+        shipment = self.transport.begin([job.kv_send(job.reservation, self.spec.block_size)], layerwise=False)
+        shipment.kv_done()
+        rid = job.request_id
+        shipment.commit({rid: job.first_token}, {rid: job.first_logprobs} if job.first_logprobs is not None else None)
+        job.timeline = job.committed(time.time())
+        self._await_send(job, shipment, job.first_token, None)
 
     def _await_send(self, job: PrefillJob, shipment: Shipment, first_token: int, error: str | None) -> None:
         """The job's result and its blocks' release wait for its transfer future."""
@@ -422,17 +446,6 @@ class PrefillWorker:
             self._sending += 1
         shipment.futures[job.request_id].add_done_callback(lambda f: self._sent(job, f, first_token, done_at, error))
 
-    def _sample(self, logits: torch.Tensor, jobs: list[PrefillJob]):
-        """The first token sits at position len(prompt): the same draw the engine would make.
-        -> (tokens, per job its logprobs or None)."""
-        reqs = [j.task.request for j in jobs]
-        # A migrated request's prompt ends with the tokens it generated before (resumed_tokens): its
-        # penalties and bad words count them as generated, as they did on its first placement.
-        return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                             [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
-                             [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
-                             grammars=[j.grammar for j in jobs])
-
     # -- transfer and completion ----------------------------------------------------------------
     def _sent(self, job: PrefillJob, fut, first_token: int, prefill_done: float, error: str | None) -> None:
         """A transport thread: the job's transfer is over (its payload left our blocks, or failed)."""
@@ -440,13 +453,10 @@ class PrefillWorker:
         exc = fut.exception()
         if error is None and exc is not None:
             error = f"{type(exc).__name__}: {exc}"
-        if error is None:
-            st = fut.result()
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, time.perf_counter() - prefill_done,
-                                   st.bytes, cached_tokens=job.cached_tokens, timeline=job.timeline)
-        else:
-            result = PrefillResult(job.request_id, first_token, queue_s, prefill_s, 0.0, 0, ok=False, error=error,
-                                   cached_tokens=job.cached_tokens, timeline=job.timeline)
+        ok = error is None
+        result = PrefillResult(job.request_id, first_token, queue_s, prefill_s,
+                               time.perf_counter() - prefill_done if ok else 0.0, fut.result().bytes if ok else 0,
+                               ok=ok, error=error, cached_tokens=job.cached_tokens, timeline=job.timeline)
         with self._cv:
             self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1
@@ -457,13 +467,14 @@ class PrefillWorker:
         if job.blocks:
             self.allocator.free(job.blocks)
             job.blocks = []
-        self._jobs.pop(job.request_id, None)
+        if self._jobs.get(job.request_id) is job:  # (the id may be submitted again after an abort)
+            del self._jobs[job.request_id]
 
     def _finish_aborted(self, job: PrefillJob, error: str = "aborted") -> None:
         """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
         self._release(job)
         job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, error))
-        self._spawn_abort(job.task)
+        self._spawn_abort(job.reservation, job.request_id)
 
     def _grammar_ready(self) -> None:
         """A grammar compiled (or failed): the loop may have a prompt to schedule now."""
@@ -473,14 +484,14 @@ class PrefillWorker:
     def _failed(self, task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
         return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)
 
-    def _spawn_abort(self, task: PrefillTask) -> None:
-        """The transfer_seq must still be filled (ok=False) so the decode side frees its blocks now."""
-        if self.transport is None:
+    def _spawn_abort(self, reservation: Reservation | None, request_id: str) -> None:
+        """The transfer_seq is filled (ok=False): the decode side frees its blocks now (none yet: none)."""
+        if self.transport is None or reservation is None:
             return
 
         def run():
             try:
-                self.transport.send_abort(task.reservation, task.request.request_id, self.send_timeout_s)
+                self.transport.send_abort(reservation, request_id, self.send_timeout_s)
             except Exception:
                 pass  # the decode side's expect timeout covers a transport that cannot say it
 

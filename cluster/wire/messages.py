@@ -73,10 +73,14 @@ class Reservation:
 
 @dataclass(frozen=True)
 class PrefillTask:
-    """Router -> prefill worker: compute the prompt's KV, sample the first token, ship the KV."""
+    """Router -> prefill worker: compute the prompt's KV, sample the first token, ship the KV.
+
+    The router sends it as soon as it picked the pair, before the decode worker answered its
+    reservation (None here): the prompt computes meanwhile and its first token goes to the gateway;
+    the reservation follows (PrefillWorkerAPI.attach), and the KV ships once both are there."""
 
     request: GenerateRequest
-    reservation: Reservation
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True)

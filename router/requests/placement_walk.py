@@ -4,11 +4,21 @@ prefill worker.
 The walk: rank the decode workers (router.placement.placement's decode policy) and, for each in turn, decide
 where the prompt is prefilled (router.placement.local_prefill_policy over router.placement.prefill_cost_model) ->
 - local: `D.submit_local` (D prefills it in chunks between its decode steps);
-- remote: `D.reserve` (blocks for the prompt), then `P.submit` in the background (P computes the
-  prompt, ships its KV into the reserved blocks and returns timings);
+- remote: `P.submit` at once (a Dispatch: P computes the prompt and sends its first token to the
+  gateway meanwhile) and `D.reserve` (blocks for the prompt) concurrently; D's reservation then goes
+  to P (`P.attach`), which ships the KV into the reserved blocks and returns timings. The
+  reservation is off the first token's path: it costs a Ray round trip, the prompt's pass longer;
 a None from D means it is full now: the next D in the ranking is tried, and D is not ranked again
 until a fresh poll. When no D takes it, the walk waits a poll interval and walks again, until
 admission's reserve-wait rule answers 429 (or 503 once no decode worker is healthy).
+
+The walk's decisions are those it made when P was called only after D's reservation: a refused or
+failed reservation leaves the dispatched prompt on P (computed, its blocks held there), and the next D
+whose choice is the same P gets it; a choice of local prefill or of another P (or the walk ending
+unplaced: 429, 503, cancelled) aborts it on P first. Its first token waits in the request's mailbox
+at the gateway, which reads it only once the walk placed the request (Gateway.start_generation), so
+a request refused after its prompt computed has sent its client nothing. P's answer is acted on
+(`_run_prefill`: migration, the gateway's PrefillDone) only for a dispatch the walk placed.
 
 Every placement is counted on the workers' views from the moment it is decided (WorkerView.begin),
 before the call goes out, so that concurrent placements awaiting their calls see each other.
@@ -20,6 +30,8 @@ import asyncio
 import logging
 import time
 from typing import Callable
+
+from dataclasses import dataclass, field
 
 from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask, Reservation, ReserveRequest
 from router.requests.admission import AdmissionController
@@ -39,6 +51,20 @@ log = logging.getLogger(__name__)
 # (worker id, worker-side request id, error or None): drops the request on that worker, in the
 # background; with an error, a decode worker ends its stream with it (router.Router.abort_on).
 AbortOn = Callable[[str | None, str, str | None], None]
+
+
+@dataclass
+class Dispatch:
+    """A prompt sent to prefill worker `p` ahead of its decode worker's reservation. `placed`
+    resolves to True once a reservation was handed to P for it (the walk placed the request), to
+    False once the walk gave it up (P was told to abort it)."""
+
+    p: WorkerView
+    placed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def settle(self, placed: bool) -> None:
+        if not self.placed.done():
+            self.placed.set_result(placed)
 
 
 class PlacementWalk:
@@ -87,29 +113,38 @@ class PlacementWalk:
         wait_s = self.cfg.reserve_wait_s if wait_s is None else wait_s
         started = time.monotonic()
         mean_output = self.arrivals.mix().mean_output_tokens or req.params.max_tokens
-        while True:
-            prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
-            for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
-                ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
-                choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
-                rs.decode_worker_id = d.worker_id
-                # What the placement takes out of the worker's free blocks until its next stats
-                # report: all of the prompt's, cached or not (a hit pins evictable cached blocks,
-                # which the worker counts as free; AdmissionController.admit says why).
-                new_blocks = need
-                if choice.local:
-                    ok = await self._try_local(rs, d, new_blocks)
-                else:
-                    ok = await self._try_disaggregated(rs, d, choice.prefill, new_blocks)
-                if ok:
-                    if self.metrics:
-                        self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
-                    return
-            rs.decode_worker_id = None
-            if not wait_for_restart:
-                self.admission.check_healthy(self.workers.of("decode"))
-            self.admission.check_placement_wait(time.monotonic() - started, wait_s)
-            await asyncio.sleep(self.cfg.stats_interval_s)
+        dispatch: Dispatch | None = None  # the prompt on a prefill worker, not placed yet
+        try:
+            while True:
+                prefill_ranked = self.policies.prefill.rank(self.workers.of("prefill"), req)
+                for d in self.policies.decode.rank(self.workers.of("decode"), req, need):
+                    ranked = [p for p in prefill_ranked if (p.worker_id, d.worker_id) not in rs.avoid_pairs]
+                    choice = self.prefill_choice.choose(prompt_len, d, ranked, self.cost, mean_output, cached_tokens)
+                    rs.decode_worker_id = d.worker_id
+                    # What the placement takes out of the worker's free blocks until its next stats
+                    # report: all of the prompt's, cached or not (a hit pins evictable cached blocks,
+                    # which the worker counts as free; AdmissionController.admit says why).
+                    new_blocks = need
+                    if dispatch is not None and (choice.local or choice.prefill.worker_id != dispatch.p.worker_id):
+                        dispatch = self._give_up(rs, dispatch)
+                    if choice.local:
+                        ok = await self._try_local(rs, d, new_blocks)
+                    else:
+                        dispatch = dispatch or self._dispatch(rs, choice.prefill)
+                        ok = await self._try_disaggregated(rs, d, dispatch, new_blocks)
+                    if ok:
+                        dispatch = None  # placed (or none)
+                        if self.metrics:
+                            self.metrics.prefill_placed("local" if choice.local else "remote", choice.reason)
+                        return
+                rs.decode_worker_id = None
+                if not wait_for_restart:
+                    self.admission.check_healthy(self.workers.of("decode"))
+                self.admission.check_placement_wait(time.monotonic() - started, wait_s)
+                await asyncio.sleep(self.cfg.stats_interval_s)
+        finally:
+            if dispatch is not None:  # not placed (429, 503, a worker's refusal, cancelled)
+                self._give_up(rs, dispatch)
 
     async def _try_local(self, rs: PlacedRequest, d: WorkerView, need: int) -> bool:
         wrid = rs.worker_request_id
@@ -138,10 +173,31 @@ class PlacementWalk:
             self.metrics.local_prefills.inc()
         return True
 
-    async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, p: WorkerView, need: int) -> bool:
-        wrid = rs.worker_request_id
+    def _dispatch(self, rs: PlacedRequest, p: WorkerView) -> Dispatch:
+        """Sends the prompt to P now, before any decode worker reserved for it (see the module
+        docstring)."""
+        dispatch = Dispatch(p)
+        p.begin(rs.worker_request_id, 0, len(rs.request.prompt_token_ids))  # acked as the call goes out
+        rs.prefill_worker_id = p.worker_id
+        self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request), dispatch.placed))
+        return dispatch
+
+    def _give_up(self, rs: PlacedRequest, dispatch: Dispatch) -> None:  # -> None: `dispatch = self._give_up(...)`
+        """The walk will not place the dispatched prompt: P drops it (its blocks, the task's answer)."""
+        dispatch.settle(False)
+        self.abort_on(dispatch.p.worker_id, rs.worker_request_id, None)
+        if rs.prefill_worker_id == dispatch.p.worker_id:
+            rs.prefill_worker_id = None
+        return None
+
+    async def _try_disaggregated(self, rs: PlacedRequest, d: WorkerView, dispatch: Dispatch, need: int) -> bool:
+        wrid, p = rs.worker_request_id, dispatch.p
+        # P's view counts the prompt during each try and not between them, as when P was called
+        # after D's reservation: what the next D's choice ranks is what it ranked then.
+        if wrid not in p.placing:  # a try after a refused one: the call to P is out already
+            p.begin(wrid, 0, len(rs.request.prompt_token_ids))
+            p.ack(wrid)
         d.begin(wrid, need, 0)
-        p.begin(wrid, 0, len(rs.request.prompt_token_ids))
         self.admission.placed(rs.request_id)  # the view counts it now: admission's claim goes
         call = asyncio.ensure_future(self.workers.clients[d.worker_id].reserve(
             ReserveRequest(rs.request, p.worker_id), timeout=self.cfg.call_timeout_s))
@@ -155,9 +211,9 @@ class PlacementWalk:
                 self.health.call_failed(d, e)
                 return False
             # NOTE: cancelled (the client left) while D reserved. Once D has reserved, P must hear of
-            # it: D's receiver takes a pair's transfers in transfer_seq order, so a reservation P is
-            # never told about would hold up every later transfer from P to D (until D's expect
-            # timeout). The reservation finishes in the background and is handed to P, aborted.
+            # it, or the blocks stay reserved until D's expect timeout. The reservation finishes in
+            # the background and is handed to P after the abort `place` sends it on the way out (one
+            # caller's Ray calls start in order): P no longer has the prompt and aborts the transfer.
             call.add_done_callback(lambda f: self._hand_off_orphan(f, rs, p))
             raise
         if res is None:
@@ -167,11 +223,19 @@ class PlacementWalk:
             return False
         d.ack(wrid, len(res.block_ids))
         self._placed(rs, d)
-        rs.prefill_worker_id = p.worker_id
         p.inflight.add(rs.request_id)
         p.placed_total += 1
-        self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
+        self.spawn(self._attach(rs, p, res))
+        dispatch.settle(True)
         return True
+
+    async def _attach(self, rs: PlacedRequest, p: WorkerView, res: Reservation) -> None:
+        """Hands D's reservation to P. A failed call needs nothing here: P's task fails too (a dead
+        P), or P answers it when its KV cannot go (`_run_prefill` acts on either)."""
+        try:
+            await self.workers.clients[p.worker_id].attach(res.request_id, res, timeout=self.cfg.call_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            log.warning("request %s: reservation not handed to prefill worker %s: %s", rs.request_id, p.worker_id, e)
 
     @staticmethod
     def _raise_refusal(rs: PlacedRequest, e: Exception) -> None:
@@ -184,13 +248,11 @@ class PlacementWalk:
             raise cause from None
 
     def _hand_off_orphan(self, call: asyncio.Future, rs: PlacedRequest, p: WorkerView) -> None:
-        """A reservation made for a request that was given up meanwhile: P gets the task and its abort
-        right after (Ray starts one caller's calls in order), so P tells D there is no KV."""
+        """A reservation made for a request that was given up meanwhile: P, which dropped the prompt
+        already (the walk's abort went first), tells D there is no KV (PrefillWorkerAPI.attach)."""
         if call.cancelled() or call.exception() is not None or call.result() is None:
             return
-        res: Reservation = call.result()
-        self.spawn(self._run_prefill(rs, p, PrefillTask(rs.request, res)))
-        self.abort_on(p.worker_id, res.request_id, None)
+        self.spawn(self._attach(rs, p, call.result()))
 
     def _placed(self, rs: PlacedRequest, d: WorkerView) -> None:
         d.placed_total += 1
@@ -203,7 +265,9 @@ class PlacementWalk:
         if self.metrics:
             self.metrics.reserve_retries.inc()
 
-    async def _run_prefill(self, rs: PlacedRequest, p: WorkerView, task: PrefillTask) -> None:
+    async def _run_prefill(self, rs: PlacedRequest, p: WorkerView, task: PrefillTask, placed: asyncio.Future) -> None:
+        """P's task, from the dispatch to its answer (once its KV left, or it failed); acted on once
+        the walk says whether it placed this dispatch (`placed`)."""
         rid, wrid = rs.request_id, rs.worker_request_id
         error = None
         result: PrefillResult | None = None
@@ -215,7 +279,6 @@ class PlacementWalk:
             rs.dispatched_time = time.time()
             result: PrefillResult = await self.workers.clients[p.worker_id].submit(task,
                                                                                    timeout=self.cfg.prefill_timeout_s)
-            rs.prefill_result = result
             if not result.ok:
                 error = result.error or "prefill failed"
             elif result.transfer_s > 0:
@@ -225,20 +288,29 @@ class PlacementWalk:
                 self.metrics.kv_transfer_size.observe(result.transfer_bytes)
                 self.metrics.kv_transfer_bytes.inc(result.transfer_bytes)
         except asyncio.CancelledError:
+            p.forget(wrid)
             raise
         except Exception as e:
             error = f"prefill worker {p.worker_id} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.health.call_failed(p, e)
+        try:
+            # P answers a prompt whose walk is still reserving only when it failed (it ships nothing
+            # before a reservation): the walk decides first whether this dispatch is the placement.
+            was_placed = await placed
         finally:
             p.forget(wrid)
-            current = rs.worker_request_id == wrid  # not migrated meanwhile
-            if current:
-                rs.prefill_done = True
-                p.inflight.discard(rid)
-                # Sent whatever the outcome, also for a request its gateway already finished: the
-                # gateway's reply waits for it (the decode worker's last token may come first).
-                rs.cached_tokens = result.cached_tokens if result is not None else 0
-                self.prefilled(rs)
+        if not was_placed:
+            return  # given up (P was told to abort it): nothing to report
+        if result is not None:
+            rs.prefill_result = result
+        current = rs.worker_request_id == wrid  # not migrated meanwhile
+        if current:
+            rs.prefill_done = True
+            p.inflight.discard(rid)
+            # Sent whatever the outcome, also for a request its gateway already finished: the
+            # gateway's reply waits for it (the decode worker's last token may come first).
+            rs.cached_tokens = result.cached_tokens if result is not None else 0
+            self.prefilled(rs)
         if error is not None and current and rid in self.inflight and rs.lost is None:
             log.warning("request %s: %s", rid, error)
             if self.cfg.migrate_on_worker_death:

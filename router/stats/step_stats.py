@@ -41,11 +41,14 @@ class TTFTPoints:
     def named(self, timeline: PrefillTimeline | None) -> list[tuple[str, float]]:
         """[(part, when it ended)], from ("arrival", arrival) to ("delivery", first_token): each part
         is named after what fills the time up to its point, so the consecutive differences add up
-        to the TTFT. With the prefill worker's timeline: admission, placement (the decode worker's
-        reservation), dispatch (the call reaching the prefill worker), prefill_queue, forward (every
-        pass over the prompt, the last one complete), sample (its first token drawn, the device
-        synced), delivery (that token to the gateway). Without (prefilled on the decode worker, or
-        its prefill worker's answer lost): admission, placement, then the rest as one part."""
+        to the TTFT. With the prefill worker's timeline: admission, placement (the router's walk up to
+        its call to the prefill worker: the decode worker's reservation is made beside the prefill
+        from there on, PlacementWalk), dispatch (the call reaching the prefill worker),
+        prefill_queue, forward (every pass over the prompt, the last one complete), sample (its first
+        token drawn, the device synced), delivery (that token to the gateway, which reads it only
+        once the request is placed: a reservation slower than the prefill shows here, and in the
+        record's `placed_ms`). Without (prefilled on the decode worker, or its prefill worker's
+        answer lost): admission, placement (the decode worker took it), then the rest as one part."""
         out = [("arrival", self.arrival), ("admission", self.admitted)]
         if timeline is not None and self.dispatched is not None:
             out += [("placement", self.dispatched), ("dispatch", timeline.submitted),
@@ -97,7 +100,10 @@ class StepStats:
         rec = {"request_id": request_id, "t": finished, "ttft_ms": None if ttft is None else ttft * 1e3,
                "e2e_ms": (finished - arrival) * 1e3, "output_tokens": tokens, "local_prefill": local_prefill,
                "ttft_parts_ms": None, "ttft_points": None, "forward_device_ms": None, "forward_host_ms": None,
-               "pass_tokens": None, "transfer_ms": None}
+               "pass_tokens": None, "transfer_ms": None,
+               # arrival -> the router's placement returned (a decode worker holds it); not a part:
+               # on the prefill-worker path it runs beside dispatch..sample (TTFTPoints.named)
+               "placed_ms": (points.placed - arrival) * 1e3}
         timeline = result.timeline if result is not None and not local_prefill else None
         if ttft is not None:
             named = points.named(timeline)

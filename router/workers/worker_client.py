@@ -82,3 +82,6 @@ class WorkerClient:
     # -- prefill workers (PrefillWorkerAPI) -----------------------------------------------------------
     async def submit(self, task: PrefillTask, *, timeout: float | None = None) -> PrefillResult:
         return await self._call(self.handle.submit, task, timeout=timeout)
+
+    async def attach(self, request_id: str, reservation: Reservation, *, timeout: float | None = None) -> None:
+        await self._call(self.handle.attach, request_id, reservation, timeout=timeout)

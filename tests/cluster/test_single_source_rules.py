@@ -38,6 +38,7 @@ def test_fcfs_chunks_rule():
 
 def test_every_prefill_scheduler_chunks_alike(demo_model_dir):
     """The engine, the decode worker's local prefill and the prefill worker plan the same passes."""
+    from cluster.wire.messages import PrefillTask
     from prefill_worker.prefill_job import PrefillJob
     from prefill_worker.prefill_worker import PrefillWorker
 
@@ -75,7 +76,7 @@ def test_every_prefill_scheduler_chunks_alike(demo_model_dir):
     pw = PrefillWorker("p0", WorkerConfig(model_dir=str(demo_model_dir), num_blocks=64, max_prefill_tokens=budget))
     for i, p in enumerate(prompts):
         req = GenerateRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=1), 0, 0.0)
-        pw._waiting.append(PrefillJob(type("T", (), {"request": req})(), None, time.perf_counter()))
+        pw._waiting.append(PrefillJob(PrefillTask(req), None, time.perf_counter()))
 
     def prefill_advance(plan):
         for j, c in plan:

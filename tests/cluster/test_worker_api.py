@@ -152,9 +152,13 @@ def test_every_router_call_answers_the_declared_type(workers):
             assert (await check(c, "stats")).role == c.role
             await check(c, "kv_events", None, 0)
         remote = req("remote", 40)
+        # As the router's walk does: the prompt goes out at once, D's reservation follows to P.
+        submitted = asyncio.ensure_future(check(pc, "submit", PrefillTask(remote)))
+        await asyncio.sleep(0)  # the submit goes out first (these in-process calls run when awaited)
         res = await check(dc, "reserve", ReserveRequest(remote, "p0"))
         assert res is not None
-        result = await check(pc, "submit", PrefillTask(remote, res))
+        await check(pc, "attach", "remote", res)
+        result = await submitted
         assert result.ok, result
         assert await check(dc, "submit_local", req("local", 10)) is not None
         assert await check(dc, "lost", "local") is False

@@ -103,3 +103,29 @@ def test_a_first_token_that_cannot_be_sent_fails_its_prompt(setup, monkeypatch):
     (a,) = dec.wait_arrivals(1)
     assert not a.header.ok
     assert w.allocator.num_free == w.allocator.capacity
+
+
+def test_the_first_token_does_not_wait_for_the_reservation(setup, demo_model_dir):
+    """A prompt dispatched before its decode worker reserved (PrefillTask without a reservation):
+    its first token reaches the gateway while the KV still has nowhere to go; the KV ships when the
+    reservation comes (attach), and the decode side continues from the same token."""
+    from cluster.wire.messages import PrefillTask
+
+    dec, w, gateway, address = setup
+    prompt = list(range(5, 45))
+    ref = LLMEngine(demo_model_dir).generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    req = _req("early", prompt, address, max_tokens=4, temperature=0.0)
+    w.start()
+    fut = w.submit(PrefillTask(req))
+    got = _received(gateway, 1)
+    assert got["early"].token_ids == (ref.token_ids[0],)
+    assert not fut.done() and not dec.transport.poll_arrivals()  # computed; its KV waits (parked)
+    task = dec.reserve(req, "p0")
+    w.attach(req.request_id, task.reservation)
+    result = fut.result(timeout=30)
+    (a,) = dec.wait_arrivals(1)
+    assert result.ok and result.first_token == ref.token_ids[0] and a.header.first_token == ref.token_ids[0]
+    assert dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(ref.token_ids)
+    tl = result.timeline
+    assert tl.first_token_sent <= tl.kv_committed and tl.forward_done <= tl.first_token_sent
+    assert w.allocator.num_free == w.allocator.capacity

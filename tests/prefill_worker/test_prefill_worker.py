@@ -1,6 +1,7 @@
 """PrefillWorker over the in-process local transport: packing, chunking, sampling, aborts, stats."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,65 @@ def test_a_reservation_that_skips_the_last_token_is_refused(setup):
     assert not res.ok and "skips 2 blocks of a 32-token prompt" in res.error
     (a,) = dec.wait_arrivals(1)
     assert a.header is not None and not a.header.ok  # the decode side frees its blocks
+
+
+def test_prompts_submitted_before_their_reservations_ship_whenever_they_come(setup, demo_model_dir):
+    """The router dispatches a prompt before its decode worker reserved for it (PrefillTask without a
+    reservation). A reservation attached before the prompt's last pass is claimed by that pass; one
+    attached after it ships the computed KV at once; either way the decode side gets the engine's
+    first token and KV. A computed prompt holds its blocks while it waits, and nothing else."""
+    from cluster.wire.messages import PrefillTask
+
+    dec, w = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5, 35)), list(range(40, 60))]
+    reqs = [harness.request(p) for p in prompts]
+    reqs = [type(r)(r.request_id, r.prompt_token_ids, params, r.seed, r.arrival_time) for r in reqs]
+    early = w.submit(PrefillTask(reqs[0]))
+    w.attach(reqs[0].request_id, dec.reserve(reqs[0], "p0").reservation)  # before its pass
+    late = w.submit(PrefillTask(reqs[1]))
+    w.start()
+    assert early.result(timeout=30).ok
+    deadline = time.monotonic() + 30
+    while w.stats().outstanding_prefill_tokens and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not late.done() and w.stats().outstanding_prefill_tokens == 0  # computed; its KV has nowhere to go
+    assert w.allocator.num_free == w.allocator.capacity - 2  # its two blocks, held
+    w.attach(reqs[1].request_id, dec.reserve(reqs[1], "p0").reservation)
+    assert late.result(timeout=30).ok
+    arrivals = {a.reservation.request_id: a for a in dec.wait_arrivals(2)}
+    eng = LLMEngine(demo_model_dir)
+    for req in reqs:
+        out = eng.generate([list(req.prompt_token_ids)], params)[0]
+        a = arrivals[req.request_id]
+        assert a.header.ok and dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
+    assert w.allocator.num_free == w.allocator.capacity
+    w.allocator.check([])
+
+
+@pytest.mark.parametrize("computed", [False, True])
+def test_a_reservation_for_a_prompt_the_worker_dropped_is_aborted(setup, computed):
+    """Aborted before its reservation came (queued, or computed and waiting for it): the prompt's
+    blocks go back at once, and the reservation that comes later is answered with an abort, so the
+    decode side frees its blocks instead of waiting for its deadline. So is one for a prompt the
+    worker never had."""
+    from cluster.wire.messages import PrefillTask
+
+    dec, w = setup
+    req = harness.request(list(range(5, 40)))
+    fut = w.submit(PrefillTask(req))
+    if computed:
+        w.start()
+        deadline = time.monotonic() + 30
+        while w.stats().outstanding_prefill_tokens and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not fut.done()
+    assert w.abort(req.request_id)
+    assert not fut.result(timeout=5).ok
+    assert w.allocator.num_free == w.allocator.capacity
+    w.attach(req.request_id, dec.reserve(req, "p0").reservation)
+    stranger = harness.request(list(range(50, 60)))
+    w.attach(stranger.request_id, dec.reserve(stranger, "p0").reservation)
+    arrivals = dec.wait_arrivals(2)
+    assert sorted(a.reservation.request_id for a in arrivals) == sorted([req.request_id, stranger.request_id])
+    assert all(a.header is not None and not a.header.ok for a in arrivals)

@@ -5,8 +5,10 @@ engine step to the real `TokenPublisher` (detokenization, stop strings, each gat
 ZMQ), exactly like the real decode worker; its greedy outputs are the reference engine's by
 construction. Reservations hold KV blocks
 until the (fake) prefill worker reports the transfer, so admission, placement and abort-frees-blocks
-are exercised against real block accounting. `FakePrefillWorker` waits `prefill_delay_s`, then tells
-its decode worker that the KV landed (the decode engine recomputes the prompt itself).
+are exercised against real block accounting. `FakePrefillWorker` waits `prefill_delay_s` and for the
+reservation the router hands it (`attach`), then tells its decode worker that the KV landed (the
+decode engine recomputes the prompt itself); a reservation for a prompt it no longer has is aborted
+there, as the real prefill worker's is.
 
 They work as Ray actors (the launcher wraps them with ray.remote) and as plain objects.
 
@@ -196,6 +198,7 @@ class FakePrefillWorker:
         self.decode: dict = {}
         self._aborted: set[str] = set()
         self._outstanding: dict[str, int] = {}
+        self._reservations: dict[str, asyncio.Future] = {}  # prompts submitted without one: attach's
         self.submitted = 0
 
     def init_transport(self, spec: dict) -> None:
@@ -213,23 +216,40 @@ class FakePrefillWorker:
         self.submitted += 1
         self._outstanding[rid] = len(task.request.prompt_token_ids)
         t0 = time.perf_counter()
+        reservation = task.reservation
+        if reservation is None:
+            self._reservations[rid] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.sleep(self.prefill_delay_s)
             t1 = time.perf_counter()
-            ok = rid not in self._aborted
-            await self._notify(task.reservation.decode_worker_id, rid, ok)
+            if reservation is None:
+                reservation = await self._reservations[rid]  # None: aborted before it came
+            ok = rid not in self._aborted and reservation is not None
+            if reservation is not None:
+                await self._notify(reservation.decode_worker_id, rid, ok)
             t2 = time.perf_counter()
         finally:
             self._outstanding.pop(rid, None)
             self._aborted.discard(rid)
+            self._reservations.pop(rid, None)
         if not ok:
             return PrefillResult(rid, -1, 0.0, t1 - t0, 0.0, 0, ok=False, error="aborted")
-        nbytes = len(task.reservation.block_ids) * 4096
+        nbytes = len(reservation.block_ids) * 4096
         return PrefillResult(rid, -1, 0.0, t1 - t0, t2 - t1, nbytes)
+
+    async def attach(self, request_id: str, reservation: Reservation) -> None:
+        waiting = self._reservations.get(request_id)
+        if waiting is None or waiting.done() or request_id in self._aborted:
+            await self._notify(reservation.decode_worker_id, request_id, False)  # no KV will come
+            return
+        waiting.set_result(reservation)
 
     def abort(self, request_id: str) -> None:
         if request_id in self._outstanding:
             self._aborted.add(request_id)
+            waiting = self._reservations.get(request_id)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, "prefill", True, waiting=len(self._outstanding),
@@ -257,6 +277,9 @@ class StubWorker:
         self.lost_ids: set[str] = set()
         self.prefill_rate = self.decode_rate = None  # cluster.worker.pass_rate.PassRate, as measured
         self.calls: list[tuple] = []
+        # Prompts submitted without a reservation, answered once `attach` brings one (or `abort`).
+        self.unattached: dict[str, asyncio.Future] = {}
+        self.orphans: list[str] = []  # reservations attached for a prompt it no longer had (aborted)
 
     def _called(self, *call) -> None:
         self.calls.append(call)
@@ -287,10 +310,29 @@ class StubWorker:
         rid = task.request.request_id
         if not self.prefill_ok:
             return PrefillResult(rid, -1, 0.0, 0.0, 0.0, 0, ok=False, error="prefill broke")
+        if task.reservation is None:  # as the real worker: the KV leaves once the reservation came
+            waiting = self.unattached[rid] = asyncio.get_running_loop().create_future()
+            try:
+                if not await waiting:
+                    return PrefillResult(rid, -1, 0.0, 0.0, 0.0, 0, ok=False, error="aborted")
+            finally:
+                if self.unattached.get(rid) is waiting:
+                    del self.unattached[rid]
         return PrefillResult(rid, 7, 0.0, 0.001, 0.0, 0)
+
+    def attach(self, request_id: str, reservation: Reservation) -> None:
+        self._called("attach", request_id, reservation.decode_worker_id)
+        waiting = self.unattached.get(request_id)
+        if waiting is None or waiting.done():
+            self.orphans.append(request_id)
+        else:
+            waiting.set_result(True)
 
     def abort(self, request_id: str) -> None:
         self._called("abort", request_id)
+        waiting = self.unattached.get(request_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(False)
 
     def fail(self, request_id: str, error: str) -> None:
         self._called("fail", request_id, error)

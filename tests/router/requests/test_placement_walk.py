@@ -42,7 +42,15 @@ class Harness:
         self.admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, retry_after_s=2))
         self.walk = PlacementWalk(self.workers, cfg, policies, self.admission, self.health, index, ArrivalStats(),
                                   self.inflight, notify=self.notify, prefilled=lambda rs: self.prefilled.append(rs.request_id),
-                                  abort_on=lambda wid, rid, error: self.aborted.append((wid, rid, error)), spawn=self.spawn)
+                                  abort_on=self.abort_on, spawn=self.spawn)
+
+    def abort_on(self, wid, rid, error) -> None:
+        """Recorded; a prefill worker also gets the call (in the background, as the router sends it),
+        so that a prompt dispatched to it and given up is answered."""
+        self.aborted.append((wid, rid, error))
+        client = self.workers.clients.get(wid)
+        if client is not None and client.role == "prefill":
+            asyncio.get_running_loop().call_soon(client.handle.abort, rid)
 
     def notify(self, rs, error) -> None:
         self.notified.append((rs.request_id, error))
@@ -164,4 +172,174 @@ def test_a_failed_prefill_tells_the_gateway_and_frees_the_decode_side():
         await h.settle()
         assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1", "prefill broke")]
         assert h.prefilled == ["r1"]  # told all the same: a reply waiting for the notice never waits in vain
+    asyncio.run(main())
+
+
+class SlowReserve(StubWorker):
+    """A decode worker whose reservations answer only when the test lets them (`go`)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.go = asyncio.Event()
+
+    async def reserve(self, rr):
+        self.calls.append(("reserve_called", rr.request.request_id))
+        await self.go.wait()
+        return super().reserve(rr)
+
+
+def test_the_prompt_is_dispatched_before_the_decode_worker_answers_its_reservation():
+    """The first token's path does not wait for the reservation: P has the prompt while D is still
+    reserving; P ships (answers) only once the reservation was handed to it, and only then does the
+    walk report the prompt computed."""
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), SlowReserve("d0", "decode")
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        rs = h.request("r1")
+        placing = asyncio.ensure_future(h.walk.place(rs))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert ("submit", "r1") in p0.calls and ("reserve_called", "r1") in d0.calls and not placing.done()
+        assert rs.prefill_worker_id == "p0" and rs.dispatched_time is not None
+        assert "r1" in p0.unattached and not h.prefilled  # computing; its KV waits for the reservation
+        d0.go.set()
+        await placing
+        await h.settle()
+        assert p0.names()[-1] == "attach" and ("attach", "r1", "d0") in p0.calls and not p0.orphans
+        assert rs.prefill_done and rs.prefill_result.ok and h.prefilled == ["r1"] and not h.notified
+        assert not h.workers.views["p0"].inflight and not h.workers.views["p0"].placing
+    asyncio.run(main())
+
+
+def test_a_refused_reservation_keeps_the_dispatched_prompt_for_the_next_decode_worker():
+    """D refused: the prompt P is computing is not lost; the next decode worker's reservation goes to
+    the same P (one submit, no abort)."""
+    async def main():
+        p0 = StubWorker("p0", "prefill")
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        h = Harness([p0], [d0, d1])
+        await h.health.poll_once()
+        d0.refuse = True
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        await h.settle()
+        assert rs.decode_worker_id == "d1" and ("reserve", "r1", "p0") in d0.calls
+        assert [c for c in p0.calls if c[0] != "stats"] == [("submit", "r1"), ("attach", "r1", "d1")]
+        assert rs.prefill_result.ok and h.prefilled == ["r1"] and not h.notified and not h.aborted
+    asyncio.run(main())
+
+
+def test_a_request_no_decode_worker_takes_is_refused_and_its_dispatched_prompt_dropped():
+    """429 as before; P is told to drop the prompt it was computing, and its answer reports nothing
+    (no PrefillDone, no failure notice)."""
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), StubWorker("d0", "decode")
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        d0.refuse = True
+        rs = h.request("r1")
+        with pytest.raises(OverloadedError):
+            await h.walk.place(rs)
+        assert h.aborted == [("p0", "r1", None)] and rs.prefill_worker_id is None
+        await h.settle()
+        assert [c[0] for c in p0.calls if c[0] != "stats"] == ["submit", "abort"]
+        assert not h.prefilled and not h.notified and rs.prefill_result is None
+        assert not h.workers.views["p0"].inflight and not h.workers.views["p0"].placing
+        assert not h.workers.views["d0"].placing
+    asyncio.run(main())
+
+
+def test_a_decode_worker_choosing_another_prefill_worker_moves_the_prompt_there():
+    """The walk decides as before: the next decode worker's choice is another prefill worker (this
+    request avoids the (p0, d1) pair), so p1's copy is dropped and p0 computes it."""
+    async def main():
+        p0, p1 = StubWorker("p0", "prefill"), StubWorker("p1", "prefill")
+        d0, d1 = StubWorker("d0", "decode", free_blocks=100), StubWorker("d1", "decode", free_blocks=90)
+        h = Harness([p0, p1], [d0, d1])
+        await h.health.poll_once()
+        d0.refuse = True
+        rs = h.request("r1")
+        rs.avoid_pairs.add(("p0", "d0"))  # d0 is offered p1 (refuses), d1 then p0
+        place = asyncio.ensure_future(h.walk.place(rs))
+        await place
+        assert ("p1", "r1", None) in h.aborted
+        await h.settle()
+        assert [c[0] for c in p1.calls if c[0] != "stats"] == ["submit", "abort"]
+        assert [c for c in p0.calls if c[0] != "stats"] == [("submit", "r1"), ("attach", "r1", "d1")]
+        assert rs.prefill_worker_id == "p0" and rs.decode_worker_id == "d1" and h.prefilled == ["r1"]
+        assert "r1" in h.workers.views["d1"].inflight and not h.workers.views["p1"].inflight
+        assert not h.notified
+    asyncio.run(main())
+
+
+def test_a_reservation_that_comes_after_the_client_left_is_handed_to_the_prefill_worker_aborted():
+    """Cancelled while D reserved: P drops the prompt (the walk's abort goes out first) and the late
+    reservation still reaches P, which tells D no KV comes (so D frees the blocks at once)."""
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), SlowReserve("d0", "decode")
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        rs = h.request("r1")
+        placing = asyncio.ensure_future(h.walk.place(rs))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        placing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await placing
+        assert h.aborted == [("p0", "r1", None)]
+        d0.go.set()
+        await asyncio.sleep(0.01)
+        await h.settle()
+        assert [c[0] for c in p0.calls if c[0] != "stats"] == ["submit", "abort", "attach"] and p0.orphans == ["r1"]
+        assert not h.prefilled and not h.notified and not h.workers.views["d0"].placing
+    asyncio.run(main())
+
+
+def test_a_prefill_that_fails_while_the_reservation_is_out_is_acted_on_once_placed():
+    """P failed the prompt before D answered: as when it fails after (today's order), the placement
+    stands, the gateway is told and the decode worker's placement ends with the error."""
+    async def main():
+        p0, d0 = StubWorker("p0", "prefill"), SlowReserve("d0", "decode")
+        p0.prefill_ok = False
+        h = Harness([p0], [d0])
+        await h.health.poll_once()
+        rs = h.request("r1")
+        placing = asyncio.ensure_future(h.walk.place(rs))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not h.notified and not h.prefilled  # P's answer is in, the walk has not decided
+        d0.go.set()
+        await placing
+        await h.settle()
+        assert rs.decode_worker_id == "d0"
+        assert h.notified == [("r1", "prefill broke")] and h.aborted == [("d0", "r1", "prefill broke")]
+        assert h.prefilled == ["r1"]
+    asyncio.run(main())
+
+
+class RefusesOnce(StubWorker):
+    def reserve(self, rr):
+        out = super().reserve(rr)
+        self.refuse = False
+        return out
+
+
+def test_the_next_try_ranks_the_prefill_workers_as_before():
+    """Between two tries P's view does not count the request (as when P was called only after a
+    reservation): two idle prefill workers, d0 refuses once, and the walk's next round picks the same
+    p0 again, which keeps the prompt it is computing; p1 is never called."""
+    async def main():
+        p0, p1 = StubWorker("p0", "prefill"), StubWorker("p1", "prefill")
+        d0 = RefusesOnce("d0", "decode")
+        h = Harness([p0, p1], [d0])
+        await h.health.poll_once()
+        d0.refuse = True
+        rs = h.request("r1")
+        await h.walk.place(rs)
+        await h.settle()
+        assert [c[0] for c in d0.calls if c[0] == "reserve"] == ["reserve", "reserve"]  # two rounds
+        assert [c for c in p0.calls if c[0] != "stats"] == [("submit", "r1"), ("attach", "r1", "d0")]
+        assert [c for c in p1.calls if c[0] != "stats"] == [] and not h.aborted
+        assert h.workers.views["p0"].placed_total == 1 and h.workers.views["p1"].placed_total == 0
     asyncio.run(main())

@@ -77,6 +77,7 @@ def test_a_request_ttft_is_its_timeline_parts_in_order():
     assert points == sorted(points) and points[0] == 10.0 and points[-1] == 10.018
     assert (remote["forward_device_ms"], remote["forward_host_ms"], remote["pass_tokens"]) == (2.0, 10.0, 128)
     assert remote["transfer_ms"] == pytest.approx(0.4)
+    assert remote["placed_ms"] == pytest.approx(3.1)  # the reservation, beside the prefill: not a part
     assert list(local["ttft_parts_ms"]) == ["admission", "placement", "local_prefill"]
     assert sum(local["ttft_parts_ms"].values()) == pytest.approx(local["ttft_ms"]) == pytest.approx(10.0)
     assert local["forward_device_ms"] is None
