@@ -3,16 +3,19 @@ its transfer is over; what is computed from jobs alone: their KV sends, timeline
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
 from dataclasses import dataclass, field
 
+from cluster.errors import InvalidRequestError
 from cluster.kv.block_hash import BlockHash
+from cluster.kv.request_limits import check_request_fits
 from cluster.sampling.logprobs import PrefillLogprobs
 from cluster.sampling.sampler import sample_tokens
 from cluster.transport.base import KVSend
-from cluster.wire.messages import PrefillTask, PrefillTimeline, Reservation
+from cluster.wire.messages import PrefillResult, PrefillTask, PrefillTimeline, Reservation
 from cluster.structured.request_grammar import RequestGrammar
 
 
@@ -37,7 +40,7 @@ class PrefillJob:
     timeline: PrefillTimeline | None = None  # once its first token is drawn and its KV committed
     # Where its KV goes: the task's, or (dispatched before its decode worker reserved) what `attach`
     # brings later. A job whose prompt is computed before that waits `parked`, holding its blocks,
-    # its first token already sent to its gateway (prefill_worker/late_shipment.py).
+    # its first token already sent to its gateway (PrefillWorker._park, _ship_late).
     reservation: Reservation | None = None
     parked: bool = False
     first_token: int = -1  # drawn (parked jobs: what the late commit sends)
@@ -63,6 +66,17 @@ class PrefillJob:
         k = reservation.num_cached_blocks
         return KVSend(reservation, len(self.prompt) - k * block_size, tuple(self.blocks[k:]))
 
+    def result(self, fut: Future, first_token: int, prefill_done: float, error: str | None) -> PrefillResult:
+        """Its answer once its transfer future `fut` resolved (the payload left its blocks, or failed);
+        `error`: it failed before (its first token could not be sent, say)."""
+        exc = fut.exception()
+        if error is None and exc is not None:
+            error = f"{type(exc).__name__}: {exc}"
+        ok = error is None
+        return PrefillResult(self.request_id, first_token, self.started - self.submitted, prefill_done - self.started,
+                             time.perf_counter() - prefill_done if ok else 0.0, fut.result().bytes if ok else 0,
+                             ok=ok, error=error, cached_tokens=self.cached_tokens, timeline=self.timeline)
+
     def committed(self, at: float) -> PrefillTimeline:
         """Its timeline, its KV commit having left at `at` (after its last pass: pass_points)."""
         forward_done, sent, host_s, device_s, tokens = self.pass_points
@@ -76,6 +90,26 @@ def reservation_error(reservation: Reservation | None, prompt_tokens: int, block
     if reservation is not None and reservation.num_cached_blocks * block_size >= prompt_tokens:
         return f"reservation skips {reservation.num_cached_blocks} blocks of a {prompt_tokens}-token prompt"
     return None
+
+
+def failed_result(task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
+    return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)
+
+
+def check_task(task: PrefillTask, reservation: Reservation | None, *, max_model_len: int, block_size: int,
+               kv_blocks: int, vocab_size: int, holder: str) -> None:
+    """What a prompt must be for a prefill worker to take it: raises InvalidRequestError or
+    CapacityError (cluster.kv.request_limits) otherwise."""
+    req = task.request
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("empty prompt", "prompt")
+    # Only the prompt's KV is ever held here: max_tokens 0.
+    check_request_fits(n, 0, max_model_len, block_size=block_size, kv_blocks=kv_blocks, holder=holder)
+    skips = reservation_error(reservation, n, block_size)
+    if skips is not None:
+        raise InvalidRequestError(skips)
+    req.params.check_token_ids(vocab_size)  # they index the sampling kernels' tables
 
 
 def sample_first_tokens(logits: torch.Tensor, jobs: list[PrefillJob]):

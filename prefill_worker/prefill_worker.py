@@ -11,7 +11,8 @@ back to this worker's pool when its transfer future resolves (the payload left t
 Dispatched before its reservation (the router reserves on the decode worker meanwhile: PlacementWalk),
 a prompt is computed all the same and its first token sent; its KV waits in its blocks (`parked`)
 until `attach` brings the reservation, then ships in one go (under tensor parallelism, whose followers
-ship during the pass, a prompt waits for its reservation before its last pass instead).
+ship during the pass, a prompt waits for its reservation before its last pass instead). Its attach
+or abort may come before its submit (Ray runs an async actor's calls in no fixed order): calls_ahead.py.
 
 Prefix caching: a prompt starts after its leading blocks found in this worker's cache (they stay
 pinned, ref-counted, until its transfer is over); its blocks are registered as their chunks complete
@@ -47,21 +48,23 @@ from cluster.kv.block_pool import WORKER_EVENT_LOG_SIZE, PrefixCachingBlockPool
 from cluster.engine.chunked_prefill import fcfs_chunks
 from cluster.errors import CapacityError, InvalidRequestError
 from cluster.sampling.logprobs import PrefillLogprobs
-from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
+from cluster.wire.messages import KVCacheEvents, PrefillTask, Reservation, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.engine.model_runner import PrefillChunk
 from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.engine.prefill_graph_runner import PrefillGraphRunner
-from cluster.kv.request_limits import check_request_fits, served_max_model_len
+from cluster.kv.request_limits import served_max_model_len
 from cluster.structured.grammar_compiler import GrammarCompiler
 from cluster.text.tokenizer import load_tokenizer
 from cluster.transport.base import KVSender, Shipment
 from cluster.transport.plan import KVNumerics
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import WorkerModel
+from prefill_worker.abort_notices import AbortNotices
+from prefill_worker.calls_ahead import CallsAhead
 from prefill_worker.first_token_sender import FirstTokenSender
 from prefill_worker.layer_hooks import hook_layers
-from prefill_worker.prefill_job import PrefillJob, reservation_error, sample_first_tokens
+from prefill_worker.prefill_job import PrefillJob, check_task, failed_result, reservation_error, sample_first_tokens
 from prefill_worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,8 @@ class PrefillWorker:
         self._waiting: deque[PrefillJob] = deque()
         self._to_ship: list[PrefillJob] = []  # computed before their reservation came; it has now
         self._jobs: dict[str, PrefillJob] = {}
+        self._ahead = CallsAhead()  # attach / abort calls that overtook their submit (Ray's async actor)
+        self._aborts = AbortNotices(lambda: self.transport, lambda: self.send_timeout_s)
         self._sending = 0
         self._cv = threading.Condition()
         self._stop = False
@@ -135,27 +140,32 @@ class PrefillWorker:
         """Queues a prompt; the future resolves to a PrefillResult once the decode side has the KV
         (ok=False with `error` if the prefill, the transfer or an abort stopped it)."""
         fut: Future = Future()
-        req, grammar = task.request, None
-        n = len(req.prompt_token_ids)
+        req, grammar, rid = task.request, None, task.request.request_id
+        with self._cv:  # an attach or an abort of this prompt may have come first (calls_ahead.py)
+            held, aborted_ahead = self._ahead.take(rid)
+        reservation = task.reservation or held
+        if task.reservation is not None:
+            self._aborts.send(held, rid, "a second reservation")
         try:
-            if n == 0:
-                raise InvalidRequestError("empty prompt", "prompt")
-            # Only the prompt's KV is ever held here: max_tokens 0.
-            check_request_fits(n, 0, self.max_model_len, block_size=self.spec.block_size,
-                               kv_blocks=self.allocator.capacity, holder=f"prefill worker {self.worker_id}")
-            skips = reservation_error(task.reservation, n, self.spec.block_size)
-            if skips is not None:
-                raise InvalidRequestError(skips)
-            req.params.check_token_ids(self.arch.vocab_size)  # they index the sampling kernels' tables
-            if req.params.structured is not None:
+            check_task(task, reservation, max_model_len=self.max_model_len, block_size=self.spec.block_size,
+                       kv_blocks=self.allocator.capacity, vocab_size=self.arch.vocab_size,
+                       holder=f"prefill worker {self.worker_id}")
+            if req.params.structured is not None and not aborted_ahead:
                 self.grammars.check(req.params.structured)
+                n = len(req.prompt_token_ids)
                 prior = req.prompt_token_ids[n - req.resumed_tokens:] if req.resumed_tokens else ()
-                grammar = self.grammars.grammar_for(req.params.structured, req.request_id, prior)
+                grammar = self.grammars.grammar_for(req.params.structured, rid, prior)
+            error = "aborted" if aborted_ahead else None
         except (InvalidRequestError, CapacityError) as e:  # (CapacityError: its compiles are all taken)
-            fut.set_result(self._failed(task, 0.0, str(e)))
-            self._spawn_abort(task.reservation, task.request.request_id)
+            error = str(e)
+        if error is not None:
+            fut.set_result(failed_result(task, 0.0, error))
+            with self._cv:
+                self._ahead.ended(rid)
+            self._aborts.send(reservation, rid)
             return fut
-        job = PrefillJob(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time())
+        job = PrefillJob(task, fut, time.perf_counter(), grammar=grammar, submitted_at=time.time(),
+                         reservation=reservation)
         with self._cv:
             self._jobs[job.request_id] = job
             self._waiting.append(job)
@@ -163,13 +173,16 @@ class PrefillWorker:
         return fut
 
     def attach(self, request_id: str, reservation: Reservation) -> None:
-        """The reservation of a prompt submitted without one (see the module docstring); one for a
-        prompt this worker no longer has (aborted, failed) is aborted at once: its decode worker
-        frees the blocks instead of waiting for its expect deadline."""
+        """The reservation of a prompt submitted without one (see the module docstring). One for a
+        prompt not submitted yet waits for it; one for a prompt this worker no longer has (aborted,
+        failed) is aborted at once: its decode worker frees the blocks now (calls_ahead.py)."""
         error = None
         with self._cv:
+            expired = self._ahead.expired()
             job = self._jobs.get(request_id)
-            if job is None or job.aborted or job.reservation is not None:
+            if job is None and self._ahead.hold(request_id, reservation):
+                pass  # its submit takes it
+            elif job is None or job.aborted or job.reservation is not None:
                 error = "no such prompt" if job is None or job.aborted else "attached twice"
             else:
                 job.reservation = reservation
@@ -179,19 +192,25 @@ class PrefillWorker:
                 elif job.parked:
                     self._to_ship.append(job)
                     self._cv.notify()
+        for rid, res in expired:
+            self._aborts.send(res, rid, "its prompt did not come")
         if error is not None:
-            log.info("reservation %d for %s aborted: %s", reservation.transfer_seq, request_id, error)
-            self._spawn_abort(reservation, request_id)
+            self._aborts.send(reservation, request_id, error)
 
     def abort(self, request_id: str) -> bool:
         """A queued or computing prompt stops; its decode worker is told (header ok=False). A prompt
-        whose KV is already being sent finishes the transfer. Returns whether anything was aborted."""
+        whose KV is already being sent finishes the transfer. Returns whether anything was aborted
+        now (a prompt not submitted yet is when it comes: calls_ahead.py)."""
         with self._cv:
             job = self._jobs.get(request_id)
-            if job is None or job.aborted:
-                return False
-            self._abort_locked(job, "aborted")
-            return True
+            if job is not None:
+                if job.aborted:
+                    return False
+                self._abort_locked(job, "aborted")
+                return True
+            held = self._ahead.abort_ahead(request_id)
+        self._aborts.send(held, request_id)
+        return False
 
     def _abort_locked(self, job: PrefillJob, error: str) -> None:
         """Under self._cv. A queued prompt not started, or a computed one waiting for its reservation,
@@ -224,9 +243,13 @@ class PrefillWorker:
 
     def stats(self) -> WorkerStats:
         with self._cv:
+            expired = self._ahead.expired()  # (polled: a held reservation's deadline is kept within a poll)
+            calls_ahead = len(self._ahead)
             outstanding = sum(len(j.prompt) - j.done_tokens for j in self._waiting)
-            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens,
+            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens, "calls_ahead": calls_ahead,
                      **self.allocator.stats_extra()}
+        for rid, res in expired:
+            self._aborts.send(res, rid, "its prompt did not come")
         if self.transport is not None and hasattr(self.transport, "metrics"):
             m = self.transport.metrics()
             extra.update({k: m[k] for k in ("transfers", "bytes", "seconds", "failures", "GBps")})
@@ -363,8 +386,8 @@ class PrefillWorker:
                 if shipment is not None and job.request_id in shipment.futures:
                     self._await_send(job, shipment, -1, f"prefill failed: {e}")
                 else:
-                    job.future.set_result(self._failed(job.task, 0.0, f"prefill failed: {e}"))
-                    self._spawn_abort(job.reservation, job.request_id)
+                    job.future.set_result(failed_result(job.task, 0.0, f"prefill failed: {e}"))
+                    self._aborts.send(job.reservation, job.request_id)
             return True
         # The draws above synced the device: the pass's device time is ready without a wait.
         device_s = self._timer.seconds(start, end) if done else 0.0
@@ -397,7 +420,7 @@ class PrefillWorker:
             if shipment is None:
                 with self._cv:
                     self._release(job)
-                job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted,
+                job.future.set_result(failed_result(job.task, time.perf_counter() - job.submitted,
                                                    "no KV transport (init_transport first)"))
             else:
                 self._await_send(job, shipment, -1 if tok is None else tok,
@@ -449,14 +472,7 @@ class PrefillWorker:
     # -- transfer and completion ----------------------------------------------------------------
     def _sent(self, job: PrefillJob, fut, first_token: int, prefill_done: float, error: str | None) -> None:
         """A transport thread: the job's transfer is over (its payload left our blocks, or failed)."""
-        queue_s, prefill_s = job.started - job.submitted, prefill_done - job.started
-        exc = fut.exception()
-        if error is None and exc is not None:
-            error = f"{type(exc).__name__}: {exc}"
-        ok = error is None
-        result = PrefillResult(job.request_id, first_token, queue_s, prefill_s,
-                               time.perf_counter() - prefill_done if ok else 0.0, fut.result().bytes if ok else 0,
-                               ok=ok, error=error, cached_tokens=job.cached_tokens, timeline=job.timeline)
+        result = job.result(fut, first_token, prefill_done, error)
         with self._cv:
             self._release(job)  # only now: nothing reads these blocks any more
             self._sending -= 1
@@ -469,30 +485,15 @@ class PrefillWorker:
             job.blocks = []
         if self._jobs.get(job.request_id) is job:  # (the id may be submitted again after an abort)
             del self._jobs[job.request_id]
+            self._ahead.ended(job.request_id)
 
     def _finish_aborted(self, job: PrefillJob, error: str = "aborted") -> None:
         """Under self._cv. Frees the blocks and tells the decode side there is no KV for its blocks."""
         self._release(job)
-        job.future.set_result(self._failed(job.task, time.perf_counter() - job.submitted, error))
-        self._spawn_abort(job.reservation, job.request_id)
+        job.future.set_result(failed_result(job.task, time.perf_counter() - job.submitted, error))
+        self._aborts.send(job.reservation, job.request_id)
 
     def _grammar_ready(self) -> None:
         """A grammar compiled (or failed): the loop may have a prompt to schedule now."""
         with self._cv:
             self._cv.notify_all()
-
-    def _failed(self, task: PrefillTask, queue_s: float, error: str) -> PrefillResult:
-        return PrefillResult(task.request.request_id, -1, queue_s, 0.0, 0.0, 0, ok=False, error=error)
-
-    def _spawn_abort(self, reservation: Reservation | None, request_id: str) -> None:
-        """The transfer_seq is filled (ok=False): the decode side frees its blocks now (none yet: none)."""
-        if self.transport is None or reservation is None:
-            return
-
-        def run():
-            try:
-                self.transport.send_abort(reservation, request_id, self.send_timeout_s)
-            except Exception:
-                pass  # the decode side's expect timeout covers a transport that cannot say it
-
-        threading.Thread(target=run, daemon=True).start()

@@ -6,7 +6,8 @@ where the prompt is prefilled (router.placement.local_prefill_policy over router
 - local: `D.submit_local` (D prefills it in chunks between its decode steps);
 - remote: `P.submit` at once (a Dispatch: P computes the prompt and sends its first token to the
   gateway meanwhile) and `D.reserve` (blocks for the prompt) concurrently; D's reservation then goes
-  to P (`P.attach`), which ships the KV into the reserved blocks and returns timings. The
+  to P (`P.attach`, which may reach P before the submit does: prefill_worker/calls_ahead.py), which
+  ships the KV into the reserved blocks and returns timings. The
   reservation is off the first token's path: it costs a Ray round trip, the prompt's pass longer;
 a None from D means it is full now: the next D in the ranking is tried, and D is not ranked again
 until a fresh poll. When no D takes it, the walk waits a poll interval and walks again, until
@@ -212,8 +213,9 @@ class PlacementWalk:
                 return False
             # NOTE: cancelled (the client left) while D reserved. Once D has reserved, P must hear of
             # it, or the blocks stay reserved until D's expect timeout. The reservation finishes in
-            # the background and is handed to P after the abort `place` sends it on the way out (one
-            # caller's Ray calls start in order): P no longer has the prompt and aborts the transfer.
+            # the background and is handed to P after the abort `place` sends it on the way out; in
+            # whichever order P runs the two (and the submit), it aborts the transfer
+            # (prefill_worker/calls_ahead.py).
             call.add_done_callback(lambda f: self._hand_off_orphan(f, rs, p))
             raise
         if res is None:
@@ -272,9 +274,10 @@ class PlacementWalk:
         error = None
         result: PrefillResult | None = None
         try:
-            # NOTE: acked when the call goes out, not when it returns (after prefill + transfer): Ray
-            # starts an actor's calls from one caller in order, so any stats poll issued after this
-            # line already sees the prompt in P's queue. No await between ack and the call.
+            # NOTE: acked when the call goes out, not when it returns (after prefill + transfer). P is
+            # an async actor, whose calls Ray runs in no fixed order: a stats poll issued after this
+            # line may still miss the prompt (its view under-counts it until the next poll), and the
+            # attach or abort sent after it may reach P first (prefill_worker/calls_ahead.py).
             p.ack(wrid)
             rs.dispatched_time = time.time()
             result: PrefillResult = await self.workers.clients[p.worker_id].submit(task,

@@ -179,8 +179,7 @@ def test_prompts_submitted_before_their_reservations_ship_whenever_they_come(set
 def test_a_reservation_for_a_prompt_the_worker_dropped_is_aborted(setup, computed):
     """Aborted before its reservation came (queued, or computed and waiting for it): the prompt's
     blocks go back at once, and the reservation that comes later is answered with an abort, so the
-    decode side frees its blocks instead of waiting for its deadline. So is one for a prompt the
-    worker never had."""
+    decode side frees its blocks instead of waiting for its deadline."""
     from cluster.wire.messages import PrefillTask
 
     dec, w = setup
@@ -196,8 +195,59 @@ def test_a_reservation_for_a_prompt_the_worker_dropped_is_aborted(setup, compute
     assert not fut.result(timeout=5).ok
     assert w.allocator.num_free == w.allocator.capacity
     w.attach(req.request_id, dec.reserve(req, "p0").reservation)
+    (a,) = dec.wait_arrivals(1)
+    assert a.reservation.request_id == req.request_id and a.header is not None and not a.header.ok
+
+
+def test_an_attach_before_its_submit_is_kept_for_it(setup, demo_model_dir):
+    """Ray runs the actor's calls in no fixed order: the reservation may come before the prompt
+    (prefill_worker/calls_ahead.py). The prompt then ships into it as if it had come after."""
+    from cluster.wire.messages import PrefillTask
+
+    dec, w = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    r = harness.request(list(range(5, 35)))
+    req = type(r)(r.request_id, r.prompt_token_ids, params, r.seed, r.arrival_time)
+    w.attach(req.request_id, dec.reserve(req, "p0").reservation)
+    assert w.stats().extra["calls_ahead"] == 1
+    w.start()
+    assert dec.wait_arrivals(1, timeout=0.3) == []  # not aborted: held for its submit
+    assert w.submit(PrefillTask(req)).result(timeout=30).ok
+    (a,) = dec.wait_arrivals(1)
+    out = LLMEngine(demo_model_dir).generate([list(req.prompt_token_ids)], params)[0]
+    assert a.header.ok and dec.greedy_decode(req, a.reservation.block_ids, a.header.first_token) == list(out.token_ids)
+    assert w.stats().extra["calls_ahead"] == 0 and w.allocator.num_free == w.allocator.capacity
+
+
+def test_an_abort_before_its_submit_ends_it_unrun(setup):
+    """The walk gave the prompt up before the prompt came: its submit answers at once, nothing
+    computed or held, and a reservation that comes after is aborted at once."""
+    from cluster.wire.messages import PrefillTask
+
+    dec, w = setup
+    req = harness.request(list(range(5, 40)))
+    assert not w.abort(req.request_id)
+    w.start()
+    res = w.submit(PrefillTask(req)).result(timeout=5)
+    assert not res.ok and res.error == "aborted"
+    assert w.stats().outstanding_prefill_tokens == 0 and w.allocator.num_free == w.allocator.capacity
+    assert w.stats().extra["computed_prompt_tokens"] == 0
+    w.attach(req.request_id, dec.reserve(req, "p0").reservation)
+    (a,) = dec.wait_arrivals(1)
+    assert a.reservation.request_id == req.request_id and not a.header.ok
+
+
+def test_a_reservation_whose_prompt_never_comes_is_aborted_after_the_wait(setup):
+    """Held for its submit at most CallsAhead.wait_s; then its decode worker frees the blocks (the
+    stats poll sweeps)."""
+    dec, w = setup
+    now = [1000.0]
+    w._ahead.clock = lambda: now[0]
     stranger = harness.request(list(range(50, 60)))
     w.attach(stranger.request_id, dec.reserve(stranger, "p0").reservation)
-    arrivals = dec.wait_arrivals(2)
-    assert sorted(a.reservation.request_id for a in arrivals) == sorted([req.request_id, stranger.request_id])
-    assert all(a.header is not None and not a.header.ok for a in arrivals)
+    w.stats()
+    assert dec.wait_arrivals(1, timeout=0.3) == []
+    now[0] += w._ahead.wait_s
+    assert w.stats().extra["calls_ahead"] == 0
+    (a,) = dec.wait_arrivals(1)
+    assert a.reservation.request_id == stranger.request_id and a.header is not None and not a.header.ok

@@ -30,6 +30,7 @@ from cluster.wire.messages import (GenerateRequest, PrefillResult, PrefillTask, 
 from cluster.engine.sequence import SequenceStatus
 from cluster.worker.worker_config import WorkerConfig
 from decode_worker.token_publisher import TokenPublisher
+from prefill_worker.calls_ahead import CallsAhead
 
 
 class FakeDecodeWorker:
@@ -189,16 +190,26 @@ class FakeDecodeWorker:
         return tuple(deltas)
 
 
+class _FakePrefillJob:
+    """One submission of a prompt to the prefill double (an id may be submitted again while its
+    earlier submission, aborted, is still winding down)."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.reservation: asyncio.Future = asyncio.get_running_loop().create_future()  # None: aborted
+        self.aborted = False
+
+
 class FakePrefillWorker:
-    """Prefill double: after `prefill_delay_s`, tells the reserving decode worker the KV landed."""
+    """Prefill double: after `prefill_delay_s`, tells the reserving decode worker the KV landed. Its
+    attach and abort may come before their submit, as the real worker's (prefill_worker/calls_ahead.py)."""
 
     def __init__(self, worker_id: str, cfg: WorkerConfig, prefill_delay_s: float = 0.01):
         self.worker_id = worker_id
         self.prefill_delay_s = prefill_delay_s
         self.decode: dict = {}
-        self._aborted: set[str] = set()
-        self._outstanding: dict[str, int] = {}
-        self._reservations: dict[str, asyncio.Future] = {}  # prompts submitted without one: attach's
+        self._jobs: dict[str, _FakePrefillJob] = {}
+        self._ahead = CallsAhead()
         self.submitted = 0
 
     def init_transport(self, spec: dict) -> None:
@@ -214,46 +225,59 @@ class FakePrefillWorker:
     async def submit(self, task: PrefillTask) -> PrefillResult:
         rid = task.request.request_id
         self.submitted += 1
-        self._outstanding[rid] = len(task.request.prompt_token_ids)
+        held, aborted_ahead = self._ahead.take(rid)
+        reservation = task.reservation or held
+        if aborted_ahead:
+            self._ahead.ended(rid)
+            if reservation is not None:
+                await self._notify(reservation.decode_worker_id, rid, False)
+            return PrefillResult(rid, -1, 0.0, 0.0, 0.0, 0, ok=False, error="aborted")
+        job = self._jobs[rid] = _FakePrefillJob(len(task.request.prompt_token_ids))
+        if reservation is not None:
+            job.reservation.set_result(reservation)
         t0 = time.perf_counter()
-        reservation = task.reservation
-        if reservation is None:
-            self._reservations[rid] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.sleep(self.prefill_delay_s)
             t1 = time.perf_counter()
-            if reservation is None:
-                reservation = await self._reservations[rid]  # None: aborted before it came
-            ok = rid not in self._aborted and reservation is not None
+            reservation = await job.reservation  # None: aborted before it came
+            ok = not job.aborted and reservation is not None
             if reservation is not None:
                 await self._notify(reservation.decode_worker_id, rid, ok)
             t2 = time.perf_counter()
         finally:
-            self._outstanding.pop(rid, None)
-            self._aborted.discard(rid)
-            self._reservations.pop(rid, None)
+            if self._jobs.get(rid) is job:
+                del self._jobs[rid]
+                self._ahead.ended(rid)
         if not ok:
             return PrefillResult(rid, -1, 0.0, t1 - t0, 0.0, 0, ok=False, error="aborted")
         nbytes = len(reservation.block_ids) * 4096
         return PrefillResult(rid, -1, 0.0, t1 - t0, t2 - t1, nbytes)
 
     async def attach(self, request_id: str, reservation: Reservation) -> None:
-        waiting = self._reservations.get(request_id)
-        if waiting is None or waiting.done() or request_id in self._aborted:
+        for rid, res in self._ahead.expired():
+            await self._notify(res.decode_worker_id, rid, False)
+        job = self._jobs.get(request_id)
+        if job is None and self._ahead.hold(request_id, reservation):
+            return  # its submit takes it
+        if job is None or job.aborted or job.reservation.done():
             await self._notify(reservation.decode_worker_id, request_id, False)  # no KV will come
             return
-        waiting.set_result(reservation)
+        job.reservation.set_result(reservation)
 
     def abort(self, request_id: str) -> None:
-        if request_id in self._outstanding:
-            self._aborted.add(request_id)
-            waiting = self._reservations.get(request_id)
-            if waiting is not None and not waiting.done():
-                waiting.set_result(None)
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.aborted = True
+            if not job.reservation.done():
+                job.reservation.set_result(None)
+            return
+        held = self._ahead.abort_ahead(request_id)
+        if held is not None:  # (on the event loop: the router's, or the actor's)
+            asyncio.get_running_loop().create_task(self._notify(held.decode_worker_id, request_id, False))
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, "prefill", True, waiting=len(self._outstanding),
-                           outstanding_prefill_tokens=sum(self._outstanding.values()))
+        return WorkerStats(self.worker_id, "prefill", True, waiting=len(self._jobs),
+                           outstanding_prefill_tokens=sum(j.tokens for j in self._jobs.values()))
 
     def counters(self) -> dict:
         return {"submitted": self.submitted}

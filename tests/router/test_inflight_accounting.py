@@ -229,7 +229,7 @@ def test_a_reservation_made_as_the_client_leaves_still_reaches_the_prefill_worke
             await task
         assert not router.inflight and router.admission.num_admitted == 0
         deadline = time.monotonic() + 10
-        while (d.reserve_calls == 0 or d._reserved or p._outstanding) and time.monotonic() < deadline:
+        while (d.reserve_calls == 0 or d._reserved or p._jobs) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert d.reserve_calls == 1 and p.submitted == 1  # the orphan reservation was handed to P...
         assert not d._reserved and d.stats().free_blocks == d.stats().total_blocks  # ...and D let it go

@@ -337,3 +337,54 @@ def test_refusals_past_the_queue_timeout_end_in_a_429(workers):
             d1.refuse_placements(False)
             await router.stop()
     asyncio.run(main())
+
+
+class _LateSubmits:
+    """A prefill double whose submit reaches it `delay_s` after the calls sent after it: Ray runs an
+    async actor's calls in no fixed order (prefill_worker/calls_ahead.py)."""
+
+    def __init__(self, inner: FakePrefillWorker, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def submit(self, task):
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.submit(task)
+
+
+def test_calls_that_overtake_their_submit_lose_nothing(workers, demo_model_dir):
+    """The reservation reaching the prefill worker before its prompt is kept for it: the request
+    completes (it hung once: CI, a streamed request on the fake cluster). An abort that overtakes
+    the prompt ends it unrun when it comes, nothing held."""
+    from router.errors import OverloadedError
+
+    _, d0, d1 = workers
+
+    async def main():
+        p = FakePrefillWorker("prefill-late", WorkerConfig(model_dir=str(demo_model_dir)), prefill_delay_s=0.0)
+        p.init_transport({"decode": {"decode-0": d0, "decode-1": d1}})
+        admission = AdmissionController(AdmissionLimits(max_model_len=4096, block_size=16, queue_timeout_s=0.3))
+        router = Router([WorkerClient("prefill-late", "prefill", _LateSubmits(p, 0.2))],
+                        [WorkerClient("decode-0", "decode", d0), WorkerClient("decode-1", "decode", d1)],
+                        admission, RouterConfig(stats_interval_s=0.01, reserve_wait_s=0.1))
+        await router.start()
+        try:
+            rs = await router.submit(req("late-submit", max_tokens=4))
+            end = await _drain(d0 if rs.decode_worker_id == "decode-0" else d1, "late-submit")
+            assert end.finish_reason == "length" and end.error is None
+            router.finish("late-submit")
+            d0.refuse_placements(True)
+            d1.refuse_placements(True)
+            with pytest.raises(OverloadedError):
+                await router.submit(req("late-abort"))  # given up, its abort sent before the submit lands
+            await asyncio.sleep(0.4)
+            assert p.submitted >= 2 and p.stats().waiting == 0 and len(p._ahead) == 0  # (re-walked: submitted again)
+            await router.poll_once()
+            assert all(v.free_blocks == v.total_blocks for v in router.decode_views())
+        finally:
+            d0.refuse_placements(False)
+            d1.refuse_placements(False)
+            await router.stop()
+    asyncio.run(main())
