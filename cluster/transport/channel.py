@@ -104,8 +104,14 @@ class Inbox:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
             self.endpoint = f"tcp://{host}:{port}"
+        # HAZARD: the wake pipe's descriptors are plain ints. Once closed, their numbers go to the next
+        # file the process opens; a wake() or a read after close() would write into or drain that
+        # file (it corrupted a multiprocessing queue's pipe and a TCPStore client's socket in later
+        # tests: test_tp_transfer hung in full-suite runs). `_lock` and `_closed` make both a no-op.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._lock = threading.Lock()
+        self._closed = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -114,13 +120,18 @@ class Inbox:
 
     def recv(self, timeout_s: float) -> list[Message]:
         """Messages that arrived (possibly none); waits up to timeout_s for the first one or a wake()."""
+        if self._closed:
+            raise ConnectionError("the KV control inbox is closed")
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
+        with self._lock:
+            if self._closed:  # (the poll may have seen another file under a recycled number)
+                raise ConnectionError("the KV control inbox is closed")
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
                     pass
-            except BlockingIOError:
-                pass
         out = []
         while True:
             try:
@@ -144,19 +155,24 @@ class Inbox:
         return self._verifier.rejected
 
     def wake(self) -> None:
-        """Any thread: makes a pending or the next recv() return at once."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake is pending anyway) or closed
+        """Any thread: makes a pending or the next recv() return at once; after close(), nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: a wake is pending anyway
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Once; any thread. A recv() in progress raises ConnectionError when its poll returns."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
 
 class Outbox:

@@ -56,6 +56,33 @@ def test_inbox_keeps_each_senders_order_and_wakes_up():
     a.close(), b.close(), inbox.close()
 
 
+def test_a_closed_inbox_never_touches_the_files_that_reuse_its_descriptors():
+    """The wake pipe's descriptor numbers go to the next file opened after close(): a late wake()
+    (a peer-down callback, a cancel) or a recv() must not write into or drain that file. It once wrote
+    into a multiprocessing queue's pipe and a TCPStore client's socket, and later tests hung."""
+    import os
+
+    inbox = Inbox(None, "closed")
+    old_r, old_w = inbox._wake_r, inbox._wake_w
+    inbox.close()
+    inbox.close()  # twice: nothing more is closed
+    r, w = os.pipe()
+    try:
+        os.dup2(w, old_w)  # the numbers now name another file, as they would once reused
+        os.dup2(r, old_r)
+        os.set_blocking(r, False)
+        inbox.wake()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing was written into it
+        os.write(w, b"theirs")
+        with pytest.raises(ConnectionError):
+            inbox.recv(0.0)
+        assert os.read(r, 16) == b"theirs"  # nor drained
+    finally:
+        for fd in {r, w, old_r, old_w}:
+            os.close(fd)
+
+
 def test_shipments_land_exactly_once_in_order_with_a_wakeup_each():
     spec, src, dst, tp, td = _pair("ship")
     wakes = threading.Semaphore(0)
