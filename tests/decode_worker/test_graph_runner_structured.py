@@ -73,13 +73,17 @@ def test_constrained_rows_obey_their_grammar_and_free_rows_do_not_notice(setup):
     assert tokens[3] != int(logits[3].argmax())  # (the model would not have said a digit)
 
 
-def test_the_kernel_path_masks_like_the_reference_path(setup):
+def test_the_kernel_path_masks_like_the_reference_path(setup, demo_model_dir):
     from triton_interpreter import use_interpreter_without_cuda
 
-    use_interpreter_without_cuda()
+    interpreted = use_interpreter_without_cuda()
     from cluster import kernels
 
     model, spec, runner, tok, grammars = setup
+    if not interpreted:  # with CUDA the kernels compile natively and take only CUDA tensors
+        model = load_model(demo_model_dir, dtype="float32", device="cuda")
+        spec = KVCacheSpec.for_model(model.cfg, 16, 64, torch.float32)
+        runner = ModelRunner(model, spec, "cuda")
     so = StructuredOutput.json_schema({"type": "object", "properties": {"k": {"type": "integer"}}})
     params = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.0, presence_penalty=1.0)]

@@ -10,7 +10,9 @@ import pytest
 import torch
 from triton_interpreter import use_interpreter_without_cuda
 
-use_interpreter_without_cuda()  # before triton is imported
+# Before triton is imported. The passes below run the packed-attention kernel: through the interpreter
+# on CPU tensors without CUDA, compiled on CUDA tensors with it (it cannot take CPU tensors there).
+KERNEL_DEVICE = "cpu" if use_interpreter_without_cuda() else "cuda"
 
 from cluster import kernels  # noqa: E402
 from cluster.engine.graph_buckets import (PREFILL_GRAPH_MAX_SEQS, prefill_bucket_for, prefill_graph_seqs,  # noqa: E402
@@ -136,7 +138,7 @@ def test_staged_inputs_are_the_eager_inputs_then_padding():
 
 
 def test_passes_past_the_buckets_are_declined_and_run_eagerly():
-    runner, graphs = _runners("cpu", max_tokens=32)
+    runner, graphs = _runners(KERNEL_DEVICE, max_tokens=32)
     runner.prefill_graphs = graphs
     rng = random.Random(2)
     long = _chunks(rng, [40])
@@ -161,7 +163,7 @@ def test_padded_pass_equals_the_eager_pass(fused):
     """The padded pass (what each graph replays) against the eager one: fresh prompts and a cached
     prefix's tail in one pass, the KV cache poisoned so that a read of an unwritten slot shows."""
     rng = random.Random(5)
-    runner, graphs = _runners("cpu", max_tokens=16)  # one bucket of 16 tokens, 16 prompt rows (the interpreter is slow)
+    runner, graphs = _runners(KERNEL_DEVICE, max_tokens=16)  # one bucket of 16 tokens, 16 prompt rows (the interpreter is slow)
     runner.kv_cache.fill_(float("nan"))
     with kernels.use_kernels(fused):
         prefix = _chunks(rng, [32])
