@@ -139,6 +139,8 @@ def test_staged_inputs_are_the_eager_inputs_then_padding():
 
 def test_passes_past_the_buckets_are_declined_and_run_eagerly():
     runner, graphs = _runners(KERNEL_DEVICE, max_tokens=32)
+    if KERNEL_DEVICE == "cuda":
+        graphs.capture()  # (on CUDA a pass replays only a captured graph; on CPU the padded pass runs as is)
     runner.prefill_graphs = graphs
     rng = random.Random(2)
     long = _chunks(rng, [40])
@@ -166,6 +168,8 @@ def test_padded_pass_equals_the_eager_pass(fused):
     runner, graphs = _runners(KERNEL_DEVICE, max_tokens=16)  # one bucket of 16 tokens, 16 prompt rows (the interpreter is slow)
     runner.kv_cache.fill_(float("nan"))
     with kernels.use_kernels(fused):
+        if KERNEL_DEVICE == "cuda":
+            graphs.capture()  # (with this kernel choice: a graph replays what it captured)
         prefix = _chunks(rng, [32])
         runner.prefill(prefix)
         tail = PrefillChunk([rng.randrange(5, 500) for _ in range(7)], 32, prefix[0].block_table + [3])
