@@ -52,9 +52,6 @@ class CallsAhead:
         self._ended.move_to_end(request_id)
         self._trim(self._ended)
 
-    def recently_ended(self, request_id: str) -> bool:
-        return request_id in self._ended
-
     def hold(self, request_id: str, reservation: Reservation) -> bool:
         """An `attach` that found no job: True if it is held for the submit to come; False if the
         prompt ended already (the caller aborts the reservation) or one is held already for it."""
@@ -77,20 +74,25 @@ class CallsAhead:
         abort ended it). The id is live again."""
         self._ended.pop(request_id, None)
         held = self._held.pop(request_id, None)
-        count, deadline = self._aborted.pop(request_id, (0, 0.0))
+        count, deadline = self._aborted.get(request_id, (0, 0.0))
         if count > 1:
-            self._aborted[request_id] = (count - 1, deadline)
+            self._aborted[request_id] = (count - 1, deadline)  # (in place: the order stays the deadlines')
+        elif count:
+            del self._aborted[request_id]
         return (held[0] if held is not None else None), count > 0
 
     def expired(self) -> list[tuple[str, Reservation]]:
         """Held reservations whose submit did not come within `wait_s` (the caller aborts them);
-        forgets expired tombstones too."""
+        forgets expired tombstones too. Called on every attach: it reads only what expired, as both
+        maps hold their entries in deadline order (each entry is added at the end with now + wait_s,
+        and only `take` changes one in place)."""
         now = self.clock()
-        gone = [(rid, res) for rid, (res, deadline) in self._held.items() if deadline <= now]
-        for rid, _ in gone:
-            del self._held[rid]
-        for rid in [rid for rid, (_, deadline) in self._aborted.items() if deadline <= now]:
-            del self._aborted[rid]
+        gone = []
+        while self._held and next(iter(self._held.values()))[1] <= now:
+            rid, (res, _) = self._held.popitem(last=False)
+            gone.append((rid, res))
+        while self._aborted and next(iter(self._aborted.values()))[1] <= now:
+            self._aborted.popitem(last=False)
         return gone
 
     def __len__(self) -> int:

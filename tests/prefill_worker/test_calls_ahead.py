@@ -38,11 +38,9 @@ def test_an_early_abort_ends_its_submit_and_gives_back_a_held_reservation():
 def test_an_attach_for_a_prompt_that_ended_is_not_held():
     ahead = CallsAhead(wait_s=5.0, clock=Clock())
     ahead.ended("a")
-    assert ahead.recently_ended("a")
     assert not ahead.hold("a", res("a"))  # the walk gave the prompt up while its decode worker reserved
     assert ahead.take("a") == (None, False)
-    assert not ahead.recently_ended("a")  # submitted again: live
-    assert ahead.hold("a", res("a"))
+    assert ahead.hold("a", res("a"))  # submitted again: live
 
 
 def test_aborts_that_overtake_their_submits_are_counted():
@@ -79,5 +77,23 @@ def test_it_is_bounded():
     for i in range(5):
         ahead.ended(f"e{i}")
         ahead.abort_ahead(f"x{i}")
-    assert not ahead.recently_ended("e0") and ahead.recently_ended("e4")
+    assert not ahead.hold("e4", res("e4"))  # ended, remembered
+    assert ahead.take("r0")[0] is not None and ahead.hold("e0", res("e0"))  # the oldest ended id forgotten
     assert ahead.take("x0") == (None, False) and ahead.take("x4") == (None, True)
+
+
+def test_expiry_reads_in_deadline_order_also_after_a_partial_take():
+    """expired() stops at the first live entry: a tombstone that a submit took one of keeps its place."""
+    clock = Clock()
+    ahead = CallsAhead(wait_s=5.0, clock=clock)
+    ahead.abort_ahead("c")
+    ahead.abort_ahead("c")
+    clock.t += 3.0
+    ahead.abort_ahead("d")
+    ahead.hold("e", res("e"))
+    assert ahead.take("c") == (None, True)  # one of its two
+    clock.t += 2.1
+    assert ahead.expired() == [] and len(ahead) == 2  # "c" gone (its deadline passed), "d" and "e" live
+    assert ahead.take("c") == (None, False) and ahead.take("d") == (None, True)
+    clock.t += 3.0
+    assert ahead.expired() == [("e", res("e"))]
