@@ -25,6 +25,7 @@ from cluster.transport.factory import TransportSpec
 from cluster.transport.store_process import StoreProcess
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig
+from deploy.gpu_sharing import gpu_sharing, mps_control_pipe
 
 log = logging.getLogger("pdserve.launch")
 
@@ -92,6 +93,18 @@ def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg
     return _form(prefill, decode, cfg, store, store_host, device, namespace, secret, spec)
 
 
+def _say_gpu_sharing() -> None:
+    """The prefill and decode processes share one GPU: how (deploy/gpu_sharing.py) decides what the
+    first token waits for once anyone is decoding."""
+    if gpu_sharing() == "mps":
+        log.info("prefill and decode workers share the GPU through MPS (%s)", mps_control_pipe())
+    else:
+        log.warning("prefill and decode workers share the GPU time-sliced: a prompt's pass waits for the "
+                    "decode process's time slice (~10 ms more to the first token under load). Run an MPS "
+                    "control daemon (nvidia-cuda-mps-control -d) before starting pdserve to share it "
+                    "side by side (README: one GPU for both phases)")
+
+
 def _form(prefill, decode, cfg: ClusterConfig, store: StoreProcess, store_host: str, device: str, namespace: str,
           secret: bytes, spec: dict) -> KVTransportGroup:
     kind = cfg.kv_transport
@@ -99,6 +112,8 @@ def _form(prefill, decode, cfg: ClusterConfig, store: StoreProcess, store_host: 
         shared_gpu = device == "cuda" and (cfg.gpus_per_worker or 0) < 1 and gpus_per_actor(
             cfg, ray.cluster_resources().get("GPU", 0.0)) < 1 and len(ray.nodes()) == 1
         kind = "same_gpu" if shared_gpu else "torch_dist"
+    if kind == "same_gpu" and device == "cuda":
+        _say_gpu_sharing()
     waited = time.monotonic()
     port = store.wait_ready(cfg.ready_timeout_s)
     waited = time.monotonic() - waited

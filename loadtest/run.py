@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 import httpx
 
 from cluster.errors import PdserveError
+from deploy.gpu_sharing import gpu_sharing
 from loadtest.records import read_events, read_step_log, step_windows
 from loadtest.report import build_rows, format_table, progress_line, target_checks, write_plot, write_summary
 from loadtest.server_stats import ServerStatsPoller
@@ -279,7 +280,9 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
               "timing": "per token: TTFT to the first token's chunk, ITL one sample per token (a chunk of k tokens "
                         "after a gap g counts k gaps of g / k; chunk_itl_* are the gaps between chunks)",
               "stall_timeout_s": args.stall_timeout, "start_stagger_s": stagger, "locust_processes": processes,
-              "started_cluster": bool(args.start_cluster), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "started_cluster": bool(args.start_cluster),
+              # how the cluster this run started shares its GPU (deploy/gpu_sharing.py); None: not started here
+              "gpu_sharing": gpu_sharing() if args.start_cluster else None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     summary = Path(args.summary) if args.summary else out / "summary.json"
     plot = Path(args.plot) if args.plot else out / "itl.png"
     summary.parent.mkdir(parents=True, exist_ok=True)

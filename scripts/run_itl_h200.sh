@@ -13,11 +13,17 @@
 # checks.itl_bs64_over_bs1 (target <= 2) in the JSON; stalls/errors must be 0.
 #
 # Knobs (environment): MODEL_DIR, STEPS, STEP_DURATION, WARMUP, PROMPT_TOKENS, OUTPUT_TOKENS,
-# STALL_TIMEOUT, PROCESSES, API_SERVERS, SERVE_ARGS (extra `pdserve serve` flags, space-separated).
+# STALL_TIMEOUT, PROCESSES, API_SERVERS, SERVE_ARGS (extra `pdserve serve` flags, space-separated),
+# MPS=1 (the two workers' processes share the GPU through an MPS daemon: scripts/gpu_sharing.sh; the
+# summary's config.gpu_sharing says which sharing ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-loadtest/results}
 mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_sharing.sh
+. scripts/gpu_sharing.sh
+mps_start
+trap mps_stop EXIT
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   MODEL_DIR=${MODEL_DIR:-$(python -c 'from cluster.model.demo import ensure_demo_model as e; print(e())')}
@@ -59,4 +65,4 @@ python -m loadtest.run --start-cluster --model "$MODEL_DIR" --prefill-workers 1 
   --prompt-tokens "$PROMPT_TOKENS" --output-tokens "$OUTPUT_TOKENS" --stall-timeout "$STALL_TIMEOUT" \
   --processes "$PROCESSES" --stats-interval 0.25 \
   --out "$OUT/itl_h200" --summary "$OUT/itl_h200.json" --plot "$OUT/itl_h200.png" \
-  --title "pdserve on 1x H200: Llama-3.2-1B shape, bf16, prompt $PROMPT_TOKENS / output $OUTPUT_TOKENS tokens, $API_SERVERS API servers"
+  --title "pdserve on 1x H200: Llama-3.2-1B shape, bf16, prompt $PROMPT_TOKENS / output $OUTPUT_TOKENS tokens, $API_SERVERS API servers, GPU shared $SHARING"

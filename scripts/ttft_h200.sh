@@ -13,11 +13,8 @@
 # the graphed prefill pass: scripts/short_prefill_h200.sh, which runs this script last.
 # Knobs: BUDGET (575), CASE_SECONDS (8), LEVEL_SECONDS (8), LEVELS, LEVELS_LIMIT (150: the levels stage's
 # share of the budget), SKIP (comma-separated: 1b,8b), COMMIT (git's; the device's copy has no .git),
-# MPS=1: the two workers' processes share the GPU through an MPS control daemon this script starts for
-# the run and stops at its end (CUDA_MPS_PIPE_DIRECTORY/CUDA_MPS_LOG_DIRECTORY under /tmp, so nothing
-# of the machine's is touched; no compute mode or other card setting is changed). Without it they share
-# the GPU as any two processes do, time-sliced between their contexts. The header's `gpu_sharing` says
-# which ran. CUDA only: a dry run refuses MPS=1.
+# MPS=1: the two workers' processes share the GPU through an MPS daemon (scripts/gpu_sharing.sh); the
+# header's `gpu_sharing` says which sharing ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -35,22 +32,10 @@ BUDGET=${BUDGET:-575}; RESERVE=${RESERVE:-25}
 limit() { local want=$1 left=$(( BUDGET - RESERVE - ($(date +%s) - T0) )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo "$want"; }
 RESULT="$OUT/ttft_h200.json"
 rm -f "$RESULT"
-SHARING=time-sliced
-MPS_STARTED=""
-if [ -n "${MPS:-}" ]; then
-  [ -n "${DRY_RUN:-}" ] && { echo "MPS=1 needs CUDA: a dry run cannot start an MPS daemon" >&2; exit 2; }
-  command -v nvidia-cuda-mps-control >/dev/null || { echo "MPS=1: nvidia-cuda-mps-control is not on this machine" >&2; exit 2; }
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pdserve-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/pdserve-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "MPS=1: the MPS control daemon did not start" >&2; exit 2; }
-  MPS_STARTED=1
-  SHARING=mps
-  # A client must get through the daemon before two servers wait minutes on it.
-  if ! timeout 90 ${PYTHON:-python3} -c 'import torch; torch.ones(1, device="cuda").sum().item()'; then
-    echo "MPS=1: a CUDA client cannot start under the MPS daemon" >&2
-    echo quit | nvidia-cuda-mps-control; exit 2
-  fi
-fi
+# shellcheck source=scripts/gpu_sharing.sh
+. scripts/gpu_sharing.sh
+mps_start
+trap mps_stop EXIT  # replaced below by one that stops the server first
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 # Prompt ids are drawn below VOCAB: the random-weight shapes use the demo tokenizer (benchmarks/make_model.py).
@@ -116,12 +101,7 @@ stop_server() {  # SIGTERM (pdserve drains and stops what it started), then SIGK
   kill -KILL "$PID" 2>/dev/null
   PID=""
 }
-stop_mps() {  # after the server: the daemon ends once no client holds it
-  [ -z "$MPS_STARTED" ] && return 0
-  echo quit | nvidia-cuda-mps-control
-  MPS_STARTED=""
-}
-trap 'stop_server; stop_mps' EXIT
+trap 'stop_server; mps_stop' EXIT
 
 measure() {  # name model_dir shape row_name levels
   local name=$1 model=$2 shape=$3 row=$4 levels=$5 url
