@@ -10,13 +10,17 @@ slower (loadtest/results/ttft_mps_h200.json). pdserve does not start the daemon:
 service that an operator runs (`nvidia-cuda-mps-control -d`); the serving log says which sharing the
 workers got.
 
-The check: a CUDA client looks for the daemon's control pipe in CUDA_MPS_PIPE_DIRECTORY (default
-/tmp/nvidia-mps), so the same environment that Ray's workers inherit decides it here too.
+The check: a CUDA client looks for the daemon's `control` endpoint in CUDA_MPS_PIPE_DIRECTORY (default
+/tmp/nvidia-mps), so the same environment that Ray's workers inherit decides it here too. The daemon
+makes it a UNIX socket (a named pipe in older drivers); a socket counts when it accepts a connection,
+so one left by a daemon that died does not. (The first H200 run under a daemon read "time-sliced"
+while only a pipe counted.)
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Mapping
@@ -25,12 +29,24 @@ MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
 def mps_control_pipe(env: Mapping[str, str] = os.environ) -> Path | None:
-    """The running MPS control daemon's pipe that CUDA clients with this environment would use, or None."""
+    """The running MPS control daemon's endpoint that CUDA clients with this environment would use, or None."""
     pipe = Path(env.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY) / "control"
     try:
-        return pipe if stat.S_ISFIFO(pipe.stat().st_mode) else None
+        mode = pipe.stat().st_mode
     except OSError:
         return None
+    if stat.S_ISFIFO(mode):
+        return pipe
+    if not stat.S_ISSOCK(mode):
+        return None
+    # A socket left by a daemon that died refuses the connection: only a listening daemon counts.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(pipe))
+        except OSError:
+            return None
+    return pipe
 
 
 def gpu_sharing(env: Mapping[str, str] = os.environ) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -20,8 +21,20 @@ def test_the_daemons_control_pipe_means_mps(tmp_path):
     (tmp_path / "control").write_text("")  # a file of that name is not the daemon's pipe
     assert gpu_sharing(env) == "time-sliced"
     (tmp_path / "control").unlink()
-    os.mkfifo(tmp_path / "control")
+    os.mkfifo(tmp_path / "control")  # older drivers' named pipe
     assert gpu_sharing(env) == "mps" and mps_control_pipe(env) == tmp_path / "control"
+
+
+def test_a_listening_control_socket_means_mps_and_a_dead_ones_does_not(tmp_path):
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    daemon.bind(str(tmp_path / "control"))
+    daemon.listen(4)
+    try:
+        assert gpu_sharing(env) == "mps" and mps_control_pipe(env) == tmp_path / "control"
+    finally:
+        daemon.close()
+    assert (tmp_path / "control").exists() and gpu_sharing(env) == "time-sliced"  # the daemon is gone
 
 
 def test_the_default_pipe_directory_is_cudas(monkeypatch, tmp_path):
