@@ -153,7 +153,8 @@ def baseline(sizes, shape: KVShape, backend: str, devices) -> dict[int, tuple[in
 
 
 # -- 2. decode stall ---------------------------------------------------------------------------------
-def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done):
+def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done,
+                       decode_gone):
     from cluster.model.loader import random_model
     from cluster.worker.worker_config import WorkerConfig
     from decode_worker.decode_worker import DecodeWorker
@@ -210,9 +211,10 @@ def _stall_decode_proc(spec_d, device, shape_name, tokenizer_dir, batch, phase_s
     m = transport.metrics()
     q.put(("stall", rows, {k: v for k, v in m.items() if k != "recent"}, worker.error))
     worker.shutdown()
+    decode_gone.set()
 
 
-def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done):
+def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done, decode_gone):
     device = _device(device)
     arch = _arch(shape_name)
     nb = 8 * 4096 // 16
@@ -257,7 +259,7 @@ def _stall_prefill_proc(spec_d, device, shape_name, forward_ms, ctl, q, go, done
             why.append(f"{type(e).__name__}: {e}")
     done.set()
     q.put(("stall_prefill", failures, why[:3]))
-    time.sleep(2.0)
+    decode_gone.wait(120)  # the decode side read its transport's metrics and shut down: closing fails nothing it counts
     t.close()
 
 
@@ -268,13 +270,14 @@ def decode_stall(backend, devices, shape_name, batch, phase_s, interval_s, token
     store = start_store("127.0.0.1", 0)
     spec = _spec(store, "stall", backend)
     ctx = mp.get_context("spawn")
-    q, ctl, go, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    dec = ctx.Process(target=_stall_decode_proc,
-                      args=(spec, devices[1], shape_name, tokenizer_dir, batch, phase_s, interval_s, tokens, ctl, q, go, done))
+    q, ctl, go, done, decode_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    dec = ctx.Process(target=_stall_decode_proc, args=(spec, devices[1], shape_name, tokenizer_dir, batch, phase_s,
+                                                       interval_s, tokens, ctl, q, go, done, decode_gone))
     dec.start()
-    msg = q.get(timeout=600)
-    assert msg[0] == "decode_ready", msg
-    pre = ctx.Process(target=_stall_prefill_proc, args=(spec, devices[0], shape_name, forward_ms, ctl, q, go, done))
+    if not _ready(q, dec, 600):
+        return {"error": f"decode_stall: the decode process exited with {dec.exitcode} before it was ready", "rows": []}
+    pre = ctx.Process(target=_stall_prefill_proc,
+                      args=(spec, devices[0], shape_name, forward_ms, ctl, q, go, done, decode_gone))
     pre.start()
     out = _collect(q, ("stall", "stall_prefill"), (dec, pre), 900)
     if "stall" not in out:
@@ -286,6 +289,21 @@ def decode_stall(backend, devices, shape_name, batch, phase_s, interval_s, token
     return {"rows": rows, "model": shape_name, "forward_ms_emulated": forward_ms, "decode_transport": metrics,
             "decode_error": error, "prefill_failures": out.get("stall_prefill", [None])[0],
             "prefill_errors": out.get("stall_prefill", [None, []])[1]}
+
+
+def _ready(q, proc, timeout_s: float) -> bool:
+    """Waits for the child's ("decode_ready",) message; False if it exits (or the time is up) first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            msg = q.get(timeout=2.0)
+        except Exception:
+            if not proc.is_alive() and q.empty():
+                return False
+            continue
+        assert msg[0] == "decode_ready", msg
+        return True
+    return False
 
 
 def _collect(q, kinds, procs, timeout_s: float) -> dict:
@@ -350,7 +368,7 @@ def _ttft_prefill_proc(spec_d, device, shape_name, tokens, ctl, q):
     t.close()
 
 
-def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q):
+def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q, finished):
     device = _device(device)
     arch = _arch(shape_name)
     nb = tokens // 16 + 4
@@ -378,7 +396,7 @@ def _ttft_decode_proc(spec_d, device, shape_name, tokens, reps, ctl, q):
             seq += 1
     ctl.put(None)
     q.put(("ttft_landed", rows))
-    time.sleep(1.0)
+    finished.wait(60)  # the prefill side reported every transfer: closing now cuts none of them short
     t.close()
 
 
@@ -386,11 +404,12 @@ def ttft_overlap(backend, devices, shape_name, tokens, reps) -> dict:
     store = start_store("127.0.0.1", 0)
     spec = _spec(store, "ttft", backend)
     ctx = mp.get_context("spawn")
-    q, ctl = ctx.Queue(), ctx.Queue()
-    dec = ctx.Process(target=_ttft_decode_proc, args=(spec, devices[1], shape_name, tokens, reps, ctl, q))
+    q, ctl, finished = ctx.Queue(), ctx.Queue(), ctx.Event()
+    dec = ctx.Process(target=_ttft_decode_proc, args=(spec, devices[1], shape_name, tokens, reps, ctl, q, finished))
     pre = ctx.Process(target=_ttft_prefill_proc, args=(spec, devices[0], shape_name, tokens, ctl, q))
     dec.start()
-    assert q.get(timeout=300)[0] == "decode_ready"
+    if not _ready(q, dec, 300):
+        return {"error": f"ttft_overlap: the decode process exited with {dec.exitcode} before it was ready", "rows": []}
     pre.start()
     sent, landed, compute_s, deadline = {}, None, None, time.monotonic() + 900
     while (landed is None or any(r[0] not in sent for r in landed)) and time.monotonic() < deadline:
@@ -406,6 +425,7 @@ def ttft_overlap(backend, devices, shape_name, tokens, reps) -> dict:
             sent[m[1]] = m[2:]
         elif m[0] == "ttft_landed":
             landed = m[1]
+    finished.set()
     for p in (dec, pre):
         p.join(timeout=60)
         if p.is_alive():

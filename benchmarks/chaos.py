@@ -480,6 +480,7 @@ def run(sc, engine, *, duration_s: float, interval_s: float, streams: int = 8, m
     bad = [asdict(o) for o in outcomes if not o.exact][:20]
     return dict(config=dict(duration_s=duration_s, interval_s=interval_s, streams=streams, max_tokens=max_tokens,
                             deadline_s=deadline_s, seed=seed, long_words=long_words, faults=list(faults),
+                            faults_wanted=faults_wanted,
                             sole_decode_kills=sole_decode_kills, device=sc.cfg.device,
                             kv_transport=sc.cfg.kv_transport, prefill_workers=len(sc.workers.prefill),
                             decode_workers=len(sc.workers.decode), worker_max_restarts=sc.cfg.worker_max_restarts,
@@ -520,12 +521,17 @@ def main(argv=None) -> int:
                     help="kill a decode worker even when it is the only healthy one (1P+1D on two GPUs)")
     ap.add_argument("--reference-device", default="cpu", help="where the reference engine runs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults-wanted", type=int, default=None,
+                    help="end the load once this many faults were made and every victim is back (or its watch "
+                         "gave up); --duration-s then only bounds it (default: the load runs for --duration-s)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
     faults = [k for k in args.faults.split(",") if k]
     bad = sorted(set(faults) - set(KINDS))
     if bad:
         ap.error(f"unknown fault kinds {bad}; choose from {', '.join(KINDS)}")
+    if args.faults_wanted is not None and args.faults_wanted < 1:
+        ap.error("--faults-wanted must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import ray
@@ -552,7 +558,8 @@ def main(argv=None) -> int:
         engine = LLMEngine(model, num_blocks=1024, max_num_seqs=64, dtype=args.dtype, device=args.reference_device)
         result = run(sc, engine, duration_s=args.duration_s, interval_s=args.interval_s, streams=args.streams,
                      max_tokens=args.max_tokens, deadline_s=args.deadline_s, seed=args.seed,
-                     long_words=args.long_prompt_words, sole_decode_kills=args.sole_decode_kills, faults=faults)
+                     long_words=args.long_prompt_words, sole_decode_kills=args.sole_decode_kills, faults=faults,
+                     faults_wanted=args.faults_wanted)
         result["config"]["transfer_timeout_s"] = args.transfer_timeout_s
     finally:
         sc.shutdown()

@@ -169,9 +169,9 @@ def precompile(variants: list[tuple[str, object]], workers: int) -> dict[tuple[s
 def time_calls_us(calls, device: str, reps: int) -> float:
     """Median microseconds per call of calls[i]() over one round of all of them (each its own weight
     copy): replays of a CUDA graph holding the round on CUDA, wall time on CPU."""
-    for c in calls:  # warm-up (and, under capture, nothing compiles)
-        c()
     if device != "cuda":
+        # The dry run (CPU): Triton's interpreter compiles nothing and no graph is captured, so a warm-up
+        # round would only repeat the work of the timed rounds.
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -179,6 +179,8 @@ def time_calls_us(calls, device: str, reps: int) -> float:
                 c()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts) / len(calls) * 1e6
+    for c in calls:  # warm-up (and, under capture, nothing compiles)
+        c()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

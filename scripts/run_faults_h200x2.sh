@@ -13,8 +13,9 @@
 # engine on GPU 0, same dtype).
 # Targets (issue 25): hung, http_5xx beyond the sole decode worker's restarts, wrong text, blocks leaked: 0.
 # Usage: scripts/run_faults_h200x2.sh OUT_DIR      -> OUT_DIR/chaos_h200x2.json, chaos_h200x2.log
-#   DRY_RUN=1 scripts/run_faults_h200x2.sh /tmp/f  # CPU, the demo model, gloo, a short run
-#   Knobs: DURATION INTERVAL TIMEOUT MODEL_DIR PY
+#   DRY_RUN=1 scripts/run_faults_h200x2.sh /tmp/f  # CPU, the demo model, gloo, a short run: the load
+#     ends once FAULTS_WANTED (default 1) faults were made and their victims are back (DURATION bounds it)
+#   Knobs: DURATION INTERVAL TIMEOUT MODEL_DIR PY; FAULTS_WANTED (dry run only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -23,7 +24,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PY:-python3}
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   ARGS="--device cpu --duration-s ${DURATION:-40} --interval-s ${INTERVAL:-12} --streams 4 --max-tokens 12 \
-    --long-prompt-words 60"
+    --long-prompt-words 60 --faults-wanted ${FAULTS_WANTED:-1}"
 else
   MODEL_DIR=${MODEL_DIR:-/tmp/pdserve-llama-1b-random-f32}
   [ -f "$MODEL_DIR/model.safetensors" ] || $PY -m benchmarks.make_model --shape llama-1b --dtype float32 --device cuda "$MODEL_DIR" || exit 1
