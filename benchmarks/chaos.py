@@ -338,7 +338,8 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
     sole_decode_kills: a decode worker may be killed while it is the only healthy one (a 1P+1D
     cluster on two GPUs): its requests wait for its restart, and new ones get 503 meanwhile.
     faults_wanted: the load ends once that many faults were made and every victim is back (or its
-    watch gave up); `duration_s` then only bounds it (the tests: events, not clocks)."""
+    watch gave up); `duration_s` then only bounds it, and the first fault goes once the load runs
+    (`streams` requests answered), not `interval_s` after the start (the tests: events, not clocks)."""
     rng = random.Random(seed)
     texts = list(refs)
     outcomes: list[Outcome] = []
@@ -356,9 +357,20 @@ async def run_load(sc, refs: dict[str, str], *, duration_s: float, interval_s: f
             outcomes.append(await _one(client, i % len(texts), p, refs[p], max_tokens, deadline_s))
             i += streams
 
+    async def load_running() -> None:
+        # The first fault of a bounded run (faults_wanted) goes as soon as the load runs: every stream
+        # has had a request answered on average (the clients keep one in flight each), `interval_s`
+        # at most. An event, not a clock: the tests wait for the load, not for a fixed head start.
+        t = time.monotonic()
+        while len(outcomes) < streams and time.monotonic() - t < interval_s:
+            await asyncio.sleep(0.05)
+
     async def injector():
         while faults_wanted is None or len(found) < faults_wanted:
-            await asyncio.sleep(interval_s)
+            if faults_wanted is not None and not found:
+                await load_running()
+            else:
+                await asyncio.sleep(interval_s)
             if time.monotonic() >= stop - (interval_s if "restart_limit" in faults else 0):
                 break
             choices = inj.applicable(kinds)
