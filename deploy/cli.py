@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -135,7 +136,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # The model, tokenizer, chat template and sampling defaults are checked before Ray starts: an
     # error there raises (one `error:` line, nothing to stop); later ones are printed by serve_forever.
-    return ServingCluster(cfg).serve_forever()
+    code = ServingCluster(cfg).serve_forever()
+    # Stopped: the workers, Ray and the API servers are gone and `pdserve: stopped` is printed. The
+    # interpreter's teardown (Ray's and torch's modules, threads and atexit hooks) would take 1-1.5 s
+    # more on a small machine, which a supervisor restarting the service (or a test) waits for; as
+    # the API servers do (deploy/api_server.py), the launcher exits without it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_tool(name: str, argv: list[str]) -> int:

@@ -6,26 +6,50 @@ def _pdserve(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_generate_prints_one_completion_per_prompt(demo_model_dir):
-    r = _pdserve("generate", "--model", str(demo_model_dir), "--max-tokens", "8", "--ignore-eos", "Hello", "The sea")
+# `python -m deploy.cli ARGS` (its real exit code and output), which then prints the top-level packages
+# it loaded on stderr's last line, `MODULES a b c`, from an exit hook.
+_RUN_CLI_AND_LIST_MODULES = (
+    "import atexit, runpy, sys\n"
+    "atexit.register(lambda: print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})), "
+    "file=sys.stderr))\n"
+    "sys.argv = ['deploy.cli', *sys.argv[1:]]\n"
+    "runpy.run_module('deploy.cli', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def test_generate_prints_one_completion_per_prompt_and_does_not_load_ray(demo_model_dir):
+    r = subprocess.run([sys.executable, "-c", _RUN_CLI_AND_LIST_MODULES, "generate", "--model", str(demo_model_dir),
+                        "--max-tokens", "8", "--ignore-eos", "Hello", "The sea"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) >= 2
+    loaded = set(r.stderr.rsplit("MODULES ", 1)[1].split())
+    assert "torch" in loaded and not loaded & {"ray", "fastapi", "loadtest"}, loaded
 
 
-def test_bad_arguments_give_one_line_errors(tmp_path):
+def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
+    """One through the real command (its exit code and stderr), the others through its entry point
+    in-process (the same main(argv) and the same printing)."""
+    from deploy import cli
+
     (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(20))
+    r = _pdserve("generate", "--model", str(tmp_path / "broken.gguf"), "hi")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and "as GGUF" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     for args, msg in [
-        (["generate", "--model", str(tmp_path / "broken.gguf"), "hi"], "as GGUF"),
         (["generate", "--model", str(tmp_path / "missing"), "hi"], "model directory not found"),
         (["generate", "--model", str(tmp_path), "hi"], "unsupported architecture 'falcon'"),
         (["generate", ""], "prompt must not be empty"),
         (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
     ]:
-        r = _pdserve(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        assert r.stderr.startswith("error: ") and msg in r.stderr and "Traceback" not in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1
+        capsys.readouterr()
+        code = cli.main(args)
+        out, err = capsys.readouterr()
+        assert code == 2, (args, err)
+        assert err.startswith("error: ") and msg in err and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1
 
 
 def _modules_after(argv: list[str]) -> set[str]:
@@ -48,11 +72,6 @@ def test_help_loads_neither_ray_nor_torch():
     from) only: the serving cluster, Ray and torch are imported when `serve` runs."""
     loaded = _modules_after(["serve", "--help"])
     assert not loaded & {"ray", "torch", "fastapi", "uvicorn", "loadtest", "decode_worker", "prefill_worker"}, loaded
-
-
-def test_generate_does_not_load_ray(demo_model_dir):
-    loaded = _modules_after(["generate", "--model", str(demo_model_dir), "--max-tokens", "2", "--ignore-eos", "Hi"])
-    assert "torch" in loaded and not loaded & {"ray", "fastapi", "loadtest"}, loaded
 
 
 def test_tools_run_through_their_entry_point_and_deploy_never_imports_them(monkeypatch, capsys):

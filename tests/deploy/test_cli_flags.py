@@ -3,9 +3,11 @@ flag, help text, vLLM's serving flags and their YAML keys, and the errors `pdser
 before Ray starts (a model without a tokenizer, a bad chat template, a bad config, a hub id not in
 the local cache), each printed once, whole, with no `pdserve: stopped` line (nothing started).
 
-None of these start Ray: the error ones check that it was not started (no Ray log line, and fast
-enough that no worker could have loaded). The error after start (`error:` before `pdserve: stopped`)
-is in test_serve_command.py, which starts Ray.
+None of these start Ray: the error ones check that it was not started (no Ray log line; in-process,
+the launcher's Ray start refuses to run). One of them runs `pdserve serve` as a subprocess, for the
+real exit code and stderr end to end; the others call the CLI's entry point in-process (the same
+`main(argv)`, without a second interpreter importing torch and Ray for each). The error after start
+(`error:` before `pdserve: stopped`) is in test_serve_command.py, which starts Ray.
 """
 
 from __future__ import annotations
@@ -43,6 +45,31 @@ def _one_error(r, *needles):
         assert n in text, (n, r.stderr)
     assert "Traceback" not in r.stderr and "pdserve: stopped" not in r.stderr
     assert not any(s in r.stderr + r.stdout for s in RAY_STARTED), r.stderr
+
+
+@pytest.fixture
+def pdserve_main(monkeypatch, capsys):
+    """`pdserve ARGS` in this process: cli.main(argv) with its stdout and stderr captured, as a
+    CompletedProcess. The launcher's Ray start and its workers' placement fail the test if reached
+    (the errors here are the ones found before Ray starts)."""
+    import deploy.serving_cluster as serving_cluster
+    from deploy import cli
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started")
+    monkeypatch.setattr(serving_cluster, "init_ray", no_ray)
+    monkeypatch.setattr(serving_cluster.RayWorkers, "place", no_ray)
+    monkeypatch.setenv("RAY_ADDRESS", "")
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["pdserve", *args], code, out, err)
+    return run
 
 
 def _model_copy(demo_model_dir: Path, dst: Path, tokenizer: bool = True) -> Path:
@@ -209,14 +236,14 @@ def test_model_without_a_tokenizer_fails_before_ray_once_and_whole(tmp_path, dem
     _one_error(r, "cannot load a tokenizer from", str(m))
 
 
-def test_bad_chat_template_fails_before_ray(tmp_path, demo_model_dir):
-    r = _pdserve("serve", str(demo_model_dir), "--chat-template", "{% for m in messages %}{{ m.content }")
+def test_bad_chat_template_fails_before_ray(tmp_path, demo_model_dir, pdserve_main):
+    r = pdserve_main("serve", str(demo_model_dir), "--chat-template", "{% for m in messages %}{{ m.content }")
     _one_error(r, "chat template", "does not render", "TemplateSyntaxError")
-    r = _pdserve("serve", str(demo_model_dir), "--chat-template", str(tmp_path / "missing.jinja"))
+    r = pdserve_main("serve", str(demo_model_dir), "--chat-template", str(tmp_path / "missing.jinja"))
     _one_error(r, "looks like a file path")
     raising = tmp_path / "raises.jinja"
     raising.write_text("{{ raise_exception('no chats here') }}")
-    r = _pdserve("serve", str(demo_model_dir), "--chat-template", str(raising))
+    r = pdserve_main("serve", str(demo_model_dir), "--chat-template", str(raising))
     _one_error(r, "no chats here")
 
 
@@ -240,10 +267,10 @@ def test_a_good_chat_template_reaches_the_tokenizer(tmp_path, demo_model_dir):
     (lambda m: (m / "config.json").write_text(json.dumps({**json.loads((m / "config.json").read_text()),
                                                           "quantization_config": {"quant_method": "awq"}})), "awq"),
 ])
-def test_a_bad_model_directory_fails_before_ray(tmp_path, demo_model_dir, breakage, needle):
+def test_a_bad_model_directory_fails_before_ray(tmp_path, demo_model_dir, breakage, needle, pdserve_main):
     m = _model_copy(demo_model_dir, tmp_path / "m")
     breakage(m)
-    _one_error(_pdserve("serve", str(m)), needle)
+    _one_error(pdserve_main("serve", str(m)), needle)
 
 
 def _fake_hub_cache(root: Path, repo: str, model_dir: Path) -> Path:
@@ -255,38 +282,34 @@ def _fake_hub_cache(root: Path, repo: str, model_dir: Path) -> Path:
     return d / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
 
 
-def test_hub_id_resolves_from_the_local_cache(tmp_path, demo_model_dir):
+def test_hub_id_resolves_from_the_local_cache(tmp_path, demo_model_dir, pdserve_main, monkeypatch):
+    import huggingface_hub.constants as c
+
     from cluster.errors import ModelLoadError
     from cluster.model.hub import resolve_model_dir
 
     snap = _fake_hub_cache(tmp_path / "hub", "acme/tiny-llama", demo_model_dir)
-    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    r = _pdserve("generate", "--model", "acme/tiny-llama", "--max-tokens", "3", "--ignore-eos", "Hello", env=env)
+    # What HF_HUB_CACHE (read when huggingface_hub is imported) sets; offline, as HF_HUB_OFFLINE=1.
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    r = pdserve_main("generate", "--model", "acme/tiny-llama", "--max-tokens", "3", "--ignore-eos", "Hello")
     assert r.returncode == 0, r.stderr
-    ref = _pdserve("generate", "--model", str(demo_model_dir), "--max-tokens", "3", "--ignore-eos", "Hello")
-    assert r.stdout == ref.stdout  # the same model, found in the cache
-    # in-process, the same rule: the snapshot folder; a revision after @
-    old = os.environ.get("HF_HUB_CACHE")
-    try:
-        import huggingface_hub.constants as c
-
-        saved = c.HF_HUB_CACHE
-        c.HF_HUB_CACHE = str(tmp_path / "hub")
-        assert resolve_model_dir("acme/tiny-llama") == snap
-        assert resolve_model_dir("acme/tiny-llama@0123456789abcdef0123456789abcdef01234567") == snap
-        with pytest.raises(ModelLoadError, match="nor in the local Hugging Face cache"):
-            resolve_model_dir("acme/other")
-        with pytest.raises(ModelLoadError, match="model directory not found"):
-            resolve_model_dir(str(tmp_path / "nope" / "deeper"))
-    finally:
-        c.HF_HUB_CACHE = saved
-        if old is not None:
-            os.environ["HF_HUB_CACHE"] = old
+    ref = pdserve_main("generate", "--model", str(demo_model_dir), "--max-tokens", "3", "--ignore-eos", "Hello")
+    assert r.stdout.strip() and r.stdout == ref.stdout  # the same model, found in the cache
+    # the same rule: the snapshot folder; a revision after @
+    assert resolve_model_dir("acme/tiny-llama") == snap
+    assert resolve_model_dir("acme/tiny-llama@0123456789abcdef0123456789abcdef01234567") == snap
+    with pytest.raises(ModelLoadError, match="nor in the local Hugging Face cache"):
+        resolve_model_dir("acme/other")
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        resolve_model_dir(str(tmp_path / "nope" / "deeper"))
 
 
-def test_hub_id_not_in_the_cache_fails_before_ray(tmp_path):
-    env = {"HF_HUB_CACHE": str(tmp_path / "empty-hub")}
-    r = _pdserve("serve", "meta-llama/Llama-3.1-8B-Instruct", env=env)
+def test_hub_id_not_in_the_cache_fails_before_ray(tmp_path, pdserve_main, monkeypatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    r = pdserve_main("serve", "meta-llama/Llama-3.1-8B-Instruct")
     _one_error(r, "meta-llama/Llama-3.1-8B-Instruct is neither a model directory nor in the local Hugging Face "
                   "cache", "hf download meta-llama/Llama-3.1-8B-Instruct")
 
@@ -304,13 +327,13 @@ def test_served_name_of_a_hub_id_is_the_id(tmp_path, demo_model_dir, monkeypatch
     assert check_model(ClusterConfig()).name == "pdserve-demo"
 
 
-def test_generate_takes_dtype_auto_and_the_fp8_flags(demo_model_dir):
+def test_generate_takes_dtype_auto_and_the_fp8_flags(demo_model_dir, pdserve_main):
     base = ["generate", "--model", str(demo_model_dir), "--max-tokens", "4", "--ignore-eos", "Hello"]
-    auto = _pdserve(*base, "--dtype", "auto")
-    plain = _pdserve(*base)
+    auto = pdserve_main(*base, "--dtype", "auto")
+    plain = pdserve_main(*base)
     assert auto.returncode == 0 and auto.stdout == plain.stdout, auto.stderr
     for extra in (["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]):
-        r = _pdserve(*base, *extra)
+        r = pdserve_main(*base, *extra)
         assert r.returncode == 0 and r.stdout.strip(), (extra, r.stderr)
 
 

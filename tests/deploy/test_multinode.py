@@ -46,6 +46,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def _ray_node(args: list[str], env: dict) -> subprocess.Popen:
     # --block keeps the node's processes children of this one, so the test stops exactly its own
     # nodes (never `ray stop`, which would stop every Ray on the machine).
@@ -55,11 +63,15 @@ def _ray_node(args: list[str], env: dict) -> subprocess.Popen:
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def _stop(p: subprocess.Popen, timeout: float = 5) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
+def _stop(procs: list[subprocess.Popen], timeout: float = 5) -> None:
+    """SIGTERM to every process group at once (each stops its own), then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
         try:
-            p.wait(timeout)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
@@ -81,10 +93,14 @@ def two_node_cluster():
     try:
         address = f"127.0.0.1:{gcs}"
         deadline = time.monotonic() + 60
+        # Its GCS port first (a cheap poll), then `ray status` (a Python process of a second or two).
+        while not _accepts(gcs):
+            assert time.monotonic() < deadline and head.poll() is None, "head node did not start"
+            time.sleep(0.05)
         while subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
                              env=env, capture_output=True).returncode != 0:
             assert time.monotonic() < deadline and head.poll() is None, "head node did not start"
-            time.sleep(1)
+            time.sleep(0.5)
         nodes.append(_ray_node([f"--address={address}", "--node-ip-address=127.0.0.1", '--resources={"decode": 1}',
                                 f"--dashboard-agent-listen-port={_free_port()}"], env))
         # Until the second node has joined: `pdserve serve` fails at once on a cluster that can never
@@ -93,11 +109,10 @@ def two_node_cluster():
         while "decode" not in subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status",
                                               f"--address={address}"], env=env, capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline and nodes[-1].poll() is None, "the decode node did not join"
-            time.sleep(1)
+            time.sleep(0.5)
         yield address, env
     finally:
-        for p in reversed(nodes):
-            _stop(p)
+        _stop(nodes[::-1])
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -120,11 +135,11 @@ def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_d
         while not (m := re.search(r"serving \S+ at (http://\S+)/v1", log.read_text())):
             assert server.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "pdserve serve did not start"
-            time.sleep(1)
+            time.sleep(0.1)
         url = m.group(1)
         while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "pdserve serve did not become ready"
-            time.sleep(1)
+            time.sleep(0.1)
 
         # Which node runs which worker: ask the cluster itself.
         placed = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address], env=env, capture_output=True,

@@ -24,6 +24,7 @@ DRAIN_S = 6.0
 
 def _stream(url: str, body: dict, out: dict) -> None:
     text, events = "", []
+    out["events"] = events  # filled as they come: a test waits on the first one
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             out["status"] = r.status_code
@@ -52,10 +53,7 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
                    threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 4000}, long_))]
         for t in threads:
             t.start()
-        t_wait = time.monotonic() + 30
-        while not (short.get("status") and long_.get("status")) and time.monotonic() < t_wait:
-            time.sleep(0.01)
-        time.sleep(0.1)  # both are streaming
+        _wait_streaming([short, long_], 30)
 
         import psutil
 
@@ -63,8 +61,7 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
         assert len(api) == api_servers
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        r = httpx.get(f"{url}/ready", timeout=5)
+        r = _wait_draining(url)
         assert r.status_code == 503 and r.json() == {"ready": False, "draining": True}
         r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=5)
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
@@ -92,9 +89,11 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
 
 def _serve(demo_model_dir, api_servers: int, drain_s: float):
     """`pdserve serve` as a subprocess in its own session; returns (proc, url, output lines)."""
+    # No warm-up: what these tests check starts with the first request (the warm-up before /ready, and
+    # a warmed server's SIGTERM stop, are test_serve_command.py's and test_role_switch.py's).
     proc, url, out_lines = start_serve(demo_model_dir, "--prefill-workers", "0", "--decode-workers", "1",
                                        "--cpu-num-blocks", "512", "--drain-timeout-s", str(drain_s),
-                                       "--api-servers", str(api_servers), new_session=True)
+                                       "--api-servers", str(api_servers), "--no-warmup", new_session=True)
     if url is None:
         proc.kill()
         raise AssertionError("".join(out_lines))
@@ -108,11 +107,30 @@ def _streams(url: str, n: int, max_tokens: int) -> tuple[list[dict], list[thread
     threads = [threading.Thread(target=_stream, args=(url, body, o)) for o in outs]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while not all(o.get("status") for o in outs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # all are streaming
+    _wait_streaming(outs, 60)
     return outs, threads
+
+
+def _wait_streaming(outs: list[dict], timeout_s: float) -> None:
+    """Until every stream has its first event (the deadline only bounds a failure)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(o.get("events") or "exc" in o for o in outs):
+        assert time.monotonic() < deadline, outs
+        time.sleep(0.01)
+    assert all(o.get("status") == 200 and o.get("events") for o in outs), outs
+
+
+def _wait_draining(url: str, timeout_s: float = 10.0) -> httpx.Response:
+    """/ready's answer once the SIGTERM reached the API server that answers it: the first that says
+    it drains. (The router refuses new requests before it tells the API servers to drain, so a
+    request that reaches one not told yet is refused all the same.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{url}/ready", timeout=5)
+        if r.status_code != 200 and r.json().get("draining"):
+            return r
+        assert time.monotonic() < deadline, f"the server did not start draining: {r.status_code} {r.text}"
+        time.sleep(0.01)
 
 
 def _kill_session(proc) -> None:
@@ -137,7 +155,7 @@ def test_second_sigterm_ends_every_stream_with_an_error_event(demo_model_dir):
     try:
         outs, threads = _streams(url, 8, 4000)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        assert _wait_draining(url).status_code == 503  # the first one took: the drain runs
         t_second = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         for t in threads:
