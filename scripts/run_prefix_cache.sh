@@ -8,12 +8,17 @@
 # Usage: scripts/run_prefix_cache.sh OUT_DIR [one_gpu|disaggregated]
 #   DRY_RUN=1: the same on CPU with a tiny model and a small workload (checks the script end to end).
 #   Knobs: CACHES ("on off"), RATES, WORKLOADS, SESSIONS, TURNS, SYSTEM_TOKENS, FEW_SHOT_REQUESTS, SHAPE,
-#   SERVE_ARGS, BENCH_ARGS
+#   SERVE_ARGS, BENCH_ARGS, MPS=1 (one_gpu: the two workers' processes share the GPU through an MPS
+#   daemon, scripts/gpu_sharing.sh; a dry run refuses it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-loadtest/results}
 SETUP=${2:-one_gpu}
 mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_sharing.sh
+. scripts/gpu_sharing.sh
+mps_start
+trap mps_stop EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 PORT=${PORT:-8000}

@@ -58,7 +58,7 @@ def test_the_serving_log_says_how_the_workers_share_the_gpu(monkeypatch, tmp_pat
 
 def test_the_device_scripts_refuse_mps_in_a_dry_run(tmp_path):
     """MPS=1 needs CUDA: a dry run says so and writes nothing, rather than label time-sliced rows MPS."""
-    for script in ("run_itl_h200.sh", "ttft_h200.sh"):
+    for script in ("run_itl_h200.sh", "ttft_h200.sh", "run_prefix_cache.sh"):
         r = subprocess.run(["bash", str(ROOT / "scripts" / script), str(tmp_path / script)], cwd=ROOT,
                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "MPS": "1", "DRY_RUN": "1"})
         assert r.returncode == 2 and "MPS=1 needs CUDA" in r.stderr, (script, r)
