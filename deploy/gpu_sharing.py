@@ -4,51 +4,40 @@ a control daemon is running, else time-sliced, one context at a time.
 Why it matters here: a prefill and a decode worker on one GPU (`--gpus-per-worker 0.5`, the same-GPU
 KV path) are two processes, so two CUDA contexts. Time-sliced, a prefill pass waits for the decode
 process's time slice to end, and the first token's draw, which syncs on that pass, takes 10-13 ms on
-the 1B shape as soon as anyone is decoding (1.4 ms when the GPU is otherwise idle). Under MPS the two
-processes' kernels run side by side: the same draw takes ~3 ms at 2-64 users, and decode steps are no
-slower (loadtest/results/ttft_mps_h200.json). pdserve does not start the daemon: it is a host-wide
-service that an operator runs (`nvidia-cuda-mps-control -d`); the serving log says which sharing the
-workers got.
+the 1B shape as soon as anyone is decoding (2-3 ms when nobody is). Under MPS the two processes'
+kernels run side by side: the same draw takes ~3 ms at 2-64 users, and decode steps are no slower
+(loadtest/results/ttft_mps_h200.md). pdserve does not start the daemon: it is a host-wide service
+that an operator runs (`nvidia-cuda-mps-control -d`); the serving log says which sharing the workers got.
 
-The check: a CUDA client looks for the daemon's `control` endpoint in CUDA_MPS_PIPE_DIRECTORY (default
-/tmp/nvidia-mps), so the same environment that Ray's workers inherit decides it here too. The daemon
-makes it a UNIX socket (a named pipe in older drivers); a socket counts when it accepts a connection,
-so one left by a daemon that died does not. (The first H200 run under a daemon read "time-sliced"
-while only a pipe counted.)
+The check asks the daemon itself, as any CUDA client with this environment would reach it: the
+control tool, under the same CUDA_MPS_PIPE_DIRECTORY, asked for its server list, answers only if a
+daemon runs there. (Looking for the daemon's files in that directory read "time-sliced" under a
+running daemon on the H200, twice: the endpoint is not a plain file one can stat and trust.)
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import stat
-from pathlib import Path
+import shutil
+import subprocess
 from typing import Mapping
 
-MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
-def mps_control_pipe(env: Mapping[str, str] = os.environ) -> Path | None:
-    """The running MPS control daemon's endpoint that CUDA clients with this environment would use, or None."""
-    pipe = Path(env.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY) / "control"
+def mps_running(env: Mapping[str, str] = os.environ, timeout_s: float = 5.0) -> bool:
+    """True if an MPS control daemon answers CUDA clients with this environment."""
+    tool = shutil.which(MPS_CONTROL, path=env.get("PATH"))
+    if tool is None:  # no MPS on this host
+        return False
     try:
-        mode = pipe.stat().st_mode
-    except OSError:
-        return None
-    if stat.S_ISFIFO(mode):
-        return pipe
-    if not stat.S_ISSOCK(mode):
-        return None
-    # A socket left by a daemon that died refuses the connection: only a listening daemon counts.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(pipe))
-        except OSError:
-            return None
-    return pipe
+        r = subprocess.run([tool], input="get_server_list\n", env=dict(env), capture_output=True, text=True,
+                           timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
 
 
 def gpu_sharing(env: Mapping[str, str] = os.environ) -> str:
     """"mps" or "time-sliced": how processes with this environment share a GPU."""
-    return "mps" if mps_control_pipe(env) is not None else "time-sliced"
+    return "mps" if mps_running(env) else "time-sliced"

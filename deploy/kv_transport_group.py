@@ -25,7 +25,7 @@ from cluster.transport.factory import TransportSpec
 from cluster.transport.store_process import StoreProcess
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig
-from deploy.gpu_sharing import gpu_sharing, mps_control_pipe
+from deploy.gpu_sharing import gpu_sharing
 
 log = logging.getLogger("pdserve.launch")
 
@@ -97,7 +97,7 @@ def _say_gpu_sharing() -> None:
     """The prefill and decode processes share one GPU: how (deploy/gpu_sharing.py) decides what the
     first token waits for once anyone is decoding."""
     if gpu_sharing() == "mps":
-        log.info("prefill and decode workers share the GPU through MPS (%s)", mps_control_pipe())
+        log.info("prefill and decode workers share the GPU through MPS")
     else:
         log.warning("prefill and decode workers share the GPU time-sliced: a prompt's pass waits for the "
                     "decode process's time slice (~10 ms more to the first token under load). Run an MPS "

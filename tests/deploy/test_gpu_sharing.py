@@ -1,56 +1,63 @@
-"""deploy/gpu_sharing.py: MPS is seen where a CUDA client would find its daemon, and the serving log
-says how a prefill and a decode worker on one GPU share it."""
+"""deploy/gpu_sharing.py: MPS is seen when a daemon answers under the environment the workers get, and
+the serving log says how a prefill and a decode worker on one GPU share it."""
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import subprocess
 from pathlib import Path
 
 from deploy import kv_transport_group
-from deploy.gpu_sharing import gpu_sharing, mps_control_pipe
+from deploy.gpu_sharing import gpu_sharing, mps_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_daemons_control_pipe_means_mps(tmp_path):
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
-    assert gpu_sharing(env) == "time-sliced" and mps_control_pipe(env) is None  # no daemon
-    (tmp_path / "control").write_text("")  # a file of that name is not the daemon's pipe
-    assert gpu_sharing(env) == "time-sliced"
-    (tmp_path / "control").unlink()
-    os.mkfifo(tmp_path / "control")  # older drivers' named pipe
-    assert gpu_sharing(env) == "mps" and mps_control_pipe(env) == tmp_path / "control"
+def _control_tool(bin_dir: Path, pipe_dir: Path) -> None:
+    """A stand-in for nvidia-cuda-mps-control: as the real one, it answers `get_server_list` only if a
+    daemon runs in CUDA_MPS_PIPE_DIRECTORY (here: a file `daemon` marks it), else exits 1."""
+    tool = bin_dir / "nvidia-cuda-mps-control"
+    tool.write_text("#!/bin/sh\nread cmd\n[ \"$cmd\" = get_server_list ] || exit 3\n"
+                    "[ -e \"${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}/daemon\" ] || { echo 'Cannot find MPS control daemon' >&2; exit 1; }\n"
+                    "echo 4242\n")
+    tool.chmod(0o755)
 
 
-def test_a_listening_control_socket_means_mps_and_a_dead_ones_does_not(tmp_path):
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
-    daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    daemon.bind(str(tmp_path / "control"))
-    daemon.listen(4)
-    try:
-        assert gpu_sharing(env) == "mps" and mps_control_pipe(env) == tmp_path / "control"
-    finally:
-        daemon.close()
-    assert (tmp_path / "control").exists() and gpu_sharing(env) == "time-sliced"  # the daemon is gone
+def test_a_daemon_that_answers_means_mps(tmp_path):
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    _control_tool(tmp_path, pipe)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    assert not mps_running(env) and gpu_sharing(env) == "time-sliced"  # the tool, but no daemon
+    (pipe / "daemon").touch()
+    assert mps_running(env) and gpu_sharing(env) == "mps"
+    # Another pipe directory is another daemon: the workers' environment decides.
+    assert gpu_sharing({**env, "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) == "time-sliced"
 
 
-def test_the_default_pipe_directory_is_cudas(monkeypatch, tmp_path):
-    monkeypatch.setattr("deploy.gpu_sharing.MPS_DEFAULT_PIPE_DIRECTORY", str(tmp_path))
-    os.mkfifo(tmp_path / "control")
-    assert gpu_sharing({}) == "mps" and gpu_sharing({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "x")}) == "time-sliced"
+def test_no_control_tool_means_time_sliced(tmp_path):
+    assert gpu_sharing({"PATH": str(tmp_path)}) == "time-sliced"
+
+
+def test_a_tool_that_hangs_is_time_sliced_in_time(tmp_path):
+    tool = tmp_path / "nvidia-cuda-mps-control"
+    tool.write_text("#!/bin/sh\nexec sleep 30\n")
+    tool.chmod(0o755)
+    assert not mps_running({"PATH": f"{tmp_path}:/usr/bin:/bin"}, timeout_s=0.5)
 
 
 def test_the_serving_log_says_how_the_workers_share_the_gpu(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    _control_tool(tmp_path, pipe)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
     with caplog.at_level(logging.INFO, logger=kv_transport_group.log.name):
         kv_transport_group._say_gpu_sharing()
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "time-sliced" in caplog.text and "nvidia-cuda-mps-control -d" in caplog.text
     caplog.clear()
-    os.mkfifo(tmp_path / "control")
+    (pipe / "daemon").touch()
     with caplog.at_level(logging.INFO, logger=kv_transport_group.log.name):
         kv_transport_group._say_gpu_sharing()
     assert [r.levelno for r in caplog.records] == [logging.INFO] and "through MPS" in caplog.text
