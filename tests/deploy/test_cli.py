@@ -7,7 +7,7 @@ def _pdserve(*args, timeout=120):
 
 
 # `python -m deploy.cli ARGS` (its real exit code and output), which then prints the top-level packages
-# it loaded on stderr's last line, `MODULES a b c`, from an exit hook.
+# it loaded on stderr's last line, `MODULES a b c`, from an exit hook (so after a SystemExit too).
 _RUN_CLI_AND_LIST_MODULES = (
     "import atexit, runpy, sys\n"
     "atexit.register(lambda: print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})), "
@@ -17,13 +17,18 @@ _RUN_CLI_AND_LIST_MODULES = (
 )
 
 
-def test_generate_prints_one_completion_per_prompt_and_does_not_load_ray(demo_model_dir):
-    r = subprocess.run([sys.executable, "-c", _RUN_CLI_AND_LIST_MODULES, "generate", "--model", str(demo_model_dir),
-                        "--max-tokens", "8", "--ignore-eos", "Hello", "The sea"],
-                       capture_output=True, text=True, timeout=300)
+def _run_listing_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The command's result and the top-level packages it loaded."""
+    r = subprocess.run([sys.executable, "-c", _RUN_CLI_AND_LIST_MODULES, *args], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
+    return r, set(r.stderr.rsplit("MODULES ", 1)[1].split())
+
+
+def test_generate_prints_one_completion_per_prompt_and_does_not_load_ray(demo_model_dir):
+    r, loaded = _run_listing_modules("generate", "--model", str(demo_model_dir), "--max-tokens", "8", "--ignore-eos",
+                                     "Hello", "The sea")
     assert len(r.stdout.splitlines()) >= 2
-    loaded = set(r.stderr.rsplit("MODULES ", 1)[1].split())
     assert "torch" in loaded and not loaded & {"ray", "fastapi", "loadtest"}, loaded
 
 
@@ -52,25 +57,10 @@ def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1
 
 
-def _modules_after(argv: list[str]) -> set[str]:
-    code = (
-        "import sys\n"
-        "from deploy import cli\n"
-        "try:\n"
-        f"    cli.main({argv!r})\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return set(r.stdout.rsplit("MODULES ", 1)[1].split())
-
-
 def test_help_loads_neither_ray_nor_torch():
     """`pdserve serve --help` reads ClusterConfig (and the component configs it takes its defaults
     from) only: the serving cluster, Ray and torch are imported when `serve` runs."""
-    loaded = _modules_after(["serve", "--help"])
+    _, loaded = _run_listing_modules("serve", "--help")
     assert not loaded & {"ray", "torch", "fastapi", "uvicorn", "loadtest", "decode_worker", "prefill_worker"}, loaded
 
 
