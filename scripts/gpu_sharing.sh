@@ -1,4 +1,4 @@
-# Sourced by the one-GPU device scripts (ttft_h200.sh, run_itl_h200.sh): MPS=1 runs the prefill and
+# Sourced by the one-GPU device scripts (ttft_h200.sh, run_itl_h200.sh, run_prefix_cache.sh): MPS=1 runs the prefill and
 # decode workers' processes through an MPS control daemon that the script starts for its run and stops
 # at its end, with its pipe and log directories under /tmp (nothing of the machine's is touched; no
 # compute mode or other card setting is changed). Without it they share the GPU as any two processes
