@@ -26,25 +26,32 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# The shared clusters of tests/router/conftest.py: every module that uses one runs on the same
-# pytest-xdist worker, which starts each of them once (cluster_cache).
-SESSION_CLUSTERS = {"fake_cluster", "real_decode_cluster", "real_pd_cluster"}
+# The clusters shared across modules (tests/router/conftest.py, tests/real_model/conftest.py), by the
+# group of modules that share them: every module that uses one runs on the same pytest-xdist worker, in
+# one stretch, which starts each of them once (cluster_cache) and stops them at its end.
+SHARED_CLUSTERS = {"fake_cluster": "router-session-clusters", "real_decode_cluster": "router-session-clusters",
+                   "real_pd_cluster": "router-session-clusters", "smollm2_cluster": "real-model-cluster"}
 SESSION_CLUSTERS_GROUP = "router-session-clusters"
+# What the inner-loop tier (`-m "not slow"`) leaves out besides a module's own `pytestmark = slow` (the
+# modules whose tests start processes of the system: servers, scripts, spawned ranks): a test on the
+# run's Ray, and one on the trained model (transformers' GGUF load alone is ~25 s of one core).
+SLOW_FIXTURES = {"ray_session", "hf_smollm2", "smollm2_cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
 def pytest_collection_modifyitems(config, items):
-    # The inner-loop tier (`-m "not slow"`) leaves out every test on a Ray cluster, besides those marked.
     for item in items:
-        if "ray_session" in item.fixturenames or "own_ray" in item.keywords:
+        if SLOW_FIXTURES & set(item.fixturenames) or "own_ray" in item.keywords:
             item.add_marker(pytest.mark.slow)
     # Work goes to the xdist workers a module at a time (its module-scoped cluster starts once), and
-    # the modules on the session-long clusters all to one worker.
-    on_session_clusters = {item.module.__name__ for item in items if SESSION_CLUSTERS & set(item.fixturenames)}
+    # the modules on one shared cluster all to one worker.
+    shared_group = {item.module.__name__: SHARED_CLUSTERS[f] for item in items for f in item.fixturenames
+                    if f in SHARED_CLUSTERS}
+    on_session_clusters = {m for m, g in shared_group.items() if g == SESSION_CLUSTERS_GROUP}
     for item in items:
         if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            on = item.module.__name__ in on_session_clusters
-            item.add_marker(pytest.mark.xdist_group(SESSION_CLUSTERS_GROUP if on else item.nodeid.split("::")[0]))
+            group = shared_group.get(item.module.__name__, item.nodeid.split("::")[0])
+            item.add_marker(pytest.mark.xdist_group(group))
     # In this order (xdist hands the groups out in it: --no-loadscope-reorder), a module's tests kept
     # together: a module with a Ray of its own first, before the run's one Ray starts (ray_session, on
     # first use; one process holds one Ray); then the largest group, the session-long clusters' (started

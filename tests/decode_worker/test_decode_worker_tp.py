@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the follower rank in a spawned process
+
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decode_worker import Collector  # noqa: E402
 

@@ -43,20 +43,16 @@ def hf_smollm2(smollm2_gguf):
     return model, tok
 
 
-@pytest.fixture(scope="session")
-def smollm2_cluster(smollm2_gguf):
+@pytest.fixture(scope="module")
+def smollm2_cluster(smollm2_gguf, ray_session, cluster_cache):
     """One prefill and one decode worker serving the GGUF file; every prompt prefilled on the
     prefill worker (static placement, threshold 0), so the KV moves. The hermes parser reads the
-    tool calls (SmolLM2's template writes <tool_call> JSON)."""
-    owned = serving_harness.init_ray()
-    sc = serving_harness.start_cluster(smollm2_gguf, served_model_name=MODEL, prefill_workers=1, decode_workers=1,
-                                       local_prefill_threshold=0, tool_call_parser="hermes", ready_timeout_s=600)
-    yield sc
-    sc.shutdown()
-    if owned:
-        import ray
-
-        ray.shutdown()
+    tool calls (SmolLM2's template writes <tool_call> JSON). Started once for every module of this
+    tier (tests/conftest.py puts them in one group) and stopped when they are done, not left idling
+    (its stats polls cost ~0.2 of a core) under the rest of the run."""
+    return cluster_cache.get(("smollm2",), lambda: serving_harness.start_cluster(
+        smollm2_gguf, served_model_name=MODEL, prefill_workers=1, decode_workers=1, local_prefill_threshold=0,
+        tool_call_parser="hermes", ready_timeout_s=600))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the run scripts in DRY_RUN form: servers, Ray and loads in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -15,6 +15,8 @@ import pytest
 import tp_procs
 from cluster.distributed.watchdog import EXIT_CODE
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks in spawned processes
+
 
 def _gone(pid: int) -> bool:
     try:

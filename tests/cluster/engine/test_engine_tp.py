@@ -12,6 +12,8 @@ import torch
 from cluster.engine.engine import LLMEngine
 from cluster.sampling.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # the follower rank in a spawned process
+
 NEW_TOKENS = 24
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # prefill and decode in spawned processes over gloo
+
 sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 from test_torch_dist import SMALL_SLOTS, PrefillProc, _spec  # noqa: E402

@@ -27,6 +27,8 @@ from cluster.transport.factory import TransportSpec, create_transport
 from cluster.transport.store_process import StoreProcess
 from cluster.wire.messages import Reservation
 
+pytestmark = pytest.mark.slow  # store child processes, each importing torch
+
 SECRET = b"p" * 32
 MiB = 1 << 20
 

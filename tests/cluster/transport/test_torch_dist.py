@@ -10,6 +10,8 @@ import msgspec
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # prefill and decode in spawned processes over gloo
+
 sys.path.insert(0, str(Path(__file__).parent))
 import harness  # noqa: E402
 

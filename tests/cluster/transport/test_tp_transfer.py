@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every rank of both workers in a spawned process
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "decode_worker"))
 import tp_workers  # noqa: E402
 from test_decode_worker import Collector  # noqa: E402
