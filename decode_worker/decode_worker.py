@@ -443,12 +443,14 @@ class DecodeWorker:
         """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
         sends what it was given so far and nothing after; the loop stops without failing any request
         (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
+        # NOTE: the last frames reach their gateways before the router can find the worker dead, so
+        # the client has exactly `after_tokens` tokens: stats() calls the worker healthy while its
+        # publisher is alive, and halt() ends the publisher only once the frames of every batch
+        # published so far were handed to the connections to their gateways (TokenPublisher._run's
+        # end), before any stats poll can see it gone and the router tell a gateway. (In a real crash
+        # frames sent just before it may or may not arrive; the migration resumes from what the
+        # client got.)
         self.publisher.halt()
-        # NOTE: the last frames are out of our sockets; the loop thread (whose life is what stats()
-        # calls healthy) lives a moment more so that they reach their gateways before the router can
-        # find the worker dead: the client has exactly `after_tokens` tokens. (In a real crash frames
-        # sent just before it may or may not arrive; the migration resumes from what the client got.)
-        time.sleep(0.2)
         self.error = "restarting (injected fault)"
         self._stop.set()
         self.on_restart()

@@ -35,7 +35,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from typing import Callable
 
@@ -142,7 +141,9 @@ class PublisherProcess:
 
     def halt(self, timeout_s: float = 5.0) -> None:
         """Fault injection ("restart", a crash): the process sends every batch it was given so far
-        (TokenPublisher.halt) and exits; later frames are dropped here. Returns once it has exited."""
+        (TokenPublisher.halt) and exits; later frames are dropped here. Returns once it has exited, which
+        it does only once those batches' frames are out of it (TokenPublisher._run's end); till then
+        `alive` holds."""
         self._send(_HALT)
         self._halted = True
         try:
@@ -299,8 +300,9 @@ def _serve(args) -> None:
                 pub.halt()  # sends what it holds, then takes nothing more
                 return
     finally:
-        pub.close()
-        time.sleep(0.05)  # the last frames leave (the sockets linger)
+        pub.close()  # its frames are out of this process once it returns (TokenPublisher._run's end)
+        # The stops sent on `control` go out before the process exits (within its linger).
+        ctx.destroy(linger=1000)
 
 
 def main(argv=None) -> None:
