@@ -451,9 +451,10 @@ class DecodeWorker:
         (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
         # NOTE: the last frames reach their gateways before the router can find the worker dead, so
         # the client has exactly `after_tokens` tokens: stats() calls the worker healthy while its
-        # publisher is alive, and halt() ends the publisher only once the frames of every batch
-        # published so far were handed to the connections to their gateways (TokenPublisher._run's
-        # end), before any stats poll can see it gone and the router tell a gateway. (In a real crash
+        # publisher is alive, and the publisher stops being alive (halt() returns) only once the
+        # frames of every batch published so far were handed to the connections to their gateways
+        # (TokenPublisher._run's end; the process's bye comes after), before any stats poll can see
+        # it gone and the router tell a gateway. (In a real crash
         # frames sent just before it may or may not arrive; the migration resumes from what the
         # client got.)
         self.publisher.halt()
