@@ -22,7 +22,8 @@ its PUSH socket, nor send a stop for any request id to its control socket.
 
 The process is started with the worker (`python -m decode_worker.publisher_process`, the worker's
 interpreter and environment) and says when it is ready; it exits when told to, or when the worker's
-process is gone. A publisher process that died is reported (`alive`): the worker says it is
+process is gone, and its last control frame says bye, once every frame it sent is out of it (the
+worker's halt() and close() wait for that event, not for a poll of the process). A publisher process that died is reported (`alive`): the worker says it is
 unhealthy, so the router moves its requests.
 """
 
