@@ -79,19 +79,16 @@ class DecodeWorker:
                  token_publisher: str = "process", group=None, publisher=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
         `token_publisher`: "process" (the served path) or "thread" (see publisher_process.make_publisher).
-        `publisher`: one made for this worker already (make_publisher; the fault "restart" starts the
-        next incarnation's before the old one dies), used instead of making one; it is this worker's.
+        `publisher`: one made for it already (make_publisher: a restart in place's new incarnation's).
         `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
         scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
-        if publisher is None:
-            publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
-        else:
-            publisher.on_stop = self.abort
-        self.publisher = publisher
+        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher) \
+            if publisher is None else publisher
+        self.publisher.on_stop = self.abort  # (one made before this worker: its stops come here)
         try:
             self._setup(model, capture_progress, start, group)
         except BaseException:
@@ -449,14 +446,10 @@ class DecodeWorker:
         """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
         sends what it was given so far and nothing after; the loop stops without failing any request
         (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
-        # NOTE: the last frames reach their gateways before the router can find the worker dead, so
-        # the client has exactly `after_tokens` tokens: stats() calls the worker healthy while its
-        # publisher is alive, and the publisher stops being alive (halt() returns) only once the
-        # frames of every batch published so far were handed to the connections to their gateways
-        # (TokenPublisher._run's end; the process's bye comes after), before any stats poll can see
-        # it gone and the router tell a gateway. (In a real crash
-        # frames sent just before it may or may not arrive; the migration resumes from what the
-        # client got.)
+        # NOTE: the last frames reach their gateways before the router can find the worker dead (the
+        # client has exactly `after_tokens` tokens): stats() calls it healthy while its publisher is
+        # alive, which halt() ends only once every frame published so far left (TokenPublisher._run's
+        # end). (In a real crash they may not arrive; the migration resumes from what the client got.)
         self.publisher.halt()
         self.error = "restarting (injected fault)"
         self._stop.set()
