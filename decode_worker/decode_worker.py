@@ -76,16 +76,19 @@ class _Launched:
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
-                 token_publisher: str = "process", group=None):
+                 token_publisher: str = "process", group=None, publisher=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
         `token_publisher`: "process" (the served path) or "thread" (see publisher_process.make_publisher).
+        `publisher`: one made for it already (make_publisher: a restart in place's new incarnation's).
         `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
         scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
-        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
+        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher) \
+            if publisher is None else publisher
+        self.publisher.on_stop = self.abort  # (one made before this worker: its stops come here)
         try:
             self._setup(model, capture_progress, start, group)
         except BaseException:
@@ -443,12 +446,11 @@ class DecodeWorker:
         """Fault "restart" (loop thread): the worker's state dies here as in a crash. The publisher
         sends what it was given so far and nothing after; the loop stops without failing any request
         (the router finds them lost, as a dead worker's); `on_restart` brings up the new incarnation."""
+        # NOTE: the last frames reach their gateways before the router can find the worker dead (the
+        # client has exactly `after_tokens` tokens): stats() calls it healthy while its publisher is
+        # alive, which halt() ends only once every frame published so far left (TokenPublisher._run's
+        # end). (In a real crash they may not arrive; the migration resumes from what the client got.)
         self.publisher.halt()
-        # NOTE: the last frames are out of our sockets; the loop thread (whose life is what stats()
-        # calls healthy) lives a moment more so that they reach their gateways before the router can
-        # find the worker dead: the client has exactly `after_tokens` tokens. (In a real crash frames
-        # sent just before it may or may not arrive; the migration resumes from what the client got.)
-        time.sleep(0.2)
         self.error = "restarting (injected fault)"
         self._stop.set()
         self.on_restart()

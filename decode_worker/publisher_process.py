@@ -22,7 +22,8 @@ its PUSH socket, nor send a stop for any request id to its control socket.
 
 The process is started with the worker (`python -m decode_worker.publisher_process`, the worker's
 interpreter and environment) and says when it is ready; it exits when told to, or when the worker's
-process is gone. A publisher process that died is reported (`alive`): the worker says it is
+process is gone, and its last control frame says bye, once every frame it sent is out of it (the
+worker's halt() and close() wait for that event, not for a poll of the process). A publisher process that died is reported (`alive`): the worker says it is
 unhealthy, so the router moves its requests.
 """
 
@@ -35,7 +36,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from typing import Callable
 
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 # Frame kinds, worker -> process
 _REGISTER, _FORGET, _BATCH, _CLOSE, _HALT = b"R", b"F", b"B", b"C", b"H"
-# process -> worker (control socket)
-_READY, _STOP = b"r", b"s"
+# process -> worker (control socket); _BYE: its last frame, once everything it sent anywhere is out of it
+_READY, _STOP, _BYE = b"r", b"s", b"x"
 _SEND_WAIT_MS = 5000  # how long a frame waits for the process's connection (only before a frame got through)
 _HWM = 1_000_000  # frames queued toward the process before a send would fail (it is stuck or gone)
 
@@ -89,6 +89,7 @@ class PublisherProcess:
         self._closed = False
         self._halted = False
         self._peer_seen = False  # a frame has reached the process's connection (see _send)
+        self._gone = threading.Event()  # the process said bye (or exited without): it sends nothing more
         cmd = [sys.executable, "-m", "decode_worker.publisher_process", "--worker-id", worker_id,
                "--model-dir", str(model_dir), "--input", out_addr, "--control", control_addr,
                "--parent-pid", str(os.getpid())]
@@ -115,7 +116,7 @@ class PublisherProcess:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self._gone.is_set() and self.proc.poll() is None
 
     # -- the TokenPublisher interface (any thread) -------------------------------------------------
     def register(self, req: GenerateRequest) -> None:
@@ -142,9 +143,15 @@ class PublisherProcess:
 
     def halt(self, timeout_s: float = 5.0) -> None:
         """Fault injection ("restart", a crash): the process sends every batch it was given so far
-        (TokenPublisher.halt) and exits; later frames are dropped here. Returns once it has exited."""
+        (TokenPublisher.halt) and exits; later frames are dropped here. Returns once it said bye, which
+        it does only once those batches' frames are out of it (TokenPublisher._run's end): till then
+        `alive` holds, after it does not."""
         self._send(_HALT)
         self._halted = True
+        if self._thread is not None:  # (it hears the bye; it also ends, and says so, if the process dies)
+            if not self._gone.wait(timeout_s):
+                log.error("token publisher process of %s did not halt in %.0f s", self.worker_id, timeout_s)
+            return
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -200,8 +207,11 @@ class PublisherProcess:
         poller.register(self._local_sock, zmq.POLLIN)
         while not self._closed:
             try:
-                ready = dict(poller.poll(200))
+                # After the bye only what is still on its way to the local sink: then this thread ends
+                # (close() joins it without waiting out a poll).
+                ready = dict(poller.poll(10 if self._gone.is_set() else 200))
             except zmq.ZMQError:
+                self._gone.set()
                 return
             if self._local_sock in ready:
                 payload = self._verify_local.open(self._local_sock.recv_multipart())
@@ -214,14 +224,19 @@ class PublisherProcess:
                         self._local_cv.notify_all()
             if self._control in ready:
                 msg = self._control.recv()
-                if msg[:1] == _STOP and self.on_stop is not None:
+                if msg[:1] == _BYE:
+                    self._gone.set()
+                elif msg[:1] == _STOP and self.on_stop is not None:
                     try:
                         self.on_stop(msg[1:].decode())
                     except Exception:  # noqa: BLE001 - one request's abort must not end the returns
                         log.exception("on_stop failed")
-            if not ready and not self.alive and not self._closed:
-                log.error("token publisher process of %s exited with %s", self.worker_id, self.proc.returncode)
+            if not ready and not self.alive:
+                if not self._gone.is_set() and not self._closed:
+                    log.error("token publisher process of %s exited with %s", self.worker_id, self.proc.returncode)
+                self._gone.set()
                 return
+        self._gone.set()
 
 
 def make_publisher(worker_id: str, cfg, stats_sink: str | None, on_stop, where: str):
@@ -299,8 +314,14 @@ def _serve(args) -> None:
                 pub.halt()  # sends what it holds, then takes nothing more
                 return
     finally:
-        pub.close()
-        time.sleep(0.05)  # the last frames leave (the sockets linger)
+        pub.close()  # its frames are out of this process once it returns (TokenPublisher._run's end)
+        with control_lock:
+            try:
+                control.send(_BYE, zmq.NOBLOCK)  # after every stop: the worker's PULL takes them in order
+            except zmq.ZMQError:
+                pass  # the worker is gone
+        # The frames sent on `control` go out before the process exits (within its linger).
+        ctx.destroy(linger=1000)
 
 
 def main(argv=None) -> None:

@@ -95,7 +95,8 @@ class TokenPublisher:
 
     def halt(self, timeout_s: float = 5.0) -> None:
         """Fault injection ("restart", a crash): every batch published so far is sent (the sockets are
-        flushed), then the publisher stops; later batches are dropped. Returns once that is done."""
+        flushed: handed to the connections to their gateways, see _run's end), then the publisher
+        stops; later batches are dropped. Returns once that is done (or after `timeout_s`)."""
         self._halted = True
         self._queue.put(_HALT)
         self._thread.join(timeout_s)
@@ -119,6 +120,10 @@ class TokenPublisher:
         # Imported here: the decode benchmarks drive the loop without a publisher and need neither.
         from cluster.wire.stream_messages import StepRecordBatch, StreamBatch, encode
 
+        import zmq
+
+        # This thread's own context: ending it (term) is how we know the frames left (see the end).
+        ctx = zmq.Context()
         socks: dict[str, tuple] = {}  # sink -> (socket, its signer)
         stats_sock = None
         stats_signer = FrameSigner(self._secret, STATS_SINK)
@@ -151,11 +156,11 @@ class TokenPublisher:
                                 self._local.append(frame)
                                 self._local_cv.notify_all()
                         else:
-                            self._send(socks, sink, encode(frame))
+                            self._send(ctx, socks, sink, encode(frame))
                     records = self._step_records(batches, now, time.perf_counter())
                     if records and self.stats_sink is not None:
                         if stats_sock is None:
-                            stats_sock = self._connect(self.stats_sink)
+                            stats_sock = self._connect(ctx, self.stats_sink)
                         self._send_to(stats_sock, self.stats_sink,
                                       stats_signer.sign(encode(StepRecordBatch(tuple(records)))))
                 if stop:
@@ -164,10 +169,12 @@ class TokenPublisher:
             log.exception("token publisher of %s failed", self.worker_id)
             halt = False
         finally:
-            for s in [*(sock for sock, _ in socks.values()), stats_sock]:
-                if s is not None:
-                    # Halted: the frames queued in ZMQ reach their gateways before the close returns.
-                    s.close(linger=2000 if halt else None)
+            # NOTE: closes every socket and ends the context, which returns once the frames queued in
+            # ZMQ have been handed to their connections (or, for a gateway that takes nothing, after
+            # the linger): halted, the frames of the batches published before halt() are out of this
+            # process before halt() returns (the fault "restart" relies on it: DecodeWorker._die).
+            # Otherwise each socket keeps its own linger (_connect).
+            ctx.destroy(linger=2000 if halt else None)
 
     @staticmethod
     def _step_records(batches, now: float, sent_at: float) -> list:
@@ -190,19 +197,19 @@ class TokenPublisher:
         return out
 
     @staticmethod
-    def _connect(address: str):
+    def _connect(ctx, address: str):
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         sock.connect(address)
         return sock
 
-    def _send(self, socks: dict, sink: str, frame: bytes) -> None:
+    def _send(self, ctx, socks: dict, sink: str, frame: bytes) -> None:
         got = socks.get(sink)
         if got is None:
-            got = socks[sink] = (self._connect(sink), FrameSigner(self._secret, TOKEN_STREAM))
+            got = socks[sink] = (self._connect(ctx, sink), FrameSigner(self._secret, TOKEN_STREAM))
         sock, signer = got
         if self._send_to(sock, sink, signer.sign(frame)):
             self.sent += 1
