@@ -24,7 +24,6 @@ from cluster.wire.messages import GenerateRequest, KVCacheEvents, Reservation, R
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
 from decode_worker.decode_worker import DecodeWorker
-from decode_worker.publisher_process import make_publisher
 
 if TYPE_CHECKING:
     from cluster.transport.factory import TransportSpec
@@ -49,11 +48,6 @@ class DecodeWorkerActor:
         # (worker, incarnation), replaced as one (the fault "restart" brings up a new incarnation in
         # this process): stats() never pairs one incarnation's id with the other's state.
         self._state = (self._new_worker(), uuid.uuid4().hex)
-        # The next incarnation's token publisher while a fault "restart" is armed (inject_fault):
-        # started then, so that its process's start (an interpreter, the tokenizer) is not on the
-        # restart's path (a new incarnation is ready ~0.15-0.3 s sooner on a CPU). One at most.
-        self._next_publisher = None
-        self._next_lock = threading.Lock()
 
     @property
     def worker(self) -> DecodeWorker:
@@ -63,8 +57,8 @@ class DecodeWorkerActor:
     def incarnation(self) -> str:
         return self._state[1]
 
-    def _new_worker(self, model=None, publisher=None) -> DecodeWorker:
-        w = DecodeWorker(*self._args, model=model, group=self._group, publisher=publisher)
+    def _new_worker(self, model=None) -> DecodeWorker:
+        w = DecodeWorker(*self._args, model=model, group=self._group)
         # A tensor-parallel worker is never restarted in place: its followers ran the old one's passes
         # (a new incarnation takes a new group: a Ray restart of this actor). The fault "restart" is refused.
         w.on_restart = self._restart_in_place if self._group is None else None
@@ -78,9 +72,7 @@ class DecodeWorkerActor:
         def run():
             old = self.worker
             old.shutdown()  # its transport closes first: its peers see it gone at once
-            with self._next_lock:
-                publisher, self._next_publisher = self._next_publisher, None
-            new = self._new_worker(model=old.model, publisher=publisher)
+            new = self._new_worker(model=old.model)
             new.faults = old.faults  # what fired stays reported (tests count it)
             self._state = (new, uuid.uuid4().hex)
         threading.Thread(target=run, name="decode-restart-in-place", daemon=True).start()
@@ -114,11 +106,6 @@ class DecodeWorkerActor:
 
     def inject_fault(self, kind: str, after_tokens: int | None = None, seed: int | None = None) -> None:
         self.worker.inject_fault(kind, after_tokens, seed)
-        if kind == "restart":
-            with self._next_lock:
-                if self._next_publisher is None:
-                    worker_id, cfg, stats_sink = self._args
-                    self._next_publisher = make_publisher(worker_id, cfg, stats_sink, None, "process")
 
     def clear_faults(self) -> None:
         self.worker.clear_faults()
@@ -157,7 +144,3 @@ class DecodeWorkerActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
-        with self._next_lock:
-            publisher, self._next_publisher = self._next_publisher, None
-        if publisher is not None:
-            publisher.close()

@@ -76,19 +76,16 @@ class _Launched:
 class DecodeWorker:
     def __init__(self, worker_id: str, cfg: WorkerConfig, stats_sink: str | None = None, *,
                  model: LlamaForCausalLM | None = None, capture_progress: bool = True, start: bool = True,
-                 token_publisher: str = "process", group=None, publisher=None):
+                 token_publisher: str = "process", group=None):
         """`stats_sink`: the router's step-record sink; token deltas go to each request's `reply_to`.
         `token_publisher`: "process" (the served path) or "thread" (see publisher_process.make_publisher).
-        `publisher`: one made for it already (make_publisher: a restart in place's new incarnation's).
         `group`: the TPGroup this process leads (tensor parallelism), or None. The token publisher, the
         scheduler and the loop are this rank's alone; the followers only run the passes it announces."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         # Started first: its process loads the tokenizer while this one loads the model.
-        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher) \
-            if publisher is None else publisher
-        self.publisher.on_stop = self.abort  # (one made before this worker: its stops come here)
+        self.publisher = make_publisher(worker_id, cfg, stats_sink, self.abort, token_publisher)
         try:
             self._setup(model, capture_progress, start, group)
         except BaseException:
