@@ -13,9 +13,11 @@ request joined with its `/stats` record (by the response's id) to split its TTFT
 
 (with a server older than the `received`/`written` stamps, client_send includes intake and
 client_read includes write). Clients: `raw` (asyncio streams, the request's bytes prepared before its
-start, the chunked body parsed by hand: the least a client can cost) and `httpx` (benchmarks.
-ttft_cases' own request, the project's load client). Both time the first token as a user sees it: to
-the moment the bytes of the SSE event carrying it were read and parsed.
+start, the chunked body parsed by hand: the least a client can cost), `httpx` (benchmarks.
+ttft_cases.stream_request, the project's load client: the request built before its start) and
+`httpx_inline` (the same client building the request inside the timing, as ttft_cases did before).
+All time the first token as a user sees it: to the moment the bytes of the SSE event carrying it
+were read and parsed.
 
     python -m benchmarks.ttft_http --start-cluster --requests 300 --out /tmp/ttft_http.json   # CPU, demo model
     python -m benchmarks.ttft_http --url http://127.0.0.1:8000 --vocab-size 128256 --out ttft_http.json
@@ -33,8 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.ttft_cases import _ids
-from loadtest.records import token_chunks
+from benchmarks.ttft_cases import _ids, stream_request
 from loadtest.report import percentile
 
 STEPS = ("client_send", "intake", "core", "write", "client_read")
@@ -102,28 +103,44 @@ async def run_raw(url: str, model: str, n: int, prompt_tokens: int, output_token
 
 
 async def _httpx_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str | None]:
-    """benchmarks.ttft_cases._stream's request and timing rule, with wall-clock stamps and the id."""
-    t0, p0 = time.time(), time.perf_counter()
-    lines: list[tuple[float, bytes]] = []
+    """benchmarks.ttft_cases' request and timing rule (stream_request), on the wall clock."""
+    wall, perf = time.time(), time.perf_counter()
+    got = stream_request(client, body)
+    got = await got
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    t0, first, rid = got
+    return wall + (t0 - perf), wall + (first - perf), rid
+
+
+async def _httpx_stream_inline(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str | None]:
+    """The load client's rule before this benchmark: the request built (JSON, headers) inside the timing."""
+    t0 = time.time()
+    first, rid = None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                lines.append((time.perf_counter(), line.encode()))
-    carried, _, err = token_chunks(lines)
-    if not carried or err is not None:
-        raise RuntimeError(err)
-    first = carried[0][0]
-    rid = json.loads(lines[0][1][5:])["id"]
-    return t0, t0 + (first - p0), rid
+            if first is None and line.startswith("data: {"):
+                d = json.loads(line[6:])
+                if d.get("choices"):
+                    first, rid = time.time(), d["id"]
+    return t0, first, rid
 
 
-async def run_httpx(url: str, model: str, n: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int):
+async def _run_httpx(stream, url, model, n, prompt_tokens, output_tokens, vocab, seed):
     rng = random.Random(seed)
     out = []
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
         for _ in range(n):
-            out.append(await _httpx_stream(client, _body(model, _ids(rng, prompt_tokens, vocab), output_tokens)))
+            out.append(await stream(client, _body(model, _ids(rng, prompt_tokens, vocab), output_tokens)))
     return out
+
+
+async def run_httpx(*args):
+    return await _run_httpx(_httpx_stream, *args)
+
+
+async def run_httpx_inline(*args):
+    return await _run_httpx(_httpx_stream_inline, *args)
 
 
 def fetch_records(url: str) -> dict[str, dict]:
@@ -167,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=500)
-    ap.add_argument("--clients", default="raw,httpx")
+    ap.add_argument("--clients", default="raw,httpx,httpx_inline")
     ap.add_argument("--label", default="", help="names the run in the JSON (the tree measured)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -183,7 +200,7 @@ def main(argv=None) -> int:
         url = cluster.url
     else:
         url = (args.url or "http://127.0.0.1:8000").rstrip("/")
-    runners = {"raw": run_raw, "httpx": run_httpx}
+    runners = {"raw": run_raw, "httpx": run_httpx, "httpx_inline": run_httpx_inline}
     clients = args.clients.split(",")
     results: dict[str, list] = {c: [] for c in clients}
     try:
