@@ -11,7 +11,8 @@ request of the case, sent once before the case so that the prefix cache holds it
 
 client TTFT: the request's start to the SSE chunk carrying its first token (loadtest.records.
 token_chunks); server: `/stats` request records of the case's window (router.stats.step_stats.TTFTPoints:
-the gateway's arrival to its first token, and the parts adding up to it); prefill_device_ms: the
+the gateway's HTTP app getting the request to its first token's event written, and the parts adding
+up to it); prefill_device_ms: the
 median device time of the prefill pass that completed a prompt (its uncached tokens); decode_step_ms:
 the median device time of the decode steps in the window; floor_ms = prefill_device_ms +
 decode_step_ms + 1 (the issue's definition).

@@ -63,10 +63,10 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One finished request as the server timed it (`/stats` "requests": the gateway's arrival and
-    first-token times, the router's placement, the prefill worker's timings)."""
+    """One finished request as the server timed it (`/stats` "requests": from the gateway's HTTP app
+    getting it to its first token's event written, the router's placement, the prefill worker's timings)."""
 
-    t_first: float  # unix time of its first token at the gateway
+    t_first: float  # unix time of the end of its TTFT (its first event written; not streamed: its first token at the gateway)
     ttft_ms: float
     e2e_ms: float
     output_tokens: int
