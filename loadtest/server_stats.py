@@ -72,7 +72,8 @@ class RequestRecord:
     output_tokens: int
     local_prefill: bool
     # The TTFT's consecutive parts (router.stats.step_stats.TTFTPoints: admission, placement, dispatch,
-    # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill), in ms
+    # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill; over HTTP
+    # with `intake` first, and streamed with `write` last), in ms
     parts_ms: dict[str, float] | None = None
     forward_device_ms: float | None = None  # the prompt's completing prefill pass: device time
     forward_host_ms: float | None = None  # ... and its host wall time
