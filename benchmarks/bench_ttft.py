@@ -7,8 +7,8 @@ per-request records, at a few concurrency levels.
 - client: `--users` asyncio streams (httpx), each sending the load test's request (the same text
   prompt, max_tokens, ignore_eos, continuous usage) back to back for `--client-seconds`; TTFT the same
   way, by the same rule (loadtest.records.token_chunks);
-- server: `/stats` request records (the gateway's arrival to its first token, and the router's and
-  prefill worker's parts) of the requests whose first token fell in each window.
+- server: `/stats` request records (the gateway's HTTP app getting the request to its first token's
+  event written, and the gateway's, router's and prefill worker's parts) of the requests whose first token fell in each window.
 
 One row per level: {users, report_ttft_p50_ms, report_ttft_p99_ms, client_ttft_p50_ms,
 client_ttft_p99_ms, server_ttft_p50_ms} (server over the report's window; `server_ttft_p50_ms_client`
@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     doc = {"url": url, "model": model, "levels": levels, "prompt_tokens": args.prompt_tokens,
            "output_tokens": args.output_tokens, "report_summary": args.report_summary,
            "definitions": "TTFT per token: request start to the chunk carrying the first token (the server "
-                          "sends an event per token); server: the gateway's arrival to its first token",
+                          "sends an event per token); server: the gateway's HTTP app getting "
+                          "the request to its first token's event written",
            "rows": rows, "checks": checks(rows)}
     out.write_text(json.dumps(doc, indent=1))
     print(f"{'users':>5} {'report p50':>10} {'p99':>8} {'client p50':>10} {'p99':>8} {'server p50':>10}")

@@ -11,7 +11,8 @@ request of the case, sent once before the case so that the prefix cache holds it
 
 client TTFT: the request's start to the SSE chunk carrying its first token (loadtest.records.
 token_chunks); server: `/stats` request records of the case's window (router.stats.step_stats.TTFTPoints:
-the gateway's arrival to its first token, and the parts adding up to it); prefill_device_ms: the
+the gateway's HTTP app getting the request to its first token's event written, and the parts adding
+up to it); prefill_device_ms: the
 median device time of the prefill pass that completed a prompt (its uncached tokens); decode_step_ms:
 the median device time of the decode steps in the window; floor_ms = prefill_device_ms +
 decode_step_ms + 1 (the issue's definition).
@@ -66,25 +67,40 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | str:
-    """One streamed request; its TTFT (ms) to the chunk carrying its first token, or why it failed."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+async def stream_request(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str] | str:
+    """One streamed request -> (its start, the chunk carrying its first token parsed: perf_counter
+    each; the response's id), or why it failed. The request (its JSON body, headers) is built before
+    its start: encoding it is the client's own work before it sends, no part of the server's TTFT
+    (benchmarks/ttft_http.py measured ~0.1 ms of it on the CPU host)."""
+    request = client.build_request("POST", "/v1/completions", json=body)
     t0 = time.perf_counter()
     lines: list[tuple[float, bytes]] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        r = await client.send(request, stream=True)
+        try:
             if r.status_code != 200:
                 return f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             async for line in r.aiter_lines():
                 if line.startswith("data:") and line[5:].strip() != "[DONE]":
                     lines.append((time.perf_counter(), line.encode()))
+        finally:
+            await r.aclose()
     except httpx.HTTPError as e:  # a dropped connection or a timeout fails this request, not the case
         return repr(e)
     carried, _, err = token_chunks(lines)
     if not carried or err is not None:
         return f"no token chunk: {err!r}"
-    return (carried[0][0] - t0) * 1e3
+    return t0, carried[0][0], json.loads(lines[0][1][5:]).get("id", "")
+
+
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | str:
+    """One streamed request; its TTFT (ms) to the chunk carrying its first token, or why it failed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    got = await stream_request(client, body)
+    if isinstance(got, str):
+        return got
+    return (got[1] - got[0]) * 1e3
 
 
 def _run_users(url: str, model: str, users: range, prefix: list[int], unique: int, vocab: int, output_tokens: int,

@@ -63,16 +63,17 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One finished request as the server timed it (`/stats` "requests": the gateway's arrival and
-    first-token times, the router's placement, the prefill worker's timings)."""
+    """One finished request as the server timed it (`/stats` "requests": from the gateway's HTTP app
+    getting it to its first token's event written, the router's placement, the prefill worker's timings)."""
 
-    t_first: float  # unix time of its first token at the gateway
+    t_first: float  # unix time of the end of its TTFT (its first event written; not streamed: its first token at the gateway)
     ttft_ms: float
     e2e_ms: float
     output_tokens: int
     local_prefill: bool
     # The TTFT's consecutive parts (router.stats.step_stats.TTFTPoints: admission, placement, dispatch,
-    # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill), in ms
+    # prefill_queue, forward, sample, delivery; or admission, placement, local_prefill; over HTTP
+    # with `intake` first, and streamed with `write` last), in ms
     parts_ms: dict[str, float] | None = None
     forward_device_ms: float | None = None  # the prompt's completing prefill pass: device time
     forward_host_ms: float | None = None  # ... and its host wall time

@@ -71,8 +71,9 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     ids = list(prompt)
     if not ids:
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    if not all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in ids):
-        raise InvalidRequestError(f"prompt token ids must be integers in [0, {len(tokenizer)})", "prompt")
+    vocab = len(tokenizer)  # once: a Hugging Face tokenizer's len() is a call into it
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
     return ids
 
 

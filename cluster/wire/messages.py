@@ -33,6 +33,9 @@ class GenerateRequest:
     # many characters of their text the client already has (the new detokenizer resumes from there).
     resumed_tokens: int = 0
     resumed_chars: int = 0
+    # time.time() when the gateway's HTTP app got the request (before routing, the body's parse and
+    # validation, tokenization: `arrival_time` is after them); None where no HTTP request came
+    received_time: float | None = None
 
     @property
     def prefill_sends_first_token(self) -> bool:

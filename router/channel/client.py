@@ -109,9 +109,9 @@ class RouterClient:
         self._send(FirstToken(request_id, t))
 
     def finish(self, request_id: str, abort: bool, first_token_time: float | None = None,
-               completion_tokens: int = 0) -> None:
+               completion_tokens: int = 0, first_written_time: float | None = None) -> None:
         """Never blocks; with `abort`, every worker that may still hold the request drops it."""
-        self._send(Finish(request_id, abort, first_token_time, time.time(), completion_tokens))
+        self._send(Finish(request_id, abort, first_token_time, time.time(), completion_tokens, first_written_time))
 
     # -- calls ------------------------------------------------------------------------------------
     async def _call(self, make, timeout_s: float | None = None) -> Reply:

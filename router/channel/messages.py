@@ -67,6 +67,8 @@ class Finish(_Msg):
     first_token_time: float | None
     finished_time: float
     completion_tokens: int
+    # the SSE event carrying the first token was handed to the client's socket (a stream; else None)
+    first_written_time: float | None = None
 
 
 class Migrate(_Msg):

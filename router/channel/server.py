@@ -209,7 +209,8 @@ class RouterServer:
             if rs is not None and not msg.abort:
                 placed = rs.placed_time or rs.origin.arrival_time
                 points = TTFTPoints(rs.origin.arrival_time, rs.admitted_time or placed,
-                                    None if rs.local_prefill else rs.dispatched_time, placed, msg.first_token_time)
+                                    None if rs.local_prefill else rs.dispatched_time, placed, msg.first_token_time,
+                                    rs.origin.received_time, msg.first_written_time)
                 self.step_stats.record_request(rs.request_id, points, msg.finished_time, msg.completion_tokens,
                                                rs.prefill_result, rs.local_prefill)
                 self.metrics.request_finished(rs.origin.arrival_time, placed, msg.first_token_time, msg.finished_time,

@@ -7,10 +7,12 @@ requests' text arrives on (router/streams/token_stream.py), the metrics and the 
 before any byte of the response is sent); `end` lets a request go, however it ended, and aborts it
 on every worker unless one finished it.
 
-The event loop never runs work whose cost a client chooses: prompts, chat templates, bad words and
-/tokenize, /detokenize run on the tokenizer threads (`off_loop`; the Rust tokenizer releases the GIL,
-a template yields it every switch interval), so one huge request cannot stop this process's streams
-or its heartbeats (router/channel/client.py sends those from a thread besides).
+The event loop never runs work whose cost a client chooses beyond the body it parses: prompts, chat
+templates, bad words and /tokenize, /detokenize run on the tokenizer threads (`off_loop`; the Rust
+tokenizer releases the GIL, a template yields it every switch interval), so one huge request cannot
+stop this process's streams or its heartbeats (router/channel/client.py sends those from a thread
+besides). Prompts of token ids only are a bounds check no longer than their parse and stay on the
+loop (OpenAIServing.needs_tokenizer: the thread hop was ~0.4 ms of a CPU gateway's TTFT).
 
 Structured output: `check_constraint` runs the grammar engine's parse of a request's schema, regex or
 grammar (cluster.structured.GrammarCompiler.check: no compile, results cached) on a thread, so a bad
@@ -160,12 +162,13 @@ class Gateway:
         return st.kv_capacity_tokens if st is not None else 0
 
     async def start_generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                               seed: int | None = None) -> Generation:
-        """`seed`: the sampling seed if not params.seed (choice i of a seeded request: seed + i)."""
+                               seed: int | None = None, received: float | None = None) -> Generation:
+        """`seed`: the sampling seed if not params.seed (choice i of a seeded request: seed + i);
+        `received`: when the HTTP app got the request (middleware.ReceivedStamp), else None."""
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         req = GenerateRequest(request_id, tuple(prompt_ids), params, seed, time.time(),
-                              reply_to=self.token_stream.address)
+                              reply_to=self.token_stream.address, received_time=received)
         mailbox = self.token_stream.register(request_id)  # before the router places it
         gen = Generation(self._link, req, mailbox)
         self.active[request_id] = gen
@@ -191,7 +194,7 @@ class Gateway:
                                   gen.completion_tokens)
             self.metrics.generation_tokens.inc(gen.completion_tokens)
         self.token_stream.unregister(gen.worker_request_id)
-        self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens)
+        self.client.finish(gen.request_id, abort, gen.first_token_time, gen.completion_tokens, gen.first_written_time)
 
     UNSETTLED_KEEP_S = 30.0
 

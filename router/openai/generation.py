@@ -61,12 +61,20 @@ class Generation:
         self.emitted_chars = 0  # ... and how many characters of text
         self.migrations = 0
         self.first_token_time: float | None = None
+        # The SSE event carrying the first token was handed to the socket (`wrote_first`; a stream only)
+        self.first_written_time: float | None = None
         self.finish_reason: str | None = None
         self._prefill_notices: dict[str, int] = {}  # worker request id -> its cached tokens (PrefillDone)
         self._notice = asyncio.Event()  # set when a notice arrives
         self.closing = False  # the gateway itself ends it (drain timeout, stop): an error is final
         self.admitted = False  # the router took it (a refused one is counted as rejected, not here)
         self.prompt_logprobs: tuple | None = None  # from the first delta, when asked (prompt_logprobs)
+
+    def wrote_first(self) -> None:
+        """The response's writer handed the event with the request's first token to the socket (the
+        first call after the first token came stamps it; /stats' `write` part)."""
+        if self.first_written_time is None and self.first_token_time is not None:
+            self.first_written_time = time.time()
 
     @property
     def completion_tokens(self) -> int:
@@ -124,7 +132,10 @@ class Generation:
                     if last is None:
                         m.ttft.observe(now - self.arrival)
                         self.first_token_time = now
-                        link.client.first_token(self.request_id, now)
+                        # Sent once this task yields, after the token's event went to the socket (its
+                        # stamp is `now`): the message is no part of the client's TTFT. A Finish sent
+                        # before it (a one-token request) makes it a no-op at the router.
+                        asyncio.get_running_loop().call_soon(link.client.first_token, self.request_id, now)
                     else:
                         m.itl.observe(now - last)
                     last = now

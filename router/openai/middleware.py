@@ -1,5 +1,9 @@
-"""The gateway's ASGI middleware: the API key and the request body's size, both checked before the
-app parses anything.
+"""The gateway's ASGI middleware: the request's receipt stamp, the API key and the request body's
+size, all before the app parses anything.
+
+`ReceivedStamp` is the outermost: it stamps (time.time()) when the app got the request, into the
+ASGI scope under RECEIVED, so the server's TTFT (/stats: `received` -> `intake` -> ...) counts the
+routing, the body's parse and validation and the tokenization that come before the gateway submits it.
 
 `APIKeyAuth` is the outermost: an unauthenticated client learns nothing from validation (not even
 that its JSON is invalid) and never costs a parse or a buffered body. `BodySizeLimit` refuses a body
@@ -9,6 +13,7 @@ over the limit by its Content-Length, or while it arrives when there is none.
 from __future__ import annotations
 
 import hmac
+import time
 
 from router.openai.errors import body_too_large, error_response, invalid_api_key
 
@@ -16,6 +21,22 @@ from router.openai.errors import body_too_large, error_response, invalid_api_key
 # is keyed too: it names the model, the load and the workers, and renders on the gateway's and the
 # router's loops (Prometheus sends the key: `authorization: {type: Bearer, credentials_file: ...}`).
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/stats", "/metrics")
+
+
+RECEIVED = "pdserve.received"  # the ASGI scope's key of ReceivedStamp's stamp
+
+
+class ReceivedStamp:
+    """ASGI middleware, the outermost: `scope[RECEIVED]` = time.time() when the app got an HTTP
+    request (uvicorn calls it once the request's headers are parsed)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope[RECEIVED] = time.time()
+        return await self.app(scope, receive, send)
 
 
 def check_api_key(authorization: str, key: str) -> bool:

@@ -31,7 +31,7 @@ from cluster.text.tokenizer import encode_chat
 from router.stats.metrics import CONTENT_TYPE
 from router.openai.errors import APIError, api_error, error_response, http_error, invalid_body, unexpected_error
 from router.openai.gateway import Gateway
-from router.openai.middleware import APIKeyAuth, BodySizeLimit
+from router.openai.middleware import APIKeyAuth, BodySizeLimit, ReceivedStamp
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai.protocol_responses import (DetokenizeResponse, ModelCard, ModelList, TokenizeResponse,
                                               VersionResponse)
@@ -73,7 +73,8 @@ def build_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodySizeLimit, max_bytes=gw.cfg.max_body_bytes)
-    app.add_middleware(APIKeyAuth, key=gw.cfg.api_key, on_refused=lambda: gw.metrics.rejected(401))  # outermost
+    app.add_middleware(APIKeyAuth, key=gw.cfg.api_key, on_refused=lambda: gw.metrics.rejected(401))
+    app.add_middleware(ReceivedStamp)  # outermost: the server's TTFT starts here
 
     @app.exception_handler(APIError)
     async def _api(request: Request, e: APIError):

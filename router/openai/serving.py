@@ -3,7 +3,8 @@
 `OpenAIServing.serve` checks the request, resolves what it asks beyond sampling (`RequestOptions`:
 its structured-output constraint, checked by the grammar engine before admission, and for chat its
 tools), tokenizes its prompts and bad words (in this process, on the gateway's tokenizer threads:
-never on the event loop, whose stall would stop this process's heartbeats and streams), builds the
+never on the event loop, whose stall would stop this process's heartbeats and streams; prompts of
+token ids only need no tokenizer and are checked on the loop, `needs_tokenizer`), builds the
 SamplingParams, admits and places every choice through the router, then streams SSE events or
 collects the whole response. The endpoints differ only in the hooks their subclasses implement
 (router/openai/serving_completion.py, serving_chat.py): the options, how prompts are read and
@@ -38,6 +39,7 @@ from router.errors import GenerationError
 from router.openai.errors import error_event_data
 from router.openai.generation import Generation
 from router.openai.logprobs import PromptStart
+from router.openai.middleware import RECEIVED
 from router.openai.protocol_responses import UsageInfo
 from router.openai.streaming import DONE, event, sse, unless_disconnected, unless_gone
 from router.openai.structured_fields import Constraint, constraint
@@ -145,6 +147,14 @@ class OpenAIServing:
     def echo(self, body) -> bool:
         return False
 
+    def needs_tokenizer(self, body, echo: bool) -> bool:
+        """Whether reading the prompts and bad words runs the tokenizer (text, a chat template, an
+        echo's decode): then `tokenize` runs on a tokenizer thread; else (token ids only) it is a
+        bounds check, linear in ids the loop has just parsed from the body, and runs on the loop:
+        the thread hop cost ~0.4 ms of TTFT at p50 and ~1 ms at p90 on a loaded CPU
+        (loadtest/results/ttft_http_cpu.md)."""
+        return True
+
     def response(self, rid: str, body, opts: RequestOptions, choices: list[Choice], results: list[tuple[str, list]],
                  usage: UsageInfo):
         """results: each choice's (text, logprob positions; empty unless asked)."""
@@ -209,6 +219,7 @@ class OpenAIServing:
     async def serve(self, body, request: Request) -> Response:
         """Checks, tokenize, admit and place every choice, then stream SSE events or collect."""
         gw = self.gw
+        received = request.scope.get(RECEIVED)
         gw.check_accepting()
         gw.check_model(body.model)
         body.check_unsupported()
@@ -220,7 +231,10 @@ class OpenAIServing:
             await gw.check_constraint(opts.constraint.output, opts.constraint.param)
         num_logprobs = self.num_logprobs(body)
         echo = self.echo(body)
-        prompts, bad_words = await gw.off_loop(self.tokenize, body, opts, echo)
+        if self.needs_tokenizer(body, echo):
+            prompts, bad_words = await gw.off_loop(self.tokenize, body, opts, echo)
+        else:
+            prompts, bad_words = self.tokenize(body, opts, echo)
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         single = len(prompts) * body.n == 1
         if body.user is not None:  # what OpenAI's `user` is for: attributing a request to an end user
@@ -239,7 +253,8 @@ class OpenAIServing:
                     for i in range(body.n):
                         index = p * body.n + i
                         seed = None if body.seed is None else (body.seed + i) % 2**63
-                        gen = await gw.start_generation(rid if single else f"{rid}-{index}", ids, params, seed)
+                        gen = await gw.start_generation(rid if single else f"{rid}-{index}", ids, params, seed,
+                                                        received)
                         choices.append(Choice(index, gen, ids, echo_text, gw.tokenizer))
             except BaseException:
                 for c in choices:  # a later choice refused (429, ...) or the client left: none of them runs
@@ -282,10 +297,13 @@ class OpenAIServing:
                 async for text, finish, positions, n in c.pieces():
                     yield fmt.piece(c.index, text, finish, positions,
                                     UsageInfo.of(prompt_len[c.index], n) if prompt_len else None)
+                    # Resumed once Starlette's send of that event returned: it is on the socket.
+                    c.gen.wrote_first()
             else:
                 async for index, (text, finish, positions, n) in merged(choices):
                     yield fmt.piece(index, text, finish, positions,
                                     UsageInfo.of(prompt_len[index], n) if prompt_len else None)
+                    choices[index].gen.wrote_first()  # choices are in index order
             observe_finished(self.gw, choices, body.n)
             if body.include_usage:
                 yield fmt.usage(await usage(choices))

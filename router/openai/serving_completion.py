@@ -40,6 +40,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def echo(self, body: CompletionRequest) -> bool:
         return bool(body.echo)
 
+    def needs_tokenizer(self, body: CompletionRequest, echo: bool) -> bool:
+        return echo or bool(body.bad_words) or any(isinstance(p, str) for p in body.prompts())
+
     def response(self, rid, body, opts, choices, results, usage):
         out = []
         for c, (text, positions) in zip(choices, results):

@@ -32,16 +32,31 @@ class TTFTPoints:
     """The router's and gateway's points of one request's way to its first token, time.time() each
     (the prefill worker's come in its PrefillTimeline, on the same clock: one host, one clock)."""
 
-    arrival: float  # the gateway received it
+    arrival: float  # the gateway submitted it to the router (parsed, validated, tokenized)
     admitted: float  # admission let it in (after any wait in its queue)
     dispatched: float | None  # the router called its prefill worker (None: prefilled on its decode worker)
     placed: float  # the router's placement returned (a decode worker holds it)
     first_token: float | None  # its first token reached the gateway
+    received: float | None = None  # the gateway's HTTP app got it (None: not over HTTP)
+    written: float | None = None  # the SSE event carrying its first token went to the socket (None: not streamed)
+
+    @property
+    def start(self) -> float:
+        """Where the server's TTFT starts: the HTTP app got the request, else its arrival."""
+        return self.received if self.received is not None else self.arrival
+
+    @property
+    def end(self) -> float | None:
+        """Where the server's TTFT ends: its first token's event written, else that token at the gateway."""
+        return self.written if self.written is not None and self.first_token is not None else self.first_token
 
     def named(self, timeline: PrefillTimeline | None) -> list[tuple[str, float]]:
         """[(part, when it ended)], from ("arrival", arrival) to ("delivery", first_token): each part
         is named after what fills the time up to its point, so the consecutive differences add up
-        to the TTFT. With the prefill worker's timeline: admission, placement (the router's walk up to
+        to the TTFT. With `received` the list starts at ("received", received) and its first part is
+        intake (routing, the body's parse and validation, tokenization: up to `arrival`); with
+        `written` it ends with write (the first token's SSE event encoded and handed to the socket).
+        With the prefill worker's timeline: admission, placement (the router's walk up to
         its call to the prefill worker: the decode worker's reservation is made beside the prefill
         from there on, PlacementWalk), dispatch (the call reaching the prefill worker),
         prefill_queue, forward (every pass over the prompt, the last one complete), sample (its first
@@ -49,7 +64,9 @@ class TTFTPoints:
         once the request is placed: a reservation slower than the prefill shows here, and in the
         record's `placed_ms`). Without (prefilled on the decode worker, or its prefill worker's
         answer lost): admission, placement (the decode worker took it), then the rest as one part."""
-        out = [("arrival", self.arrival), ("admission", self.admitted)]
+        out = [("arrival", self.arrival)] if self.received is None else [("received", self.received),
+                                                                          ("intake", self.arrival)]
+        out.append(("admission", self.admitted))
         if timeline is not None and self.dispatched is not None:
             out += [("placement", self.dispatched), ("dispatch", timeline.submitted),
                     ("prefill_queue", timeline.forward_start), ("forward", timeline.forward_done),
@@ -59,6 +76,8 @@ class TTFTPoints:
             out.append(("placement", self.placed))
             last = "local_prefill" if self.dispatched is None else "prefill_and_delivery"
         out.append((last, self.first_token))
+        if self.written is not None:
+            out.append(("write", self.written))
         return out
 
 
@@ -95,15 +114,17 @@ class StepStats:
                        result: PrefillResult | None, local_prefill: bool) -> None:
         """The request's TTFT as consecutive parts of its timeline (TTFTPoints.parts: they add up to
         ttft_ms), the timeline itself, and the prefill pass's device and host time."""
-        first_token, arrival = points.first_token, points.arrival
-        ttft = (first_token - arrival) if first_token else None
+        # From the HTTP app's receipt (points.start) to the first token's event written (points.end),
+        # where the gateway stamped them: the parts below add up to ttft_ms.
+        start, end = points.start, points.end
+        ttft = (end - start) if points.first_token else None
         rec = {"request_id": request_id, "t": finished, "ttft_ms": None if ttft is None else ttft * 1e3,
-               "e2e_ms": (finished - arrival) * 1e3, "output_tokens": tokens, "local_prefill": local_prefill,
+               "e2e_ms": (finished - start) * 1e3, "output_tokens": tokens, "local_prefill": local_prefill,
                "ttft_parts_ms": None, "ttft_points": None, "forward_device_ms": None, "forward_host_ms": None,
                "pass_tokens": None, "transfer_ms": None,
                # arrival -> the router's placement returned (a decode worker holds it); not a part:
                # on the prefill-worker path it runs beside dispatch..sample (TTFTPoints.named)
-               "placed_ms": (points.placed - arrival) * 1e3}
+               "placed_ms": (points.placed - points.arrival) * 1e3}
         timeline = result.timeline if result is not None and not local_prefill else None
         if ttft is not None:
             named = points.named(timeline)

@@ -8,7 +8,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from benchmarks import ttft_cases
+import pytest
+
+from benchmarks import ttft_cases, ttft_http
 
 
 def test_ttft_cases_write_the_issues_rows(real_pd_cluster, tmp_path):
@@ -25,6 +27,32 @@ def test_ttft_cases_write_the_issues_rows(real_pd_cluster, tmp_path):
         assert r["client_ttft_p99_ms"] >= r["client_ttft_p50_ms"]
         assert r["floor_ms"] == round(r["prefill_device_ms"] + r["decode_step_ms"] + 1.0, 3), r
         assert "forward" in r["server_parts_p50_ms"] and "delivery" in r["server_parts_p50_ms"], r
+        # The server's TTFT from the HTTP app's receipt to the first event written (streamed).
+        assert {"intake", "write"} <= set(r["server_parts_p50_ms"]), r
+
+
+def test_ttft_http_splits_each_requests_ttft_into_steps(real_pd_cluster, tmp_path):
+    """benchmarks.ttft_http: every client's requests joined with their /stats records; the steps of
+    one request add up to its client TTFT, and the server's TTFT is its intake + core + write."""
+    out = tmp_path / "http.json"
+    assert ttft_http.main(["--url", real_pd_cluster.url, "--requests", "4", "--rounds", "1", "--prompt-tokens", "20",
+                           "--vocab-size", "400", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["clients"]) == {"raw", "httpx", "httpx_inline"}
+    for name, s in doc["clients"].items():
+        assert s["requests"] == 4 and s["unmatched"] == 0, (name, s)
+        assert s["intake_p50"] > 0 and s["write_p50"] > 0 and s["client_send_p50"] > 0, (name, s)
+
+
+def test_ttft_http_steps_add_up_with_and_without_the_http_stamps():
+    points = {"received": 10.0, "intake": 10.001, "admission": 10.002, "delivery": 10.010, "write": 10.0104}
+    rec = {"ttft_points": points, "ttft_ms": 10.4}
+    s = ttft_http.steps(9.9995, 10.011, rec)
+    assert sum(s[k] for k in ttft_http.STEPS) == pytest.approx(s["client_ms"]) == pytest.approx(11.5)
+    assert (s["client_send"], s["intake"], s["core"], s["write"]) == pytest.approx((0.5, 1.0, 9.0, 0.4))
+    old = {"ttft_points": {"arrival": 10.001, "admission": 10.002, "delivery": 10.010}, "ttft_ms": 9.0}
+    s = ttft_http.steps(9.9995, 10.011, old)  # a server without the stamps: the client's steps absorb them
+    assert (s["client_send"], s["intake"], s["core"], s["write"], s["client_read"]) == pytest.approx((1.5, 0, 9.0, 0, 1.0))
 
 
 def test_the_device_script_parses():

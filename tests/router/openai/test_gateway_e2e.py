@@ -236,6 +236,8 @@ def test_non_streaming_disconnect_aborts(fake_cluster):
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": [10**7]}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
+    ({"model": MODEL, "prompt": [5, 10**7]}, 400, "prompt"),  # token ids: checked on the loop, no tokenizer
+    ({"model": MODEL, "prompt": [[5, 6], [10**7]]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
 ])
 def test_bad_completion_requests(fake_cluster, body, status, param):
@@ -246,6 +248,41 @@ def test_bad_completion_requests(fake_cluster, body, status, param):
     assert err["param"] == param
     if status == 404:
         assert err["code"] == "model_not_found"
+
+
+def test_stats_time_a_request_from_its_receipt_to_its_first_event_written(fake_cluster):
+    """/stats: a request's TTFT starts when the HTTP app got it (`received`; `intake` is the routing,
+    parse, validation and tokenization up to its arrival) and, streamed, ends when the event carrying
+    its first token went to the socket (`write`); the parts add up to it, in order. A token-id prompt
+    (no tokenizer) and a text prompt both; not streamed: no `write`."""
+    url = fake_cluster.url
+    cursor = httpx.get(f"{url}/stats", params={"cursor": 10**12}).json()["cursor"]
+    ids = {}
+    for prompt, stream in (([11, 12, 13, 14], True), (PROMPTS[0], True), (PROMPTS[0], False)):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                rid = _sse(r.iter_lines())[0]["id"]
+        else:
+            rid = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["id"]
+        ids[rid] = stream
+    deadline = time.monotonic() + 10
+    recs = {}
+    while len(recs) < len(ids) and time.monotonic() < deadline:  # the Finish reaches the router's stats
+        recs.update({r["request_id"]: r for r in httpx.get(f"{url}/stats", params={"cursor": cursor}).json()["requests"]
+                     if r["request_id"] in ids})
+        time.sleep(0.05)
+    assert set(recs) == set(ids)
+    for rid, stream in ids.items():
+        r = recs[rid]
+        parts, points = r["ttft_parts_ms"], r["ttft_points"]
+        assert list(points)[0] == "received" and list(parts)[0] == "intake"
+        assert (list(parts)[-1] == "write") == stream, parts
+        assert all(v >= 0 for v in parts.values()) and list(points.values()) == sorted(points.values())
+        assert sum(parts.values()) == pytest.approx(r["ttft_ms"], abs=1e-3)
+        assert r["ttft_ms"] == pytest.approx((list(points.values())[-1] - points["received"]) * 1e3, abs=1e-3)
+        assert r["e2e_ms"] >= r["ttft_ms"]
 
 
 def test_bad_http_bodies(fake_cluster):

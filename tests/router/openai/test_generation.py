@@ -219,3 +219,33 @@ def test_settle_takes_the_notice_of_the_placement_that_produced_the_tokens():
         await gen.settle(timeout_s=5.0)  # came already: no wait
         assert asyncio.get_running_loop().time() - t0 < 0.1
     asyncio.run(main())
+
+
+def test_first_token_notice_goes_after_its_event_and_the_write_is_stamped_once():
+    """The router's FirstToken notice is sent once the reader's task yields (after the event carrying
+    the token went out), with the token's own stamp; `wrote_first` stamps the first event written
+    after the first token, once."""
+    sent = []
+
+    async def run():
+        gw = _gateway()
+        gw.client.first_token = lambda rid, t: sent.append((rid, t))
+        box = TokenMailbox(0.0)
+        gen = Generation(gw, GenerateRequest("r", (1, 2), SamplingParams(max_tokens=2), 0, 0.0), box)
+        gen.wrote_first()  # nothing came yet: no stamp
+        assert gen.first_written_time is None
+        box.put(StreamDelta("r", (200,), "a"), 0.0)
+        pieces = gen.pieces()
+        assert (await pieces.__anext__())[0] == "a"
+        assert sent == []  # the event is being written; the notice waits for the loop
+        gen.wrote_first()
+        written = gen.first_written_time
+        gen.wrote_first()
+        assert gen.first_written_time == written >= gen.first_token_time
+        await asyncio.sleep(0)
+        assert sent == [("r", gen.first_token_time)]
+        box.put(StreamDelta("r", (201,), "b", "length"), 0.0)
+        assert [p async for p in pieces][0][:2] == ("b", "length")
+        assert gen.first_written_time == written and len(sent) == 1
+
+    asyncio.run(run())

@@ -81,3 +81,27 @@ def test_a_request_ttft_is_its_timeline_parts_in_order():
     assert list(local["ttft_parts_ms"]) == ["admission", "placement", "local_prefill"]
     assert sum(local["ttft_parts_ms"].values()) == pytest.approx(local["ttft_ms"]) == pytest.approx(10.0)
     assert local["forward_device_ms"] is None
+
+
+def test_a_request_over_http_counts_its_intake_and_its_first_event_written():
+    """Stamped by the gateway's HTTP app: `received` (before routing, parse, validation and
+    tokenization) starts the TTFT, the first token's event written (`written`) ends it; the parts
+    still add up to ttft_ms, and e2e_ms counts from `received` too."""
+    st = StepStats()
+    tl = PrefillTimeline(submitted=10.004, forward_start=10.006, forward_done=10.016, first_token_sent=10.017,
+                         kv_committed=10.0175, pass_host_s=0.010, pass_device_s=0.002, pass_tokens=128)
+    result = PrefillResult("r", 7, 0.002, 0.011, 0.0004, 4096, timeline=tl)
+    st.record_request("r", TTFTPoints(10.0, 10.001, 10.003, 10.0031, 10.018, received=9.9988, written=10.0184),
+                      10.5, 9, result, False)
+    # Not streamed (no event written): from `received` to the first token at the gateway.
+    st.record_request("l", TTFTPoints(20.0, 20.002, None, 20.003, 20.010, received=19.999), 20.5, 9, None, True)
+    remote, local = json.loads(st.since(0))["requests"]
+    parts = remote["ttft_parts_ms"]
+    assert list(parts) == ["intake", "admission", "placement", "dispatch", "prefill_queue", "forward", "sample",
+                           "delivery", "write"]
+    assert parts["intake"] == pytest.approx(1.2) and parts["write"] == pytest.approx(0.4)
+    assert sum(parts.values()) == pytest.approx(remote["ttft_ms"]) and remote["ttft_ms"] == pytest.approx(19.6)
+    assert remote["e2e_ms"] == pytest.approx(501.2) and remote["placed_ms"] == pytest.approx(3.1)
+    assert list(remote["ttft_points"])[0] == "received" and remote["ttft_points"]["write"] == 10.0184
+    assert list(local["ttft_parts_ms"]) == ["intake", "admission", "placement", "local_prefill"]
+    assert sum(local["ttft_parts_ms"].values()) == pytest.approx(local["ttft_ms"]) == pytest.approx(11.0)
