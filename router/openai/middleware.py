@@ -5,7 +5,7 @@ size, all before the app parses anything.
 ASGI scope under RECEIVED, so the server's TTFT (/stats: `received` -> `intake` -> ...) counts the
 routing, the body's parse and validation and the tokenization that come before the gateway submits it.
 
-`APIKeyAuth` is the outermost: an unauthenticated client learns nothing from validation (not even
+`APIKeyAuth` is the outermost of the checks: an unauthenticated client learns nothing from validation (not even
 that its JSON is invalid) and never costs a parse or a buffered body. `BodySizeLimit` refuses a body
 over the limit by its Content-Length, or while it arrives when there is none.
 """
