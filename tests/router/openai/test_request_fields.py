@@ -211,7 +211,9 @@ def test_message_fields_have_an_effect_or_a_refusal(gw):
 
 
 def test_user_is_logged_with_the_request(gw, caplog):
-    class Req:
+    class Req:  # a Starlette Request's parts that serve() reads
+        scope: dict = {}
+
         async def receive(self):
             await asyncio.sleep(3600)
 
