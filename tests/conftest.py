@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from duration_recorder import DurationRecorder
+from stream_scheduling import StreamPlugin
 
 
 # Pieces built without a launcher (unit tests) sign and check with an empty secret; outside a test run
@@ -19,6 +20,7 @@ def pytest_configure(config):
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config.pluginmanager.register(DurationRecorder(config), "pdserve-durations")
+    config.pluginmanager.register(StreamPlugin(_in_cluster_stream), "pdserve-streams")
     if not torch.cuda.is_available():
         # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
         # language module decides at import whether @triton.jit functions are interpreted
@@ -27,36 +29,48 @@ def pytest_configure(config):
 
 
 # The clusters shared across modules (tests/router/conftest.py, tests/real_model/conftest.py), by the
-# group of modules that share them: every module that uses one runs on the same pytest-xdist worker, in
-# one stretch, which starts each of them once (cluster_cache) and stops them at its end.
+# modules that share them: those modules run in one stretch, which starts each of them once
+# (cluster_cache) and stops them at its end.
 SHARED_CLUSTERS = {"fake_cluster": "router-session-clusters", "real_decode_cluster": "router-session-clusters",
                    "real_pd_cluster": "router-session-clusters", "smollm2_cluster": "real-model-cluster"}
 SESSION_CLUSTERS_GROUP = "router-session-clusters"
-# What the inner-loop tier (`-m "not slow"`) leaves out besides a module's own `pytestmark = slow` (the
-# modules whose tests start processes of the system: servers, scripts, spawned ranks): a test on the
-# run's Ray, and one on the trained model (transformers' GGUF load alone is ~25 s of one core).
+# What the inner-loop tier (`-m "not slow"`) leaves out besides a module's own `pytestmark = slow` or
+# `cluster` (the modules whose tests start processes of the system: servers, scripts, spawned ranks): a
+# test on the run's Ray, and one on the trained model (transformers' GGUF load alone is ~25 s of one core).
 SLOW_FIXTURES = {"ray_session", "hf_smollm2", "smollm2_cluster"}
+# The run is two streams on the two pytest-xdist workers (pyproject's addopts; tests/stream_scheduling.py):
+# - one test at a time on one worker: every test that starts a Ray cluster (marker
+#   `cluster`: on the run's one Ray, on a Ray of its own, or in `pdserve serve` subprocesses) and every
+#   test on transformers' copy of SmolLM2 (loaded once, in that worker). Two clusters at once on two
+#   cores break the reliability tests' time bounds (each keeps ~10 processes busy);
+# - every other module, one module at a time, on the other worker: they fill the third of the two
+#   cores a cluster test leaves idle (tests/reliability's bounds hold beside them).
+CLUSTER_STREAM_FIXTURES = {"ray_session", "hf_smollm2"}
+CACHE_GROUP = pytest.StashKey[str]()  # the stretch of tests whose cached clusters live together
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup, pyproject's addopts)
+def _in_cluster_stream(item) -> bool:
+    # A marker, not `item.keywords`: those hold the names of the test's directories too (tests/cluster/).
+    return (item.get_closest_marker("cluster") is not None or "own_ray" in item.keywords
+            or bool(CLUSTER_STREAM_FIXTURES & set(item.fixturenames)))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if SLOW_FIXTURES & set(item.fixturenames) or "own_ray" in item.keywords:
+        if SLOW_FIXTURES & set(item.fixturenames) or _in_cluster_stream(item):
             item.add_marker(pytest.mark.slow)
-    # Work goes to the xdist workers a module at a time (its module-scoped cluster starts once), and
-    # the modules on one shared cluster all to one worker.
     shared_group = {item.module.__name__: SHARED_CLUSTERS[f] for item in items for f in item.fixturenames
                     if f in SHARED_CLUSTERS}
     on_session_clusters = {m for m, g in shared_group.items() if g == SESSION_CLUSTERS_GROUP}
     for item in items:
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            group = shared_group.get(item.module.__name__, item.nodeid.split("::")[0])
-            item.add_marker(pytest.mark.xdist_group(group))
-    # In this order (xdist hands the groups out in it: --no-loadscope-reorder), a module's tests kept
-    # together: a module with a Ray of its own first, before the run's one Ray starts (ray_session, on
-    # first use; one process holds one Ray); then the largest group, the session-long clusters' (started
-    # early, it ends early).
-    items.sort(key=lambda item: 0 if "own_ray" in item.keywords else 1 if item.module.__name__ in on_session_clusters else 2)
+        item.stash[CACHE_GROUP] = shared_group.get(item.module.__name__, item.nodeid.split("::")[0])
+    # In this order (xdist hands the scopes out in it: --no-loadscope-reorder): the cluster stream first
+    # (the longest; the first worker takes it whole, the other every module after it), and in it a
+    # module's tests kept together: a module with a Ray of its own first, before the run's one Ray
+    # starts (ray_session, on first use; one process holds one Ray); then the session-long clusters'
+    # modules (started early, they end early).
+    items.sort(key=lambda item: (not _in_cluster_stream(item), 0 if "own_ray" in item.keywords
+                                 else 1 if item.module.__name__ in on_session_clusters else 2))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -85,7 +99,7 @@ CLUSTER_CACHE = pytest.StashKey()
 @pytest.fixture(scope="session")
 def cluster_cache(ray_session, request):
     """Started clusters by configuration (tests/cluster_cache.py), closed when the tests of a
-    pytest-xdist group are done (pytest_runtest_teardown below) and at the end of the run."""
+    stretch (CACHE_GROUP) are done (pytest_runtest_teardown below) and at the end of the run."""
     from cluster_cache import ClusterCache
 
     cache = request.config.stash[CLUSTER_CACHE] = ClusterCache()
@@ -93,16 +107,11 @@ def cluster_cache(ray_session, request):
     cache.close_all()
 
 
-def _group(item) -> str | None:
-    marks = [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
-    return marks[0] if marks else None
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    # The last test of a group (a module, or the session clusters' modules): its cached clusters go,
-    # not to idle under the next groups on this worker. `nextitem` is the next test this process runs.
-    if nextitem is not None and _group(nextitem) == _group(item):
+    # The last test of a stretch (a module, or the modules on one shared cluster): its cached clusters
+    # go, not to idle under the next tests on this worker. `nextitem` is the next test this process runs.
+    if nextitem is not None and nextitem.stash[CACHE_GROUP] == item.stash[CACHE_GROUP]:
         return
     cache = item.config.stash.get(CLUSTER_CACHE, None)
     if cache is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -17,8 +16,6 @@ class DurationRecorder:
     session started inside a test (a test that runs pytest itself) records its own."""
 
     FILE = ".pytest_durations.json"
-    # pytest-xdist's --dist loadgroup appends "@<group>" to a node id (groups: tests/conftest.py).
-    XDIST_GROUP = re.compile(r"@(router-session-clusters|[\w/.-]+\.py)$")
 
     def __init__(self, config):
         self.config = config
@@ -27,7 +24,7 @@ class DurationRecorder:
 
     def pytest_runtest_logreport(self, report):
         # Under pytest-xdist the controller gets every worker's reports here too.
-        nodeid = self.XDIST_GROUP.sub("", report.nodeid)
+        nodeid = report.nodeid
         self.seconds[nodeid] += report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcome.setdefault(nodeid, report.outcome)

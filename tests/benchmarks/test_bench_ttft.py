@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a CPU cluster and Locust in subprocesses
+pytestmark = pytest.mark.cluster  # a CPU cluster and Locust in subprocesses
 
 
 def test_report_ttft_agrees_with_the_servers_own_records(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow  # a Ray head and worker node started by `ray start`
+pytestmark = pytest.mark.cluster  # a Ray head and worker node started by `ray start`
 
 
 # Asks each worker actor which node it runs on, and that node which custom resources it offers.

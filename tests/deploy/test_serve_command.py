@@ -14,7 +14,7 @@ import pytest
 from deploy.cli import build_parser
 from serve_process import start_serve
 
-pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
+pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, each with its own Ray
 
 
 def test_serve_flags_and_help():

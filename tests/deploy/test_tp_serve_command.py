@@ -14,7 +14,7 @@ from cluster.sampling.sampling_params import SamplingParams
 from deploy.placement_check import unmet
 from serve_process import start_serve
 
-pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
+pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, each with its own Ray
 
 PROMPT = "A long story about the sea, the wind and the sailors who crossed it"  # remote prefill
 

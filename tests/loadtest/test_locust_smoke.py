@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from cluster.wire.stream_messages import DecodeStepRecord
 from router.stats.step_stats import StepStats
 
-pytestmark = pytest.mark.slow  # Locust and servers in subprocesses
+pytestmark = pytest.mark.cluster  # Locust and servers in subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
 

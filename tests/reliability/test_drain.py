@@ -17,7 +17,7 @@ import httpx
 import pytest
 from serve_process import start_serve
 
-pytestmark = pytest.mark.slow  # `pdserve serve` subprocesses, each with its own Ray
+pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, each with its own Ray
 
 DRAIN_S = 6.0
 

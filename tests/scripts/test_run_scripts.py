@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the run scripts in DRY_RUN form: servers, Ray and loads in subprocesses
+pytestmark = pytest.mark.cluster  # the run scripts in DRY_RUN form: servers, Ray and loads in subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
 
