@@ -41,7 +41,7 @@ from loadtest.report import build_rows
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 OUTPUT_TOKENS = 256
-BYTES_PER_TOKEN = 69  # an itl row (~33 B), ~0.9 of a chunk_itl row (~39 B), the request's rows spread
+BYTES_PER_TOKEN = 59  # bytes of events per token streamed, ramps and the requests' rows included (calibrated at --mb 55)
 T0 = 1_767_000_000.0  # wall clock of the synthetic run's start
 
 

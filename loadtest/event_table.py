@@ -2,8 +2,8 @@
 
 A run writes about two event rows per token (loadtest.records), tens of MB at 256 users: an H200 run
 of nine levels wrote ~55 MB, ~1.7M rows, in 8 files. One Python object per row cost ~1 s per MB; here
-a file in the writer's own format is parsed by numpy in a few passes over its bytes, the rows of all
-files are sorted once, and the rows of a time window are two binary searches away (`span`). A file in
+a file in the writer's own format is parsed by numpy's C reader, the rows of all files are sorted
+once, and the rows of a time window are two binary searches away (`span`). A file in
 any other shape (written by hand, or by another version) is read row by row, as before, with the same
 result.
 """
@@ -20,6 +20,8 @@ import numpy as np
 from loadtest.records import EVENT_FIELDS, EVENT_KINDS, EVENTS_GLOB, Event
 
 _HEADER = (",".join(EVENT_FIELDS) + "\r\n").encode()  # what EventWriter writes first (csv's line end)
+# One parsed line; a kind longer than 16 bytes is cut, and then is no known kind either.
+_ROW = np.dtype([("t", np.float64), ("step", np.int64), ("kind", "S16"), ("value", np.float64)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,58 +85,34 @@ def _sorted(parts: list[_Columns], kinds: list[str]) -> EventTable:
 
 def _read_file(path: Path, kinds: list[str]) -> _Columns:
     data = path.read_bytes()
-    end = data.rfind(b"\n") + 1  # a killed process can leave its last line torn: no newline after it
-    table = _parse_writer_format(data[len(_HEADER):end]) if data.startswith(_HEADER) else None
-    if table is None:
+    end = data.rfind(b"\n") + 1
+    columns = _parse_writer_format(data[len(_HEADER):end]) if data.startswith(_HEADER) else None
+    if columns is None:  # another shape: the old rules, row by row
         return _columns(_parse_rows(data.decode("utf-8", "replace")), kinds)
-    tail = _parse_rows((_HEADER + data[end:]).decode("utf-8", "replace")) if end < len(data) else []
-    t, step, kind, value = table
-    if not tail:
-        return table
-    tt, ts, tk, tv = _columns(tail, kinds)
-    return np.append(t, tt), np.append(step, ts), np.append(kind, tk), np.append(value, tv)
+    if end == len(data):
+        return columns
+    # A killed process can leave its last line torn (no newline after it): it counts if its fields parse.
+    tail = _columns(_parse_rows((_HEADER + data[end:]).decode("utf-8", "replace")), kinds)
+    return tuple(np.concatenate(pair) for pair in zip(columns, tail))
 
 
 def _parse_writer_format(body: bytes) -> _Columns | None:
-    """Complete lines `t,step,kind,value\\r\\n` as EventWriter writes them -> columns, in a few C-level
-    passes; None as soon as one line has another shape (the caller then reads the file row by row).
-
-    Each known kind is replaced by its index + 0.5 and the whole body parsed as one list of numbers
-    (np.fromstring: strtod, correctly rounded like float()). Accepted only if every line has exactly
-    four fields, as many kinds were replaced as there are lines, every step is integral and every kind
-    column holds an index + 0.5: a step that spelled a kind would be x.5 (not integral), and each line
-    has one kind field, so each line's kind field was a known kind, replaced once."""
-    n = body.count(b"\n")
-    if n == 0:
+    """Complete lines `t,step,kind,value` as EventWriter writes them -> columns, parsed by numpy's C
+    reader (np.loadtxt: strict, four fields a line, an integer step, floats correctly rounded like
+    float()); None when a line has another shape or a kind is not one of EVENT_KINDS: the caller then
+    reads the file row by row, by the old rules."""
+    if not body.strip():
         return np.empty(0), np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0)
-    raw = np.frombuffer(body, np.uint8)
-    newlines = np.flatnonzero(raw == ord("\n"))
-    commas = np.flatnonzero(raw == ord(","))
-    if len(commas) != 3 * n:
-        return None
-    commas = commas.reshape(n, 3)
-    line_starts = np.concatenate(([-1], newlines[:-1]))
-    if not (np.all(commas[:, 0] > line_starts) and np.all(commas[:, 2] < newlines)):
-        return None  # some line has more fields, another fewer
-    replaced = 0
-    for code, name in enumerate(EVENT_KINDS):
-        pattern = b"," + name.encode() + b","
-        replaced += body.count(pattern)
-        body = body.replace(pattern, b",%d.5," % code)
-    if replaced != n:
-        return None
     try:
-        flat = np.fromstring(body.replace(b"\r\n", b","), sep=",")
-    except ValueError:  # a field that is no number
+        rows = np.loadtxt(io.StringIO(body.decode("ascii")), delimiter=",", comments=None, ndmin=1, dtype=_ROW)
+    except (UnicodeDecodeError, ValueError):
         return None
-    if flat.size != 4 * n:
+    kind = np.full(len(rows), -1, np.int32)
+    for code, name in enumerate(EVENT_KINDS):
+        kind[rows["kind"] == name.encode()] = code
+    if np.any(kind < 0):  # a kind the report does not know (kept by the row-by-row reading)
         return None
-    cols = flat.reshape(n, 4)
-    step, kind = cols[:, 1], cols[:, 2] - 0.5
-    if not (np.all(np.abs(step) < 2**53) and np.all(step == np.floor(step))  # int() would take it
-            and np.all(kind == np.floor(kind)) and kind.min() >= 0 and kind.max() < len(EVENT_KINDS)):
-        return None
-    return cols[:, 0].copy(), step.astype(np.int64), kind.astype(np.int32), cols[:, 3].copy()
+    return rows["t"].copy(), rows["step"].copy(), kind, rows["value"].copy()
 
 
 def _parse_rows(text: str) -> list[tuple[float, int, str, float]]:
