@@ -1,11 +1,11 @@
 """All client events of a run as columns sorted by time: what the report's rows are built from.
 
 A run writes about two event rows per token (loadtest.records), tens of MB at 256 users: an H200 run
-of nine levels wrote ~55 MB, ~1.7M rows, in 8 files. One Python object per row cost ~1 s per MB; here
-a file in the writer's own format is parsed by numpy's C reader, the rows of all files are sorted
-once, and the rows of a time window are two binary searches away (`span`). A file in
-any other shape (written by hand, or by another version) is read row by row, as before, with the same
-result.
+of nine levels wrote ~55 MB (~1.6M rows) in 8 files. One Python object per row and a scan of all of
+them per level cost ~1 s per MB there. Here a file in the writer's own format is parsed by numpy's C
+reader, the rows of all files are sorted once, and a time window's rows are two binary searches away
+(`span`): 55 MB in ~1.2 s on 2 cores (loadtest/results/loadtest_reader_cpu.md). A file in any other
+shape (written by hand, or by another version) is read row by row as before, with the same result.
 """
 
 from __future__ import annotations
