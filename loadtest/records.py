@@ -2,8 +2,9 @@
 
 Locust's own CSV percentiles are bucketed (2 significant digits), so every Locust process also
 appends exact per-event rows to `events-<pid>.csv` in the output directory, and the step shape
-appends one JSON line per step transition to `steps.jsonl`. The report reads both back and joins
-them by wall-clock time (`time.time()`), which is also the clock of the server's step records.
+appends one JSON line per step transition to `steps.jsonl`. The report reads both back (the events
+through loadtest.event_table) and joins them by wall-clock time (`time.time()`), which is also the
+clock of the server's step records.
 
 Event kinds (`value` unit in brackets), per token (see timing_rows):
   ttft [ms]     request start -> the chunk carrying the first token; `t` is that chunk's arrival
@@ -109,19 +110,6 @@ def timing_rows(carried: list[tuple[float, int]], step: int, t_wall0: float, t0:
         rows.append((at, step, "chunk_itl", gap))
         rows += [(at, step, "itl", gap / k)] * k
     return rows
-
-
-def read_events(out_dir: Path) -> list[Event]:
-    events: list[Event] = []
-    for path in sorted(Path(out_dir).glob(EVENTS_GLOB)):
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                try:
-                    events.append(Event(float(row["t"]), int(row["step"]), row["kind"], float(row["value"])))
-                except (KeyError, TypeError, ValueError):  # a torn last line of a killed process
-                    continue
-    events.sort(key=lambda e: e.t)
-    return events
 
 
 def append_step_log(out_dir: Path, record: dict) -> None:

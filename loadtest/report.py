@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from loadtest.records import Event, StepWindow
+import numpy as np
+
+from loadtest.event_table import EventTable
+from loadtest.records import StepWindow
 
 ROW_KEYS = ("batch_size", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms",
             "server_step_ms", "server_bucket", "server_padded_rows", "tokens_per_s", "stalls", "requests")
@@ -28,29 +31,34 @@ ROW_KEYS = ("batch_size", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "ttft_p50_ms
 
 def percentile(xs: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks, as numpy's default (and vLLM's benchmark) does."""
-    if not xs:
+    return sorted_percentile(sorted(xs), q)
+
+
+def sorted_percentile(s: Sequence[float] | np.ndarray, q: float) -> float | None:
+    """`percentile` of values already in ascending order (a list or a numpy array), in Python floats:
+    the same arithmetic whatever holds them."""
+    if len(s) == 0:
         return None
-    s = sorted(xs)
     pos = (len(s) - 1) * q / 100.0
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    a, b = float(s[lo]), float(s[hi])
+    return a + (b - a) * (pos - lo)
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def client_row(events: list[Event], w: StepWindow) -> dict:
-    steady = [e for e in events if w.steady_start <= e.t < w.end]
-    whole = [e for e in events if w.start <= e.t < w.end]
-    by: dict[str, list[float]] = {}
-    for e in steady:
-        by.setdefault(e.kind, []).append(e.value)
-    itl, ttft, tpot = by.get("itl", []), by.get("ttft", []), by.get("tpot", [])
-    chunk_itl = by.get("chunk_itl", [])
-    tokens, chunks = sum(by.get("tokens", [])), sum(by.get("chunks", []))
-    if chunk_itl:
+def client_row(events: EventTable, w: StepWindow) -> dict:
+    steady, whole = events.span(w.steady_start, w.end), events.span(w.start, w.end)
+    itl, ttft, tpot, chunk_itl = (events.values(k, steady) for k in ("itl", "ttft", "tpot", "chunk_itl"))
+    # Sum and max over Python floats in row order (Python's rounding, not numpy's pairwise sum): the
+    # numbers the report has always given. Percentiles from one stable sort per kind.
+    itl_list = itl.tolist()
+    tokens, chunks = sum(events.values("tokens", steady).tolist()), sum(events.values("chunks", steady).tolist())
+    itl, ttft, tpot, chunk_itl = (np.sort(x, kind="stable") for x in (itl, ttft, tpot, chunk_itl))
+    if len(chunk_itl):
         # Per-token ITL samples (one per token after the first): the tokens that arrived in the window.
         arrived, per_chunk = len(itl) + len(ttft), 1.0
     else:
@@ -62,24 +70,24 @@ def client_row(events: list[Event], w: StepWindow) -> dict:
         "batch_size": w.users,
         "step": w.index,
         "steady_s": round(w.steady_s, 3),
-        "itl_p50_ms": _r(percentile(itl, 50)),
-        "itl_p90_ms": _r(percentile(itl, 90)),
-        "itl_p99_ms": _r(percentile(itl, 99)),
-        "itl_max_ms": _r(max(itl) if itl else None),
-        "itl_mean_ms": _r(sum(itl) / len(itl) if itl else None),
-        "chunk_itl_p50_ms": _r(percentile(chunk_itl, 50)),
-        "chunk_itl_p99_ms": _r(percentile(chunk_itl, 99)),
+        "itl_p50_ms": _r(sorted_percentile(itl, 50)),
+        "itl_p90_ms": _r(sorted_percentile(itl, 90)),
+        "itl_p99_ms": _r(sorted_percentile(itl, 99)),
+        "itl_max_ms": _r(max(itl_list) if itl_list else None),
+        "itl_mean_ms": _r(sum(itl_list) / len(itl_list) if itl_list else None),
+        "chunk_itl_p50_ms": _r(sorted_percentile(chunk_itl, 50)),
+        "chunk_itl_p99_ms": _r(sorted_percentile(chunk_itl, 99)),
         "tokens_per_chunk": _r(tokens / chunks if chunks else None),
-        "ttft_p50_ms": _r(percentile(ttft, 50)),
-        "ttft_p90_ms": _r(percentile(ttft, 90)),
-        "ttft_p99_ms": _r(percentile(ttft, 99)),
-        "tpot_p50_ms": _r(percentile(tpot, 50)),
-        "tpot_p99_ms": _r(percentile(tpot, 99)),
+        "ttft_p50_ms": _r(sorted_percentile(ttft, 50)),
+        "ttft_p90_ms": _r(sorted_percentile(ttft, 90)),
+        "ttft_p99_ms": _r(sorted_percentile(ttft, 99)),
+        "tpot_p50_ms": _r(sorted_percentile(tpot, 50)),
+        "tpot_p99_ms": _r(sorted_percentile(tpot, 99)),
         "tokens_per_s": _r(arrived * per_chunk / w.steady_s if w.steady_s > 0 else None, 2),
-        "requests": len(by.get("e2e", [])),
+        "requests": events.count("e2e", steady),
         "itl_samples": len(itl),
-        "stalls": sum(1 for e in whole if e.kind == "stall"),
-        "errors": sum(1 for e in whole if e.kind == "error"),
+        "stalls": events.count("stall", whole),
+        "errors": events.count("error", whole),
     }
 
 
@@ -114,7 +122,7 @@ def explain(row: dict) -> list[str]:
     return out
 
 
-def build_rows(events: list[Event], windows: list[StepWindow], server: Callable[[float, float], dict]) -> list[dict]:
+def build_rows(events: EventTable, windows: list[StepWindow], server: Callable[[float, float], dict]) -> list[dict]:
     rows = []
     for w in windows:
         row = client_row(events, w)

@@ -31,7 +31,8 @@ import httpx
 
 from cluster.errors import PdserveError
 from deploy.gpu_sharing import gpu_sharing
-from loadtest.records import read_events, read_step_log, step_windows
+from loadtest.event_table import read_events
+from loadtest.records import read_step_log, step_windows
 from loadtest.report import build_rows, format_table, progress_line, target_checks, write_plot, write_summary
 from loadtest.server_stats import ServerStatsPoller
 
@@ -259,7 +260,7 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
                     proc.wait(timeout=15)
                     break
                 time.sleep(0.5)
-                _print_progress(out, warmup, poller, printed, len(steps), final=False)
+                _print_progress(out, warmup, poller, printed, len(steps))
         except BaseException:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -272,8 +273,10 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
         raise PdserveError(f"locust exited with {proc.returncode} before the first step; {out / 'locust.log'}:\n{tail}")
 
     windows = step_windows(read_step_log(out), warmup, now=time.time())
-    _print_progress(out, warmup, poller, printed, len(steps), final=True)
-    rows = build_rows(read_events(out), windows, poller.summarize)
+    rows = build_rows(read_events(out), windows, poller.summarize)  # the events read once, after the last level
+    for row in rows:
+        if row["step"] not in printed:
+            print(progress_line(row, len(steps)), flush=True)
     config = {"url": url, "model": model, "steps": steps, "step_duration_s": args.step_duration, "warmup_s": warmup,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
               "prompt": "token ids" if args.prompt_ids else "text",
@@ -303,10 +306,10 @@ def _run_locust(args, url, out, model, steps, warmup, stagger, processes, header
     return 1 if bad else 0
 
 
-def _print_progress(out: Path, warmup: float, poller, printed: set[int], n_steps: int, final: bool) -> None:
-    log = read_step_log(out)
-    windows = step_windows(log, warmup, now=time.time() if final else None)
-    done = [w for w in windows if w.index not in printed and (final or time.time() > w.end + 1.0)]
+def _print_progress(out: Path, warmup: float, poller, printed: set[int], n_steps: int) -> None:
+    """One line per step that ended (a second ago: its last events are written) and was not printed."""
+    windows = step_windows(read_step_log(out), warmup)
+    done = [w for w in windows if w.index not in printed and time.time() > w.end + 1.0]
     if not done:
         return
     events = read_events(out)

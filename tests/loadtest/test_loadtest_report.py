@@ -1,11 +1,13 @@
 """The report's arithmetic on CPU, without Locust or a server: windows, percentiles, server joins."""
 
 import json
+import random
 
 import pytest
 
-from loadtest.records import Event, EventWriter, read_events, step_windows, timing_rows, token_chunks
-from loadtest.report import build_rows, format_table, percentile, target_checks
+from loadtest.event_table import EventTable, read_events
+from loadtest.records import Event, EventWriter, StepWindow, step_windows, timing_rows, token_chunks
+from loadtest.report import build_rows, client_row, format_table, percentile, target_checks
 from loadtest.server_stats import (RequestRecord, StepRecord, parse_histogram_totals, summarize_records,
                                    summarize_requests, summarize_snapshots)
 
@@ -39,7 +41,7 @@ def test_rows_join_client_events_and_server_records(tmp_path):
     w.write(rows)
     w.close()
     events = read_events(tmp_path)
-    assert events[0] == Event(101.0, 0, "itl", 500.0)
+    assert events.event(0) == Event(101.0, 0, "itl", 500.0) and len(events) == 307
     log = [{"event": "start", "step": 0, "users": 2, "t": 100.0}, {"event": "end", "t": 110.0}]
     windows = step_windows(log, warmup_s=2.0)
     recs = [StepRecord("d0", 102.0 + 0.01 * i, 2, 4, 2, 10.0, True) for i in range(100)]
@@ -52,6 +54,100 @@ def test_rows_join_client_events_and_server_records(tmp_path):
     assert (row["server_batch_size"], row["server_bucket"], row["server_padded_rows"]) == (2, 4, 2)
     assert row["server_step_ms"] == 10.0 and row["itl_p50_over_step"] == 1.1 and row["server_graph_fraction"] == 1.0
     assert "ITL p50" in format_table([row])
+
+
+def test_a_hand_made_window_gives_its_stated_numbers():
+    """ITL 1..100 ms in the steady window [102, 112), in shuffled time order: p50 50.5, p90 90.1, p99
+    99.01, max 100, mean 50.5. The window is half-open; stalls and errors count from the step's start."""
+    rows = [(102.0 + (v * 37 % 100) / 10, 0, "itl", float(v)) for v in range(1, 101)]
+    rows += [(101.99, 0, "itl", 500.0), (112.0, 1, "itl", 1000.0),  # warm-up; the next step
+             (102.0, 0, "ttft", 30.0), (105.0, 0, "ttft", 10.0), (111.9, 0, "ttft", 20.0),
+             (103.0, 0, "chunk_itl", 4.0), (104.0, 0, "chunk_itl", 2.0),
+             (106.0, 0, "e2e", 900.0), (107.0, 0, "e2e", 950.0), (106.0, 0, "tpot", 6.0), (107.0, 0, "tpot", 8.0),
+             (106.0, 0, "tokens", 128.0), (106.0, 0, "chunks", 100.0),
+             (100.5, 0, "stall", 10000.0), (111.0, 0, "error", 0.0), (112.0, 1, "stall", 10000.0)]
+    row = client_row(EventTable.from_rows(rows), StepWindow(0, 16, 100.0, 100.0, 112.0, 102.0))
+    assert row == {
+        "batch_size": 16, "step": 0, "steady_s": 10.0, "itl_p50_ms": 50.5, "itl_p90_ms": 90.1, "itl_p99_ms": 99.01,
+        "itl_max_ms": 100.0, "itl_mean_ms": 50.5, "chunk_itl_p50_ms": 3.0, "chunk_itl_p99_ms": 3.98,
+        "tokens_per_chunk": 1.28, "ttft_p50_ms": 20.0, "ttft_p90_ms": 28.0, "ttft_p99_ms": 29.8, "tpot_p50_ms": 7.0,
+        "tpot_p99_ms": 7.98, "tokens_per_s": 10.3, "requests": 2, "itl_samples": 100, "stalls": 1, "errors": 1}
+    empty = client_row(EventTable.from_rows([]), StepWindow(0, 1, 0.0, 0.0, 10.0, 2.0))
+    assert empty["itl_p50_ms"] is None and empty["itl_mean_ms"] is None and empty["tokens_per_s"] == 0.0
+
+
+def _row_one_event_at_a_time(events: list[Event], w: StepWindow) -> dict:
+    """The report's rows as they were computed before the events became columns: a scan of every event
+    per window, lists per kind. The reference the columnar rows must equal exactly."""
+    steady = [e for e in events if w.steady_start <= e.t < w.end]
+    whole = [e for e in events if w.start <= e.t < w.end]
+    by: dict[str, list[float]] = {}
+    for e in steady:
+        by.setdefault(e.kind, []).append(e.value)
+    itl, ttft, tpot, chunk_itl = (by.get(k, []) for k in ("itl", "ttft", "tpot", "chunk_itl"))
+    tokens, chunks = sum(by.get("tokens", [])), sum(by.get("chunks", []))
+    per_chunk = 1.0 if chunk_itl else (tokens / chunks if chunks else 1.0)
+    arrived = len(itl) + len(ttft)
+
+    def r(x, nd=3):
+        return None if x is None else round(x, nd)
+    return {"batch_size": w.users, "step": w.index, "steady_s": round(w.steady_s, 3),
+            "itl_p50_ms": r(percentile(itl, 50)), "itl_p90_ms": r(percentile(itl, 90)),
+            "itl_p99_ms": r(percentile(itl, 99)), "itl_max_ms": r(max(itl) if itl else None),
+            "itl_mean_ms": r(sum(itl) / len(itl) if itl else None), "chunk_itl_p50_ms": r(percentile(chunk_itl, 50)),
+            "chunk_itl_p99_ms": r(percentile(chunk_itl, 99)), "tokens_per_chunk": r(tokens / chunks if chunks else None),
+            "ttft_p50_ms": r(percentile(ttft, 50)), "ttft_p90_ms": r(percentile(ttft, 90)),
+            "ttft_p99_ms": r(percentile(ttft, 99)), "tpot_p50_ms": r(percentile(tpot, 50)),
+            "tpot_p99_ms": r(percentile(tpot, 99)),
+            "tokens_per_s": r(arrived * per_chunk / w.steady_s if w.steady_s > 0 else None, 2),
+            "requests": len(by.get("e2e", [])), "itl_samples": len(itl),
+            "stalls": sum(1 for e in whole if e.kind == "stall"), "errors": sum(1 for e in whole if e.kind == "error")}
+
+
+def test_rows_equal_the_one_event_at_a_time_rows(tmp_path):
+    """Streams from three processes over four steps (chunks of 1-3 tokens, so equal ITL values and
+    equal times; stalls and errors): read back and summarized per window, every field of every row
+    equals what a scan of the events one at a time gives, also for files without chunk_itl rows."""
+    rng = random.Random(3)
+    log = []
+    per_file: dict[str, list] = {"events-7.csv": [], "events-8.csv": [], "events-9.csv": []}
+    for step in range(4):
+        t_step = 1_767_000_000.0 + 20 * step
+        log += [{"event": "start", "step": step, "users": 2 ** step, "t": t_step},
+                {"event": "ready", "step": step, "users": 2 ** step, "t": t_step + 0.3}]
+        for _ in range(30 * (step + 1)):
+            t0 = t_step + rng.uniform(0, 19.5)
+            arrival, carried = t0 + rng.uniform(0.01, 0.2), []
+            for _ in range(rng.randint(1, 60)):
+                carried.append((arrival, rng.choice((1, 1, 2, 3))))
+                arrival += rng.choice((0.0105, 0.012, rng.uniform(0.005, 0.05)))
+            rows = timing_rows(carried, step, t0, t0)
+            last = carried[-1][0]
+            n = sum(k for _, k in carried)
+            rows += [(last, step, "e2e", (last - t0) * 1000), (last, step, "tokens", float(n)),
+                     (last, step, "chunks", float(len(carried)))]
+            if n > 1:
+                rows.append((last, step, "tpot", (last - carried[0][0]) * 1000 / (n - 1)))
+            if rng.random() < 0.05:
+                rows.append((last + 1.0, step, rng.choice(("stall", "error")), 0.0))
+            per_file[rng.choice(sorted(per_file))].append(rows)
+    log.append({"event": "end", "t": 1_767_000_080.0})
+    windows = step_windows(log, warmup_s=5.0)
+    for drop in ((), ("chunk_itl",)):
+        every: list[Event] = []
+        for name in sorted(per_file):
+            rows = [r for req in per_file[name] for r in req if r[2] not in drop]
+            w = EventWriter(tmp_path / name)
+            w.write(rows)
+            w.close()
+            every += [Event(float(f"{t:.6f}"), s, k, float(f"{v:.4f}")) for t, s, k, v in rows]
+        every.sort(key=lambda e: e.t)
+        table = read_events(tmp_path)
+        expected = [_row_one_event_at_a_time(every, w) for w in windows]
+        assert [client_row(table, w) for w in windows] == expected
+        assert sum(r["itl_samples"] for r in expected) > 5000 and sum(r["stalls"] + r["errors"] for r in expected) > 0
+        for name in per_file:
+            (tmp_path / name).unlink()
 
 
 def test_metrics_fallback_differences_histograms():
