@@ -11,9 +11,9 @@ class ClusterCache:
     of its settings), calling `start()` the first time. Only for tests that leave their cluster as they
     found it; a test that kills, restarts or wedges a worker starts a fresh one of its own.
 
-    An idle cluster is not free on two cores (its workers report stats every 50 ms), so the cache
+    An idle cluster is not free on two cores (the router polls its workers' stats every 0.1 s), so the cache
     holds at most `keep` of them (the least recently used goes first), and tests/conftest.py closes
-    them all when the tests of a pytest-xdist group are done (`close_all`)."""
+    them all when the tests of a stretch are done (`close_all`)."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep
