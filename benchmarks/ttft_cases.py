@@ -17,6 +17,10 @@ median device time of the prefill pass that completed a prompt (its uncached tok
 the median device time of the decode steps in the window; floor_ms = prefill_device_ms +
 decode_step_ms + 1 (the issue's definition).
 
+Beside the rows, `tails` (one per row, same order) places each case's slowest first tokens: the client's
+slowest TTFTs, and the server's slowest requests with their parts. Where the server's slowest match the
+client's, the parts say which step took the time; where they do not, it was outside the server's stamps.
+
     python -m benchmarks.ttft_cases --url http://127.0.0.1:8000 --model-name llama-1b-shape --vocab-size 128256 \\
         --cases 1x128,1x512,1x2048,1x2048c1920 --levels 1,2,4,8,16,32,64,128,256 --out rows.json
 """
@@ -122,6 +126,11 @@ def _run_users(url: str, model: str, users: range, prefix: list[int], unique: in
     async def run() -> tuple[float, float]:
         limits = httpx.Limits(max_connections=len(users) + 4)
         async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+            # One untimed request first: a client process's first request pays its own lazy imports and
+            # its connection. On the H200 host each new client process had one request of 68-95 ms
+            # (the others <= 13 ms, the server's slowest 10-24 ms: loadtest/results/ttft_recheck_h200.md),
+            # which made the p99 of a 60-request case.
+            await _stream(client, model, _ids(random.Random(seed), 4, vocab), 1)
             await asyncio.sleep(max(0.0, start_at - time.time()))
             start = time.time()
             await asyncio.gather(*(user(client, i) for i in users))
@@ -178,6 +187,22 @@ def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerSta
     return row
 
 
+TAIL_REQUESTS = 3  # per case: the client's and the server's slowest this many
+
+
+def build_tail(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
+               t1: float) -> dict:
+    """The case's slowest first tokens: the client's TTFTs and the server's slowest records (parts)."""
+    reqs = sorted((r for r in poller.requests if t0 <= r.t_first < t1), key=lambda r: -r.ttft_ms)
+    return {"model": model_name, "users": case.users, "prompt_tokens": case.prompt_tokens,
+            "cached_tokens": case.cached_tokens, "requests": len(ttfts),
+            "client_ttft_slowest_ms": [round(t, 3) for t in sorted(ttfts, reverse=True)[:TAIL_REQUESTS]],
+            "server_ttft_p99_ms": round(percentile([r.ttft_ms for r in reqs], 99), 3) if reqs else None,
+            "server_slowest": [{"ttft_ms": r.ttft_ms, "t_first": r.t_first, "parts_ms": r.parts_ms,
+                                "forward_device_ms": r.forward_device_ms, "forward_host_ms": r.forward_host_ms}
+                               for r in reqs[:TAIL_REQUESTS]]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ttft_cases", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
@@ -213,12 +238,14 @@ def main(argv=None) -> int:
                                                    args.seconds, seed=i + 1, users_per_process=args.users_per_process)
                 time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
                 row = build_row(args.model_name, case, ttfts, poller, t0, t1)
+                tail = build_tail(args.model_name, case, ttfts, poller, t0, t1)
             except Exception as e:  # noqa: BLE001 - the case is named in `errors`; the next ones still run
                 traceback.print_exc()
                 doc.setdefault("errors", []).append(f"{name}: {e!r}")
                 out.write_text(json.dumps(doc, indent=1))
                 continue
             doc["rows"].append(row)
+            doc.setdefault("tails", []).append(tail)
             if failures:  # the row is over the requests that got a first token; the rest are named here
                 doc.setdefault("errors", []).append(
                     f"{name}: {len(failures)} of "

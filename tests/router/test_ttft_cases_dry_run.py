@@ -19,8 +19,18 @@ def test_ttft_cases_write_the_issues_rows(real_pd_cluster, tmp_path):
                             "--cases", "1x40,1x64c32", "--levels", "2", "--level-prompt", "24", "--requests", "3",
                             "--output-tokens", "3", "--level-output-tokens", "4", "--seconds", "20",
                             "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
     assert [(r["users"], r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [(1, 40, 0), (1, 64, 32), (2, 24, 0)]
+    # Each case's slowest first tokens, client and server, the server's with their parts.
+    assert [(t["users"], t["prompt_tokens"], t["cached_tokens"]) for t in doc["tails"]] == [(1, 40, 0), (1, 64, 32),
+                                                                                          (2, 24, 0)]
+    for row, tail in zip(rows, doc["tails"]):
+        assert tail["client_ttft_slowest_ms"][0] >= row["client_ttft_p99_ms"] - 1e-3, (row, tail)
+        assert tail["client_ttft_slowest_ms"] == sorted(tail["client_ttft_slowest_ms"], reverse=True)
+        slowest = tail["server_slowest"]
+        assert 1 <= len(slowest) <= ttft_cases.TAIL_REQUESTS and slowest[0]["ttft_ms"] >= row["server_ttft_p50_ms"]
+        assert all({"intake", "forward", "write"} <= set(s["parts_ms"]) for s in slowest), slowest
     for r in rows:
         assert tuple(r) == ttft_cases.ROW_FIELDS, r
         assert r["model"] == "demo" and r["client_ttft_p50_ms"] > 0 and r["server_ttft_p50_ms"] > 0, r
