@@ -213,8 +213,8 @@ class RouterServer:
                                     rs.origin.received_time, msg.first_written_time)
                 self.step_stats.record_request(rs.request_id, points, msg.finished_time, msg.completion_tokens,
                                                rs.prefill_result, rs.local_prefill)
-                self.metrics.request_finished(rs.origin.arrival_time, placed, msg.first_token_time, msg.finished_time,
-                                              None if rs.local_prefill else rs.prefill_result)
+                result = None if rs.local_prefill else rs.prefill_result
+                self.metrics.request_finished(points, msg.finished_time, result.timeline if result is not None else None)
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):

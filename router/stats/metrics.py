@@ -29,8 +29,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.wire.messages import PrefillResult, WorkerStats
+from cluster.wire.messages import PrefillTimeline, WorkerStats
 from cluster.wire.stream_messages import DecodeStepRecord
+from router.stats.step_stats import TTFTPoints
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -224,18 +225,16 @@ class RouterMetrics(_Metrics):
         self._frames_rejected = _frames_rejected_counter(r)
         self._kv_rejected_seen: dict[str, int] = {}  # decode worker -> its KV control inbox's drops last polled
 
-    def request_finished(self, arrival: float, placed: float, first_token: float | None, finished: float,
-                         result: PrefillResult | None) -> None:
-        """A request its gateway finished (not aborted): its phases. `placed`: when the router had put it
-        on a decode worker; `result`: its prefill worker's answer (None: prefilled on its decode worker,
-        whose prefill starts once placed)."""
-        if first_token is None:
+    def request_finished(self, points: TTFTPoints, finished: float, timeline: PrefillTimeline | None) -> None:
+        """A request its gateway finished (not aborted): its phases, split where its prefill started
+        (TTFTPoints.prefill_start; `timeline`: its prefill worker's, None when prefilled on its
+        decode worker)."""
+        if points.first_token is None:
             return
-        queue = max(0.0, placed - arrival) + (result.queue_s if result is not None else 0.0)
-        prefill_start = arrival + queue
-        self.queue.observe(queue)
-        self.prefill.observe(max(0.0, first_token - prefill_start))
-        self.decode.observe(max(0.0, finished - first_token))
+        prefill_start = points.prefill_start(timeline)
+        self.queue.observe(prefill_start - points.arrival)
+        self.prefill.observe(points.first_token - prefill_start)
+        self.decode.observe(max(0.0, finished - points.first_token))
         self.inference.observe(max(0.0, finished - prefill_start))
 
     def observe_step(self, rec: DecodeStepRecord) -> None:

@@ -50,6 +50,19 @@ class TTFTPoints:
         """Where the server's TTFT ends: its first token's event written, else that token at the gateway."""
         return self.written if self.written is not None and self.first_token is not None else self.first_token
 
+    def prefill_start(self, timeline: PrefillTimeline | None) -> float:
+        """Where vLLM's queue phase ends and its prefill phase begins: the prefill worker's first pass
+        over the prompt (its timeline), else the dispatch to it (its answer lost), else the
+        placement (prefilled on its decode worker, which starts once it holds the request). Never
+        before arrival nor after the first token, so queue + prefill = first_token - arrival.
+        (Not placed + the worker's queue: the reservation runs beside the prefill, and a slow one
+        ends after the first token was drawn.)"""
+        if timeline is not None and self.dispatched is not None:
+            t = timeline.forward_start
+        else:
+            t = self.dispatched if self.dispatched is not None else self.placed
+        return max(self.arrival, min(t, self.first_token if self.first_token is not None else t))
+
     def named(self, timeline: PrefillTimeline | None) -> list[tuple[str, float]]:
         """[(part, when it ended)], from ("arrival", arrival) to ("delivery", first_token): each part
         is named after what fills the time up to its point, so the consecutive differences add up
