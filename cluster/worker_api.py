@@ -117,6 +117,13 @@ class PrefillWorkerAPI(WorkerAPI, Protocol):
         failed: ok=False and `error`)."""
         ...
 
+    async def result(self, call_id: int, incarnation: str) -> PrefillResult:
+        """The answer `submit` would give, of the task the router sent as frame `call_id` to this
+        worker's dispatch socket (stats().extra["dispatch"], cluster/wire/prefill_dispatch.py); waits for
+        the frame if this call came first. Raises if this worker is not `incarnation` (it restarted:
+        the frame went to the one before), or the frame did not come."""
+        ...
+
     def attach(self, request_id: str, reservation: Reservation) -> None:
         """The reservation for a prompt submitted without one. A prompt the worker no longer has
         (aborted, failed) gets the reservation aborted (its decode worker frees the blocks)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +26,7 @@ from cluster.errors import PdserveError
 from cluster.worker.worker_config import WorkerConfig
 from deploy.api_key import apply_key_sources, open_api_warnings, read_key_file
 from deploy.bind_address import is_one_interface
+from deploy.human_readable_int import human_readable_int
 from router.requests.admission import AdmissionLimits
 from router.openai.gateway_config import GatewayConfig
 from router.placement.pd_planner import PlannerConfig
@@ -252,6 +252,9 @@ class ClusterConfig(BaseModel):
     off: they end with an error event."""
     stats_interval_s: float = Field(_d("stats_interval_s"), gt=0.0)
     """How often the router polls every worker's stats."""
+    prefill_dispatch: Literal["zmq", "ray"] = "zmq"
+    """How a prompt reaches its prefill worker. 'zmq': a signed frame to its dispatch socket, the answer
+    through Ray (cluster/wire/prefill_dispatch.py); 'ray': a Ray actor call, a round trip more."""
     call_timeout_s: float = Field(_d("call_timeout_s"), gt=0.0)
     """Timeout of the router's control calls to workers (reserve, stats, abort)."""
     prefill_timeout_s: float = Field(_d("prefill_timeout_s"), gt=0.0)
@@ -457,27 +460,6 @@ class ClusterConfig(BaseModel):
             return cls(**data)
         except ValidationError as e:
             raise PdserveError(_one_line(e)) from None
-
-
-_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
-
-
-def human_readable_int(text: str) -> int:
-    """vLLM's reading of `--max-model-len`: a plain integer, or one with a suffix; k m g t are
-    decimal (25.6k = 25600), K M G T binary (8K = 8192, integers only)."""
-    t = text.strip()
-    m = _SUFFIXED.fullmatch(t)
-    if m is None:
-        try:
-            return int(t)
-        except ValueError:
-            raise ValueError(f"{text!r} is not an integer (a suffix k, m, g, t or K, M, G, T may follow)") from None
-    number, suffix = m.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** "kmgt".index(suffix.lower()) * 1000)
-    if "." in number:
-        raise ValueError(f"{text!r}: no decimals with a binary suffix ({suffix}); did you mean {number}{suffix.lower()}?")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -22,7 +22,6 @@ import logging
 import time
 
 from router.router import Router
-from router.workers.worker_client import WorkerClient
 
 log = logging.getLogger("pdserve.role_switch")
 
@@ -47,7 +46,7 @@ class RoleSwitcher:
         router.remove_worker(worker_id)
         bundle = await asyncio.to_thread(self.cluster.retire_worker, worker_id)
         new_id, handle = await asyncio.to_thread(self.cluster.spawn_worker, to_role, bundle)
-        await router.add_worker(WorkerClient(new_id, to_role, handle))
+        await router.add_worker(self.cluster.worker_client(new_id, to_role, handle))
         log.info("role switch: %s -> %s %s in %.1fs (%d requests failed over after the drain)", worker_id, to_role,
                  new_id, time.monotonic() - t0, left)
         return new_id

@@ -161,9 +161,11 @@ class ServingCluster:
         if cfg.warmup:
             workers.warm_up(workers.handles)
 
+        # Prompts go to prefill workers as signed frames (cfg.prefill_dispatch "zmq"), else as Ray calls.
+        self._dispatch_secret = secret if cfg.prefill_dispatch == "zmq" else None
         self.router = Router(
-            [WorkerClient(wid, "prefill", h) for wid, h in workers.prefill.items()],
-            [WorkerClient(wid, "decode", h) for wid, h in workers.decode.items()],
+            [self.worker_client(wid, "prefill", h) for wid, h in workers.prefill.items()],
+            [self.worker_client(wid, "decode", h) for wid, h in workers.decode.items()],
             AdmissionController(admission_limits(cfg, max_model_len)),
             router_config(cfg),
             metrics,
@@ -175,6 +177,10 @@ class ServingCluster:
         self.router_server.attach(self.router)
         if cfg.planner:
             self.planner = PlannerLoop.for_cluster(self, self.router, metrics)
+
+    def worker_client(self, worker_id: str, role: str, handle) -> WorkerClient:
+        """The router's client of a worker of this cluster (also one a role switch starts)."""
+        return WorkerClient(worker_id, role, handle, dispatch_secret=self._dispatch_secret)
 
     def _local_ray(self) -> bool:
         return self.cfg.address is None

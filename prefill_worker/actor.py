@@ -5,6 +5,8 @@
     ray.get([w.init_transport.remote(spec) for w in all_workers])
     ray.get([w.connect_transport.remote(decode_ids) for w in prefill_workers])  # before /ready
     result = await w.submit.remote(task)                      # -> PrefillResult
+    # or, the router's way: the task as a ZMQ frame to stats().extra["dispatch"]
+    # (cluster/wire/prefill_dispatch.py), its answer from w.result.remote(call_id, incarnation)
 
 Only small typed messages cross Ray; the KV goes through the transport. Its methods are the prefill
 worker interface, cluster.worker_api.PrefillWorkerAPI, and the fault interface the tests and the chaos
@@ -22,8 +24,10 @@ import uuid
 
 from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
+from cluster.transport.rendezvous_store import local_address_towards
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
+from prefill_worker.dispatch_inbox import DispatchError, DispatchInbox
 from prefill_worker.prefill_worker import PrefillWorker
 
 
@@ -38,6 +42,7 @@ class PrefillWorkerActor:
                                  "but no rank launcher to start its followers")
             group = lead_group(cfg, rank_launcher.launch)
         self.worker = PrefillWorker(worker_id, cfg, group=group).start()
+        self.dispatch: DispatchInbox | None = None  # once the transport is given (init_transport)
 
     def init_transport(self, spec: TransportSpec) -> None:
         """Connects to the cluster's store; returns at once (connect_transport forms the pairs). Once
@@ -50,6 +55,11 @@ class PrefillWorkerActor:
         w.set_transport(create_transport(spec, w.kv_cache, w.worker_id, "prefill", group=w.group,
                                          kv_heads=w.arch.num_kv_heads, numerics=w.kv_numerics_info()),
                         send_timeout_s=spec.transfer_timeout_s)
+        # The router's dispatches come here (prefill_worker/dispatch_inbox.py), on the address the KV
+        # control inbox binds: this host's on the route to the launcher's store.
+        host = (spec.bind_host or local_address_towards(spec.store_host, spec.store_port)) if spec.store_host else None
+        self.dispatch = DispatchInbox(host, f"{w.worker_id}/{self.incarnation}", w.submit, spec.secret,
+                                      receiver=f"{w.worker_id}.{self.incarnation}").start()
 
     async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
         """Forms and warms the KV channel to every decode worker (seconds each); returns when done.
@@ -66,6 +76,12 @@ class PrefillWorkerActor:
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.submit(task))
 
+    async def result(self, call_id: int, incarnation: str) -> PrefillResult:
+        if incarnation != self.incarnation or self.dispatch is None:
+            raise DispatchError(f"prefill worker {self.worker.worker_id} is incarnation {self.incarnation}, not "
+                                f"{incarnation}: the dispatch went to one that restarted")
+        return await self.dispatch.result(call_id)
+
     def attach(self, request_id: str, reservation: Reservation) -> None:
         self.worker.attach(request_id, reservation)
 
@@ -80,7 +96,10 @@ class PrefillWorkerActor:
 
     def stats(self) -> WorkerStats:
         s = self.worker.stats()
-        return dataclasses.replace(s, extra={**s.extra, "incarnation": self.incarnation})
+        extra = {**s.extra, "incarnation": self.incarnation}
+        if self.dispatch is not None:
+            extra.update(dispatch=self.dispatch.endpoint, dispatch_frames_rejected=self.dispatch.rejected)
+        return dataclasses.replace(s, extra=extra)
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         return self.worker.kv_events(epoch, seq)
@@ -96,6 +115,8 @@ class PrefillWorkerActor:
         self.worker.transport.inject_fault(kind, seconds)
 
     def shutdown(self) -> None:
+        if self.dispatch is not None:
+            self.dispatch.close()
         self.worker.shutdown()
         if self.worker.transport is not None:
             self.worker.transport.close()

@@ -14,7 +14,8 @@
 # Knobs: BUDGET (575), CASE_SECONDS (8), LEVEL_SECONDS (8), LEVELS, LEVELS_LIMIT (150: the levels stage's
 # share of the budget), SKIP (comma-separated: 1b,8b), COMMIT (git's; the device's copy has no .git),
 # MPS=1: the two workers' processes share the GPU through an MPS daemon (scripts/gpu_sharing.sh); the
-# header's `gpu_sharing` says which sharing ran.
+# header's `gpu_sharing` says which sharing ran. DISPATCH (zmq): the router's dispatch to the prefill
+# worker, `--prefill-dispatch` (zmq: a signed frame; ray: a Ray actor call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -54,11 +55,12 @@ else
   CASE_SECONDS=${CASE_SECONDS:-8}; LEVEL_SECONDS=${LEVEL_SECONDS:-8}
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 fi
-SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching"
+DISPATCH=${DISPATCH:-zmq}
+SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching --prefill-dispatch $DISPATCH"
 # The file's header (benchmarks.ttft_cases appends the rows and keeps it): this run's command, with the
 # knobs it ran under, the commit, and what served.
 $PY - "$RESULT" "$COMMIT" "SKIP=$SKIP_ARG BUDGET=$BUDGET CASE_SECONDS=$CASE_SECONDS LEVEL_SECONDS=$LEVEL_SECONDS \
-LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150}${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
+LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150} DISPATCH=$DISPATCH${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
 import json, sys
 path, commit, command, serve, sharing = sys.argv[1:]
 json.dump({"command": command, "commit": commit, "serve_args": " ".join(serve.split()), "gpu_sharing": sharing,

@@ -1,7 +1,8 @@
 """FrameSigner / FrameVerifier: the cluster's own sockets take frames only from holders of its secret.
 
-The token streams (decode worker -> gateway), the stats sink (decode worker -> router) and the KV
-transport's control inbox (prefill -> decode worker) are ZMQ PUSH/PULL sockets on the cluster's
+The token streams (decode worker -> gateway), the stats sink (decode worker -> router), the KV
+transport's control inbox (prefill -> decode worker) and the prefill dispatch (router -> prefill
+worker) are ZMQ PUSH/PULL sockets on the cluster's
 network. Every frame on them is a two-part ZMQ message, [tag, payload]:
 
     tag = sender (8 random bytes, one per signer) | counter (8 bytes, little endian) | MAC (16 bytes)
@@ -48,6 +49,7 @@ _SENDERS_KEPT = 4096  # replay counters remembered (least recently seen senders 
 TOKEN_STREAM = b"pdserve-tokens"
 STATS_SINK = b"pdserve-steps"
 KV_CONTROL = b"pdserve-kv-ctl"
+PREFILL_DISPATCH = b"pdserve-dispatch"
 
 
 _TEST_EMPTY_SECRET = "PDSERVE_TEST_EMPTY_SECRET"

@@ -70,6 +70,10 @@ class _Tee:
             h.observe(v)
 
 
+# The workers' own sockets whose dropped frames their stats report: stats key -> channel label.
+_WORKER_CHANNELS = {"kv_frames_rejected": "kv_control", "dispatch_frames_rejected": "prefill_dispatch"}
+
+
 def _frames_rejected_counter(registry) -> Counter:
     return Counter("pdserve:frames_rejected", "Frames dropped on the cluster's own sockets for a missing or bad MAC "
                    "(not from a holder of the cluster's secret, or replayed), by channel.",
@@ -223,7 +227,8 @@ class RouterMetrics(_Metrics):
                                       m + ["role"], registry=r)
         self._prefix_seen: dict[str, tuple[str, int, int]] = {}  # worker -> (role, queries, hits) last polled
         self._frames_rejected = _frames_rejected_counter(r)
-        self._kv_rejected_seen: dict[str, int] = {}  # decode worker -> its KV control inbox's drops last polled
+        # (worker, its stats key) -> the drops of that socket last polled (_WORKER_CHANNELS)
+        self._rejected_seen: dict[tuple[str, str], int] = {}
 
     def request_finished(self, points: TTFTPoints, finished: float, timeline: PrefillTimeline | None) -> None:
         """A request its gateway finished (not aborted): its phases, split where its prefill started
@@ -280,10 +285,11 @@ class RouterMetrics(_Metrics):
                 if rate is not None:
                     self._pass_cost.labels(self.model_name, worker_id, kind, "overhead").set(rate.overhead_s)
                     self._pass_cost.labels(self.model_name, worker_id, kind, "per_unit").set(rate.unit_s)
-        if stats is not None and "kv_frames_rejected" in stats.extra:
-            n, seen = stats.extra["kv_frames_rejected"], self._kv_rejected_seen.get(worker_id, 0)
-            self.frame_rejected("kv_control", n - seen if n >= seen else n)  # (less: a new incarnation)
-            self._kv_rejected_seen[worker_id] = n
+        for key, channel in _WORKER_CHANNELS.items():
+            if stats is not None and key in stats.extra:
+                n, seen = stats.extra[key], self._rejected_seen.get((worker_id, key), 0)
+                self.frame_rejected(channel, n - seen if n >= seen else n)  # (less: a new incarnation)
+                self._rejected_seen[worker_id, key] = n
         if stats is not None and "prefix_cache_queries" in stats.extra:
             self._observe_prefix_cache(worker_id, role, stats.extra["prefix_cache_queries"],
                                        stats.extra["prefix_cache_hits"])

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
                               WorkerStats)
+from router.workers.prefill_dispatcher import PrefillDispatcher
 
 try:  # the router runs without Ray in unit tests; with Ray, a dead actor is recognised at once
     from ray.exceptions import RayActorError as ActorDead
@@ -38,10 +39,15 @@ async def with_timeout(aw, timeout: float | None):
 
 
 class WorkerClient:
-    def __init__(self, worker_id: str, role: str, handle: Any):
+    def __init__(self, worker_id: str, role: str, handle: Any, *, dispatch_secret: bytes | None = None):
+        """dispatch_secret: the cluster's secret, to send a prefill worker its prompts as signed frames
+        (router/workers/prefill_dispatcher.py) once its stats named its dispatch socket; None: every
+        prompt is a Ray call (`submit`)."""
         self.worker_id = worker_id
         self.role = role  # "prefill" | "decode"
         self.handle = handle
+        self._dispatch = (PrefillDispatcher(worker_id, dispatch_secret)
+                          if role == "prefill" and dispatch_secret is not None else None)
 
     async def _call(self, method: Callable, *args, timeout: float | None):
         """One call of a bound method of the handle (an actor method or a local one)."""
@@ -55,7 +61,10 @@ class WorkerClient:
 
     # -- both roles (WorkerAPI) ---------------------------------------------------------------------
     async def stats(self, *, timeout: float | None = None) -> WorkerStats:
-        return await self._call(self.handle.stats, timeout=timeout)
+        stats = await self._call(self.handle.stats, timeout=timeout)
+        if self._dispatch is not None:
+            self._dispatch.follow(stats.extra)  # (a restarted worker names its new socket)
+        return stats
 
     async def kv_events(self, epoch: str | None, seq: int, *, timeout: float | None = None) -> KVCacheEvents:
         return await self._call(self.handle.kv_events, epoch, seq, timeout=timeout)
@@ -81,7 +90,12 @@ class WorkerClient:
 
     # -- prefill workers (PrefillWorkerAPI) -----------------------------------------------------------
     async def submit(self, task: PrefillTask, *, timeout: float | None = None) -> PrefillResult:
-        return await self._call(self.handle.submit, task, timeout=timeout)
+        sent = self._dispatch.send(task) if self._dispatch is not None else None
+        if sent is None:
+            return await self._call(self.handle.submit, task, timeout=timeout)
+        # The task is on its way as a frame; its answer comes through Ray, which fails this call at
+        # once if the worker dies (as the submit call did) and refuses it from another incarnation.
+        return await self._call(self.handle.result, *sent, timeout=timeout)
 
     async def attach(self, request_id: str, reservation: Reservation, *, timeout: float | None = None) -> None:
         await self._call(self.handle.attach, request_id, reservation, timeout=timeout)

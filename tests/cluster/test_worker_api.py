@@ -126,14 +126,16 @@ def workers(demo_model_dir):
         d.init_transport(spec)
         p.init_transport(spec)
         asyncio.run(p.connect_transport(["d0"]))
-        yield WorkerClient("d0", "decode", d), WorkerClient("p0", "prefill", p)
+        # The prefill worker's client sends prompts to its dispatch socket (the tests' empty secret).
+        yield WorkerClient("d0", "decode", d), WorkerClient("p0", "prefill", p, dispatch_secret=b""), p
     finally:
         p.shutdown()
         d.shutdown()
 
 
 def test_every_router_call_answers_the_declared_type(workers):
-    dc, pc = workers
+    dc, pc, p_actor = workers
+    ray_pc = WorkerClient("p0", "prefill", p_actor)  # every prompt a call of `submit`
     declared = {**protocol_methods(DecodeWorkerAPI), **protocol_methods(PrefillWorkerAPI)}
     called: set[str] = set()
 
@@ -151,15 +153,17 @@ def test_every_router_call_answers_the_declared_type(workers):
         for c in (dc, pc):
             assert (await check(c, "stats")).role == c.role
             await check(c, "kv_events", None, 0)
-        remote = req("remote", 40)
-        # As the router's walk does: the prompt goes out at once, D's reservation follows to P.
-        submitted = asyncio.ensure_future(check(pc, "submit", PrefillTask(remote)))
-        await asyncio.sleep(0)  # the submit goes out first (these in-process calls run when awaited)
-        res = await check(dc, "reserve", ReserveRequest(remote, "p0"))
-        assert res is not None
-        await check(pc, "attach", "remote", res)
-        result = await submitted
-        assert result.ok, result
+        for client, rid in ((pc, "remote"), (ray_pc, "remote-ray")):
+            remote = req(rid, 40)
+            # As the router's walk does: the prompt goes out at once, D's reservation follows to P.
+            submitted = asyncio.ensure_future(check(client, "submit", PrefillTask(remote)))
+            await asyncio.sleep(0)  # the submit goes out first (these in-process calls run when awaited)
+            res = await check(dc, "reserve", ReserveRequest(remote, "p0"))
+            assert res is not None
+            await check(client, "attach", rid, res)
+            result = await submitted
+            assert result.ok and result.request_id == rid, result
+        assert p_actor.dispatch.received == 1  # the first as a frame (its stats named the socket), the second not
         assert await check(dc, "submit_local", req("local", 10)) is not None
         assert await check(dc, "lost", "local") is False
         await check(dc, "fail", "remote", "a test")  # ends its stream with that error, not an abort

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from deploy.cli import build_parser
-from deploy.config import ClusterConfig, human_readable_int
+from deploy.config import ClusterConfig
+from deploy.human_readable_int import human_readable_int
 from deploy.config_flags import overrides_from_args
 
 RAY_STARTED = ("Started a local Ray instance", "ray.init", "Connecting to existing Ray cluster")

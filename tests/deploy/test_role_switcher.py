@@ -1,5 +1,6 @@
 """RoleSwitcher and PlannerLoop on CPU, over a real Router with model-free worker doubles and a fake
-cluster (what deploy/serving_cluster.py's ServingCluster offers them: retire_worker, spawn_worker). The real
+cluster (what deploy/serving_cluster.py's ServingCluster offers them: retire_worker, spawn_worker,
+worker_client). The real
 thing on Ray: test_role_switch.py."""
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class FakeCluster:
         w.prefill_rate, w.decode_rate = PassRate(0.002, 1e-4, 10), PassRate(0.01, 1e-3, 10)
         return wid, w
 
+    def worker_client(self, worker_id: str, role: str, handle) -> WorkerClient:
+        self.calls.append(("client", worker_id, role))
+        return WorkerClient(worker_id, role, handle)
+
 
 def make_router() -> tuple[Router, dict[str, StubWorker]]:
     stubs = {w.worker_id: w for w in (StubWorker("prefill-0", "prefill"), StubWorker("decode-0", "decode"),
@@ -69,7 +74,7 @@ def test_a_switch_drains_the_worker_then_replaces_it_on_its_bundle():
         done = asyncio.ensure_future(finish_later())
         new_id = await RoleSwitcher(cluster, router, drain_timeout_s=5.0).switch(held, "prefill")
         await done
-        assert cluster.calls == [("retire", held), ("spawn", "prefill", 7)]
+        assert cluster.calls == [("retire", held), ("spawn", "prefill", 7), ("client", "prefill-new", "prefill")]
         assert new_id == "prefill-new" and router.prefill_ids == ["prefill-0", "prefill-new"]
         assert held not in router.views and router.view(new_id).healthy  # polled as it joined
         await router.stop()
