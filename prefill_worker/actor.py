@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import uuid
+from concurrent.futures import Future
 
 from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
@@ -43,6 +45,11 @@ class PrefillWorkerActor:
             group = lead_group(cfg, rank_launcher.launch)
         self.worker = PrefillWorker(worker_id, cfg, group=group).start()
         self.dispatch: DispatchInbox | None = None  # once the transport is given (init_transport)
+        # HAZARD: submit runs on the dispatch inbox's thread, attach and abort on this actor's loop.
+        # Each reads calls_ahead.py's ledger and then changes the worker's jobs in two locked steps: an
+        # attach between a submit's two would be held for a prompt already taken, and wait for ever.
+        # They run one at a time under this lock, as they did when all three were calls on the loop.
+        self._intake = threading.Lock()
 
     def init_transport(self, spec: TransportSpec) -> None:
         """Connects to the cluster's store; returns at once (connect_transport forms the pairs). Once
@@ -58,7 +65,7 @@ class PrefillWorkerActor:
         # The router's dispatches come here (prefill_worker/dispatch_inbox.py), on the address the KV
         # control inbox binds: this host's on the route to the launcher's store.
         host = (spec.bind_host or local_address_towards(spec.store_host, spec.store_port)) if spec.store_host else None
-        self.dispatch = DispatchInbox(host, f"{w.worker_id}/{self.incarnation}", w.submit, spec.secret,
+        self.dispatch = DispatchInbox(host, f"{w.worker_id}/{self.incarnation}", self._submit, spec.secret,
                                       receiver=f"{w.worker_id}.{self.incarnation}").start()
 
     async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
@@ -73,8 +80,12 @@ class PrefillWorkerActor:
         Off the actor's event loop, so stats() still answers meanwhile."""
         return await asyncio.to_thread(self.worker.warmup)
 
+    def _submit(self, task: PrefillTask) -> Future:
+        with self._intake:
+            return self.worker.submit(task)
+
     async def submit(self, task: PrefillTask) -> PrefillResult:
-        return await asyncio.wrap_future(self.worker.submit(task))
+        return await asyncio.wrap_future(self._submit(task))
 
     async def result(self, call_id: int, incarnation: str) -> PrefillResult:
         if incarnation != self.incarnation or self.dispatch is None:
@@ -83,10 +94,12 @@ class PrefillWorkerActor:
         return await self.dispatch.result(call_id)
 
     def attach(self, request_id: str, reservation: Reservation) -> None:
-        self.worker.attach(request_id, reservation)
+        with self._intake:
+            self.worker.attach(request_id, reservation)
 
     def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+        with self._intake:
+            self.worker.abort(request_id)
 
     def peer_died(self, peer: str, why: str) -> None:
         """A decode peer is dead (the router heard it from Ray): transfers to it fail now."""

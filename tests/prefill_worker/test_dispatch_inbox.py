@@ -189,3 +189,40 @@ def test_an_oversized_frame_is_never_held_and_the_socket_serves_on(pair):
         assert inbox.rejected == 0  # nothing of the big frame reached the MAC check
     finally:
         attacker.close()
+
+
+def test_the_actor_runs_a_submit_and_an_attach_or_abort_one_at_a_time():
+    """The inbox's thread submits while the actor's loop attaches and aborts: an attach that ran
+    between a submit's look at the ledger of calls ahead and its job being queued would be held for a
+    prompt already taken (calls_ahead.py), and the prompt would wait for its reservation for ever."""
+    from prefill_worker.actor import PrefillWorkerActor
+
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    class SlowWorker:
+        def submit(self, t):
+            inside.set()
+            release.wait(5)
+            order.append("submit")
+            return Future()
+
+        def attach(self, rid, reservation):
+            order.append("attach")
+
+        def abort(self, rid):
+            order.append("abort")
+
+    actor = PrefillWorkerActor.__new__(PrefillWorkerActor)  # (its state without a model)
+    actor.worker, actor._intake = SlowWorker(), threading.Lock()
+    submitter = threading.Thread(target=actor._submit, args=(task(),))
+    submitter.start()
+    assert inside.wait(5)
+    others = [threading.Thread(target=actor.attach, args=("r", None)), threading.Thread(target=actor.abort, args=("r",))]
+    for t in others:
+        t.start()
+    time.sleep(0.1)
+    assert order == []  # both wait for the submit
+    release.set()
+    for t in [submitter, *others]:
+        t.join(5)
+    assert order[0] == "submit" and sorted(order[1:]) == ["abort", "attach"]
