@@ -40,11 +40,14 @@ SLOWEST = 30
 
 
 def slowest(durations_file: Path, n: int = SLOWEST) -> list[dict]:
-    """The `n` slowest tests of the run that wrote `durations_file`: [{test, seconds}], slowest first."""
+    """The `n` slowest tests of the run that wrote `durations_file`: [{test, seconds, cpu_seconds}] (CPU
+    seconds of the test's process and what it started, where recorded), slowest first."""
     if not durations_file.is_file():
         return []
     tests = json.loads(durations_file.read_text())["tests"]
-    return [{"test": t["test"], "seconds": t["seconds"]} for t in sorted(tests, key=lambda t: -t["seconds"])[:n]]
+    return [{"test": t["test"], "seconds": t["seconds"],
+             **({"cpu_seconds": t["cpu_seconds"]} if t.get("cpu_seconds") is not None else {})}
+            for t in sorted(tests, key=lambda t: -t["seconds"])[:n]]
 
 
 def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:

@@ -1,4 +1,4 @@
-"""Every test run's per-test seconds, in a file (registered by tests/conftest.py)."""
+"""Every test run's per-test seconds, wall and CPU, in a file (registered by tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,28 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
+import pytest
+
+
+def tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process and every live descendant, with the children each has
+    reaped: a test's Ray (its GCS, raylet and actors), servers and ranks are descendants of the test
+    process. (A descendant that outlives its parent, re-parented away, is not counted.)"""
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
 
 class DurationRecorder:
-    """Writes each test's seconds (setup + call + teardown), slowest first, to .pytest_durations.json in
+    """Writes each test's seconds (setup + call + teardown) and CPU seconds (tree_cpu_s: the test process
+    and what it started), slowest first, to .pytest_durations.json in
     the root of the run (PDSERVE_TEST_DURATIONS moves it), every run: loadtest/fresh_install.py keeps
     the slowest in loadtest/results/fresh_install.json. A plugin object, not module state: a pytest
     session started inside a test (a test that runs pytest itself) records its own."""
@@ -20,7 +39,23 @@ class DurationRecorder:
     def __init__(self, config):
         self.config = config
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = {}
         self.outcome: dict[str, str] = {}
+        self._cpu_start: dict[str, float] = {}
+
+    # In the process that runs the test (an xdist worker): its CPU seconds, from its setup's start to
+    # its teardown's end, travel to the controller in the teardown report's user_properties. A fixture
+    # shared by a module or the session is charged to the test that sets it up or tears it down.
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        self._cpu_start[item.nodeid] = tree_cpu_s()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        start = self._cpu_start.pop(item.nodeid, None) if call.when == "teardown" else None
+        if start is not None:
+            outcome.get_result().user_properties.append(("cpu_s", round(tree_cpu_s() - start, 3)))
 
     def pytest_runtest_logreport(self, report):
         # Under pytest-xdist the controller gets every worker's reports here too.
@@ -28,12 +63,16 @@ class DurationRecorder:
         self.seconds[nodeid] += report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcome.setdefault(nodeid, report.outcome)
+        cpu = dict(getattr(report, "user_properties", ())).get("cpu_s") if report.when == "teardown" else None
+        if cpu is not None:
+            self.cpu[nodeid] = cpu
 
     def pytest_sessionfinish(self, session, exitstatus):
         if hasattr(self.config, "workerinput") or not self.seconds:  # an xdist worker: its controller writes
             return
         path = Path(os.environ.get("PDSERVE_TEST_DURATIONS") or Path(self.config.rootpath) / self.FILE)
-        tests = sorted(({"test": k, "seconds": round(v, 3), "outcome": self.outcome.get(k, "passed")}
+        tests = sorted(({"test": k, "seconds": round(v, 3), "cpu_seconds": self.cpu.get(k),
+                         "outcome": self.outcome.get(k, "passed")}
                         for k, v in self.seconds.items()), key=lambda t: -t["seconds"])
         path.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "exit_status": int(exitstatus),
                                     "tests": tests}, indent=1) + "\n")

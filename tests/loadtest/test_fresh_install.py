@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -36,16 +37,18 @@ def test_every_run_writes_each_tests_seconds_and_a_row_keeps_the_slowest_30(tmp_
     for i in range(40):
         for when, secs, outcome in (("setup", 0.5, "passed"), ("call", i, "failed" if i == 7 else "passed"),
                                     ("teardown", 0.25, "passed")):
+            props = [("cpu_s", 2.0 * i)] if when == "teardown" and i % 2 else []  # (the worker's hook adds it)
             rec.pytest_runtest_logreport(SimpleNamespace(nodeid=f"t.py::test_{i}", when=when, duration=secs,
-                                                         outcome=outcome))
+                                                         outcome=outcome, user_properties=props))
     rec.pytest_sessionfinish(None, 1)
     written = json.loads(out.read_text())
     assert written["exit_status"] == 1 and len(written["tests"]) == 40
-    assert written["tests"][0] == {"test": "t.py::test_39", "seconds": 39.75, "outcome": "passed"}
-    assert {"test": "t.py::test_7", "seconds": 7.75, "outcome": "failed"} in written["tests"]
+    assert written["tests"][0] == {"test": "t.py::test_39", "seconds": 39.75, "cpu_seconds": 78.0, "outcome": "passed"}
+    assert {"test": "t.py::test_7", "seconds": 7.75, "cpu_seconds": 14.0, "outcome": "failed"} in written["tests"]
     top = fresh_install.slowest(out)
     assert len(top) == fresh_install.SLOWEST == 30
     assert [t["test"] for t in top] == [f"t.py::test_{i}" for i in range(39, 9, -1)]
+    assert top[0]["cpu_seconds"] == 78.0 and "cpu_seconds" not in top[1]  # (test_38: none recorded)
     assert fresh_install.slowest(tmp_path / "absent.json") == []
     # An xdist worker leaves the file to its controller.
     out.unlink()
@@ -82,3 +85,24 @@ def test_the_tests_command_is_the_readmes(which):
         assert fresh_install.COMMANDS[which] in (fresh_install.REPO / ".ci" / "run").read_text()
     else:
         assert fresh_install.COMMANDS[which] in readme
+
+
+def test_a_tests_cpu_seconds_count_what_it_started():
+    """The worker's hooks: from the setup's start to the teardown's end, the CPU of the test's process
+    and of the processes it started (here one that burns ~0.5 s and is reaped), in the teardown
+    report's user_properties."""
+    import subprocess
+    import sys
+
+    rec = DurationRecorder(SimpleNamespace(rootpath=Path(".")))
+    item = SimpleNamespace(nodeid="t.py::burn")
+    rec.pytest_runtest_setup(item)
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
+                   check=True)
+    for when in ("setup", "call", "teardown"):
+        report = SimpleNamespace(user_properties=[])
+        hook = rec.pytest_runtest_makereport(item, SimpleNamespace(when=when))
+        next(hook)
+        with pytest.raises(StopIteration):
+            hook.send(SimpleNamespace(get_result=lambda: report))
+    assert [k for k, _ in report.user_properties] == ["cpu_s"] and 0.45 <= report.user_properties[0][1] < 5
