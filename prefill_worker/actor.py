@@ -111,7 +111,8 @@ class PrefillWorkerActor:
         s = self.worker.stats()
         extra = {**s.extra, "incarnation": self.incarnation}
         if self.dispatch is not None:
-            extra.update(dispatch=self.dispatch.endpoint, dispatch_frames_rejected=self.dispatch.rejected)
+            extra.update(dispatch=self.dispatch.endpoint, dispatch_received=self.dispatch.received,
+                         dispatch_frames_rejected=self.dispatch.rejected)
         return dataclasses.replace(s, extra=extra)
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:

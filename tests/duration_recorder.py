@@ -15,7 +15,9 @@ import pytest
 def tree_cpu_s(pid: int | None = None) -> float:
     """CPU seconds (user + system) of a process and every live descendant, with the children each has
     reaped: a test's Ray (its GCS, raylet and actors), servers and ranks are descendants of the test
-    process. (A descendant that outlives its parent, re-parented away, is not counted.)"""
+    process. Not counted: a descendant that outlives its parent and is re-parented away, e.g. the
+    actors of a Ray whose raylet is stopped before them (a test that starts its own Ray, in its own
+    process or a `pdserve serve`): such tests' figures are low."""
     root = psutil.Process(pid)
     total = 0.0
     for p in [root, *root.children(recursive=True)]:

@@ -31,8 +31,9 @@ PROMPT_TOKENS = 1500
 def cluster(ray_session, demo_model_dir):
     from deploy.config import ClusterConfig
 
+    # The default pool; prompts go to the prefill worker as Ray calls (the others' clusters send frames).
     sc = start_cluster(demo_model_dir, prefill_workers=1, decode_workers=1,
-                       cpu_num_blocks=ClusterConfig().cpu_num_blocks)  # the default pool
+                       cpu_num_blocks=ClusterConfig().cpu_num_blocks, prefill_dispatch="ray")
     yield sc
     sc.shutdown()
 
@@ -207,3 +208,13 @@ def test_a_request_cancelled_while_queued_leaves_nothing(cluster, prompts):
     assert [r[0] for r in rest] == [200] * 7
     wait_clean(cluster)
     assert wait_gateways_settle(cluster, tasks_before) == tasks_before
+
+
+def test_with_ray_dispatch_no_prompt_came_as_a_frame(cluster):
+    """prefill_dispatch "ray": the prefill worker computed this module's prompts, every one of them from a
+    Ray call (its dispatch socket is there, and took nothing)."""
+    import ray
+
+    stats = ray.get(next(iter(cluster.workers.prefill.values())).stats.remote())
+    assert stats.prefill_tokens_total >= BURST * PROMPT_TOKENS // 2 and stats.extra["dispatch"]
+    assert stats.extra["dispatch_received"] == 0

@@ -40,7 +40,9 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     local = [line for line in text.splitlines() if line.startswith("pdserve:local_prefill_requests_total")]
     assert float(local[0].split()[-1]) >= 4  # the "Hi there" prompts (<= 12 tokens) stayed on the decode worker
     prefill = next(iter(real_pd_cluster.workers.prefill.values()))
-    assert ray.get(prefill.stats.remote()).outstanding_prefill_tokens == 0
+    p_stats = ray.get(prefill.stats.remote())
+    assert p_stats.outstanding_prefill_tokens == 0
+    assert p_stats.extra["dispatch_received"] > 0  # the prompts came as frames (prefill_dispatch "zmq")
 
     # /stats: the decode steps that ran and each request's TTFT split into its parts.
     stats = httpx.get(f"{real_pd_cluster.url}/stats", params={"cursor": cursor}).json()
