@@ -72,7 +72,7 @@ class DispatchInbox:
         self._lock = threading.Lock()
         self._calls: OrderedDict[int, _Call] = OrderedDict()  # call_id -> its call, oldest first
         self.received = 0  # tasks handed to submit
-        self.dropped = 0  # frames that were no task for this worker (also counted in `rejected`)
+        self.dropped = 0  # frames with a valid MAC that were no task, or came with the ledger full (not in `rejected`)
         self._warn = RateLimitedLog(log)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dispatch-{name}", daemon=True)

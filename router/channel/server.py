@@ -38,7 +38,7 @@ from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Go
 from router.stats.metrics import RouterMetrics
 from router.streams.receive_loop import received, verified
 from router.router import PlacedRequest, Router
-from router.stats.step_stats import StepStats, TTFTPoints
+from router.stats.step_stats import StepStats, TTFTPoints, prefill_timeline
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,8 @@ class RouterServer:
                                     rs.origin.received_time, msg.first_written_time)
                 self.step_stats.record_request(rs.request_id, points, msg.finished_time, msg.completion_tokens,
                                                rs.prefill_result, rs.local_prefill)
-                result = None if rs.local_prefill else rs.prefill_result
-                self.metrics.request_finished(points, msg.finished_time, result.timeline if result is not None else None)
+                self.metrics.request_finished(points, msg.finished_time,
+                                              prefill_timeline(rs.prefill_result, rs.local_prefill))
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):

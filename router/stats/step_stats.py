@@ -94,6 +94,12 @@ class TTFTPoints:
         return out
 
 
+def prefill_timeline(result: PrefillResult | None, local_prefill: bool) -> PrefillTimeline | None:
+    """The prefill worker's timeline of a request it prefilled (None: prefilled on its decode worker, or
+    no answer came)."""
+    return result.timeline if result is not None and not local_prefill else None
+
+
 class StepStats:
     def __init__(self, max_records: int = 100_000):
         self._log: deque[tuple[int, str, dict]] = deque(maxlen=max_records)  # (seq, kind, record)
@@ -138,7 +144,7 @@ class StepStats:
                # arrival -> the router's placement returned (a decode worker holds it); not a part:
                # on the prefill-worker path it runs beside dispatch..sample (TTFTPoints.named)
                "placed_ms": (points.placed - points.arrival) * 1e3}
-        timeline = result.timeline if result is not None and not local_prefill else None
+        timeline = prefill_timeline(result, local_prefill)
         if ttft is not None:
             named = points.named(timeline)
             rec["ttft_points"] = dict(named)
