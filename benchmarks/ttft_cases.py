@@ -170,9 +170,9 @@ def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, r
     return ttfts, failures, min(r[2] for r in results), max(r[3] for r in results)
 
 
-def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
+def build_row(model_name: str, case: Case, ttfts: list[float], reqs: list, poller: ServerStatsPoller, t0: float,
               t1: float) -> dict:
-    reqs = [r for r in poller.requests if t0 <= r.t_first < t1]
+    """reqs: the server's records of the requests whose first token came in the window [t0, t1)."""
     steps = [s.step_ms for s in poller.records if t0 <= s.t < t1]
     srv = summarize_requests(reqs)
     device = srv.get("server_forward_device_p50_ms")
@@ -190,10 +190,10 @@ def build_row(model_name: str, case: Case, ttfts: list[float], poller: ServerSta
 TAIL_REQUESTS = 3  # per case: the client's and the server's slowest this many
 
 
-def build_tail(model_name: str, case: Case, ttfts: list[float], poller: ServerStatsPoller, t0: float,
-               t1: float) -> dict:
-    """The case's slowest first tokens: the client's TTFTs and the server's slowest records (parts)."""
-    reqs = sorted((r for r in poller.requests if t0 <= r.t_first < t1), key=lambda r: -r.ttft_ms)
+def build_tail(model_name: str, case: Case, ttfts: list[float], reqs: list) -> dict:
+    """The case's slowest first tokens: the client's TTFTs and the server's slowest records (parts) among
+    `reqs`, the window's (build_row)."""
+    reqs = sorted(reqs, key=lambda r: -r.ttft_ms)
     return {"model": model_name, "users": case.users, "prompt_tokens": case.prompt_tokens,
             "cached_tokens": case.cached_tokens, "requests": len(ttfts),
             "client_ttft_slowest_ms": [round(t, 3) for t in sorted(ttfts, reverse=True)[:TAIL_REQUESTS]],
@@ -237,8 +237,9 @@ def main(argv=None) -> int:
                 ttfts, failures, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests,
                                                    args.seconds, seed=i + 1, users_per_process=args.users_per_process)
                 time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
-                row = build_row(args.model_name, case, ttfts, poller, t0, t1)
-                tail = build_tail(args.model_name, case, ttfts, poller, t0, t1)
+                reqs = [r for r in poller.requests if t0 <= r.t_first < t1]
+                row = build_row(args.model_name, case, ttfts, reqs, poller, t0, t1)
+                tail = build_tail(args.model_name, case, ttfts, reqs)
             except Exception as e:  # noqa: BLE001 - the case is named in `errors`; the next ones still run
                 traceback.print_exc()
                 doc.setdefault("errors", []).append(f"{name}: {e!r}")
