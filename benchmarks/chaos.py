@@ -551,9 +551,11 @@ def main(argv=None) -> int:
     from cluster.engine.engine import LLMEngine
     from cluster.model.demo import ensure_demo_model
     from deploy.config import ClusterConfig
+    from deploy.ray_runtime import workers_at_launcher_priority
     from deploy.serving_cluster import ServingCluster
 
     model = args.model or str(ensure_demo_model())
+    workers_at_launcher_priority()
     ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     gpu = {} if args.device == "cpu" else {"gpus_per_worker": args.gpus_per_worker,
                                              "kv_memory_fraction": args.kv_memory_fraction}

@@ -26,6 +26,18 @@ log = logging.getLogger("pdserve.launch")
 # Longest wait for Ray while stopping (workers' shutdown calls, kills, ray.shutdown).
 RAY_STOP_BUDGET_S = 3.0
 
+# Ray starts its worker processes (every prefill and decode actor, and what they start: the token
+# publisher, TP ranks' helpers) at nice 15 by default (its `worker_niceness`), below the API servers,
+# the raylet and any client on the host. Under CPU contention the decode loop's host work, the first
+# token's draw and the KV sends would then yield to all of them. The actors of a Ray started here run
+# at the launcher's own priority instead; an operator's RAY_worker_niceness wins.
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def workers_at_launcher_priority() -> None:
+    """Before a local Ray starts (its raylet reads the setting from the environment it inherits)."""
+    os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+
 
 def init_ray(cfg: ClusterConfig) -> bool:
     """Joins `cfg.address` or starts a local Ray sized for the workers; True if this call did (the
@@ -39,6 +51,7 @@ def init_ray(cfg: ClusterConfig) -> bool:
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     if cfg.address is None:
         kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(ranks * cfg.cpus_per_worker))
+        workers_at_launcher_priority()
     try:
         ray.init(address=cfg.address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:

@@ -36,8 +36,11 @@ def init_ray(num_cpus: int = 16) -> bool:
     (tests/router/conftest.py) while other modules start theirs, up to 4 workers of 1 CPU each."""
     import ray
 
+    from deploy.ray_runtime import workers_at_launcher_priority
+
     if ray.is_initialized():
         return False
+    workers_at_launcher_priority()  # and so the cluster stream's actors above the other stream (conftest)
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     return True
 

@@ -197,3 +197,18 @@ def test_ray_up_runs_from_a_clean_checkout():
 
 def cfg_comments(path: Path) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln.lstrip().startswith("#")]
+
+
+def test_every_ray_node_runs_pdserves_actors_at_its_own_priority():
+    """Ray's default worker_niceness (15) would put the prefill and decode actors below every other
+    process of their node (deploy/ray_runtime.py): each node of both manifests starts Ray with 0."""
+    from deploy.ray_runtime import RAY_WORKER_NICENESS_ENV
+
+    cfg = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cfg[key] if "ray start" in c]
+    assert len(starts) == 2 and all(f"{RAY_WORKER_NICENESS_ENV}=0 " in c for c in starts), starts
+    cluster = next(d for d in _kuberay_docs() if d["kind"] == "RayCluster")
+    pods = [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in cluster["spec"]["workerGroupSpecs"]]
+    for pod in pods:
+        ray_container = pod["spec"]["containers"][0]
+        assert {"name": RAY_WORKER_NICENESS_ENV, "value": "0"} in ray_container["env"], ray_container["name"]

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.ray_runtime import RAY_WORKER_NICENESS_ENV
+
 pytestmark = pytest.mark.cluster  # a Ray head and worker node started by `ray start`
 
 
@@ -83,7 +85,9 @@ def two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
     gcs = _free_port()
     # Token authentication on, as the deployment guide asks: every node and client shares the token.
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # Its workers at this process's priority, as pdserve's own local Ray runs them (deploy/ray_runtime.py).
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           RAY_WORKER_NICENESS_ENV: "0"}
     # Ray starts its client server (default port 10001) only when ray[client] (grpcio) is installed,
     # and refuses --ray-client-server-port without it: pick a free port only where it will be used.
     client = [f"--ray-client-server-port={_free_port()}"] if importlib.util.find_spec("grpc") else []

@@ -1,8 +1,10 @@
-"""deploy.ray_runtime without a Ray instance: stopping within a budget, and the local GCS check."""
+"""deploy.ray_runtime: stopping within a budget, the local GCS check, and the priority of a local Ray's
+workers (the last test on the run's Ray; the others without one)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -10,8 +12,10 @@ import time
 
 import psutil
 import pytest
+import ray
 
-from deploy.ray_runtime import gcs_gone, run_within
+from deploy.config import ClusterConfig
+from deploy.ray_runtime import RAY_WORKER_NICENESS_ENV, gcs_gone, init_ray, run_within
 
 
 def test_run_within_waits_no_longer_than_its_budget():
@@ -49,3 +53,37 @@ def test_gcs_gone_sees_a_live_gcs_but_not_a_killed_one(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("address, operator_says, raylet_gets", [(None, None, "0"), (None, "5", "5"),
+                                                                  ("10.0.0.1:6379", None, None)])
+def test_a_local_ray_started_here_runs_its_workers_at_the_launchers_priority(monkeypatch, address, operator_says,
+                                                                             raylet_gets):
+    """Ray's default (worker_niceness 15) runs every actor below the API servers and any client on the
+    host. A Ray this call starts gets 0 unless the operator set it; a cluster it joins keeps its own."""
+    if operator_says is None:
+        monkeypatch.delenv(RAY_WORKER_NICENESS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RAY_WORKER_NICENESS_ENV, operator_says)
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(env=os.environ.get(RAY_WORKER_NICENESS_ENV)))
+    assert init_ray(ClusterConfig(model="/m", address=address))
+    assert seen["env"] == raylet_gets
+
+
+def test_the_runs_ray_workers_run_at_this_processs_priority(ray_session):
+    """What the setting above does in Ray itself: on the run's Ray (tests/serving_harness.init_ray
+    starts it with the same rule) an actor's process is as nice as the process that started Ray. Left
+    at Ray's default they ran at nice 15, below the other test stream's nice 10 (tests/stream_scheduling.py)."""
+
+    @ray_session.remote(num_cpus=0)
+    class Probe:
+        def niceness(self) -> int:
+            return os.nice(0)
+
+    probe = Probe.remote()
+    try:
+        assert ray_session.get(probe.niceness.remote(), timeout=60) == os.nice(0)
+    finally:
+        ray_session.kill(probe)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from deploy.config import ClusterConfig
+from deploy.ray_runtime import workers_at_launcher_priority
 
 pytestmark = pytest.mark.own_ray  # a Ray with 6 fake GPUs, not the run's one Ray
 
@@ -59,6 +60,7 @@ def ray_with_gpus():
             pytest.skip("a Ray session without 6 (fake) GPUs is already running in this process")
         yield ray
         return
+    workers_at_launcher_priority()
     ray.init(num_cpus=8, num_gpus=6, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield ray
