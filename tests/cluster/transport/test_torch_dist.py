@@ -47,6 +47,11 @@ class PrefillProc:
         self.kv, self.sums, self.results, self.metrics = {}, {}, {}, None
 
     def submit(self, task, abort_after=None):
+        # The first task goes in once the child is up: a test's deadlines bound the transfers, not
+        # the spawn, torch's import and the model load, which took 26 s of a 30 s wait on a loaded
+        # 2-core machine (CI at a0ed973 timed out there: p0 had sent nothing to d0 yet).
+        if not self._ready:
+            self.wait_ready()
         self.in_q.put((task, abort_after))
 
     def drain(self, block=False, timeout=60.0):
@@ -72,11 +77,13 @@ class PrefillProc:
                 return
 
     _until_ready = False
+    _ready = False
 
     def wait_ready(self):
         self._until_ready = True
         self.drain(block=True)
         self._until_ready = False
+        self._ready = True
 
     def finish(self):
         self.in_q.put(None)
