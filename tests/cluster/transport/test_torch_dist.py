@@ -73,8 +73,10 @@ class PrefillProc:
                 self.metrics = rest[0]
             elif kind == "done":
                 return
-            elif kind == "ready" and self._until_ready:
-                return
+            elif kind == "ready":
+                self._ready = True  # (whichever drain reads it: a later submit must not wait for it again)
+                if self._until_ready:
+                    return
 
     _until_ready = False
     _ready = False
@@ -83,7 +85,6 @@ class PrefillProc:
         self._until_ready = True
         self.drain(block=True)
         self._until_ready = False
-        self._ready = True
 
     def finish(self):
         self.in_q.put(None)
