@@ -65,7 +65,10 @@ class RequestGrammar:
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until compiled (the in-process engine only); returns ready()."""
+        """Blocks until compiled, at most `timeout` (None: until the request's own compile deadline);
+        returns ready(). The in-process engine and tests only: a serving loop never blocks on it."""
+        if timeout is None:
+            timeout = max(0.0, self._deadline - time.monotonic())
         try:
             self._future.exception(timeout)
         except FutureTimeout:

@@ -21,6 +21,8 @@ from cluster.engine.engine import LLMEngine  # noqa: E402
 from cluster.wire.messages import GenerateRequest  # noqa: E402
 from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.structured import StructuredOutput  # noqa: E402
+from cluster.structured.compile_process import START_TIMEOUT_S  # noqa: E402
+from cluster.structured.grammar_compiler import COMPILE_TIMEOUT_S  # noqa: E402
 from cluster.worker.worker_config import WorkerConfig  # noqa: E402
 from cluster.engine.worker_model import lead_group  # noqa: E402
 from decode_worker.decode_worker import DecodeWorker  # noqa: E402
@@ -77,7 +79,9 @@ def _serve_and_check(worker, launcher, failures, demo_model_dir):
     col.wait(lambda: len(col.tokens.get("r0", [])) >= 4)  # the rest join a running batch
     for i in (3, 4, 5):
         assert worker.submit_local(GenerateRequest(f"r{i}", tuple(prompts[i]), params[i], 17, time.time())) is not None
-    col.wait(lambda: len(col.finish) == len(prompts))
+    # r5 waits for its grammar: the first compile starts the compile processes (each imports torch and
+    # xgrammar), a minute or more at this stream's nice 10 on a busy machine; its own deadline bounds it.
+    col.wait(lambda: len(col.finish) == len(prompts), stall_s=START_TIMEOUT_S + COMPILE_TIMEOUT_S)
     for i, (toks, _) in enumerate(refs):
         assert col.tokens[f"r{i}"] == toks, f"request {i}"
     st = worker.stats()

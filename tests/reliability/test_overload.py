@@ -40,7 +40,8 @@ async def _burst(url, n, body):
 
 
 def test_burst_of_10x_capacity(cluster):
-    body = {"model": MODEL, "prompt": "Once upon a time there was", "max_tokens": 24, "ignore_eos": True,
+    # Long enough that no admitted request can finish while the burst is still being answered.
+    body = {"model": MODEL, "prompt": "Once upon a time there was", "max_tokens": 64, "ignore_eos": True,
             "temperature": 0}
     res = asyncio.run(_burst(cluster.url, 10 * CAPACITY, body))
     ok = [(r, t) for r, t in res if r.status_code == 200]
@@ -50,15 +51,17 @@ def test_burst_of_10x_capacity(cluster):
     for r, _ in limited:
         assert r.headers["retry-after"] == "3" and is_openai_error(r)
         assert r.json()["error"]["type"] == "rate_limit_error"
-    assert all(r.json()["usage"]["completion_tokens"] == 24 for r, _ in ok)
+    assert all(r.json()["usage"]["completion_tokens"] == 64 for r, _ in ok)
     assert len({r.json()["choices"][0]["text"] for r, _ in ok}) == 1  # same greedy prompt: same text
     lat_429 = sorted(t for _, t in limited)
     lat_ok = sorted(t for _, t in ok)
     p99 = lat_429[int(0.99 * (len(lat_429) - 1))]
-    print(f"\nburst {len(res)}: {len(ok)} admitted (median {statistics.median(lat_ok):.2f}s), "
+    print(f"\nburst {len(res)}: {len(ok)} admitted (first done {lat_ok[0]:.2f}s, median {statistics.median(lat_ok):.2f}s), "
           f"{len(limited)} x 429 (median {statistics.median(lat_429) * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms)")
-    # "At once": a 429 never waits for a request to finish.
-    assert statistics.median(lat_429) < statistics.median(lat_ok) and p99 < 2.0
+    # "At once": a 429 never waits for a request to finish (capacity frees only then), so the 429s are
+    # answered before the first admitted request is. Against that request, not a number of seconds:
+    # both are CPU-bound here and scale with the machine (stop 44's CI: p99 2.06 s, first done 2.15 s).
+    assert p99 < lat_ok[0], (p99, lat_ok[0])
     wait_clean(cluster)
 
 

@@ -125,7 +125,7 @@ def test_tp2_decode_worker_with_graphs_equals_the_engine(demo_model_dir):
         col = Collector(worker)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             worker.submit_local(GenerateRequest(f"r{i}", tuple(p), sp, 9, time.time()))
-        col.wait(lambda: len(col.finish) == len(prompts), timeout=300)
+        col.wait(lambda: len(col.finish) == len(prompts), stall_s=300)
         m = worker.step_metrics()
         assert m["steps_total"] > m["eager_steps_total"]  # graph replays, with the collectives inside
     finally:

@@ -95,7 +95,7 @@ def test_tp_transfer_is_exact(fixture, p_tp, d_tp, request, tmp_path):
                 rid, result, src = _get(q_out, "result")
                 assert result.ok, result.error
                 sources[rid] = src
-            col.wait(lambda: all(r in col.finish for r in rids), timeout=120)
+            col.wait(lambda: all(r in col.finish for r in rids), stall_s=120)
         assert any(reservations[r][0].num_cached_blocks > 0 for r in ("w1-0", "w1-1"))  # only the rest travelled
         ref = LLMEngine(model_dir, dtype="float32").generate([p for _, p in reservations.values()], params)
         assert [col.tokens[r] for r in reservations] == [list(o.token_ids) for o in ref]
