@@ -8,6 +8,8 @@ Runs on the launcher's asyncio loop (the Ray driver: the router calls the worker
 - a PULL socket the decode workers send their step records to (`stats_sink`): /stats and the
   step-level metrics, recorded once per step however many gateways there are; it takes frames
   carrying a MAC under the cluster's secret only (cluster/wire/frame_auth.py);
+- each finished request's /stats record and phase metrics (router/stats/request_records.py: once its
+  prefill worker's answer is in, which the gateway's Finish can beat);
 - gateway liveness: a gateway that says goodbye or stops sending heartbeats (its process died) has
   every request it held aborted on the workers, so its clients' KV blocks come back. Heartbeats come
   from a thread of the gateway (router/channel/client.py), so a loop busy with one request for
@@ -38,7 +40,8 @@ from router.channel.messages import (ClusterState, Drain, FirstToken, Finish, Go
 from router.stats.metrics import RouterMetrics
 from router.streams.receive_loop import received, verified
 from router.router import PlacedRequest, Router
-from router.stats.step_stats import StepStats, TTFTPoints, prefill_timeline
+from router.stats.request_records import RequestRecords
+from router.stats.step_stats import StepStats, TTFTPoints
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class RouterServer:
         self._stats_verifier = FrameVerifier(secret, STATS_SINK)
         self.metrics = metrics
         self.step_stats = StepStats()
+        self.records = RequestRecords(self.step_stats, metrics)
         self.gateways_expected = gateways_expected
         self.block_size = block_size
         self.gateway_timeout_s = gateway_timeout_s
@@ -130,6 +134,7 @@ class RouterServer:
         if self.router is not None:
             await self.router.stop()
         await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        self.records.flush()
         self.close()
 
     def close(self) -> None:
@@ -165,6 +170,7 @@ class RouterServer:
         g = self._gateway_of(rs)
         if g is not None and g.up:
             self._send(g.identity, PrefillDone(rs.request_id, rs.worker_request_id, rs.cached_tokens))
+        self.records.answered(rs)  # a request that finished first is recorded now, with its timeline
 
     def cluster_state(self) -> ClusterState:
         r = self.router
@@ -211,10 +217,7 @@ class RouterServer:
                 points = TTFTPoints(rs.origin.arrival_time, rs.admitted_time or placed,
                                     None if rs.local_prefill else rs.dispatched_time, placed, msg.first_token_time,
                                     rs.origin.received_time, msg.first_written_time)
-                self.step_stats.record_request(rs.request_id, points, msg.finished_time, msg.completion_tokens,
-                                               rs.prefill_result, rs.local_prefill)
-                self.metrics.request_finished(points, msg.finished_time,
-                                              prefill_timeline(rs.prefill_result, rs.local_prefill))
+                self.records.finished(rs, points, msg.finished_time, msg.completion_tokens)
         elif isinstance(msg, Migrate):
             self._spawn(self._migrate(identity, msg))
         elif isinstance(msg, Query):
