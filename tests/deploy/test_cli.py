@@ -2,7 +2,8 @@ import subprocess
 import sys
 
 
-def _pdserve(*args, timeout=120):
+# Generous: `generate` imports torch (~10 s of CPU), minutes at the other test stream's nice 10 on a busy machine.
+def _pdserve(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 

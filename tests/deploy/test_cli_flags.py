@@ -233,7 +233,9 @@ def test_the_gateway_applies_the_defaults_unless_the_request_sets_them(demo_mode
 # -- errors found before Ray starts ---------------------------------------------------------------------
 def test_model_without_a_tokenizer_fails_before_ray_once_and_whole(tmp_path, demo_model_dir):
     m = _model_copy(demo_model_dir, tmp_path / "no-tok", tokenizer=False)
-    r = _pdserve("serve", str(m), "--port", "0")
+    # Generous: the command imports torch, transformers and Ray before it loads the tokenizer (~15 s of CPU
+    # on a fast machine), minutes at the other test stream's nice 10 on a busy one.
+    r = _pdserve("serve", str(m), "--port", "0", timeout=420)
     _one_error(r, "cannot load a tokenizer from", str(m))
 
 

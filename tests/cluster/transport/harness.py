@@ -59,7 +59,9 @@ class DecodeSide:
         self.transport.expect(res, prefill_id)
         return PrefillTask(req, res)
 
-    def wait_arrivals(self, n, timeout=30.0):
+    # Generous by default: the prefill may be a child process at the other test stream's nice 10 (prefills,
+    # a gloo pair forming), which a busy machine may leave a tenth of a core; tests of a timeout pass theirs.
+    def wait_arrivals(self, n, timeout=120.0):
         out, deadline = [], time.monotonic() + timeout
         while len(out) < n and time.monotonic() < deadline:
             got = self.transport.poll_arrivals()

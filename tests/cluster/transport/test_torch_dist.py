@@ -82,9 +82,14 @@ class PrefillProc:
     _ready = False
 
     def wait_ready(self):
+        if self._ready:
+            return
+        # Generous: the child's spawn, torch's import and the model load, ~15 s of CPU, take minutes in
+        # the test run's other stream (nice 10: tests/stream_scheduling.py) on a busy machine.
         self._until_ready = True
-        self.drain(block=True)
+        self.drain(block=True, timeout=240)
         self._until_ready = False
+        assert self._ready, f"the prefill child did not come up (alive: {self.proc.is_alive()})"
 
     def finish(self):
         self.in_q.put(None)
@@ -307,6 +312,7 @@ def test_random_aborts_and_timeouts_never_expose_foreign_blocks(demo_model_dir, 
             if 0.15 <= r < 0.25:
                 dec.transport.cancel(task.reservation, "p0")  # decode side aborts: blocks held until arrival
         for a in dec.transport.poll_arrivals():
+            deadline = time.monotonic() + 60  # restarted by every arrival: the child may get a tenth of a core
             task = live.pop(a.reservation.request_id)
             blocks = list(a.reservation.block_ids)
             if a.error is None:

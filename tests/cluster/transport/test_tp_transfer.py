@@ -71,7 +71,9 @@ def test_tp_transfer_is_exact(fixture, p_tp, d_tp, request, tmp_path):
         dec = DecodeWorker("d0", d_cfg, group=group)
         dec.attach_transport(create_transport(spec, dec.kv_cache, "d0", "decode", group=dec.group,
                                               kv_heads=arch.num_kv_heads))
-        _get(q_out, "ready")
+        # The prefill leader's spawn and torch import, then its followers' (the group's own join_timeout_s
+        # is 300 s) and the model load: minutes in the test run's other stream (nice 10) on a busy machine.
+        _get(q_out, "ready", timeout=300)
         q_in.put(("connect", ["d0"]))
         _get(q_out, "connected")
         rng = random.Random(7)
