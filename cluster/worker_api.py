@@ -117,11 +117,11 @@ class PrefillWorkerAPI(WorkerAPI, Protocol):
         failed: ok=False and `error`)."""
         ...
 
-    async def result(self, call_id: int, incarnation: str) -> PrefillResult:
-        """The answer `submit` would give, of the task the router sent as frame `call_id` to this
-        worker's dispatch socket (stats().extra["dispatch"], cluster/wire/prefill_dispatch.py); waits for
-        the frame if this call came first. Raises if this worker is not `incarnation` (it restarted:
-        the frame went to the one before), or the frame did not come."""
+    async def lifeline(self, incarnation: str) -> str:
+        """Returns (why) only when this worker shuts down; raises at once if it is not `incarnation`.
+        The router keeps one pending per worker it sends frames to (cluster/wire/prefill_dispatch.py):
+        the call fails when the actor dies or restarts, which fails the dispatches still unanswered,
+        as a Ray call per prompt would."""
         ...
 
     def attach(self, request_id: str, reservation: Reservation) -> None:

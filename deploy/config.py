@@ -253,8 +253,9 @@ class ClusterConfig(BaseModel):
     stats_interval_s: float = Field(_d("stats_interval_s"), gt=0.0)
     """How often the router polls every worker's stats."""
     prefill_dispatch: Literal["zmq", "ray"] = "zmq"
-    """How a prompt reaches its prefill worker. 'zmq': a signed frame to its dispatch socket, the answer
-    through Ray (cluster/wire/prefill_dispatch.py); 'ray': a Ray actor call, a round trip more."""
+    """How a prompt reaches its prefill worker. 'zmq': a signed frame to its dispatch socket and its answer
+    as a frame back to the router (cluster/wire/prefill_dispatch.py; one Ray call per worker watches it
+    live); 'ray': a Ray actor call per prompt, a round trip more."""
     call_timeout_s: float = Field(_d("call_timeout_s"), gt=0.0)
     """Timeout of the router's control calls to workers (reserve, stats, abort)."""
     prefill_timeout_s: float = Field(_d("prefill_timeout_s"), gt=0.0)

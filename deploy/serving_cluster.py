@@ -59,6 +59,7 @@ from router.stats.arrival_stats import ArrivalStats
 from router.stats.metrics import RouterMetrics
 from router.router import Router, WorkerClient
 from router.channel.server import RouterServer
+from router.workers.prefill_answers import PrefillAnswers
 
 log = logging.getLogger("pdserve.launch")
 
@@ -76,6 +77,7 @@ class ServingCluster:
                                   decode_actor_cls=decode_actor_cls)
         self.router: Router | None = None  # on this process's serving loop
         self.router_server: RouterServer | None = None
+        self.prefill_answers: PrefillAnswers | None = None  # the router's answer socket (prefill_dispatch "zmq")
         self.api_servers: APIServerPool | None = None
         self.model_name: str | None = None
         self.served: ServedModel | None = None  # check(): what it serves, checked before anything starts
@@ -161,8 +163,11 @@ class ServingCluster:
         if cfg.warmup:
             workers.warm_up(workers.handles)
 
-        # Prompts go to prefill workers as signed frames (cfg.prefill_dispatch "zmq"), else as Ray calls.
-        self._dispatch_secret = secret if cfg.prefill_dispatch == "zmq" else None
+        # Prompts go to prefill workers as signed frames and their answers come back as frames to the
+        # router's answer socket (cfg.prefill_dispatch "zmq"), else both as one Ray call.
+        if cfg.prefill_dispatch == "zmq":
+            self.prefill_answers = PrefillAnswers(stream_host, secret,
+                                                  on_rejected=lambda: metrics.frame_rejected("prefill_answer"))
         self.router = Router(
             [self.worker_client(wid, "prefill", h) for wid, h in workers.prefill.items()],
             [self.worker_client(wid, "decode", h) for wid, h in workers.decode.items()],
@@ -180,7 +185,7 @@ class ServingCluster:
 
     def worker_client(self, worker_id: str, role: str, handle) -> WorkerClient:
         """The router's client of a worker of this cluster (also one a role switch starts)."""
-        return WorkerClient(worker_id, role, handle, dispatch_secret=self._dispatch_secret)
+        return WorkerClient(worker_id, role, handle, answers=self.prefill_answers)
 
     def _local_ray(self) -> bool:
         return self.cfg.address is None
@@ -256,6 +261,8 @@ class ServingCluster:
             # during a drain); the router's stop would end them with "abort" under their feet.
             await asyncio.get_running_loop().run_in_executor(None, self.api_servers.stop)
             await rs.stop()
+            if self.prefill_answers is not None:
+                self.prefill_answers.close()  # (on its loop: it cancels the lifelines' tasks)
 
     async def _watch_children(self) -> None:
         """An API server that dies on its own takes its clients with it (the router aborts its
@@ -399,6 +406,8 @@ class ServingCluster:
                 kill_children()
         if self.router_server is not None:
             self.router_server.close()  # closed already if it served
+        if self.prefill_answers is not None:
+            self.prefill_answers.close()  # (the same)
         # The store's process after the workers: they may still talk to it while shutting down.
         if isinstance(self.workers.kv_group, KVTransportGroup):
             self.workers.kv_group.close()

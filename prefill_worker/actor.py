@@ -5,8 +5,9 @@
     ray.get([w.init_transport.remote(spec) for w in all_workers])
     ray.get([w.connect_transport.remote(decode_ids) for w in prefill_workers])  # before /ready
     result = await w.submit.remote(task)                      # -> PrefillResult
-    # or, the router's way: the task as a ZMQ frame to stats().extra["dispatch"]
-    # (cluster/wire/prefill_dispatch.py), its answer from w.result.remote(call_id, incarnation)
+    # or, the router's way: the task as a ZMQ frame to stats().extra["dispatch"] and its answer as a
+    # frame back (cluster/wire/prefill_dispatch.py), with one w.lifeline.remote(incarnation) pending
+    # per router: it fails when the actor dies, and the router fails the dispatches still unanswered
 
 Only small typed messages cross Ray; the KV goes through the transport. Its methods are the prefill
 worker interface, cluster.worker_api.PrefillWorkerAPI, and the fault interface the tests and the chaos
@@ -29,7 +30,7 @@ from cluster.transport.factory import TransportSpec, create_transport
 from cluster.transport.rendezvous_store import local_address_towards
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
-from prefill_worker.dispatch_inbox import DispatchError, DispatchInbox
+from prefill_worker.dispatch_inbox import DispatchInbox
 from prefill_worker.prefill_worker import PrefillWorker
 
 
@@ -45,6 +46,7 @@ class PrefillWorkerActor:
             group = lead_group(cfg, rank_launcher.launch)
         self.worker = PrefillWorker(worker_id, cfg, group=group).start()
         self.dispatch: DispatchInbox | None = None  # once the transport is given (init_transport)
+        self._lifeline: asyncio.Future | None = None  # resolved by shutdown (on the actor's loop)
         # HAZARD: submit runs on the dispatch inbox's thread, attach and abort on this actor's loop.
         # Each reads calls_ahead.py's ledger and then changes the worker's jobs in two locked steps: an
         # attach between a submit's two would be held for a prompt already taken, and wait for ever.
@@ -65,8 +67,7 @@ class PrefillWorkerActor:
         # The router's dispatches come here (prefill_worker/dispatch_inbox.py), on the address the KV
         # control inbox binds: this host's on the route to the launcher's store.
         host = (spec.bind_host or local_address_towards(spec.store_host, spec.store_port)) if spec.store_host else None
-        self.dispatch = DispatchInbox(host, f"{w.worker_id}/{self.incarnation}", self._submit, spec.secret,
-                                      receiver=f"{w.worker_id}.{self.incarnation}").start()
+        self.dispatch = DispatchInbox(host, w.worker_id, self.incarnation, self._submit, spec.secret).start()
 
     async def connect_transport(self, decode_worker_ids: list[str]) -> dict[str, float]:
         """Forms and warms the KV channel to every decode worker (seconds each); returns when done.
@@ -87,11 +88,14 @@ class PrefillWorkerActor:
     async def submit(self, task: PrefillTask) -> PrefillResult:
         return await asyncio.wrap_future(self._submit(task))
 
-    async def result(self, call_id: int, incarnation: str) -> PrefillResult:
-        if incarnation != self.incarnation or self.dispatch is None:
-            raise DispatchError(f"prefill worker {self.worker.worker_id} is incarnation {self.incarnation}, not "
-                                f"{incarnation}: the dispatch went to one that restarted")
-        return await self.dispatch.result(call_id)
+    async def lifeline(self, incarnation: str) -> str:
+        if incarnation != self.incarnation:
+            raise RuntimeError(f"prefill worker {self.worker.worker_id} is incarnation {self.incarnation}, not "
+                               f"{incarnation}: it restarted")
+        if self._lifeline is None:
+            self._lifeline = asyncio.get_running_loop().create_future()
+        # shield: one caller giving up (its router closing) must not end the others' wait
+        return await asyncio.shield(self._lifeline)
 
     def attach(self, request_id: str, reservation: Reservation) -> None:
         with self._intake:
@@ -129,6 +133,10 @@ class PrefillWorkerActor:
         self.worker.transport.inject_fault(kind, seconds)
 
     def shutdown(self) -> None:
+        life = self._lifeline
+        if life is not None and not life.get_loop().is_closed():
+            # (threadsafe: which thread Ray runs a sync method of an async actor on is Ray's choice)
+            life.get_loop().call_soon_threadsafe(lambda: life.done() or life.set_result("shut down"))
         if self.dispatch is not None:
             self.dispatch.close()
         self.worker.shutdown()

@@ -5,77 +5,75 @@ A PULL socket on the cluster's internal address, read by a thread of its own: ea
 without the secret, for another worker or for an earlier incarnation of this one is dropped and
 counted), decoded into its PrefillTask and handed to `submit` (PrefillWorker.submit, thread-safe) at
 once, on this thread: the task is queued for the prefill loop without waiting for the actor's event
-loop or Ray. Its answer is read by the router through Ray (`result(call_id)`, on the actor's loop),
-which may come before its frame (two channels, no order between them): the call then waits for the
-frame, at most `arrival_wait_s` (a frame that never comes: the router's socket was connected to an
-earlier incarnation, or the frame was dropped), and fails with the reason.
+loop or Ray.
+
+Its answer goes back as a frame too, to the router's answer socket the dispatch names, once the
+prompt's future resolves (its KV left, or it failed): no Ray call reaches this process per prompt, so
+nothing takes the GIL from the prefill loop while it launches a pass. A task that could not be taken
+(`submit` raised, or `max_calls` dispatches are unanswered already) is answered with the error at
+once. An answer that cannot be queued (the router's socket is gone or stuck) is dropped and counted:
+the router's own deadline, or the worker's lifeline (PrefillWorkerAPI.lifeline), ends its wait.
+
+Threads: frames are read on the inbox's thread; answers are sent from whichever thread resolves the
+prompt's future (the prefill loop, the KV transport's), one at a time under `_send_lock` (a ZMQ socket
+is not thread-safe; the lock hands it from thread to thread with a full memory barrier).
 
 Bounded (cluster/wire/socket_bounds.py): frames of at most MAX_DISPATCH_FRAME bytes, RECV_QUEUED per
-peer before any MAC is checked; at most `max_calls` calls kept (a frame past it is dropped and
-counted: its result call fails when its wait ends). A call whose answer the router never asked for
-(its Ray call lost) is forgotten `arrival_wait_s` after its prompt ended.
+peer before any MAC is checked; answer sockets to at most MAX_ROUTERS routers (the least recently
+used closed past it), each at most RECV_QUEUED answers queued.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Callable
 
 import msgspec
 import zmq
 
-from cluster.wire.frame_auth import PREFILL_DISPATCH, FrameVerifier
+from cluster.wire.frame_auth import PREFILL_ANSWER, PREFILL_DISPATCH, FrameSigner, FrameVerifier
 from cluster.wire.messages import PrefillResult, PrefillTask
-from cluster.wire.prefill_dispatch import decode_dispatch
-from cluster.wire.socket_bounds import MAX_DISPATCH_FRAME, RateLimitedLog, bound
+from cluster.wire.prefill_dispatch import PrefillAnswer, PrefillDispatch, decode_dispatch, encode_answer
+from cluster.wire.socket_bounds import MAX_ANSWER_FRAME, MAX_DISPATCH_FRAME, RateLimitedLog, bound
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100  # the reader's wake-up to see close(); frames wake it at once
-
-
-class DispatchError(RuntimeError):
-    """A dispatch whose task this worker cannot answer for (its frame never came)."""
-
-
-class _Call:
-    __slots__ = ("result", "arrived", "ended_at")
-
-    def __init__(self):
-        self.result: Future = Future()  # PrefillResult, chained from the prompt's own future
-        self.arrived = False  # its frame came (and was handed to submit)
-        self.ended_at = 0.0  # time.monotonic() when `result` resolved
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+MAX_ROUTERS = 8  # routers answered at once (one per cluster; more only across a router's restarts)
 
 
 class DispatchInbox:
-    def __init__(self, host: str | None, name: str, submit: Callable[[PrefillTask], Future], secret: bytes,
-                 receiver: str, *, arrival_wait_s: float = 30.0, max_calls: int = 65536):
-        """host: the address to bind (None: an in-process endpoint, tests); receiver: this worker's id
-        and incarnation, which the MAC binds."""
+    def __init__(self, host: str | None, worker_id: str, incarnation: str, submit: Callable[[PrefillTask], Future],
+                 secret: bytes, *, max_calls: int = 65536):
+        """host: the address to bind (None: an in-process endpoint, tests). The MAC of the frames it
+        takes binds `worker_id` and `incarnation`; its answers carry both."""
         self._submit = submit
-        self.arrival_wait_s = arrival_wait_s
+        self.worker_id, self.incarnation = worker_id, incarnation
+        self._secret = secret
         self.max_calls = max_calls
         self._ctx = zmq.Context.instance()  # (inproc endpoints connect within one context)
         self._sock = bound(self._ctx.socket(zmq.PULL), MAX_DISPATCH_FRAME)
         self._sock.setsockopt(zmq.LINGER, 0)
         if host is None:
-            self.endpoint = f"inproc://pdserve-dispatch/{name}/{id(self)}"
+            self.endpoint = f"inproc://pdserve-dispatch/{worker_id}/{incarnation}/{id(self)}"
             self._sock.bind(self.endpoint)
         else:
             self.endpoint = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
-        self._verifier = FrameVerifier(secret, PREFILL_DISPATCH, receiver.encode())
-        self._lock = threading.Lock()
-        self._calls: OrderedDict[int, _Call] = OrderedDict()  # call_id -> its call, oldest first
+        self._verifier = FrameVerifier(secret, PREFILL_DISPATCH, f"{worker_id}.{incarnation}".encode())
+        self._send_lock = threading.Lock()
+        self._routers: OrderedDict[tuple[str, str], tuple[zmq.Socket, FrameSigner]] = OrderedDict()
+        self._unanswered = 0  # tasks taken whose answer is not sent yet (under _send_lock)
         self.received = 0  # tasks handed to submit
-        self.dropped = 0  # frames with a valid MAC that were no task, or came with the ledger full (not in `rejected`)
+        self.dropped = 0  # frames with a valid MAC that were no task, or came with max_calls unanswered
+        self.answered = 0  # answers queued for their router
+        self.answers_lost = 0  # answers that could not be queued (no such router socket, or it is stuck)
         self._warn = RateLimitedLog(log)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"dispatch-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"dispatch-{worker_id}", daemon=True)
 
     def start(self) -> "DispatchInbox":
         self._thread.start()
@@ -113,72 +111,74 @@ class DispatchInbox:
             self.dropped += 1
             self._warn.warn("dropped a dispatch frame that is no PrefillDispatch: %s", e)
             return
-        with self._lock:
-            call = self._calls.get(msg.call_id)
-            if call is None:
-                self._forget_ended_locked()
-                if len(self._calls) >= self.max_calls:
-                    call = None
-                else:
-                    call = self._calls[msg.call_id] = _Call()
-            elif call.arrived:
-                call = None  # (never from the router: its call ids are not reused)
-            if call is not None:
-                call.arrived = True
-        if call is None:
+        with self._send_lock:
+            full = self._unanswered >= self.max_calls
+            if not full:
+                self._unanswered += 1
+        if full:
             self.dropped += 1
-            self._warn.warn("dropped dispatch %d: a second frame of one call, or %d calls kept already",
-                            msg.call_id, self.max_calls)
+            self._answer(msg, None, f"DispatchFull: prefill worker {self.worker_id} holds {self.max_calls} "
+                                    "unanswered dispatches already", taken=False)
             return
         self.received += 1
         try:
             fut = self._submit(msg.task)
-        except Exception as e:  # noqa: BLE001 - its result call reports it
-            fut = Future()
-            fut.set_exception(e)
-        fut.add_done_callback(lambda f, call=call: self._ended(call, f))
+        except Exception as e:  # noqa: BLE001 - answered with the error
+            self._answer(msg, None, f"{type(e).__name__}: {e}")
+            return
+        fut.add_done_callback(lambda f, msg=msg: self._ended(msg, f))
 
-    def _ended(self, call: _Call, fut: Future) -> None:
-        call.ended_at = time.monotonic()
+    # -- answers: any thread --------------------------------------------------------------------------
+    def _ended(self, msg: PrefillDispatch, fut: Future) -> None:
         e = fut.exception()
-        try:
-            if e is not None:
-                call.result.set_exception(e)
-            else:
-                call.result.set_result(fut.result())
-        except InvalidStateError:
-            pass  # its result call gave up (cancelled) first
+        if e is not None:
+            self._answer(msg, None, f"{type(e).__name__}: {e}")
+        else:
+            self._answer(msg, fut.result(), None)
 
-    def _forget_ended_locked(self) -> None:
-        """Calls ended `arrival_wait_s` ago whose answer nobody asked for (the router's Ray call lost)."""
-        limit = time.monotonic() - self.arrival_wait_s
-        while self._calls:
-            call = next(iter(self._calls.values()))
-            if not (call.result.done() and call.ended_at and call.ended_at < limit):
+    def _answer(self, msg: PrefillDispatch, result: PrefillResult | None, error: str | None,
+                taken: bool = True) -> None:
+        frame = encode_answer(PrefillAnswer(self.worker_id, self.incarnation, msg.call_id, result, error))
+        with self._send_lock:
+            if taken:
+                self._unanswered -= 1
+            if not msg.reply_to:
+                return  # nobody waits for it
+            try:
+                sock, signer = self._router_socket(msg.reply_to, msg.reply_id)
+                # NOTE: never blocks the thread that resolved the prompt (the prefill loop's).
+                sock.send_multipart(signer.sign(frame), zmq.NOBLOCK)
+                self.answered += 1
                 return
-            self._calls.popitem(last=False)
+            except (zmq.ZMQError, ValueError) as e:
+                self.answers_lost += 1
+                why = e
+        self._warn.warn("the answer of dispatch %d (%s) was not sent to %s: %s", msg.call_id,
+                        result.request_id if result is not None else error, msg.reply_to, why)
 
-    # -- the router's Ray call (the actor's event loop) -----------------------------------------------
-    async def result(self, call_id: int) -> PrefillResult:
-        """The answer of dispatch `call_id`: once its prompt's KV left (or it failed). Waits for its
-        frame at most `arrival_wait_s`; raises DispatchError when it did not come."""
-        with self._lock:
-            call = self._calls.get(call_id)
-            if call is None:
-                self._forget_ended_locked()
-                call = self._calls[call_id] = _Call()
-        waiting = asyncio.wrap_future(call.result)
+    def _router_socket(self, reply_to: str, reply_id: str) -> tuple[zmq.Socket, FrameSigner]:
+        """(Under _send_lock.) The PUSH socket to a router's answer socket, connected on first use."""
+        key = (reply_to, reply_id)
+        got = self._routers.get(key)
+        if got is not None:
+            self._routers.move_to_end(key)
+            return got
+        if self._closed.is_set():
+            raise ValueError("the inbox is closed")
+        if not reply_to.startswith(_SCHEMES):
+            raise ValueError(f"no ZMQ endpoint: {reply_to[:80]!r}")
+        sock = bound(self._ctx.socket(zmq.PUSH), MAX_ANSWER_FRAME)
+        sock.setsockopt(zmq.LINGER, 0)
         try:
-            done, _ = await asyncio.wait({waiting}, timeout=self.arrival_wait_s)
-            if not done and not call.arrived:
-                raise DispatchError(f"dispatch {call_id} did not reach this worker within {self.arrival_wait_s:g}s")
-            return await waiting
-        finally:
-            if not waiting.done():
-                waiting.cancel()  # (only the wrapper: the prompt itself goes on)
-            with self._lock:
-                if self._calls.get(call_id) is call:
-                    del self._calls[call_id]
+            sock.connect(reply_to)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        got = self._routers[key] = (sock, FrameSigner(self._secret, PREFILL_ANSWER, reply_id.encode()))
+        while len(self._routers) > MAX_ROUTERS:
+            _, (old, _) = self._routers.popitem(last=False)
+            old.close(linger=0)
+        return got
 
     def close(self) -> None:
         self._closed.set()
@@ -186,3 +186,7 @@ class DispatchInbox:
             self._thread.join(timeout=5.0)
         elif not self._sock.closed:
             self._sock.close(linger=0)
+        with self._send_lock:
+            for sock, _ in self._routers.values():
+                sock.close(linger=0)
+            self._routers.clear()

@@ -1,8 +1,8 @@
 """FrameSigner / FrameVerifier: the cluster's own sockets take frames only from holders of its secret.
 
 The token streams (decode worker -> gateway), the stats sink (decode worker -> router), the KV
-transport's control inbox (prefill -> decode worker) and the prefill dispatch (router -> prefill
-worker) are ZMQ PUSH/PULL sockets on the cluster's
+transport's control inbox (prefill -> decode worker), the prefill dispatch (router -> prefill
+worker) and its answers (prefill worker -> router) are ZMQ PUSH/PULL sockets on the cluster's
 network. Every frame on them is a two-part ZMQ message, [tag, payload]:
 
     tag = sender (8 random bytes, one per signer) | counter (8 bytes, little endian) | MAC (16 bytes)
@@ -20,7 +20,7 @@ for confidentiality (as with NCCL/gloo traffic), not for integrity.
 Why a MAC per frame and not ZMQ CURVE: one keyed hash per frame (~1 us in Python for a token-stream
 frame, benchmarks/bench_frame_auth.py), no handshake, no ZAP authenticator thread per process, and the
 drop is ours to count; CURVE would also encrypt every byte and needs the key exchange and ZAP set up
-on each of the five socket types.
+on each of the six socket types.
 
 An empty secret is refused (`require_secret`: the cluster fails closed): only a test run that sets
 PDSERVE_TEST_EMPTY_SECRET=1 (tests/conftest.py, for pieces built without a launcher) may sign and
@@ -50,6 +50,7 @@ TOKEN_STREAM = b"pdserve-tokens"
 STATS_SINK = b"pdserve-steps"
 KV_CONTROL = b"pdserve-kv-ctl"
 PREFILL_DISPATCH = b"pdserve-dispatch"
+PREFILL_ANSWER = b"pdserve-answer"
 
 
 _TEST_EMPTY_SECRET = "PDSERVE_TEST_EMPTY_SECRET"

@@ -36,6 +36,7 @@ MAX_KV_CONTROL_FRAME = 64 << 20
 MAX_TOKEN_FRAME = 64 << 20
 MAX_STATS_FRAME = 16 << 20
 MAX_DISPATCH_FRAME = 64 << 20  # one prompt's task: ~5 bytes per prompt token
+MAX_ANSWER_FRAME = 1 << 20  # one prompt's PrefillResult: a few hundred bytes
 MAX_INTERNAL_FRAME = 256 << 20  # a worker's own processes (publisher, tensor-parallel ranks)
 RECV_QUEUED = 10_000  # frames a receiving socket holds per peer before ZMQ stops reading from it
 

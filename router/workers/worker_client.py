@@ -11,11 +11,13 @@ signatures are the Protocols' and the actors'.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from typing import Any, Callable
 
 from cluster.wire.messages import (GenerateRequest, KVCacheEvents, PrefillResult, PrefillTask, Reservation, ReserveRequest,
                               WorkerStats)
+from router.workers.prefill_answers import PrefillAnswers
 from router.workers.prefill_dispatcher import PrefillDispatcher
 
 try:  # the router runs without Ray in unit tests; with Ray, a dead actor is recognised at once
@@ -38,26 +40,31 @@ async def with_timeout(aw, timeout: float | None):
     return await asyncio.wait_for(aw, timeout)  # pragma: no cover (Python 3.10)
 
 
+async def call_worker(method: Callable, *args, timeout: float | None):
+    """One call of a bound method of a worker's handle (an actor method or a local one)."""
+    if hasattr(method, "remote"):
+        result = method.remote(*args)
+    else:
+        result = method(*args)
+        if not inspect.isawaitable(result):
+            return result
+    return await with_timeout(result, timeout)
+
+
 class WorkerClient:
-    def __init__(self, worker_id: str, role: str, handle: Any, *, dispatch_secret: bytes | None = None):
-        """dispatch_secret: the cluster's secret, to send a prefill worker its prompts as signed frames
-        (router/workers/prefill_dispatcher.py) once its stats named its dispatch socket; None: every
-        prompt is a Ray call (`submit`)."""
+    def __init__(self, worker_id: str, role: str, handle: Any, *, answers: PrefillAnswers | None = None):
+        """answers: the router's answer socket, to send a prefill worker its prompts as signed frames
+        and take their answers back the same way (router/workers/prefill_dispatcher.py) once its stats
+        named its dispatch socket; None: every prompt is a Ray call (`submit`)."""
         self.worker_id = worker_id
         self.role = role  # "prefill" | "decode"
         self.handle = handle
-        self._dispatch = (PrefillDispatcher(worker_id, dispatch_secret)
-                          if role == "prefill" and dispatch_secret is not None else None)
+        self._dispatch = None
+        if role == "prefill" and answers is not None:
+            lifeline = functools.partial(call_worker, handle.lifeline, timeout=None)
+            self._dispatch = PrefillDispatcher(worker_id, answers, lifeline)
 
-    async def _call(self, method: Callable, *args, timeout: float | None):
-        """One call of a bound method of the handle (an actor method or a local one)."""
-        if hasattr(method, "remote"):
-            result = method.remote(*args)
-        else:
-            result = method(*args)
-            if not inspect.isawaitable(result):
-                return result
-        return await with_timeout(result, timeout)
+    _call = staticmethod(call_worker)
 
     # -- both roles (WorkerAPI) ---------------------------------------------------------------------
     async def stats(self, *, timeout: float | None = None) -> WorkerStats:
@@ -93,9 +100,13 @@ class WorkerClient:
         sent = self._dispatch.send(task) if self._dispatch is not None else None
         if sent is None:
             return await self._call(self.handle.submit, task, timeout=timeout)
-        # The task is on its way as a frame; its answer comes through Ray, which fails this call at
-        # once if the worker dies (as the submit call did) and refuses it from another incarnation.
-        return await self._call(self.handle.result, *sent, timeout=timeout)
+        # The task is on its way as a frame, and its answer will be one: it fails at once if the
+        # worker dies or restarts meanwhile (its lifeline ends), as the submit call did.
+        call_id, answer = sent
+        try:
+            return await with_timeout(answer, timeout)
+        finally:
+            self._dispatch.forget(call_id)
 
     async def attach(self, request_id: str, reservation: Reservation, *, timeout: float | None = None) -> None:
         await self._call(self.handle.attach, request_id, reservation, timeout=timeout)

@@ -24,6 +24,7 @@ from cluster.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI
 from cluster.worker.worker_config import WorkerConfig
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
+from router.workers.prefill_answers import PrefillAnswers
 from router.workers.worker_client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,13 +123,18 @@ def workers(demo_model_dir):
     cfg = WorkerConfig(model_dir=str(demo_model_dir), dtype="float32", num_blocks=64, max_num_seqs=4)
     d = DecodeWorkerActor("d0", cfg, None)
     p = PrefillWorkerActor("p0", cfg)
+    answers = None
     try:
         d.init_transport(spec)
         p.init_transport(spec)
         asyncio.run(p.connect_transport(["d0"]))
-        # The prefill worker's client sends prompts to its dispatch socket (the tests' empty secret).
-        yield WorkerClient("d0", "decode", d), WorkerClient("p0", "prefill", p, dispatch_secret=b""), p
+        # The prefill worker's client sends prompts to its dispatch socket and takes their answers on
+        # the router's answer socket (the tests' empty secret).
+        answers = PrefillAnswers("127.0.0.1", b"")
+        yield WorkerClient("d0", "decode", d), WorkerClient("p0", "prefill", p, answers=answers), p
     finally:
+        if answers is not None:
+            answers.close()
         p.shutdown()
         d.shutdown()
 

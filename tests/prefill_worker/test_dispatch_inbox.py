@@ -1,7 +1,7 @@
-"""DispatchInbox (the prefill worker's end) with PrefillDispatcher (the router's): a task sent as a
-signed frame reaches the worker's submit on the inbox's thread, its result call finds it whichever
-came first, and frames not for this worker (no secret, another incarnation, garbage, too many) are
-dropped and counted, their result calls failing instead of hanging."""
+"""DispatchInbox (the prefill worker's end) with PrefillDispatcher and PrefillAnswers (the router's): a
+task sent as a signed frame reaches the worker's submit on the inbox's thread and its answer comes
+back as a frame; frames not for their receiver (no secret, another incarnation or router, garbage,
+replays, too many) are dropped and counted; a worker's lifeline ending fails what waits for it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import pytest
 import zmq
 
 from cluster.sampling.sampling_params import SamplingParams
-from cluster.wire.frame_auth import PREFILL_DISPATCH, FrameSigner
+from cluster.wire.frame_auth import PREFILL_ANSWER, PREFILL_DISPATCH, FrameSigner
 from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask
-from prefill_worker.dispatch_inbox import DispatchError, DispatchInbox
-from router.workers.prefill_dispatcher import PrefillDispatcher
+from cluster.wire.prefill_dispatch import PrefillAnswer, PrefillDispatch, encode_answer, encode_dispatch
+from cluster.wire.socket_bounds import MAX_DISPATCH_FRAME
+from prefill_worker.dispatch_inbox import DispatchInbox
+from router.workers.prefill_answers import PrefillAnswers
+from router.workers.prefill_dispatcher import PrefillCallFailed, PrefillDispatcher
 
 SECRET = bytes(range(32))
 
@@ -44,151 +47,363 @@ class Worker:
         return f
 
 
-@pytest.fixture
-def pair():
-    worker = Worker()
-    inbox = DispatchInbox("127.0.0.1", "p0/a", worker.submit, SECRET, "p0.inc-a", arrival_wait_s=0.5).start()
-    d = PrefillDispatcher("p0", SECRET)
-    yield worker, inbox, d
-    d.close()
-    inbox.close()
+class Lifeline:
+    """The worker's PrefillWorkerAPI.lifeline as the router calls it: pending until the test ends it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.end: asyncio.Future | None = None
+
+    async def __call__(self, incarnation: str) -> str:
+        self.calls.append(incarnation)
+        self.end = asyncio.get_running_loop().create_future()
+        return await self.end
 
 
-def wait_until(cond, timeout: float = 5.0) -> None:
+class ActorDied(Exception):
+    """Stands for Ray's RayActorError."""
+
+
+def inbox_for(worker: Worker, incarnation: str = "inc-a", **kw) -> DispatchInbox:
+    return DispatchInbox("127.0.0.1", "p0", incarnation, worker.submit, SECRET, **kw).start()
+
+
+def run(main):
+    """Runs the test's coroutine with a router side (answers, dispatcher, lifeline), closed after."""
+    async def wrapped():
+        answers = PrefillAnswers("127.0.0.1", SECRET)
+        life = Lifeline()
+        d = PrefillDispatcher("p0", answers, life)
+        try:
+            return await main(answers, d, life)
+        finally:
+            answers.close()
+    return asyncio.run(wrapped())
+
+
+async def until(cond, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline
-        time.sleep(0.005)
+        await asyncio.sleep(0.005)
 
 
-def test_no_endpoint_no_frame_then_the_task_reaches_submit_on_the_inbox_thread(pair):
-    worker, inbox, d = pair
-    assert d.send(task()) is None  # no stats yet: the caller dispatches through Ray
-    d.follow({"incarnation": "inc-a"})  # a worker without a dispatch socket: still none
-    assert d.send(task()) is None
-    d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
-    call_id, inc = d.send(task("r1"))
-    assert inc == "inc-a"
-    result = asyncio.run(inbox.result(call_id))
-    assert result.request_id == "r1" and result.first_token == 7
-    (t, thread, _), = worker.tasks
-    assert t == task("r1") and thread.startswith("dispatch-")  # not the actor's loop, not Ray's
-    assert inbox.received == 1 and inbox.rejected == 0
+def test_no_endpoint_no_frame_then_the_task_reaches_submit_on_the_inbox_thread_and_the_answer_comes_back():
+    worker = Worker()
+    inbox = inbox_for(worker)
 
-
-def test_the_result_call_may_come_before_its_frame_and_waits_for_the_prompt():
-    worker = Worker(resolve_at_once=False)
-    inbox = DispatchInbox(None, "p0/b", worker.submit, SECRET, "p0.b").start()  # in-process endpoint
-    d = PrefillDispatcher("p0", SECRET)
-    d.follow({"dispatch": inbox.endpoint, "incarnation": "b"})
-
-    async def main():
-        waiting = asyncio.ensure_future(inbox.result(1))  # the Ray call overtook the frame
-        await asyncio.sleep(0.05)
-        assert d.send(task("early")) == (1, "b")
-        while not worker.tasks:
-            await asyncio.sleep(0.005)
-        assert not waiting.done()  # the prompt runs: no arrival deadline once its frame came
-        worker.tasks[0][2].set_result(PrefillResult("early", 3, 0.0, 0.0, 0.0, 0))
-        return await waiting
+    async def main(answers, d, life):
+        assert d.send(task()) is None  # no stats yet: the caller dispatches through Ray
+        d.follow({"incarnation": "inc-a"})  # a worker without a dispatch socket: still none
+        assert d.send(task()) is None
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        call_id, answer = d.send(task("r1"))
+        result = await asyncio.wait_for(answer, 5)
+        assert result.request_id == "r1" and result.first_token == 7
+        assert life.calls == ["inc-a"]  # one lifeline for the incarnation followed
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})  # the next stats: nothing new
+        assert life.calls == ["inc-a"] and answers.taken == 1
+        return call_id
 
     try:
-        assert asyncio.run(main()).first_token == 3
-        assert not inbox._calls  # answered calls are not kept
+        assert run(main) == 1
+        (t, thread, _), = worker.tasks
+        assert t == task("r1") and thread.startswith("dispatch-")  # not the actor's loop, not Ray's
+        assert inbox.received == 1 and inbox.answered == 1 and inbox.rejected == 0
     finally:
-        d.close()
         inbox.close()
 
 
-def test_a_failed_prompt_reaches_its_result_call(pair):
-    worker, inbox, d = pair
-    worker.error = RuntimeError("no room")
-    d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
-    call_id, _ = d.send(task())
-    with pytest.raises(RuntimeError, match="no room"):
-        asyncio.run(inbox.result(call_id))
+@pytest.mark.parametrize("how", ["submit_raises", "prompt_fails"])
+def test_a_failed_prompt_reaches_its_dispatcher_as_an_error(how):
+    worker = Worker(resolve_at_once=False)
+    if how == "submit_raises":
+        worker.error = RuntimeError("no room")
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        _, answer = d.send(task())
+        if how == "prompt_fails":
+            await until(lambda: worker.tasks)
+            worker.tasks[0][2].set_exception(RuntimeError("no room"))
+        with pytest.raises(PrefillCallFailed, match="RuntimeError: no room"):
+            await asyncio.wait_for(answer, 5)
+
+    try:
+        run(main)
+    finally:
+        inbox.close()
+
+
+def test_the_answer_waits_for_the_prompt_and_each_answer_finds_its_own_dispatch():
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        (_, a), (_, b) = d.send(task("a")), d.send(task("b"))
+        await until(lambda: len(worker.tasks) == 2)
+        await asyncio.sleep(0.05)
+        assert not a.done() and not b.done()  # no answer before the prompt's end
+        worker.tasks[1][2].set_result(PrefillResult("b", 2, 0.0, 0.0, 0.0, 0))  # the second ends first
+        assert (await asyncio.wait_for(b, 5)).first_token == 2 and not a.done()
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
+        assert (await asyncio.wait_for(a, 5)).first_token == 1
+
+    try:
+        run(main)
+    finally:
+        inbox.close()
+
+
+def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_answers_again():
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        _, answer = d.send(task("a"))
+        await until(lambda: worker.tasks)
+        died = ActorDied("the actor died")
+        await until(lambda: life.end is not None)
+        life.end.set_exception(died)  # what Ray's lifeline call raises when the actor dies
+        with pytest.raises(ActorDied) as got:
+            await asyncio.wait_for(answer, 5)
+        assert got.value is died  # the dead actor's own error: the router's health marks it dead at once
+        assert d.send(task("b")) is None  # through Ray (which fails at once, or reaches a restarted one)
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})  # it answered stats again
+        await until(lambda: life.calls == ["inc-a", "inc-a"])
+        _, again = d.send(task("c"))
+        await until(lambda: len(worker.tasks) == 2)
+        worker.tasks[1][2].set_result(PrefillResult("c", 4, 0.0, 0.0, 0.0, 0))
+        assert (await asyncio.wait_for(again, 5)).request_id == "c"
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))  # a's late answer: nobody waits
+        await until(lambda: answers.dropped == 1)
+
+    try:
+        run(main)
+    finally:
+        inbox.close()
+
+
+def test_a_worker_that_shuts_down_fails_what_waits_with_why():
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        _, answer = d.send(task())
+        await until(lambda: life.end is not None)
+        life.end.set_result("shut down")
+        with pytest.raises(PrefillCallFailed, match="prefill worker p0 shut down"):
+            await asyncio.wait_for(answer, 5)
+
+    try:
+        run(main)
+    finally:
+        inbox.close()
+
+
+def test_a_restarted_worker_gets_a_new_socket_and_the_old_ones_dispatches_fail():
+    worker = Worker(resolve_at_once=False)
+    old, new = inbox_for(worker), inbox_for(worker, "inc-c")
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": old.endpoint, "incarnation": "inc-a"})
+        _, waiting = d.send(task("a"))
+        await until(lambda: worker.tasks)
+        d.follow({"dispatch": new.endpoint, "incarnation": "inc-c"})
+        with pytest.raises(PrefillCallFailed, match="restarted"):
+            await asyncio.wait_for(waiting, 5)
+        _, answer = d.send(task("c"))
+        await until(lambda: len(worker.tasks) == 2)
+        worker.tasks[1][2].set_result(PrefillResult("c", 4, 0.0, 0.0, 0.0, 0))
+        assert (await asyncio.wait_for(answer, 5)).request_id == "c"
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))  # the old incarnation's answer
+        await until(lambda: answers.dropped == 1)
+        assert life.calls == ["inc-a", "inc-c"]
+
+    try:
+        run(main)
+        assert old.received == 1 and new.received == 1
+    finally:
+        old.close()
+        new.close()
 
 
 @pytest.mark.parametrize("sender", ["another_incarnation", "no_secret", "replayed", "not_a_task"])
-def test_frames_not_for_this_worker_are_dropped_and_their_result_call_fails(pair, sender):
-    worker, inbox, d = pair
+def test_frames_not_for_this_worker_are_dropped_and_counted(sender):
+    worker = Worker()
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(inbox.endpoint)
+        try:
+            if sender == "another_incarnation":  # what a router still connected to the last one sends
+                d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-old"})
+                _, answer = d.send(task())
+                await until(lambda: inbox.rejected == 1)
+                await asyncio.sleep(0.05)
+                assert not answer.done()  # (its lifeline ends it: that incarnation is gone)
+            else:
+                key = b"x" * 32 if sender == "no_secret" else SECRET
+                signer = FrameSigner(key, PREFILL_DISPATCH, b"p0.inc-a")
+                payload = (b"\x93garbage" if sender == "not_a_task"
+                           else encode_dispatch(PrefillDispatch(5, task(), answers.endpoint, answers.reply_id)))
+                frame = signer.sign(payload)
+                sock.send_multipart(frame)
+                if sender == "replayed":  # the first copy is taken, its replay is not
+                    await until(lambda: inbox.answered == 1)
+                    sock.send_multipart(frame)
+                await until(lambda: inbox.rejected + inbox.dropped == 1)
+        finally:
+            sock.close()
+
+    try:
+        run(main)
+        assert inbox.received == (1 if sender == "replayed" else 0) == len(worker.tasks)
+        assert inbox.rejected + inbox.dropped == 1
+    finally:
+        inbox.close()
+
+
+def test_unanswered_dispatches_are_bounded_and_one_past_it_is_answered_at_once():
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker, max_calls=2)
+
+    async def main(answers, d, life):
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        sent = [d.send(task(rid))[1] for rid in "abc"]
+        with pytest.raises(PrefillCallFailed, match="DispatchFull"):
+            await asyncio.wait_for(sent[2], 5)
+        assert inbox.received == 2 and inbox.dropped == 1 and not sent[0].done()
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
+        await asyncio.wait_for(sent[0], 5)
+        _, d4 = d.send(task("d"))  # room again: one was answered
+        await until(lambda: len(worker.tasks) == 3)
+        for _, _, f in worker.tasks[1:]:
+            f.set_result(PrefillResult("x", 1, 0.0, 0.0, 0.0, 0))
+        await asyncio.wait_for(asyncio.gather(sent[1], d4), 5)
+
+    try:
+        run(main)
+    finally:
+        inbox.close()
+
+
+def test_an_oversized_frame_is_never_held_and_the_socket_serves_on():
+    worker = Worker()
+    inbox = inbox_for(worker)
+    attacker = zmq.Context.instance().socket(zmq.PUSH)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(inbox.endpoint)
+
+    async def main(answers, d, life):
+        attacker.send_multipart([b"t" * 32, b"\0" * (MAX_DISPATCH_FRAME + 1)])  # ZMQ drops the peer at its size
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        _, answer = d.send(task("after"))
+        assert (await asyncio.wait_for(answer, 5)).request_id == "after"
+
+    try:
+        run(main)
+        assert inbox.rejected == 0  # nothing of the big frame reached the MAC check
+    finally:
+        attacker.close()
+        inbox.close()
+
+
+def test_an_answer_that_cannot_be_sent_is_counted_and_the_inbox_serves_on():
+    worker = Worker()
+    inbox = inbox_for(worker)
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(inbox.endpoint)
     try:
-        if sender == "another_incarnation":  # what a router still connected to the last one sends
-            d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-old"})
-            call_id, _ = d.send(task())
-        else:
-            from cluster.wire.prefill_dispatch import PrefillDispatch, encode_dispatch
-            call_id = 5
-            key = b"x" * 32 if sender == "no_secret" else SECRET
-            signer = FrameSigner(key, PREFILL_DISPATCH, b"p0.inc-a")
-            payload = b"\x93garbage" if sender == "not_a_task" else encode_dispatch(PrefillDispatch(call_id, task()))
-            frame = signer.sign(payload)
-            sock.send_multipart(frame)
-            if sender == "replayed":  # the first copy is taken, its replay is not
-                wait_until(lambda: inbox.received == 1)
-                asyncio.run(inbox.result(call_id))
-                sock.send_multipart(frame)
-                wait_until(lambda: inbox.rejected == 1)
-                call_id = 6  # (the replay would have been this call's frame)
-        with pytest.raises(DispatchError, match="did not reach this worker"):
-            asyncio.run(inbox.result(call_id))
-        assert inbox.received == (1 if sender == "replayed" else 0)
-        assert inbox.rejected + inbox.dropped == 1
+        signer = FrameSigner(SECRET, PREFILL_DISPATCH, b"p0.inc-a")
+        sock.send_multipart(signer.sign(encode_dispatch(PrefillDispatch(1, task("x"), "nowhere", "r"))))
+        sock.send_multipart(signer.sign(encode_dispatch(PrefillDispatch(2, task("y")))))  # nobody waits
+        deadline = time.monotonic() + 5
+        while inbox.received < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert inbox.received == 2 and inbox.answers_lost == 1 and inbox.answered == 0
     finally:
         sock.close()
-
-
-def test_a_restarted_worker_gets_a_new_socket_and_the_old_one_nothing_more(pair):
-    worker, old, d = pair
-    new = DispatchInbox("127.0.0.1", "p0/c", worker.submit, SECRET, "p0.inc-c").start()
-    try:
-        d.follow({"dispatch": old.endpoint, "incarnation": "inc-a"})
-        asyncio.run(old.result(d.send(task("a"))[0]))
-        d.follow({"dispatch": new.endpoint, "incarnation": "inc-c"})
-        call_id, inc = d.send(task("c"))
-        assert inc == "inc-c" and asyncio.run(new.result(call_id)).request_id == "c"
-        assert [t.request.request_id for t, _, _ in worker.tasks] == ["a", "c"] and old.received == 1
-    finally:
-        new.close()
-
-
-def test_calls_kept_are_bounded_and_unasked_answers_forgotten():
-    worker = Worker()
-    inbox = DispatchInbox("127.0.0.1", "p0/d", worker.submit, SECRET, "p0.d", arrival_wait_s=0.2, max_calls=2).start()
-    d = PrefillDispatcher("p0", SECRET)
-    d.follow({"dispatch": inbox.endpoint, "incarnation": "d"})
-    try:
-        for rid in "abc":  # nobody asks for these answers (their Ray calls lost)
-            d.send(task(rid))
-        wait_until(lambda: inbox.received + inbox.dropped == 3)
-        assert inbox.received == 2 and inbox.dropped == 1  # the third found the ledger full
-        time.sleep(0.25)  # the two answers are older than arrival_wait_s now
-        call_id, _ = d.send(task("d"))
-        assert asyncio.run(inbox.result(call_id)).request_id == "d"  # room again: the old ones forgotten
-        assert not inbox._calls
-    finally:
-        d.close()
         inbox.close()
 
 
-def test_an_oversized_frame_is_never_held_and_the_socket_serves_on(pair):
-    from cluster.wire.socket_bounds import MAX_DISPATCH_FRAME
+@pytest.mark.parametrize("forger", ["no_secret", "for_another_router", "replayed"])
+def test_answers_not_for_this_router_are_dropped_and_counted(forger):
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+    rejected = []
 
-    worker, inbox, d = pair
-    attacker = zmq.Context.instance().socket(zmq.PUSH)
-    attacker.setsockopt(zmq.LINGER, 0)
-    attacker.connect(inbox.endpoint)
-    try:
-        attacker.send_multipart([b"t" * 32, b"\0" * (MAX_DISPATCH_FRAME + 1)])  # ZMQ drops the peer at its size
+    async def main(_, d, life):
+        answers = d._answers
+        answers._on_rejected = lambda: rejected.append(1)
         d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
-        call_id, _ = d.send(task("after"))
-        assert asyncio.run(inbox.result(call_id)).request_id == "after"
-        assert inbox.rejected == 0  # nothing of the big frame reached the MAC check
+        call_id, answer = d.send(task("a"))
+        await until(lambda: worker.tasks)
+        key = b"x" * 32 if forger == "no_secret" else SECRET
+        receiver = b"router-other" if forger == "for_another_router" else answers.reply_id.encode()
+        forged = FrameSigner(key, PREFILL_ANSWER, receiver).sign(encode_answer(PrefillAnswer(
+            "p0", "inc-a", call_id, PrefillResult("a", 666, 0.0, 0.0, 0.0, 0))))
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(answers.endpoint)
+        try:
+            if forger == "replayed":  # a genuine answer's frame, sent a second time
+                worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
+                assert (await asyncio.wait_for(answer, 5)).first_token == 1
+                genuine = FrameSigner(SECRET, PREFILL_ANSWER, answers.reply_id.encode())
+                frame = genuine.sign(encode_answer(PrefillAnswer("p0", "inc-a", 2, PrefillResult("b", 2, 0, 0, 0, 0))))
+                call_id, answer = d.send(task("b"))
+                sock.send_multipart(frame)
+                assert (await asyncio.wait_for(answer, 5)).first_token == 2
+                call_id, answer = d.send(task("c"))  # (what waits now)
+                sock.send_multipart(frame)
+            else:
+                sock.send_multipart(forged)
+            await until(lambda: rejected)
+            await asyncio.sleep(0.05)
+            assert not answer.done()
+        finally:
+            sock.close()
+
+    try:
+        run(main)
+        assert len(rejected) == 1
     finally:
-        attacker.close()
+        inbox.close()
+
+
+def test_the_actors_lifeline_ends_at_shutdown_and_refuses_another_incarnation():
+    from prefill_worker.actor import PrefillWorkerActor
+
+    class Stopped:
+        transport = None
+
+        def shutdown(self):
+            pass
+
+    actor = PrefillWorkerActor.__new__(PrefillWorkerActor)  # (its state without a model)
+    actor.worker, actor.incarnation, actor.dispatch, actor._lifeline = Stopped(), "inc-a", None, None
+    actor.worker.worker_id = "p0"
+
+    async def main():
+        with pytest.raises(RuntimeError, match="restarted"):
+            await actor.lifeline("inc-old")
+        first, second = (asyncio.ensure_future(actor.lifeline("inc-a")) for _ in range(2))
+        await asyncio.sleep(0.05)
+        first.cancel()  # one router gone: the other's wait goes on
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        await asyncio.to_thread(actor.shutdown)  # (from another thread: Ray may run it anywhere)
+        return await asyncio.wait_for(second, 5)
+
+    assert asyncio.run(main()) == "shut down"
 
 
 def test_the_actor_runs_a_submit_and_an_attach_or_abort_one_at_a_time():

@@ -97,7 +97,7 @@ def _worker_listeners() -> set[tuple[int, str, int]]:
 
 def test_internal_sockets_listen_on_loopback_only(cluster):
     """In the local cluster the KV rendezvous store (its own process, the launcher's child), the
-    router's step-record sink (launcher), the token streams and the HTTP port (API servers), the
+    router's step-record sink and prefill answer socket (launcher), the token streams and the HTTP port (API servers), the
     decode workers' KV control inboxes and the gloo pairs (both formed before /ready) listen on
     127.0.0.1, never a wildcard. (Each worker process also has Ray's own core-worker server, there
     before the KV transport group formed: Ray's.)"""
@@ -110,6 +110,7 @@ def test_internal_sockets_listen_on_loopback_only(cluster):
     assert {c.laddr.port: c.laddr.ip for c in psutil.Process(store.pid).net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN} == {store.port: "127.0.0.1"}
     assert mine[int(cluster.router_server.stats_sink.rsplit(":", 1)[1])] == "127.0.0.1"
+    assert mine[int(cluster.prefill_answers.endpoint.rsplit(":", 1)[1])] == "127.0.0.1"
     sinks = {g.sink for g in cluster.router_server.gateways.values()}
     gateways = {(c.laddr.ip, c.laddr.port) for pid in api_server_pids(cluster)
                 for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}

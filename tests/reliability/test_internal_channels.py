@@ -1,8 +1,8 @@
 """Internal channels admit only the cluster (issue 29 item 4), on a real cluster (1 prefill + 1 decode
 worker, KV over gloo, the API server a separate process): a process on the cluster's network without
 the cluster's secret sends well-formed frames to the token stream of a request in flight, to the
-router's stats sink, to the decode worker's KV control inbox and to the prefill worker's dispatch
-socket. Each is dropped (the stream's text
+router's stats sink, to the decode worker's KV control inbox, to the prefill worker's dispatch
+socket and to the router's answer socket. Each is dropped (the stream's text
 is the reference's, no step record or transfer appears) and counted in /metrics
 (`pdserve:frames_rejected_total{channel=...}`), and the cluster serves on. (The sockets bind the
 loopback in a one-node cluster: test_disconnects.py::test_internal_sockets_listen_on_loopback_only;
@@ -23,8 +23,8 @@ import pytest
 import zmq
 
 from cluster.sampling.sampling_params import SamplingParams
-from cluster.wire.messages import GenerateRequest, PrefillTask
-from cluster.wire.prefill_dispatch import PrefillDispatch, encode_dispatch
+from cluster.wire.messages import GenerateRequest, PrefillResult, PrefillTask
+from cluster.wire.prefill_dispatch import PrefillAnswer, PrefillDispatch, encode_answer, encode_dispatch
 from cluster.wire.stream_messages import DecodeStepRecord, StepRecordBatch, StreamBatch, StreamDelta, encode
 from cluster.transport.channel import Abort, Begin
 from reliability_harness import MODEL, start_cluster, wait_clean
@@ -94,15 +94,19 @@ def test_frames_without_the_clusters_secret_are_dropped_and_counted(cluster, ref
                         task = encode_dispatch(PrefillDispatch(1, PrefillTask(GenerateRequest(
                             "forged", (1, 2, 3), SamplingParams(max_tokens=4), 0, time.time()))))
                         _push(router.view("prefill-0").stats.extra["dispatch"], [task, [b"\x02" * 32, task]])
+                        # ... and its answer into the router's answer socket.
+                        answer = encode_answer(PrefillAnswer("prefill-0", "?", 1, PrefillResult(wrid, 7, 0, 0, 0, 0)))
+                        _push(sc.prefill_answers.endpoint, [answer, [b"\x03" * 32, answer]])
             return text, forged
 
     text, forged = asyncio.run(main())
     assert forged and text == ref.text and "INJECTED" not in text
     deadline = time.monotonic() + 10
-    want = {"token_stream": 3.0, "stats_sink": 1.0, "kv_control": 2.0, "prefill_dispatch": 2.0}
+    want = {"token_stream": 3.0, "stats_sink": 1.0, "kv_control": 2.0, "prefill_dispatch": 2.0, "prefill_answer": 2.0}
     while True:  # the workers' counts reach /metrics with the router's next stats poll
         got = _rejected(sc.url)
-        delta = {k: got.get(k, 0.0) - before.get(k, 0.0) for k in ("token_stream", "stats_sink", "kv_control", "prefill_dispatch")}
+        delta = {k: got.get(k, 0.0) - before.get(k, 0.0) for k in ("token_stream", "stats_sink", "kv_control", "prefill_dispatch",
+                                                          "prefill_answer")}
         if delta == want or time.monotonic() > deadline:
             break
         time.sleep(0.1)
