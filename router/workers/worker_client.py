@@ -11,7 +11,6 @@ signatures are the Protocols' and the actors'.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 from typing import Any, Callable
 
@@ -61,8 +60,9 @@ class WorkerClient:
         self.handle = handle
         self._dispatch = None
         if role == "prefill" and answers is not None:
-            lifeline = functools.partial(call_worker, handle.lifeline, timeout=None)
-            self._dispatch = PrefillDispatcher(worker_id, answers, lifeline)
+            # (read when a worker names its dispatch socket: the router's test fakes have none, nor this)
+            self._dispatch = PrefillDispatcher(worker_id, answers,
+                                               lambda incarnation: call_worker(handle.lifeline, incarnation, timeout=None))
 
     _call = staticmethod(call_worker)
 
