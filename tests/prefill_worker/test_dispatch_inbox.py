@@ -64,25 +64,42 @@ class ActorDied(Exception):
     """Stands for Ray's RayActorError."""
 
 
+def pusher(endpoint: str) -> zmq.Socket:
+    """A raw PUSH socket to `endpoint`: frames as anyone on the cluster's network can send them."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
 def inbox_for(worker: Worker, incarnation: str = "inc-a", **kw) -> DispatchInbox:
     return DispatchInbox("127.0.0.1", "p0", incarnation, worker.submit, SECRET, **kw).start()
 
 
-def run(main):
-    """Runs the test's coroutine with a router side (answers, dispatcher, lifeline), closed after."""
+def run(main, *inboxes: DispatchInbox, follow: bool = True):
+    """Runs the test's coroutine with a router side (answers, dispatcher, lifeline), which follows the
+    first inbox's worker first if `follow`; closes the router side and the inboxes after."""
     async def wrapped():
         answers = PrefillAnswers("127.0.0.1", SECRET)
         life = Lifeline()
         d = PrefillDispatcher("p0", answers, life)
         try:
+            if follow and inboxes:
+                d.follow({"dispatch": inboxes[0].endpoint, "incarnation": inboxes[0].incarnation})
             return await main(answers, d, life)
         finally:
             answers.close()
-    return asyncio.run(wrapped())
+    try:
+        return asyncio.run(wrapped())
+    finally:
+        for inbox in inboxes:
+            inbox.close()
 
 
 async def until(cond, timeout: float = 5.0) -> None:
+    """Until cond(), yielding to the loop at least once (the tasks the step before made have started)."""
     deadline = time.monotonic() + timeout
+    await asyncio.sleep(0)
     while not cond():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.005)
@@ -105,13 +122,10 @@ def test_no_endpoint_no_frame_then_the_task_reaches_submit_on_the_inbox_thread_a
         assert life.calls == ["inc-a"] and answers.taken == 1
         return call_id
 
-    try:
-        assert run(main) == 1
-        (t, thread, _), = worker.tasks
-        assert t == task("r1") and thread.startswith("dispatch-")  # not the actor's loop, not Ray's
-        assert inbox.received == 1 and inbox.answered == 1 and inbox.rejected == 0
-    finally:
-        inbox.close()
+    assert run(main, inbox, follow=False) == 1
+    (t, thread, _), = worker.tasks
+    assert t == task("r1") and thread.startswith("dispatch-")  # not the actor's loop, not Ray's
+    assert inbox.received == 1 and inbox.answered == 1 and inbox.rejected == 0
 
 
 @pytest.mark.parametrize("how", ["submit_raises", "prompt_fails"])
@@ -122,7 +136,6 @@ def test_a_failed_prompt_reaches_its_dispatcher_as_an_error(how):
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
         _, answer = d.send(task())
         if how == "prompt_fails":
             await until(lambda: worker.tasks)
@@ -130,10 +143,7 @@ def test_a_failed_prompt_reaches_its_dispatcher_as_an_error(how):
         with pytest.raises(PrefillCallFailed, match="RuntimeError: no room"):
             await asyncio.wait_for(answer, 5)
 
-    try:
-        run(main)
-    finally:
-        inbox.close()
+    run(main, inbox)
 
 
 def test_the_answer_waits_for_the_prompt_and_each_answer_finds_its_own_dispatch():
@@ -141,7 +151,6 @@ def test_the_answer_waits_for_the_prompt_and_each_answer_finds_its_own_dispatch(
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
         (_, a), (_, b) = d.send(task("a")), d.send(task("b"))
         await until(lambda: len(worker.tasks) == 2)
         await asyncio.sleep(0.05)
@@ -151,10 +160,7 @@ def test_the_answer_waits_for_the_prompt_and_each_answer_finds_its_own_dispatch(
         worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
         assert (await asyncio.wait_for(a, 5)).first_token == 1
 
-    try:
-        run(main)
-    finally:
-        inbox.close()
+    run(main, inbox)
 
 
 def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_answers_again():
@@ -162,7 +168,6 @@ def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
         _, answer = d.send(task("a"))
         await until(lambda: worker.tasks)
         died = ActorDied("the actor died")
@@ -181,10 +186,7 @@ def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_
         worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))  # a's late answer: nobody waits
         await until(lambda: answers.dropped == 1)
 
-    try:
-        run(main)
-    finally:
-        inbox.close()
+    run(main, inbox)
 
 
 def test_a_worker_that_shuts_down_fails_what_waits_with_why():
@@ -192,17 +194,13 @@ def test_a_worker_that_shuts_down_fails_what_waits_with_why():
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
         _, answer = d.send(task())
         await until(lambda: life.end is not None)
         life.end.set_result("shut down")
         with pytest.raises(PrefillCallFailed, match="prefill worker p0 shut down"):
             await asyncio.wait_for(answer, 5)
 
-    try:
-        run(main)
-    finally:
-        inbox.close()
+    run(main, inbox)
 
 
 def test_a_restarted_worker_gets_a_new_socket_and_the_old_ones_dispatches_fail():
@@ -212,7 +210,7 @@ def test_a_restarted_worker_gets_a_new_socket_and_the_old_ones_dispatches_fail()
     async def main(answers, d, life):
         d.follow({"dispatch": old.endpoint, "incarnation": "inc-a"})
         _, waiting = d.send(task("a"))
-        await until(lambda: worker.tasks)
+        await until(lambda: worker.tasks and life.calls == ["inc-a"])  # its lifeline pending
         d.follow({"dispatch": new.endpoint, "incarnation": "inc-c"})
         with pytest.raises(PrefillCallFailed, match="restarted"):
             await asyncio.wait_for(waiting, 5)
@@ -224,12 +222,8 @@ def test_a_restarted_worker_gets_a_new_socket_and_the_old_ones_dispatches_fail()
         await until(lambda: answers.dropped == 1)
         assert life.calls == ["inc-a", "inc-c"]
 
-    try:
-        run(main)
-        assert old.received == 1 and new.received == 1
-    finally:
-        old.close()
-        new.close()
+    run(main, old, new, follow=False)
+    assert old.received == 1 and new.received == 1
 
 
 @pytest.mark.parametrize("sender", ["another_incarnation", "no_secret", "replayed", "not_a_task"])
@@ -238,9 +232,7 @@ def test_frames_not_for_this_worker_are_dropped_and_counted(sender):
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(inbox.endpoint)
+        sock = pusher(inbox.endpoint)
         try:
             if sender == "another_incarnation":  # what a router still connected to the last one sends
                 d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-old"})
@@ -262,12 +254,9 @@ def test_frames_not_for_this_worker_are_dropped_and_counted(sender):
         finally:
             sock.close()
 
-    try:
-        run(main)
-        assert inbox.received == (1 if sender == "replayed" else 0) == len(worker.tasks)
-        assert inbox.rejected + inbox.dropped == 1
-    finally:
-        inbox.close()
+    run(main, inbox, follow=False)
+    assert inbox.received == (1 if sender == "replayed" else 0) == len(worker.tasks)
+    assert inbox.rejected + inbox.dropped == 1
 
 
 def test_unanswered_dispatches_are_bounded_and_one_past_it_is_answered_at_once():
@@ -275,7 +264,6 @@ def test_unanswered_dispatches_are_bounded_and_one_past_it_is_answered_at_once()
     inbox = inbox_for(worker, max_calls=2)
 
     async def main(answers, d, life):
-        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
         sent = [d.send(task(rid))[1] for rid in "abc"]
         with pytest.raises(PrefillCallFailed, match="DispatchFull"):
             await asyncio.wait_for(sent[2], 5)
@@ -288,18 +276,13 @@ def test_unanswered_dispatches_are_bounded_and_one_past_it_is_answered_at_once()
             f.set_result(PrefillResult("x", 1, 0.0, 0.0, 0.0, 0))
         await asyncio.wait_for(asyncio.gather(sent[1], d4), 5)
 
-    try:
-        run(main)
-    finally:
-        inbox.close()
+    run(main, inbox)
 
 
 def test_an_oversized_frame_is_never_held_and_the_socket_serves_on():
     worker = Worker()
     inbox = inbox_for(worker)
-    attacker = zmq.Context.instance().socket(zmq.PUSH)
-    attacker.setsockopt(zmq.LINGER, 0)
-    attacker.connect(inbox.endpoint)
+    attacker = pusher(inbox.endpoint)
 
     async def main(answers, d, life):
         attacker.send_multipart([b"t" * 32, b"\0" * (MAX_DISPATCH_FRAME + 1)])  # ZMQ drops the peer at its size
@@ -308,19 +291,16 @@ def test_an_oversized_frame_is_never_held_and_the_socket_serves_on():
         assert (await asyncio.wait_for(answer, 5)).request_id == "after"
 
     try:
-        run(main)
+        run(main, inbox, follow=False)
         assert inbox.rejected == 0  # nothing of the big frame reached the MAC check
     finally:
         attacker.close()
-        inbox.close()
 
 
 def test_an_answer_that_cannot_be_sent_is_counted_and_the_inbox_serves_on():
     worker = Worker()
     inbox = inbox_for(worker)
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(inbox.endpoint)
+    sock = pusher(inbox.endpoint)
     try:
         signer = FrameSigner(SECRET, PREFILL_DISPATCH, b"p0.inc-a")
         sock.send_multipart(signer.sign(encode_dispatch(PrefillDispatch(1, task("x"), "nowhere", "r"))))
@@ -350,9 +330,7 @@ def test_answers_not_for_this_router_are_dropped_and_counted(forger):
         receiver = b"router-other" if forger == "for_another_router" else answers.reply_id.encode()
         forged = FrameSigner(key, PREFILL_ANSWER, receiver).sign(encode_answer(PrefillAnswer(
             "p0", "inc-a", call_id, PrefillResult("a", 666, 0.0, 0.0, 0.0, 0))))
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(answers.endpoint)
+        sock = pusher(answers.endpoint)
         try:
             if forger == "replayed":  # a genuine answer's frame, sent a second time
                 worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
@@ -372,11 +350,8 @@ def test_answers_not_for_this_router_are_dropped_and_counted(forger):
         finally:
             sock.close()
 
-    try:
-        run(main)
-        assert len(rejected) == 1
-    finally:
-        inbox.close()
+    run(main, inbox, follow=False)
+    assert len(rejected) == 1
 
 
 def test_the_actors_lifeline_ends_at_shutdown_and_refuses_another_incarnation():
