@@ -121,6 +121,16 @@ class DispatchInbox:
                                     "unanswered dispatches already", taken=False)
             return
         self.received += 1
+        if msg.reply_to:
+            # Connected now, not when the answer is ready: the handshake with the router's answer socket
+            # overlaps the prompt's pass instead of holding its answer (a first answer on a fresh socket
+            # waited for the TCP connect and ZMTP handshake, after the KV had left). A bad endpoint is
+            # reported when the answer cannot be sent.
+            with self._send_lock:
+                try:
+                    self._router_socket(msg.reply_to, msg.reply_id)
+                except (zmq.ZMQError, ValueError):
+                    pass
         try:
             fut = self._submit(msg.task)
         except Exception as e:  # noqa: BLE001 - answered with the error

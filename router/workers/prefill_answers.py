@@ -7,7 +7,9 @@ router's event loop once `start()` ran there. A frame is taken only with a MAC u
 secret bound to this router (`reply_id`, drawn here: an answer meant for another router, or replayed,
 is dropped and counted, `on_rejected`), and handed to the PrefillDispatcher of the worker it names
 (`register`), which resolves the waiting dispatch. An answer for no registered worker, or no waiting
-dispatch (given up meanwhile), is dropped.
+dispatch (given up meanwhile), is dropped. The dispatches' call ids are drawn here (`next_call_id`),
+one sequence for the router: a worker id registered again (its client made anew) closes the old
+dispatcher, whose waits fail, and no call id of the new one can match an answer meant for the old.
 
 Bounded (cluster/wire/socket_bounds.py): answers of at most MAX_ANSWER_FRAME bytes, RECV_QUEUED per
 worker before any MAC is checked.
@@ -16,6 +18,7 @@ worker before any MAC is checked.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from typing import Callable, Protocol
@@ -57,6 +60,7 @@ class PrefillAnswers:
         self._verifier = FrameVerifier(secret, PREFILL_ANSWER, self.reply_id.encode())
         self._on_rejected = on_rejected or (lambda: None)
         self._dispatchers: dict[str, AnswerTaker] = {}
+        self._call_ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self.taken = 0  # answers handed to their dispatcher
         self.dropped = 0  # answers with a valid MAC for no waiting dispatch, or no PrefillAnswer
@@ -65,9 +69,17 @@ class PrefillAnswers:
     def rejected(self) -> int:
         return self._verifier.rejected
 
+    def next_call_id(self) -> int:
+        """A dispatch's call id: never reused by any dispatcher of this router."""
+        return next(self._call_ids)
+
     def register(self, dispatcher: AnswerTaker) -> None:
-        """Answers naming `dispatcher.worker_id` go to it (a later one for the same id replaces it)."""
+        """Answers naming `dispatcher.worker_id` go to it; one registered before for the same id is
+        closed (what waits for it fails)."""
+        old = self._dispatchers.get(dispatcher.worker_id)
         self._dispatchers[dispatcher.worker_id] = dispatcher
+        if old is not None and old is not dispatcher:
+            old.close()
 
     def unregister(self, dispatcher: AnswerTaker) -> None:
         if self._dispatchers.get(dispatcher.worker_id) is dispatcher:

@@ -12,7 +12,12 @@ Each dispatch waits for its answer frame. What a Ray call per prompt gave beside
 when the actor dies, comes from the worker's lifeline: one Ray call per incarnation followed
 (PrefillWorkerAPI.lifeline) that ends only when the worker shuts down, dies or restarts; every
 dispatch still waiting then fails with its error (a dead actor's: the router's health check marks the
-worker dead at once, as before). `send` returns None again until a stats answer re-arms it.
+worker dead at once, as before). A lifeline call that fails otherwise (`is_death` says which errors
+are a death) fails nothing: the answers may still come, each dispatch's own timeout bounds its wait.
+Either way `send` returns None (dispatch through Ray) until a stats answer re-arms the lifeline.
+
+Call ids come from the router's PrefillAnswers, one sequence for every dispatcher, so an answer can
+never resolve another dispatcher's call of the same number.
 
 One PUSH socket per worker, used on the router's event loop only (ZMQ sockets are not thread-safe).
 A send never blocks: a worker that stopped reading (SNDHWM frames queued) fails the dispatch with
@@ -22,7 +27,6 @@ zmq.Again, which the walk takes as a failed call to that worker.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import weakref
 from typing import Awaitable, Callable
@@ -46,13 +50,15 @@ class PrefillCallFailed(RuntimeError):
 
 
 class PrefillDispatcher:
-    def __init__(self, worker_id: str, answers: PrefillAnswers, lifeline: Callable[[str], Awaitable[str]]):
-        """lifeline(incarnation): the worker's PrefillWorkerAPI.lifeline call."""
+    def __init__(self, worker_id: str, answers: PrefillAnswers, lifeline: Callable[[str], Awaitable[str]],
+                 is_death: Callable[[BaseException], bool]):
+        """lifeline(incarnation): the worker's PrefillWorkerAPI.lifeline call; is_death(error): whether an
+        error it raised says the actor died (Ray's RayActorError)."""
         self.worker_id = worker_id
         self._answers = answers
         self._lifeline_call = lifeline
+        self._is_death = is_death
         self._ctx = zmq.Context.instance()  # (the worker's inproc endpoint, in tests, is in this context)
-        self._ids = itertools.count(1)  # call ids: one per dispatch, never reused (across incarnations too)
         self.endpoint: str | None = None
         self.incarnation: str | None = None
         self._sock: zmq.Socket | None = None
@@ -90,6 +96,11 @@ class PrefillDispatcher:
             why = e
         if incarnation != self.incarnation:
             return
+        if not isinstance(why, PrefillCallFailed) and not self._is_death(why):
+            log.warning("prefill worker %s incarnation %s: its lifeline call failed (%s: %s); %d dispatches "
+                        "still wait for their answers", self.worker_id, incarnation, type(why).__name__, why,
+                        len(self._waiting))
+            return  # (done: the next stats answer re-arms it)
         log.info("prefill worker %s incarnation %s: its lifeline ended (%s: %s); %d dispatches waiting fail",
                  self.worker_id, incarnation, type(why).__name__, why, len(self._waiting))
         self._fail_waiting(why)
@@ -99,7 +110,7 @@ class PrefillDispatcher:
         or None when no live incarnation is followed (dispatch through Ray)."""
         if self._sock is None or self._lifeline is None or self._lifeline.done():
             return None
-        call_id = next(self._ids)
+        call_id = self._answers.next_call_id()
         frame = PrefillDispatch(call_id, task, self._answers.endpoint, self._answers.reply_id)
         # NOTE: never blocks the router's loop (zmq.Again when SNDHWM frames wait for the worker).
         self._sock.send_multipart(self._signer.sign(encode_dispatch(frame)), zmq.NOBLOCK)

@@ -62,7 +62,8 @@ class WorkerClient:
         if role == "prefill" and answers is not None:
             # (read when a worker names its dispatch socket: the router's test fakes have none, nor this)
             self._dispatch = PrefillDispatcher(worker_id, answers,
-                                               lambda incarnation: call_worker(handle.lifeline, incarnation, timeout=None))
+                                               lambda incarnation: call_worker(handle.lifeline, incarnation, timeout=None),
+                                               is_death=lambda e: isinstance(e, ActorDead))
 
     _call = staticmethod(call_worker)
 

@@ -82,7 +82,7 @@ def run(main, *inboxes: DispatchInbox, follow: bool = True):
     async def wrapped():
         answers = PrefillAnswers("127.0.0.1", SECRET)
         life = Lifeline()
-        d = PrefillDispatcher("p0", answers, life)
+        d = PrefillDispatcher("p0", answers, life, is_death=lambda e: isinstance(e, ActorDied))
         try:
             if follow and inboxes:
                 d.follow({"dispatch": inboxes[0].endpoint, "incarnation": inboxes[0].incarnation})
@@ -185,6 +185,50 @@ def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_
         assert (await asyncio.wait_for(again, 5)).request_id == "c"
         worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))  # a's late answer: nobody waits
         await until(lambda: answers.dropped == 1)
+
+    run(main, inbox)
+
+
+def test_a_lifeline_call_that_fails_without_a_death_fails_nothing():
+    """Only a dead actor's error (or the worker's own end) fails what waits: any other failure of the
+    lifeline call leaves the answers to come, and the next stats answer re-arms it."""
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        _, answer = d.send(task("a"))
+        await until(lambda: worker.tasks and life.end is not None)
+        assert len(inbox._routers) == 1  # the answer's socket, connected while the prompt runs
+        life.end.set_exception(RuntimeError("the call failed"))
+        await until(lambda: d.send(task("x")) is None)  # through Ray until re-armed
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))
+        assert (await asyncio.wait_for(answer, 5)).request_id == "a"
+        d.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        await until(lambda: life.calls == ["inc-a", "inc-a"])
+        assert d.send(task("b")) is not None
+
+    run(main, inbox)
+
+
+def test_a_worker_registered_again_closes_its_old_dispatcher_and_call_ids_never_repeat():
+    worker = Worker(resolve_at_once=False)
+    inbox = inbox_for(worker)
+
+    async def main(answers, d, life):
+        first, waiting = d.send(task("a"))
+        await until(lambda: worker.tasks)
+        again = PrefillDispatcher("p0", answers, Lifeline(), is_death=lambda e: isinstance(e, ActorDied))
+        with pytest.raises(PrefillCallFailed):
+            await asyncio.wait_for(waiting, 5)  # the old one is closed: nothing waits on it forever
+        again.follow({"dispatch": inbox.endpoint, "incarnation": "inc-a"})
+        second, answer = again.send(task("b"))
+        assert second != first
+        await until(lambda: len(worker.tasks) == 2)
+        worker.tasks[0][2].set_result(PrefillResult("a", 1, 0.0, 0.0, 0.0, 0))  # the old call's answer
+        await until(lambda: answers.dropped == 1)  # matches no call of the new dispatcher
+        assert not answer.done()
+        worker.tasks[1][2].set_result(PrefillResult("b", 2, 0.0, 0.0, 0.0, 0))
+        assert (await asyncio.wait_for(answer, 5)).request_id == "b"
 
     run(main, inbox)
 
