@@ -105,6 +105,13 @@ async def until(cond, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def a_dispatch_waiting(d: PrefillDispatcher, life: Lifeline, worker: Worker) -> asyncio.Future:
+    """Sends task "a"; returns its answer's future once the worker holds it and the lifeline is pending."""
+    _, answer = d.send(task("a"))
+    await until(lambda: worker.tasks and life.end is not None)
+    return answer
+
+
 def test_no_endpoint_no_frame_then_the_task_reaches_submit_on_the_inbox_thread_and_the_answer_comes_back():
     worker = Worker()
     inbox = inbox_for(worker)
@@ -168,10 +175,8 @@ def test_a_worker_that_dies_fails_what_waits_for_it_and_takes_no_frame_until_it_
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        _, answer = d.send(task("a"))
-        await until(lambda: worker.tasks)
+        answer = await a_dispatch_waiting(d, life, worker)
         died = ActorDied("the actor died")
-        await until(lambda: life.end is not None)
         life.end.set_exception(died)  # what Ray's lifeline call raises when the actor dies
         with pytest.raises(ActorDied) as got:
             await asyncio.wait_for(answer, 5)
@@ -196,8 +201,7 @@ def test_a_lifeline_call_that_fails_without_a_death_fails_nothing():
     inbox = inbox_for(worker)
 
     async def main(answers, d, life):
-        _, answer = d.send(task("a"))
-        await until(lambda: worker.tasks and life.end is not None)
+        answer = await a_dispatch_waiting(d, life, worker)
         assert len(inbox._routers) == 1  # the answer's socket, connected while the prompt runs
         life.end.set_exception(RuntimeError("the call failed"))
         await until(lambda: d.send(task("x")) is None)  # through Ray until re-armed
