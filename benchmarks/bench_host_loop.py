@@ -153,7 +153,7 @@ def run_batch(n: int, seconds: float, step_ms: float, prefill_overhead_ms: float
     addr_q, out_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     sinks = ctx.Process(target=_sinks, args=(addr_q, stop, out_q), daemon=True)
     sinks.start()
-    token_addr, stats_addr = addr_q.get(timeout=60)
+    token_addr, stats_addr = addr_q.get(timeout=240)  # a spawned child's start: minutes when starved (a dry run at nice 10)
     cfg = WorkerConfig(model_dir=model_dir, dtype="float32", max_num_seqs=n, use_cuda_graph=False,
                        cpu_num_blocks=n * ((prompt_tokens + output_tokens) // 16 + 2) + 16,
                        max_model_len=prompt_tokens + output_tokens + 16, cluster_secret=_SECRET)
