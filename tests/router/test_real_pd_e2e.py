@@ -44,8 +44,15 @@ def test_disaggregated_greedy_equals_engine(real_pd_cluster, reference_engine):
     assert p_stats.outstanding_prefill_tokens == 0
     assert p_stats.extra["dispatch_received"] > 0  # the prompts came as frames (prefill_dispatch "zmq")
 
-    # /stats: the decode steps that ran and each request's TTFT split into its parts.
-    stats = httpx.get(f"{real_pd_cluster.url}/stats", params={"cursor": cursor}).json()
+    # /stats: the decode steps that ran and each request's TTFT split into its parts. A request whose
+    # stream ended before its prefill worker's answer reached the router is recorded once the answer is
+    # in (router/stats/request_records.py): look until all 8 are.
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(f"{real_pd_cluster.url}/stats", params={"cursor": cursor}).json()
+        if sum(not r["local_prefill"] for r in stats["requests"]) >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     steps = stats["decode_steps"]
     assert steps and all(s["batch_size"] >= 1 and s["step_ms"] > 0 for s in steps)
     assert all(s["padded_rows"] == (s["bucket"] - s["batch_size"] if s["bucket"] else 0) for s in steps)

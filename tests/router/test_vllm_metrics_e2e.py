@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -58,7 +59,16 @@ def test_live_metrics_have_every_series_the_dashboard_queries(real_pd_cluster):
         assert r.status_code == 200, r.text
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "frobnicate": 1})
     assert r.status_code == 400  # a refusal, counted by status
-    got = samples(httpx.get(f"{url}/metrics").text)
+    # A request's phases are observed once its prefill worker's answer is in, which a stream's end can
+    # beat (router/stats/request_records.py): look until the four are.
+    deadline = time.monotonic() + 30
+    while True:
+        got = samples(httpx.get(f"{url}/metrics").text)
+        done = sum(s.value for s in got.get("vllm:request_queue_time_seconds_count", ()))
+        if done - sum(s.value for s in before.get("vllm:request_queue_time_seconds_count", ())) >= 4 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     missing = sorted(dashboard_series() - set(got))
     assert not missing, missing
     for name in VLLM_DASHBOARD:
