@@ -29,6 +29,7 @@ from cluster.wire.stream_messages import DeltaLogprobs
 from router.channel.client import RouterClient
 from router.errors import GenerationError
 from router.stats.metrics import GatewayMetrics
+from router.stats.request_records import ANSWER_WAIT_S
 from router.streams.token_stream import TokenMailbox, TokenStreamReceiver
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class Generation:
         """Prompt tokens the placement that produced the tokens found in a prefix cache."""
         return self._prefill_notices.get(self.worker_request_id, 0)
 
-    async def settle(self, timeout_s: float = 5.0) -> None:
+    async def settle(self, timeout_s: float = ANSWER_WAIT_S) -> None:
         """Waits until the current placement's PrefillDone came (at once when it came already). The
         router sends one for every placement whose prompt was computed or failed, so the wait is the
         few milliseconds between a prefill worker's answer and the last token; `timeout_s` bounds it

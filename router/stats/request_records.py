@@ -25,7 +25,9 @@ from router.placed_request import PlacedRequest
 from router.stats.metrics import RouterMetrics
 from router.stats.step_stats import StepStats, TTFTPoints, prefill_timeline
 
-ANSWER_WAIT_S = 5.0  # as long as a gateway waits for the same answer (router/openai/generation.py, settle)
+# How long a finished request's record, and its gateway's reply (router/openai/generation.py, settle),
+# wait for its placement's prefill answer before going on without it.
+ANSWER_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
