@@ -186,6 +186,11 @@ class RouterMetrics(_Metrics):
                                            "Workers the P:D planner moved between prefill and decode.")
         self.migrations = self._counter("pdserve:request_migrations",
                                         "Requests moved to another worker after theirs died.")
+        self.records_without_prefill_answer = self._counter(
+            "pdserve:request_records_without_prefill_answer",
+            "Finished requests recorded without their prefill worker's answer (lost, or later than "
+            "router.stats.request_records.ANSWER_WAIT_S): their queue/prefill phases and TTFT parts lack the "
+            "prefill worker's timeline.")
         self.running = Gauge("vllm:num_requests_running", "Requests decoding on decode workers.", m,
                              registry=r).labels(self.model_name)
         self.waiting = Gauge("vllm:num_requests_waiting",

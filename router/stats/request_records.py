@@ -83,6 +83,7 @@ class RequestRecords:
         f = self._take(request_id)
         if f is not None:
             self.written_without_answer += 1
+            self.metrics.records_without_prefill_answer.inc()
             self._write(f)
 
     def _take(self, request_id: str) -> _Finished | None:

@@ -74,5 +74,7 @@ def test_a_lost_answer_is_recorded_without_it_after_the_wait():
         assert _records(stats) == {}
         await asyncio.sleep(0.2)
         assert set(_records(stats)) == {"lost"} and rec.written_without_answer == 1 and rec.waiting == 0
-        assert b"vllm:request_queue_time_seconds_count" in metrics.render()
+        text = metrics.render()
+        assert b"vllm:request_queue_time_seconds_count" in text
+        assert b'pdserve:request_records_without_prefill_answer_total{model_name="m"} 1.0' in text
     asyncio.run(main())
