@@ -6,7 +6,8 @@ the prefill with the prompt's logprobs."""
 
 import json
 import re
-import time
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,9 @@ from cluster.transport.factory import TransportSpec, create_transport
 from cluster.worker.worker_config import WorkerConfig
 from decode_worker.decode_worker import DecodeWorker
 from prefill_worker.prefill_worker import PrefillWorker
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_decode_worker import Collector as _Collector  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -70,28 +74,12 @@ def make_worker(model_dir, **kw):
     return DecodeWorker("d0", cfg)
 
 
-class Collector:
-    def __init__(self, worker):
-        self.worker, self.tokens, self.text, self.finish, self.error, self.prompt_lps = worker, {}, {}, {}, {}, {}
-
+class Collector(_Collector):
     def wait(self, n, stall_s=START_TIMEOUT_S + COMPILE_TIMEOUT_S):
-        """Until `n` requests finished; fails after `stall_s` without a new token or finish. The default
-        is a grammar's own deadline: the first compile starts the compile processes (they import torch
-        and xgrammar), minutes in the other test stream (nice 10) on a busy machine."""
-        seen, t0 = None, time.monotonic()
-        while len(self.finish) < n:
-            progress = (sum(map(len, self.tokens.values())), len(self.finish))
-            if progress != seen:
-                seen, t0 = progress, time.monotonic()
-            assert time.monotonic() - t0 < stall_s, f"no progress for {stall_s:g}s: {self.finish}, {self.worker.stats()}"
-            for b in self.worker.poll_token_batches(0.05):
-                for d in b.deltas:
-                    self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
-                    self.text[d.request_id] = self.text.get(d.request_id, "") + d.text
-                    if d.logprobs is not None and d.logprobs.prompt is not None:
-                        self.prompt_lps[d.request_id] = d.logprobs.prompt
-                    if d.finish_reason:
-                        self.finish[d.request_id], self.error[d.request_id] = d.finish_reason, d.error
+        """Until `n` requests finished. The default stall bound is a grammar's own deadline: the first
+        compile starts the compile processes (they import torch and xgrammar), minutes in the other test
+        stream (nice 10) on a busy machine."""
+        super().wait(lambda: len(self.finish) >= n, stall_s)
 
 
 def test_local_prefill_constrained_rows_equal_the_engine(demo_model_dir, engine):

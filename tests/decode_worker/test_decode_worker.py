@@ -56,8 +56,10 @@ class FakePrefill:
 
 
 class Collector:
+    """A decode worker's token deltas by request id: tokens, text, finish reason, error, prompt logprobs."""
+
     def __init__(self, worker):
-        self.worker, self.tokens, self.finish = worker, {}, {}
+        self.worker, self.tokens, self.text, self.finish, self.error, self.prompt_lps = worker, {}, {}, {}, {}, {}
 
     def poll(self, timeout=0.05):
         for b in self.worker.poll_token_batches(timeout):
@@ -66,9 +68,12 @@ class Collector:
     def add(self, b):
         for d in b.deltas:
             self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            self.text[d.request_id] = self.text.get(d.request_id, "") + d.text
+            if d.logprobs is not None and d.logprobs.prompt is not None:
+                self.prompt_lps[d.request_id] = d.logprobs.prompt
             if d.finish_reason:
                 assert d.request_id not in self.finish, f"{d.request_id} finished twice"
-                self.finish[d.request_id] = d.finish_reason
+                self.finish[d.request_id], self.error[d.request_id] = d.finish_reason, d.error
 
     def wait(self, cond, stall_s=60.0):
         """Polls until `cond()`. Fails after `stall_s` without a new token or finish, not after a
