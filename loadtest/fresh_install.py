@@ -13,7 +13,8 @@ says whether it was empty (`pip_cache`: "cold") or held the wheels already ("war
 loadtest/results/fresh_install.json (runs of other commits stay: the spread between runs is this
 shared machine's load); with --repeat N the N rows (`run`: "i/N") replace them, and the runs stop at
 the first failure, whose folder is kept (`dir`) to read its log. A run of the tests adds `slowest`: the
-SLOWEST tests with their seconds, from the file every pytest run writes (tests/duration_recorder.py).
+SLOWEST tests with their seconds, and `streams`: each test stream's tests and seconds (the run's length is
+about the one-at-a-time stream's), from the file every pytest run writes (tests/duration_recorder.py).
 It starts Ray and servers: run it alone (on a shared machine under the heavy-test lock).
 """
 
@@ -50,6 +51,14 @@ def slowest(durations_file: Path, n: int = SLOWEST) -> list[dict]:
             for t in sorted(tests, key=lambda t: -t["seconds"])[:n]]
 
 
+def stream_seconds(durations_file: Path) -> dict[str, dict]:
+    """{stream: {tests, seconds}} of the run that wrote `durations_file` (tests/duration_recorder.py): the
+    one-at-a-time stream's seconds are about the run's length, the other stream fills the CPU it leaves."""
+    if not durations_file.is_file():
+        return {}
+    return json.loads(durations_file.read_text()).get("streams", {})
+
+
 def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
     command = COMMANDS[which]
     base = Path(tempfile.mkdtemp(prefix="pdserve-fresh-"))
@@ -76,6 +85,8 @@ def run(which: str, keep: bool = False, timeout_s: float = 3 * 3600) -> dict:
            "pip_cache": cache_state, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "log_tail": tail}
     if (durations := slowest(base / "p" / DURATIONS)):
         row["slowest"] = durations
+    if (sums := stream_seconds(base / "p" / DURATIONS)):
+        row["streams"] = sums
     if not keep and rc == 0:
         shutil.rmtree(base, ignore_errors=True)
     else:

@@ -19,8 +19,9 @@ def pytest_configure(config):
     root = Path(os.environ.setdefault("PDSERVE_HOME", str(Path(config.rootpath) / ".pytest_pdserve_home")))
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config.pluginmanager.register(DurationRecorder(config), "pdserve-durations")
-    config.pluginmanager.register(StreamPlugin(_in_cluster_stream), "pdserve-streams")
+    streams = StreamPlugin(_in_cluster_stream)
+    config.pluginmanager.register(DurationRecorder(config, stream_of=streams.stream_of), "pdserve-durations")
+    config.pluginmanager.register(streams, "pdserve-streams")
     if not torch.cuda.is_available():
         # Triton kernels run on CPU under the interpreter, whichever test imports triton first: the
         # language module decides at import whether @triton.jit functions are interpreted

@@ -32,6 +32,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 ONE_AT_A_TIME = "one-at-a-time"
+OTHER = "other"  # the modules run beside it, at BACKGROUND_NICE (a stream's name in the durations file)
 BACKGROUND_NICE = 10  # CFS weight 110 against 1024: ~10 % of a core when both want it
 STREAMS_FILE = "pdserve_streams_file"  # the key of the file's path in each worker's input
 
@@ -45,6 +46,9 @@ class StreamPlugin:
         self.path: Path | None = None  # the controller's streams file
         self.ran_one_at_a_time = False  # in this process
         self.background = False  # this process runs at BACKGROUND_NICE
+
+    def stream_of(self, item: pytest.Item) -> str:
+        return ONE_AT_A_TIME if self.one_at_a_time(item) else OTHER
 
     def _streams_path(self) -> Path:
         if self.path is None:

@@ -50,12 +50,53 @@ def test_every_run_writes_each_tests_seconds_and_a_row_keeps_the_slowest_30(tmp_
     assert [t["test"] for t in top] == [f"t.py::test_{i}" for i in range(39, 9, -1)]
     assert top[0]["cpu_seconds"] == 78.0 and "cpu_seconds" not in top[1]  # (test_38: none recorded)
     assert fresh_install.slowest(tmp_path / "absent.json") == []
+    assert written["streams"] == {} and fresh_install.stream_seconds(out) == {}  # no test said its stream
     # An xdist worker leaves the file to its controller.
     out.unlink()
     worker = DurationRecorder(SimpleNamespace(rootpath=tmp_path, workerinput={}))
     worker.pytest_runtest_logreport(SimpleNamespace(nodeid="t.py::x", when="call", duration=1.0, outcome="passed"))
     worker.pytest_sessionfinish(None, 0)
     assert not out.exists()
+
+
+def test_each_tests_stream_is_recorded_and_summed(tmp_path, monkeypatch):
+    """The worker's teardown report carries the test's stream (StreamPlugin.stream_of); the file sums each
+    stream's seconds and a fresh_install row keeps the sums."""
+    out = tmp_path / "durations.json"
+    monkeypatch.setenv("PDSERVE_TEST_DURATIONS", str(out))
+    rec = DurationRecorder(SimpleNamespace(rootpath=tmp_path))
+    for i, (stream, secs) in enumerate([("one-at-a-time", 10.0), ("other", 2.0), ("one-at-a-time", 5.0), (None, 1.0)]):
+        for when, d in (("setup", 0.5), ("call", secs), ("teardown", 0.25)):
+            props = [("cpu_s", 1.0)] + ([("stream", stream)] if stream else []) if when == "teardown" else []
+            rec.pytest_runtest_logreport(SimpleNamespace(nodeid=f"t.py::test_{i}", when=when, duration=d,
+                                                         outcome="passed", user_properties=props))
+    rec.pytest_sessionfinish(None, 0)
+    written = json.loads(out.read_text())
+    assert written["streams"] == {"one-at-a-time": {"tests": 2, "seconds": 16.5}, "other": {"tests": 1, "seconds": 2.75}}
+    assert written["tests"][0] == {"test": "t.py::test_0", "seconds": 10.75, "cpu_seconds": 1.0, "outcome": "passed",
+                                   "stream": "one-at-a-time"}
+    assert "stream" not in next(t for t in written["tests"] if t["test"] == "t.py::test_3")
+    assert fresh_install.stream_seconds(out) == written["streams"]
+    assert fresh_install.stream_seconds(tmp_path / "absent.json") == {}
+
+
+def test_the_stream_travels_in_the_teardown_report(tmp_path):
+    """In the process that runs the test: the teardown report gets the test's stream beside its CPU seconds."""
+    from stream_scheduling import ONE_AT_A_TIME, OTHER, StreamPlugin
+    plugin = StreamPlugin(lambda item: item.name == "heavy")
+    rec = DurationRecorder(SimpleNamespace(rootpath=tmp_path), stream_of=plugin.stream_of)
+    got = {}
+    for name in ("heavy", "light"):
+        item = SimpleNamespace(nodeid=f"t.py::{name}", name=name)
+        rec.pytest_runtest_setup(item)
+        report = SimpleNamespace(user_properties=[])
+        wrapper = rec.pytest_runtest_makereport(item, SimpleNamespace(when="teardown"))
+        next(wrapper)
+        with pytest.raises(StopIteration):
+            wrapper.send(SimpleNamespace(get_result=lambda: report))
+        got[name] = dict(report.user_properties)
+    assert got["heavy"]["stream"] == ONE_AT_A_TIME and got["light"]["stream"] == OTHER
+    assert all(p["cpu_s"] >= 0 for p in got.values())
 
 
 def test_repeat_stops_at_the_first_failure_and_replaces_the_commits_rows(tmp_path, monkeypatch):
