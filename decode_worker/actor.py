@@ -21,6 +21,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from cluster.wire.messages import GenerateRequest, KVCacheEvents, Reservation, ReserveRequest, WorkerStats
+from cluster.worker.startup_heap import collect_including_frozen, freeze_startup_heap, heap_frozen
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
 from decode_worker.decode_worker import DecodeWorker
@@ -75,6 +76,9 @@ class DecodeWorkerActor:
             new = self._new_worker(model=old.model)
             new.faults = old.faults  # what fired stays reported (tests count it)
             self._state = (new, uuid.uuid4().hex)
+            del old
+            if heap_frozen():  # else the collector finds the old incarnation's cycles on its own
+                collect_including_frozen()  # its cycles (they hold its KV cache) were frozen
         threading.Thread(target=run, name="decode-restart-in-place", daemon=True).start()
 
     def ready(self) -> bool:
@@ -83,8 +87,11 @@ class DecodeWorkerActor:
 
     def warmup(self) -> dict:
         """Before serving (the launcher calls it before /ready): prefill shapes, the local-prefill
-        path and a decode step of every graph variant (DecodeWorker.warmup)."""
-        return self.worker.warmup()
+        path and a decode step of every graph variant (DecodeWorker.warmup). Then this process's
+        startup heap is frozen (cluster/worker/startup_heap.py): its record is the warm-up's `heap`."""
+        info = self.worker.warmup()
+        info["heap"] = freeze_startup_heap()  # (the worker's warmup_info: its stats show it too)
+        return info
 
     def reserve(self, req: ReserveRequest) -> Reservation | None:
         return self.worker.reserve(req)

@@ -32,6 +32,7 @@ from cluster.errors import PdserveError
 from cluster.sampling.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.text.tokenizer import load_tokenizer
+from cluster.worker.startup_heap import freeze_startup_heap
 from deploy.bounded_http import BoundedHttpToolsProtocol
 from router.channel.client import RouterClient
 from router.channel.messages import Drain
@@ -211,6 +212,8 @@ def serve(spec: APIServerSpec) -> None:
     gw.on_drained = drained
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, server), daemon=True).start()
     sock = socket.socket(fileno=spec.listen_fd)
+    heap = freeze_startup_heap()  # built: nothing of the above is collected again (cluster/worker/startup_heap.py)
+    log.info("%s: startup heap frozen: %s", spec.gateway_id, heap)
     server.run(sockets=[sock])
 
 

@@ -46,6 +46,7 @@ import ray
 from cluster.errors import PdserveError
 from cluster.wire.frame_auth import new_cluster_secret
 from cluster.kv.request_limits import served_max_model_len
+from cluster.worker.startup_heap import freeze_startup_heap
 from deploy.api_server import APIServerPool, default_api_servers
 from deploy.component_configs import admission_limits, api_server_settings, cache_config_info, router_config
 from deploy.config import ClusterConfig
@@ -224,8 +225,10 @@ class ServingCluster:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         return f"http://{shown}:{port}"
 
-    async def _serve(self, announce: bool) -> None:
-        """Runs the router until stopped (shutdown(), SIGTERM's drain, or an API server dying)."""
+    async def _serve(self, own_process: bool) -> None:
+        """Runs the router until stopped (shutdown(), SIGTERM's drain, or an API server dying).
+        own_process: `pdserve serve`'s run, whose process is pdserve's alone: it prints the serving
+        line and, once serving, freezes its startup heap (an embedding process's heap is left alone)."""
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         rs = self.router_server
@@ -243,12 +246,14 @@ class ServingCluster:
             if not self._stop.is_set():
                 self.url = self._bound_url()
                 self.serving_since = time.time()
-                if announce:
+                if own_process:
                     p = self.served.precision()
                     print(f"pdserve: serving {self.model_name} at {self.url}/v1 ({len(self.workers.prefill)} prefill, "
                           f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers; "
                           f"dtype {p['dtype']}, quantization {p['quantization']}, KV cache {p['kv_cache_dtype']})",
                           flush=True)
+                    # (cluster/worker/startup_heap.py; on the router's loop: it pauses for one collection)
+                    log.info("the launcher's startup heap frozen: %s", freeze_startup_heap())
                 if self.planner is not None:  # on the router's loop, beside the router
                     planner = self._loop.create_task(self.planner.run(), name="pd-planner")
             await self._stop.wait()
@@ -324,7 +329,7 @@ class ServingCluster:
             # Installed after ray.init, which sets its own SIGTERM handler (sys.exit(15)) in the driver.
             # A second SIGTERM stops at once.
             loop.add_signal_handler(signal.SIGTERM, lambda: self.request_drain() or self._stop_now())
-            await self._serve(announce=True)
+            await self._serve(own_process=True)
         try:
             self.start()
             asyncio.run(main())
@@ -359,7 +364,7 @@ class ServingCluster:
 
         def run():
             try:
-                asyncio.run(self._serve(announce=False))
+                asyncio.run(self._serve(own_process=False))
             except BaseException as e:  # noqa: BLE001 (reported to the caller below)
                 errors.append(e)
         self._thread = threading.Thread(target=run, name="pdserve-router", daemon=True)

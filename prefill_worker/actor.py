@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from cluster.wire.messages import KVCacheEvents, PrefillResult, PrefillTask, Reservation, WorkerStats
 from cluster.transport.factory import TransportSpec, create_transport
 from cluster.transport.rendezvous_store import local_address_towards
+from cluster.worker.startup_heap import freeze_startup_heap
 from cluster.worker.worker_config import WorkerConfig
 from cluster.engine.worker_model import lead_group
 from prefill_worker.dispatch_inbox import DispatchInbox
@@ -78,8 +79,11 @@ class PrefillWorkerActor:
 
     async def warmup(self) -> dict:
         """Before serving (the launcher calls it before /ready): every prefill shape class, twice.
-        Off the actor's event loop, so stats() still answers meanwhile."""
-        return await asyncio.to_thread(self.worker.warmup)
+        Off the actor's event loop, so stats() still answers meanwhile. Then this process's startup heap
+        is frozen (cluster/worker/startup_heap.py): its record is the warm-up's `heap`."""
+        info = await asyncio.to_thread(self.worker.warmup)
+        info["heap"] = freeze_startup_heap()  # (the worker's warmup_info: its stats show it too)
+        return info
 
     def _submit(self, task: PrefillTask) -> Future:
         with self._intake:

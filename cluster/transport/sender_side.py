@@ -11,7 +11,6 @@ launches go out in the order of their Begins, which is the order the decode side
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import threading
@@ -34,6 +33,7 @@ from cluster.transport.out_bundle import OutBundle
 from cluster.transport.pair import ABORT, CANCEL, CLAIM, Pair, PeerDeadError, claim_key, down_key, verdict_key
 from cluster.transport.payload import KVPayload
 from cluster.transport.plan import KVNumerics, PlanSpec, check_pair_numerics, fingerprint
+from cluster.worker.startup_heap import collect_including_frozen
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class SenderSide(KVSender):
                 link.forget_incarnation(peer, "re-forming a broken pair")
                 with link.lock:
                     link.broken.pop(peer, None)
-                gc.collect()  # the old pair's channel goes now (gloo: its sockets close, the peer's receives end)
+                collect_including_frozen()  # the old pair's channel goes now (gloo: its sockets close, the peer's receives end)
                 self._pair(peer)
                 log.warning("KV transport %s: the pair with %s re-formed (generation %d)", link.worker_id, peer,
                             link.pairs[peer].gen)

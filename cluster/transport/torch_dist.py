@@ -53,7 +53,6 @@ the copy kernel.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import threading
 from collections import deque
@@ -71,6 +70,7 @@ from cluster.transport.payload import KVPayload, PayloadEnd
 from cluster.transport.plan import HeadLink, Launch, bundle_blocks, plan_item, plan_launches
 from cluster.transport.rendezvous_store import local_address_towards
 from cluster.transport.staging import StagingBudget, StagingRing
+from cluster.worker.startup_heap import collect_including_frozen
 
 _PAIR_RANK = {"prefill": 0, "decode": 1}
 
@@ -317,7 +317,7 @@ class TorchDistPayload(KVPayload):
             self.release(pair)
             for link in links:
                 link.pg = link.ring = None
-            gc.collect()
+            collect_including_frozen()
             then()
         pair.waiter.put(HostCompletion(kill), _noop)
 

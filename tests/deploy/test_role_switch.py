@@ -2,7 +2,8 @@
 gloo, real router and gateway over HTTP, CPU): the planner, fed a prompt-heavy request mix, moves a
 decode worker to prefill on the same placement-group bundle while requests are in flight; every greedy
 output equals the reference engine's, before, during and after; the new prefill worker ships KV to the
-remaining decode worker. Also: every worker warmed up before the server accepted its first request."""
+remaining decode worker. Also: every worker warmed up before the server accepted its first request, and
+froze its startup heap."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_workers_warmed_up_before_serving(cluster):
         warm = ray.get(h.stats.remote()).extra["warmup"]
         assert warm["prefill_passes"] > 0, wid
         assert warm["finished_at"] < cluster.serving_since, wid
+        # Then its process's startup heap was frozen (cluster/worker/startup_heap.py); the switch below
+        # serves, retires and spawns with the workers' heaps frozen.
+        assert warm["heap"]["frozen_objects"] > 10_000, (wid, warm["heap"])
         if wid.startswith("decode"):
             assert warm["requests"] == 5  # the local-prefill path once per sampler variant, one under a grammar (+ one decoding)
     # The warm-up seeded the measured rates the router plans with.

@@ -47,6 +47,11 @@ def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(out) + rest
         assert "pdserve: stopped" in rest
+        # Every process of its own froze its startup heap once serving (cluster/worker/startup_heap.py):
+        # the worker after its warm-up (its record), each API server, the launcher.
+        log = "".join(out) + rest
+        assert "'heap': {'frozen_objects'" in log and "api-0: startup heap frozen" in log, log
+        assert "the launcher's startup heap frozen" in log, log
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
     finally:
