@@ -247,13 +247,14 @@ class ServingCluster:
                 self.url = self._bound_url()
                 self.serving_since = time.time()
                 if own_process:
+                    # Before the serving line, which clients wait for: the freeze pauses the router's loop
+                    # for one full collection (cluster/worker/startup_heap.py).
+                    log.info("the launcher's startup heap frozen: %s", freeze_startup_heap())
                     p = self.served.precision()
                     print(f"pdserve: serving {self.model_name} at {self.url}/v1 ({len(self.workers.prefill)} prefill, "
                           f"{len(self.workers.decode)} decode workers, {self.api_servers.count} API servers; "
                           f"dtype {p['dtype']}, quantization {p['quantization']}, KV cache {p['kv_cache_dtype']})",
                           flush=True)
-                    # (cluster/worker/startup_heap.py; on the router's loop: it pauses for one collection)
-                    log.info("the launcher's startup heap frozen: %s", freeze_startup_heap())
                 if self.planner is not None:  # on the router's loop, beside the router
                     planner = self._loop.create_task(self.planner.run(), name="pd-planner")
             await self._stop.wait()
