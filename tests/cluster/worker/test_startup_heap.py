@@ -35,10 +35,12 @@ def test_freeze_collects_startup_garbage_then_freezes_what_lives(unfrozen):
     assert not heap_frozen()
     record = freeze_startup_heap()
     assert garbage() is None
-    assert heap_frozen() and record["frozen_objects"] == gc.get_freeze_count() > 1000
+    # (Not equal to gc.get_freeze_count() read later: another thread of this process - a cluster's, in the
+    # full run - may free frozen objects meanwhile, which lowers the count.)
+    assert heap_frozen() and record["frozen_objects"] > 1000
     assert record["full_collection_ms"] >= 0 and record["after_freeze_ms"] >= 0
     # The frozen heap is not in any generation: a full collection walks only what came after it.
-    assert all(len(gc.get_objects(g)) < gc.get_freeze_count() for g in range(3))
+    assert sum(len(gc.get_objects(g)) for g in range(3)) < gc.get_freeze_count() // 2
     assert live.me is live
 
 
