@@ -7,8 +7,10 @@ pool), and what it allocates per request is freed by refcounting, nearly all of 
 full (generation-2) collection is stop-the-world and walks that whole heap: CPython runs one each time
 the objects that survived into it grow by a quarter, so under a steady load it comes at a fixed count
 of requests, stalling that process for the walk. On one H200 (loadtest/results/ttft_h200.md) every
-request in flight waited 240-490 ms at one instant of each run, in the router's own parts (admission),
+request in flight waited 212-487 ms at one instant of each run, in the router's own parts (admission),
 38.4 s after the warm-up in two runs of the same load: a fixed count of requests, as such a pause comes.
+An A/B on one H100 (loadtest/results/startup_heap_h100.md): the same 4-user load's p99 was 280.6 ms
+(252 ms in admission) without the freeze and 35.6 ms with it.
 On the 2-core CPU one full collection of the launcher, an API server or a worker actor took 200-400 ms
 once its start-up was done (its cost is `full_collection_ms` below).
 vLLM freezes the same heaps (API server, engine core, GPU worker after warm-up).
