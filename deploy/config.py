@@ -109,7 +109,8 @@ class ClusterConfig(BaseModel):
     """HTTP API-server processes sharing the port, each with its own token stream (none: a quarter of
     the cores, 1 to 4; see deploy.api_server.default_api_servers)."""
     address: str | None = None
-    """Ray cluster to join from one of its nodes ('auto' or 'host:6379'); none starts a local Ray instance.
+    """Ray cluster to join from one of its nodes ('auto' or 'host:6379'); none: the RAY_ADDRESS
+    environment variable's (as `ray.init` reads it), else a local Ray instance is started.
     (Ray Client 'ray://' addresses are not supported: workers push tokens to this process directly.)"""
 
     # -- workers and their resources ----------------------------------------------------------------
@@ -450,12 +451,14 @@ class ClusterConfig(BaseModel):
     @classmethod
     def load(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> "ClusterConfig":
-        """Defaults < YAML file < environment (PDSERVE_API_KEY) < explicit overrides (the flags)."""
+        """Defaults < YAML file < environment (PDSERVE_API_KEY, RAY_ADDRESS) < explicit overrides (the flags)."""
         data: dict[str, Any] = {}
         if yaml_path is not None:
             data.update(read_yaml(yaml_path))
         env = os.environ if env is None else env
         apply_key_sources(data, overrides or {}, env)  # the key is one setting (deploy/api_key.py)
+        if env.get("RAY_ADDRESS"):  # Ray's own variable, as `ray.init()` and `ray job submit` read it (empty: unset)
+            data["address"] = env["RAY_ADDRESS"]
         data.update(overrides or {})
         try:
             return cls(**data)

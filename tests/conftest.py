@@ -94,6 +94,15 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The run's one Ray's address, for the `pdserve serve` subprocesses (and run scripts) whose own
+    Ray is not what they test: given as RAY_ADDRESS, the launcher joins it (deploy/config.py) instead
+    of starting a local Ray (~7 s and ~10 s of CPU each on two cores) and stopping it again. The tests
+    of a Ray of the command's own (test_serve_command.py, test_drain.py, test_multinode.py) leave it out."""
+    return ray_session.get_runtime_context().gcs_address
+
+
 CLUSTER_CACHE = pytest.StashKey()
 
 

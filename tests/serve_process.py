@@ -1,5 +1,6 @@
 """`pdserve serve` as a user runs it, for the tests whose subject is the command itself: a subprocess
-with its own local Ray (RAY_ADDRESS unset), on CPU at a free port, serving as "demo"."""
+on CPU at a free port, serving as "demo", with its own local Ray (RAY_ADDRESS empty) or joining the
+run's (`ray_address`: tests/conftest.py's fixture)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import time
 
 
 def start_serve(model_dir, *flags: str, env: dict | None = None, timeout_s: float = 180,
-                new_session: bool = False) -> tuple[subprocess.Popen, str | None, list[str]]:
+                new_session: bool = False, ray_address: str = "") -> tuple[subprocess.Popen, str | None, list[str]]:
     """Starts `pdserve serve MODEL_DIR --port 0 --device cpu --no-use-cuda-graph --served-model-name demo
-    FLAGS` and reads its output until it prints the URL it serves at; returns (process, base URL or
-    None if it ended or `timeout_s` passed first, the output lines read). The caller stops it."""
+    FLAGS` (joining the Ray at `ray_address`, else starting its own) and reads its output until it
+    prints the URL it serves at; returns (process, base URL or None if it ended or `timeout_s` passed
+    first, the output lines read). The caller stops it."""
     cmd = [sys.executable, "-m", "deploy.cli", "serve", str(model_dir), "--port", "0", "--device", "cpu",
            "--no-use-cuda-graph", "--served-model-name", "demo", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, RAY_ADDRESS="", **(env or {})), start_new_session=new_session)
+                            env=dict(os.environ, RAY_ADDRESS=ray_address, **(env or {})), start_new_session=new_session)
     url, out = None, []
     deadline = time.monotonic() + timeout_s
     while url is None and time.monotonic() < deadline:

@@ -9,8 +9,10 @@ import pytest
 pytestmark = pytest.mark.cluster  # a CPU cluster and Locust in subprocesses
 
 
-def test_report_ttft_agrees_with_the_servers_own_records(tmp_path):
+def test_report_ttft_agrees_with_the_servers_own_records(tmp_path, ray_address, monkeypatch):
     from benchmarks import bench_ttft
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_address)  # the cluster it starts (a subprocess) joins the run's Ray
 
     out = tmp_path / "ttft.json"
     # A 5-s measured window and 3 s of the plain client: 45, 31 and 44 requests counted in one run

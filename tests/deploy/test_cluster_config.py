@@ -37,6 +37,20 @@ def test_yaml_then_env_then_flags(tmp_path):
     assert ClusterConfig.load(y, parse(["--api-key", "flag"]), env={"PDSERVE_API_KEY": "env"}).api_key == "flag"
 
 
+def test_ray_address_from_the_environment_as_ray_reads_it(tmp_path):
+    """RAY_ADDRESS is the environment's tier of `address`: over the YAML file, under the flags; empty
+    is unset (a local Ray is started)."""
+    y = tmp_path / "cluster.yaml"
+    y.write_text("address: yaml-head:6379\n")
+    assert ClusterConfig.load(None, {}, env={}).address is None
+    assert ClusterConfig.load(None, {}, env={"RAY_ADDRESS": ""}).address is None
+    assert ClusterConfig.load(None, {}, env={"RAY_ADDRESS": "10.0.0.5:6379"}).address == "10.0.0.5:6379"
+    assert ClusterConfig.load(y, {}, env={}).address == "yaml-head:6379"
+    assert ClusterConfig.load(y, {}, env={"RAY_ADDRESS": "env-head:6379"}).address == "env-head:6379"
+    assert ClusterConfig.load(y, parse(["--address", "flag-head:6379"]),
+                              env={"RAY_ADDRESS": "env-head:6379"}).address == "flag-head:6379"
+
+
 @pytest.mark.parametrize("bad", [{"decode_workers": 0}, {"block_size": 12}, {"port": 70000},
                                  {"decode_policy": "random"}, {"graph_buckets": "1,x"}, {"api_key": " "},
                                  {"unknown_setting": 1}, {"kv_memory_fraction": 1.5},

@@ -61,9 +61,9 @@ def test_serve_answers_then_sigterm_stops_cleanly(demo_model_dir):
 
 
 @pytest.mark.timeout(240)
-def test_an_error_after_start_is_printed_before_the_stopped_line(demo_model_dir):
-    """Ray started (so there is something to stop), then the port is taken: `error: ...` once, then
-    `pdserve: stopped`, exit code 2."""
+def test_an_error_after_start_is_printed_before_the_stopped_line(demo_model_dir, ray_address):
+    """Ray joined (the run's: so there is something to stop), then the port is taken: `error: ...`
+    once, then `pdserve: stopped`, exit code 2."""
     import socket
 
     taken = socket.socket()
@@ -73,7 +73,7 @@ def test_an_error_after_start_is_printed_before_the_stopped_line(demo_model_dir)
     try:
         r = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--prefill-workers", "0",
                             "--device", "cpu", "--port", str(port), "--no-warmup"],
-                           capture_output=True, text=True, timeout=200, env=dict(os.environ, RAY_ADDRESS=""))
+                           capture_output=True, text=True, timeout=200, env=dict(os.environ, RAY_ADDRESS=ray_address))
     finally:
         taken.close()
     lines = r.stderr.splitlines()

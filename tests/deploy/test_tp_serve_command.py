@@ -14,7 +14,7 @@ from cluster.sampling.sampling_params import SamplingParams
 from deploy.placement_check import unmet
 from serve_process import start_serve
 
-pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, each with its own Ray
+pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, joining the run's Ray
 
 PROMPT = "A long story about the sea, the wind and the sailors who crossed it"  # remote prefill
 
@@ -34,13 +34,13 @@ def test_unmet_packs_bundles_on_nodes_and_names_what_is_missing():
 @pytest.mark.timeout(420)
 # Each start: 23-27 s on a quiet 2-core machine (3 rank processes load the model), minutes under load.
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_tp_serves_from_the_command_line(demo_model_dir, reference_engine, prefill_tp, decode_tp):
+def test_tp_serves_from_the_command_line(demo_model_dir, reference_engine, ray_address, prefill_tp, decode_tp):
     pytest.importorskip("prefill_worker.actor")
     ref = reference_engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0].text
     proc, url, out = start_serve(demo_model_dir, "--prefill-workers", "1", "--decode-workers", "1",
                                  "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
                                  "--prefill-placement", "static", "--local-prefill-threshold", "0",
-                                 "--cpu-num-blocks", "128", "--no-warmup", timeout_s=300)
+                                 "--cpu-num-blocks", "128", "--no-warmup", timeout_s=300, ray_address=ray_address)
     try:
         assert url, "".join(out)
         r = httpx.post(f"{url}/v1/completions", timeout=120,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -131,9 +132,10 @@ class FakeDecodeServer:
         self.thread.join(timeout=10)
 
 
-def _run_loadtest(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+def _run_loadtest(args: list[str], timeout: float = 120, ray_address: str = "") -> subprocess.CompletedProcess:
+    """`python -m loadtest.run ARGS`; a cluster it starts joins the Ray at `ray_address` (else its own)."""
     return subprocess.run([sys.executable, "-m", "loadtest.run", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, "RAY_ADDRESS": ray_address})
 
 
 def test_steps_against_fake_server_report_itl_and_server_batches(tmp_path):
@@ -194,17 +196,16 @@ def test_refuses_non_loopback_url(tmp_path):
     assert r.returncode == 2 and "loopback" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_steps_against_real_cluster(tmp_path):
-    """`pdserve serve` with the demo model (Ray, prefill and decode workers on CPU), two short steps."""
-    import os
-
+def test_steps_against_real_cluster(tmp_path, ray_address):
+    """`pdserve serve` with the demo model (on the run's Ray, prefill and decode workers on CPU), two
+    short steps."""
     out = tmp_path / "lt"
     prefill = os.environ.get("PDSERVE_LOADTEST_PREFILL_WORKERS", "1")
     # Two 2.5-s measured windows: 17 and 13 requests were counted in one (3 asked for below).
     r = _run_loadtest(["--start-cluster", "--prefill-workers", prefill, "--decode-workers", "1",
                        "--steps", "1,2", "--step-duration", "3.5", "--warmup", "1", "--prompt-tokens", "16",
                        "--output-tokens", "24", "--stall-timeout", "10", "--ready-timeout", "120",
-                       "--out", str(out)], timeout=240)
+                       "--out", str(out)], timeout=240, ray_address=ray_address)
     if r.returncode == 2 and ("before /ready" in r.stderr or "was not ready" in r.stderr):
         pytest.skip(f"`pdserve serve --prefill-workers {prefill}` did not come up: {r.stderr.strip()[-600:]}")
     assert r.returncode == 0, r.stdout + r.stderr
