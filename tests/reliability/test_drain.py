@@ -1,5 +1,5 @@
-"""Graceful drain of `pdserve serve` (a subprocess with its own Ray, as a user runs it), with one and
-with two API-server processes: SIGTERM to the launcher turns /ready false and answers new requests
+"""Graceful drain of `pdserve serve` (a subprocess), with one API-server process and its own Ray (as a
+user runs it on one machine) and with two joining a running Ray (the run's: as on a Ray cluster): SIGTERM to the launcher turns /ready false and answers new requests
 with 503 at once (on every API server), lets in-flight requests finish, ends those that outlive
 `--drain-timeout-s` with a clear error event, and then exits 0 with every process gone. A second
 SIGTERM during the drain ends every stream with an error event and [DONE] (no truncated body, no ASGI
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from serve_process import start_serve
 
-pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses, each with its own Ray
+pytestmark = pytest.mark.cluster  # `pdserve serve` subprocesses
 
 DRAIN_S = 6.0
 
@@ -43,10 +43,14 @@ def _stream(url: str, body: dict, out: dict) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("api_servers", [1, 2])
-def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
+def test_sigterm_drains_then_exits(demo_model_dir, request, api_servers):
     pytest.importorskip("decode_worker.actor")
-    proc, url, out_lines = _serve(demo_model_dir, api_servers, DRAIN_S)
+    # One API server on a Ray of its own; two on the run's Ray (the launcher stops only what it started).
+    ray_address = request.getfixturevalue("ray_address") if api_servers == 2 else ""
+    actors_before = _named_actors() if ray_address else None
+    proc, url, out_lines = _serve(demo_model_dir, api_servers, DRAIN_S, ray_address)
     try:
+        assert actors_before is None or _named_actors() - actors_before  # its workers, on the run's Ray
         short, long_ = {}, {}
         body = {"model": "demo", "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
         threads = [threading.Thread(target=_stream, args=(url, {**body, "max_tokens": 40}, short)),
@@ -81,19 +85,33 @@ def test_sigterm_drains_then_exits(demo_model_dir, api_servers):
         assert proc.returncode == 0, "".join(out_lines)
         assert "pdserve: stopped" in "".join(out_lines)
         assert not [c for c in api if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        if actors_before is not None:  # on the run's Ray: its workers went with it, Ray stays up
+            deadline = time.monotonic() + 30
+            while (left := _named_actors() - actors_before) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not left, left
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
 
 
-def _serve(demo_model_dir, api_servers: int, drain_s: float):
-    """`pdserve serve` as a subprocess in its own session; returns (proc, url, output lines)."""
+def _named_actors() -> set[tuple[str, str]]:
+    """(namespace, name) of the named actors alive on the run's Ray (a cluster's workers are named)."""
+    import ray
+
+    return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+
+
+def _serve(demo_model_dir, api_servers: int, drain_s: float, ray_address: str = ""):
+    """`pdserve serve` as a subprocess in its own session (joining the Ray at `ray_address`, else with
+    its own); returns (proc, url, output lines)."""
     # No warm-up: what these tests check starts with the first request (the warm-up before /ready, and
     # a warmed server's SIGTERM stop, are test_serve_command.py's and test_role_switch.py's).
     proc, url, out_lines = start_serve(demo_model_dir, "--prefill-workers", "0", "--decode-workers", "1",
                                        "--cpu-num-blocks", "512", "--drain-timeout-s", str(drain_s),
-                                       "--api-servers", str(api_servers), "--no-warmup", new_session=True)
+                                       "--api-servers", str(api_servers), "--no-warmup", new_session=True,
+                                       ray_address=ray_address)
     if url is None:
         proc.kill()
         raise AssertionError("".join(out_lines))
