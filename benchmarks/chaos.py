@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import re
 import sys
@@ -555,8 +556,11 @@ def main(argv=None) -> int:
     from deploy.serving_cluster import ServingCluster
 
     model = args.model or str(ensure_demo_model())
-    workers_at_launcher_priority()
-    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # A running Ray named by RAY_ADDRESS (as `ray.init` and `pdserve serve` read it) is joined; else a local one starts.
+    local = not os.environ.get("RAY_ADDRESS")
+    if local:
+        workers_at_launcher_priority()
+    ray.init(num_cpus=8 if local else None, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     gpu = {} if args.device == "cpu" else {"gpus_per_worker": args.gpus_per_worker,
                                              "kv_memory_fraction": args.kv_memory_fraction}
     cfg = ClusterConfig(model=model, served_model_name=MODEL, port=0, device=args.device, dtype=args.dtype, **gpu,

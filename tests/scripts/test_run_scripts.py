@@ -74,10 +74,10 @@ def test_prefix_cache_script_dry_run(tmp_path, ray_address, setup):
     assert rows[0]["failed"] == 0 and "kv_transfer_bytes" in rows[0]
 
 
-def test_faults_script_dry_run(tmp_path):
+def test_faults_script_dry_run(tmp_path, ray_address):
     """run_faults_h200x2.sh: kills under load (gloo on CPU) -> chaos_h200x2.json. The dry run's load ends
     once one fault was made and its victim is back (FAULTS_WANTED=1); DURATION only bounds it."""
-    _run("run_faults_h200x2.sh", tmp_path, timeout=240, DURATION="60", INTERVAL="1")
+    _run("run_faults_h200x2.sh", tmp_path, timeout=240, RAY_ADDRESS=ray_address, DURATION="60", INTERVAL="1")
     summary = json.loads((tmp_path / "chaos_h200x2.json").read_text())["summary"]
     # One fault of the script's kinds (prefill, decode, transfer, stuck_transfer, cancel_storm), drawn at random.
     assert sum(k["injected"] for k in summary["by_fault"].values()) >= 1, summary
