@@ -228,12 +228,15 @@ class BucketedGraphRunner:
             self.packed[lay.grammar : lay.grammar + b] = -1
             self.packed[lay.log_min_p : lay.log_min_p + b].view(torch.float32).fill_(float("-inf"))
             torch.cuda.synchronize()
-            # torch.cuda.graph() empties the allocator cache on entry: do it first, so that the
-            # difference in reserved memory is what this bucket's graph added to the shared pool.
-            torch.cuda.empty_cache()
-            t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            t0 = time.perf_counter()
             self._forward(b, self.max_blocks, features)  # warm-up: lazy init, Triton compilation, allocator
             torch.cuda.synchronize()
+            # torch.cuda.graph() empties the allocator cache on entry: do it here, after the warm-up, so
+            # that the growth of reserved memory from here on is what this bucket's graph added to the
+            # shared pool. (Measured from before the warm-up and after a second empty_cache, it went
+            # negative: the warm-up's frees of tensors a larger bucket left, released after the capture.)
+            torch.cuda.empty_cache()
+            mem0 = torch.cuda.memory_reserved(self.device)
             g = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
             with torch.cuda.graph(g, pool=self.pool):
                 self._forward(b, self.max_blocks, features)
@@ -244,12 +247,14 @@ class BucketedGraphRunner:
             (self.feature_graphs if features else self.graphs)[b] = g
             self.num_captures += 1
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            # No empty_cache before this read: the reserved memory only grows from mem0 (the capture's
+            # pool allocations; frees stay cached), so `bytes` is >= 0.
             self.capture_stats[variant][b] = {
                 "seconds": time.perf_counter() - t0,
                 "bytes": torch.cuda.memory_reserved(self.device) - mem0,
             }
             bar.set_postfix(bs=b, variant=variant)
+        torch.cuda.empty_cache()  # the blocks the warm-ups freed go back to the device
 
     @property
     def capture_seconds(self) -> float:
