@@ -99,7 +99,8 @@ def ray_address(ray_session) -> str:
     """The run's one Ray's address, for the `pdserve serve` subprocesses (and run scripts) whose own
     Ray is not what they test: given as RAY_ADDRESS, the launcher joins it (deploy/config.py) instead
     of starting a local Ray (~7 s and ~10 s of CPU each on two cores) and stopping it again. The tests
-    of a Ray of the command's own (test_serve_command.py, test_drain.py, test_multinode.py) leave it out."""
+    whose subject includes the command's own Ray leave it out: test_serve_answers_then_sigterm_stops_cleanly,
+    test_drain.py's one-API-server drain, second SIGTERM and GCS-killed tests, test_multinode.py."""
     return ray_session.get_runtime_context().gcs_address
 
 

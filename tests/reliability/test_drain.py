@@ -1,7 +1,8 @@
 """Graceful drain of `pdserve serve` (a subprocess), with one API-server process and its own Ray (as a
-user runs it on one machine) and with two joining a running Ray (the run's: as on a Ray cluster): SIGTERM to the launcher turns /ready false and answers new requests
-with 503 at once (on every API server), lets in-flight requests finish, ends those that outlive
-`--drain-timeout-s` with a clear error event, and then exits 0 with every process gone. A second
+user runs it on one machine) and with two joining a running Ray (the run's: as on a Ray cluster):
+SIGTERM to the launcher turns /ready false and answers new requests with 503 at once (on every API
+server), lets in-flight requests finish, ends those that outlive `--drain-timeout-s` with a clear
+error event, and then exits 0 with every process gone. A second
 SIGTERM during the drain ends every stream with an error event and [DONE] (no truncated body, no ASGI
 traceback); with Ray's GCS killed first, the server still exits within drain_timeout_s + 5 s."""
 
