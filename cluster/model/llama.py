@@ -43,6 +43,18 @@ def linear_method(quant: QuantConfig, checkpoint_modules: list[str]) -> LinearMe
     return UnquantizedLinearMethod() if scheme is None else Fp8LinearMethod(scheme)
 
 
+class _Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        """Nothing: the model is built on the meta device and the loader fills every weight.
+        (A random init on meta runs torch._refs, whose first call imports torch._dynamo: ~3 s of
+        CPU in every process that builds a model.)"""
+
+
+class _LMHead(nn.Linear):
+    def reset_parameters(self) -> None:
+        """Nothing, as `_Embedding`'s."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -154,11 +166,11 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = backend
         rope = RotaryEmbedding(cfg)
         self.rotary = rope
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, rope, dtype, quant, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if tp is None:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = _LMHead(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         else:
             self.lm_head = ParallelLMHead(cfg.hidden_size, tp, dtype)
         self.tie_weights()

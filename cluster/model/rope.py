@@ -51,6 +51,11 @@ class RotaryEmbedding(nn.Module):
 
     def build_tables(self, device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> None:
         """(Re)computes the table; the loader calls it after materialising a meta-device model."""
+        if torch.device(device or torch.get_default_device()).type == "meta":
+            # Shape only. Arithmetic on meta tensors runs torch._refs, whose first call imports
+            # torch._dynamo: ~3.7 s of CPU in every worker process that builds a model (2 cores).
+            self.cos_sin = torch.empty(self.max_positions, self.cfg.head_dim, dtype=dtype, device="meta")
+            return
         inv_freq = inverse_frequencies(self.cfg)
         inv_freq = inv_freq if device is None else inv_freq.to(device)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
