@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import re
 import sys
@@ -551,13 +550,13 @@ def main(argv=None) -> int:
 
     from cluster.engine.engine import LLMEngine
     from cluster.model.demo import ensure_demo_model
-    from deploy.config import ClusterConfig
+    from deploy.config import ClusterConfig, ray_address_from_env
     from deploy.ray_runtime import workers_at_launcher_priority
     from deploy.serving_cluster import ServingCluster
 
     model = args.model or str(ensure_demo_model())
     # A running Ray named by RAY_ADDRESS (as `ray.init` and `pdserve serve` read it) is joined; else a local one starts.
-    local = not os.environ.get("RAY_ADDRESS")
+    local = not ray_address_from_env()
     if local:
         workers_at_launcher_priority()
     ray.init(num_cpus=8 if local else None, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -84,6 +84,12 @@ DEPLOY_CHOICES: dict[str, tuple[type, str, str]] = {
 def _d(name: str) -> Any:
     """ClusterConfig's default for `name`: the component's (COMPONENT_DEFAULTS)."""
     return _default(*COMPONENT_DEFAULTS[name])
+
+
+def ray_address_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The Ray to join that the environment names: RAY_ADDRESS, Ray's own variable, as `ray.init()` and
+    `ray job submit` read it (empty: unset)."""
+    return (os.environ if env is None else env).get("RAY_ADDRESS") or None
 
 
 class ClusterConfig(BaseModel):
@@ -457,8 +463,8 @@ class ClusterConfig(BaseModel):
             data.update(read_yaml(yaml_path))
         env = os.environ if env is None else env
         apply_key_sources(data, overrides or {}, env)  # the key is one setting (deploy/api_key.py)
-        if env.get("RAY_ADDRESS"):  # Ray's own variable, as `ray.init()` and `ray job submit` read it (empty: unset)
-            data["address"] = env["RAY_ADDRESS"]
+        if (ray_address := ray_address_from_env(env)) is not None:
+            data["address"] = ray_address
         data.update(overrides or {})
         try:
             return cls(**data)
