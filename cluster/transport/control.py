@@ -83,8 +83,10 @@ from cluster.transport.plan import KVNumerics, PlanSpec
 from cluster.transport.receiver_side import ReceiverSide
 from cluster.transport.rendezvous_store import local_address_towards
 from cluster.transport.sender_side import SenderSide
+from cluster.wire.socket_bounds import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_beat_failures = RateLimitedLog(log, interval_s=30.0)
 
 _LIVE: "weakref.WeakSet[ControlledTransport]" = weakref.WeakSet()
 
@@ -244,8 +246,10 @@ class ControlledTransport(KVTransport):
             count += 1
             try:
                 link.beats.publish(store, count)
-            except Exception:  # store gone: peers will see us as silent, which is the truth
-                pass
+            except Exception as e:  # noqa: BLE001 - store gone: peers will see us as silent, which is the truth
+                if not link.closed.is_set():  # (said: a prefill re-forms a broken pair only once we beat)
+                    _beat_failures.warn("KV transport %s: a heartbeat failed: %s: %s", link.worker_id,
+                                        type(e).__name__, e)
             link.closed.wait(link.spec.heartbeat_s)
 
     def _watch_sends(self) -> None:

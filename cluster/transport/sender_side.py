@@ -82,6 +82,8 @@ class SenderSide(KVSender):
         self._pair_locks: dict[str, threading.Lock] = {}
         self._bundle_ids = itertools.count()
         self._gens: dict[str, tuple[int, int]] = {}  # decode peer -> (its incarnation, the last pair generation)
+        # (peer, its heartbeat count at a break) -> when the watch first waited for its next beat (None: said)
+        self._unformed_since: dict[tuple[str, int], float | None] = {}
 
     # -- pairs ----------------------------------------------------------------------------------------
     def connect(self, decode_worker_ids: Sequence[str]) -> dict[str, float]:
@@ -138,7 +140,9 @@ class SenderSide(KVSender):
                 link.mark_dead(pair.peer, f"the decode worker broke the pair (generation {pair.gen})", pair_only=True)
         for peer, hb in broken.items():
             try:
-                if link.heartbeat_of(store, peer) <= hb:
+                beat = link.heartbeat_of(store, peer)
+                if beat <= hb:
+                    self._note_unformed(peer, hb, beat)
                     continue  # not seen beating since the pair broke (yet)
                 link.forget_incarnation(peer, "re-forming a broken pair")
                 with link.lock:
@@ -152,6 +156,17 @@ class SenderSide(KVSender):
                 with link.lock:
                     if peer in link.dead_peers:
                         link.broken[peer] = hb
+
+    def _note_unformed(self, peer: str, hb: int, beat: int) -> None:
+        """Watch thread: a broken pair waits for its peer's next beat. Said once per break when that
+        beat has not come within peer_timeout_s, with the counts: a peer that serves on without beating
+        leaves the pair unformed for good (seen once in tests/reliability/test_chaos_faults.py)."""
+        first = self._unformed_since.setdefault((peer, hb), time.monotonic())
+        if first is not None and time.monotonic() - first > self.link.spec.peer_timeout_s:
+            self._unformed_since[(peer, hb)] = None
+            log.warning("KV transport %s: the pair with %s broke %.0f s ago and is not re-formed: its heartbeat "
+                        "count is %d, %d when the pair broke", self.link.worker_id, peer, time.monotonic() - first,
+                        beat, hb)
 
     def _open_pair(self, peer: str) -> Pair:
         """Any failure leaves the peer dead: its half of the channel may exist, ours never will."""
