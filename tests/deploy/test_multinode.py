@@ -131,8 +131,9 @@ def test_prefill_and_decode_pinned_to_their_nodes(two_node_cluster, demo_model_d
     }))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # port 0: the server picks a free port and prints its URL
+        # --no-warmup: where the workers run is the subject, not their warm-up (test_role_switch.py's).
         server = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", str(demo_model_dir), "--config",
-                                   str(cfg)], env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                   str(cfg), "--no-warmup"], env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
