@@ -1,6 +1,8 @@
 """The multi-GPU run scripts of issue 25, each in its DRY_RUN=1 form on CPU (short): they must run at
 HEAD and write what loadtest/results/MULTI_GPU_RUNS.md says they write, so that the GPU runs are one
-command each. These start Ray clusters and servers: run them under `flock /tmp/pdserve-heavy.lock`."""
+command each. The disagg, prefix-cache and faults scripts start servers on the run's Ray (marker
+`cluster`: the one-at-a-time stream, tests/conftest.py); the transfer and TP scripts spawn gloo ranks
+and no Ray, so they run beside it, in the other stream, as the transport tests do."""
 
 import json
 import os
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster  # the run scripts in DRY_RUN form: servers, Ray and loads in subprocesses
+pytestmark = pytest.mark.slow  # the run scripts in DRY_RUN form: a minute each
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +43,7 @@ def test_transfer_script_dry_run(tmp_path):
     assert set(doc["targets"]) >= {"of_baseline_ge_0.8_from_2048", "le_0.3ms_at_128", "decode_p99_le_1.1x"}
 
 
+@pytest.mark.cluster  # a server on the run's Ray
 def test_disagg_script_dry_run_planner_load_shift(tmp_path, ray_address):
     """run_disagg_h200x2.sh, its planner setup: a server with the planner on, a two-phase load shift,
     goodput per phase in doc["shift"]."""
@@ -64,6 +67,7 @@ def test_disagg_script_resumes_a_previous_calls_rows(tmp_path):
     assert json.loads((tmp_path / "out" / "disagg_vs_colocated.json").read_text()) == json.loads(prev.read_text())
 
 
+@pytest.mark.cluster  # a server on the run's Ray
 @pytest.mark.parametrize("setup", ["disaggregated"])
 def test_prefix_cache_script_dry_run(tmp_path, ray_address, setup):
     """run_prefix_cache.sh OUT disaggregated (short: caching on only, one small workload): a row of
@@ -75,6 +79,7 @@ def test_prefix_cache_script_dry_run(tmp_path, ray_address, setup):
     assert rows[0]["failed"] == 0 and "kv_transfer_bytes" in rows[0]
 
 
+@pytest.mark.cluster  # a server on the run's Ray
 def test_faults_script_dry_run(tmp_path, ray_address):
     """run_faults_h200x2.sh: kills under load (gloo on CPU) -> chaos_h200x2.json. The dry run's load ends
     once one fault was made and its victim is back (FAULTS_WANTED=1); DURATION only bounds it."""
