@@ -205,6 +205,7 @@ def test_steps_against_real_cluster(tmp_path, ray_address):
     r = _run_loadtest(["--start-cluster", "--prefill-workers", prefill, "--decode-workers", "1",
                        "--steps", "1,2", "--step-duration", "3.5", "--warmup", "1", "--prompt-tokens", "16",
                        "--output-tokens", "24", "--stall-timeout", "10", "--ready-timeout", "120",
+                       "--serve-arg=--no-warmup",  # the steps are the subject, not the server's warm-up
                        "--out", str(out)], timeout=240, ray_address=ray_address)
     if r.returncode == 2 and ("before /ready" in r.stderr or "was not ready" in r.stderr):
         pytest.skip(f"`pdserve serve --prefill-workers {prefill}` did not come up: {r.stderr.strip()[-600:]}")

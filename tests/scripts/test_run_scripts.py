@@ -49,7 +49,7 @@ def test_disagg_script_dry_run_planner_load_shift(tmp_path, ray_address):
     goodput per phase in doc["shift"]."""
     # The arrivals are seeded (bench_disagg's Random(0)): these two 1-s phases send 2 and 5 requests.
     _run("run_disagg_h200x2.sh", tmp_path, timeout=240, RAY_ADDRESS=ray_address, SETUPS="planner",
-         PHASES="prompts:4:64:4:1,outputs:4:16:16:1")
+         PHASES="prompts:4:64:4:1,outputs:4:16:16:1", EXTRA_SERVE_FLAGS="--no-warmup")  # (as the prefix cache's)
     doc = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
     shift = doc["shift"]["planner"]
     assert [r["phase"] for r in shift["per_phase"]] == ["prompts", "prompts", "outputs", "outputs"]  # 2 SLO sets
@@ -72,8 +72,9 @@ def test_disagg_script_resumes_a_previous_calls_rows(tmp_path):
 def test_prefix_cache_script_dry_run(tmp_path, ray_address, setup):
     """run_prefix_cache.sh OUT disaggregated (short: caching on only, one small workload): a row of
     that setup, with the KV bytes transferred."""
+    # --no-warmup: the script's run is the subject, not the server's warm-up (test_serve_command.py's)
     _run("run_prefix_cache.sh", tmp_path, setup, timeout=300, RAY_ADDRESS=ray_address, CACHES="on",
-         WORKLOADS="multi_turn", SESSIONS="2", TURNS="2")
+         WORKLOADS="multi_turn", SESSIONS="2", TURNS="2", SERVE_ARGS="--no-warmup")
     rows = json.loads((tmp_path / "prefix_cache_h200.json").read_text())["rows"]
     assert [(r["setup"], r["cache"], r["workload"]) for r in rows] == [(setup, "on", "multi_turn")], rows
     assert rows[0]["failed"] == 0 and "kv_transfer_bytes" in rows[0]
