@@ -46,8 +46,8 @@ def linear_method(quant: QuantConfig, checkpoint_modules: list[str]) -> LinearMe
 class _Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         """Nothing: the model is built on the meta device and the loader fills every weight.
-        (A random init on meta runs torch._refs, whose first call imports torch._dynamo: ~3 s of
-        CPU in every process that builds a model.)"""
+        (A random init on meta runs torch._refs, whose first call imports torch._dynamo: see
+        RotaryEmbedding.build_tables.)"""
 
 
 class _LMHead(nn.Linear):

@@ -247,7 +247,7 @@ class ControlledTransport(KVTransport):
             try:
                 link.beats.publish(store, count)
             except Exception as e:  # noqa: BLE001 - store gone: peers will see us as silent, which is the truth
-                if not link.closed.is_set():  # (said: a prefill re-forms a broken pair only once we beat)
+                if not link.closed.is_set():  # said: a prefill re-forms a pair it broke only once we beat
                     _beat_failures.warn("KV transport %s: a heartbeat failed: %s: %s", link.worker_id,
                                         type(e).__name__, e)
             link.closed.wait(link.spec.heartbeat_s)
