@@ -144,6 +144,7 @@ class SenderSide(KVSender):
                 if beat <= hb:
                     self._note_unformed(peer, hb, beat)
                     continue  # not seen beating since the pair broke (yet)
+                self._unformed_since.pop((peer, hb), None)  # it beat: this break's wait is over
                 link.forget_incarnation(peer, "re-forming a broken pair")
                 with link.lock:
                     link.broken.pop(peer, None)
