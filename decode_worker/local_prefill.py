@@ -25,7 +25,7 @@ import torch
 from cluster.wire.messages import TokenDelta
 from cluster.engine.model_runner import ModelRunner
 from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
-from cluster.sampling.sampler import SampledTokens, sample_tokens_async
+from cluster.sampling.sampler import SampledTokens, sample_tokens_async, take_rows
 from cluster.engine.sequence import Sequence, SequenceStatus
 from decode_worker.local_prefill_pacer import LocalPrefillPacer
 from decode_worker.scheduler import DecodeScheduler
@@ -94,7 +94,7 @@ class LocalPrefill:
         if done:
             rows = [i for i, (q, _) in enumerate(chunks) if q in done]
             # The grammar masks are filled now; each grammar advances with its token in finish().
-            drawn = sample_tokens_async(logits[rows], [q.params for q in done], [q.seed for q in done],
+            drawn = sample_tokens_async(take_rows(logits, rows), [q.params for q in done], [q.seed for q in done],
                                         [q.num_tokens for q in done], [q.prompt_token_ids for q in done],
                                         [q.generated_token_ids for q in done], [q.grammar for q in done])
         self.clock.prefill_end(span)

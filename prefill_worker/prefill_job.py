@@ -13,7 +13,7 @@ from cluster.errors import InvalidRequestError
 from cluster.kv.block_hash import BlockHash
 from cluster.kv.request_limits import check_request_fits
 from cluster.sampling.logprobs import PrefillLogprobs
-from cluster.sampling.sampler import sample_tokens
+from cluster.sampling.sampler import SampledTokens, sample_tokens_async, take_rows
 from cluster.transport.base import KVSend
 from cluster.wire.messages import PrefillResult, PrefillTask, PrefillTimeline, Reservation
 from cluster.structured.request_grammar import RequestGrammar
@@ -112,13 +112,14 @@ def check_task(task: PrefillTask, reservation: Reservation | None, *, max_model_
     req.params.check_token_ids(vocab_size)  # they index the sampling kernels' tables
 
 
-def sample_first_tokens(logits: torch.Tensor, jobs: list[PrefillJob]):
-    """The first token sits at position len(prompt): the same draw the engine would make.
-    -> (tokens, per job its logprobs or None)."""
+def draw_first_tokens(logits: torch.Tensor, rows: list[int], jobs: list[PrefillJob]) -> SampledTokens:
+    """jobs[i]'s first token from logits[rows[i]] (the pass's last-token logits): it sits at position
+    len(prompt), the same draw the engine would make, queued on the device with no host sync
+    (`SampledTokens.result()` -> the tokens and, per job, its logprobs or None)."""
     reqs = [j.task.request for j in jobs]
     # A migrated request's prompt ends with the tokens it generated before (resumed_tokens): its
     # penalties and bad words count them as generated, as they did on its first placement.
-    return sample_tokens(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                         [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
-                         [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
-                         grammars=[j.grammar for j in jobs])
+    return sample_tokens_async(take_rows(logits, rows), [r.params for r in reqs], [r.seed for r in reqs],
+                               [len(r.prompt_token_ids) for r in reqs], [r.prompt_token_ids for r in reqs],
+                               [r.prompt_token_ids[len(r.prompt_token_ids) - r.resumed_tokens:] for r in reqs],
+                               grammars=[j.grammar for j in jobs])

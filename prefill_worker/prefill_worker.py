@@ -64,7 +64,7 @@ from prefill_worker.abort_notices import AbortNotices
 from prefill_worker.calls_ahead import CallsAhead
 from prefill_worker.first_token_sender import FirstTokenSender
 from prefill_worker.layer_hooks import hook_layers
-from prefill_worker.prefill_job import PrefillJob, check_task, failed_result, reservation_error, sample_first_tokens
+from prefill_worker.prefill_job import PrefillJob, check_task, draw_first_tokens, failed_result, reservation_error
 from prefill_worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,8 @@ class PrefillWorker:
         chunks = self._schedule()
         if not chunks:
             return False
-        finishing = [job for job, c in chunks if job.done_tokens + len(c.token_ids) == len(job.prompt)]
+        rows = [i for i, (job, c) in enumerate(chunks) if job.done_tokens + len(c.token_ids) == len(job.prompt)]
+        finishing = [chunks[i][0] for i in rows]
         self.first_tokens.connect([job.task.request for job in finishing])  # before the forward: see there
         shipment = self._begin(finishing)
         self._shipment = shipment
@@ -355,20 +356,20 @@ class PrefillWorker:
                     job.prompt_logprobs = (job.prompt_logprobs or []) + lps
             forward_done_at, pass_host_s = time.time(), time.perf_counter() - pass_t0
             self._shipment = None
-            if shipment is not None:
-                shipment.kv_done()  # every layer not shipped yet goes now, while we sample
             end = self._timer.stop(start, tokens_in_pass)
+            # The draw goes on the stream first, right behind the pass, with no host sync: the host work
+            # below (the KV shipment's last launches, the prefix cache's bookkeeping) runs while the
+            # device finishes, and the first token is on the host once the pass and the draw are.
+            drawn = draw_first_tokens(logits, rows, finishing) if rows else None
+            if shipment is not None:
+                shipment.kv_done()  # every layer not shipped yet goes now (on the pair's stream)
             self.prefill_tokens_total += tokens_in_pass
-            done = []
             with self._cv:  # the pool is shared with the send threads' releases
-                for i, (job, c) in enumerate(chunks):
+                for job, c in chunks:
                     job.done_tokens += len(c.token_ids)
                     self._computed_tokens += len(c.token_ids)
                     self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
-                    if job.done_tokens == len(job.prompt):
-                        done.append((i, job))
-            tokens, logprobs = (sample_first_tokens(logits[[i for i, _ in done]], [j for _, j in done]) if done
-                                else ([], []))  # syncs: KV is complete
+            tokens, logprobs = drawn.result() if drawn is not None else ([], [])  # syncs: the pass and the draw
         except Exception as e:  # fail this batch, keep serving
             self._shipment = None
             if self.group is not None:  # the group cannot go on (see the module docstring)
@@ -390,10 +391,10 @@ class PrefillWorker:
                     self._aborts.send(job.reservation, job.request_id)
             return True
         # The draws above synced the device: the pass's device time is ready without a wait.
-        device_s = self._timer.seconds(start, end) if done else 0.0
+        device_s = self._timer.seconds(start, end) if finishing else 0.0
         first, lps, errors = {}, {}, {}
         with self._cv:
-            for (_, job), tok, lp in zip(done, tokens, logprobs):
+            for job, tok, lp in zip(finishing, tokens, logprobs):
                 self._waiting.remove(job)
                 first[job.request_id] = None if job.aborted else tok
                 plp = job.prompt_logprobs
@@ -404,11 +405,11 @@ class PrefillWorker:
         # A prompt dispatched before its reservation came ships later (`late`); its first token goes
         # now all the same: the client's TTFT does not wait for the decode worker's reservation.
         sent_at = self.first_tokens.send_all([(j.task.request, first[j.request_id], lps.get(j.request_id), j.grammar)
-                                              for _, j in done], first, errors) if self.transport is not None else {}
+                                              for j in finishing], first, errors) if self.transport is not None else {}
         if shipment is not None:
             shipment.commit(first, lps)
         committed_at = time.time()
-        for _, job in done:
+        for job in finishing:
             rid = job.request_id
             job.pass_points = (forward_done_at, sent_at.get(rid), pass_host_s, device_s, tokens_in_pass)
             if self.transport is not None and (shipment is None or rid not in shipment.futures):

@@ -42,7 +42,7 @@ from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 
 __all__ = ["SampledTokens", "SamplingTensors", "StepOutputs", "features_state_bytes", "grammar_bitmask", "sample",
-           "sample_step", "sample_tokens", "sample_tokens_async", "uniform_noise", "log_min_p"]
+           "host_to_device", "sample_step", "sample_tokens", "sample_tokens_async", "take_rows", "uniform_noise", "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
@@ -64,13 +64,31 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperature=host_to_device([p.temperature for p in params], torch.float32, device),
             # Clamped to int32 (the kernel's type): any k at or above the vocabulary means no limit.
-            top_k=torch.tensor([min(p.top_k, 2**31 - 1) for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            log_min_p=torch.tensor([log_min_p(p.min_p) for p in params], dtype=torch.float32, device=device),
+            top_k=host_to_device([min(p.top_k, 2**31 - 1) for p in params], torch.int64, device),
+            top_p=host_to_device([p.top_p for p in params], torch.float32, device),
+            seeds=host_to_device(seeds, torch.int64, device),
+            log_min_p=host_to_device([log_min_p(p.min_p) for p in params], torch.float32, device),
         )
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without a host sync (`t[list]` uploads its index from pageable memory, which waits for
+    the stream); t itself when rows are all of its rows in order."""
+    return t if rows == list(range(t.shape[0])) else t[host_to_device(rows, torch.int64, t.device)]
+
+
+def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list (or CPU tensor) on `device` without waiting for it: on CUDA through pinned memory,
+    non_blocking, so the copy queues behind the work already on the stream instead of syncing the
+    host with it (`torch.tensor(..., device="cuda")` copies from pageable memory and waits for the
+    stream to drain: after a forward, for the whole pass). The caching host allocator keeps the
+    pinned block until the copy has run."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample(
@@ -177,7 +195,7 @@ def grammar_bitmask(grammars: Seq[RequestGrammar | None], vocab_size: int, devic
     fill_bitmasks([grammars[i] for i in rows], masks, range(len(rows)))
     row_mask = torch.full((len(grammars),), -1, dtype=torch.int32)
     row_mask[rows] = torch.arange(len(rows), dtype=torch.int32)
-    return row_mask.to(device), masks.to(device)
+    return host_to_device(row_mask, torch.int32, device), host_to_device(masks, torch.int32, device)
 
 
 def sample_tokens(logits: torch.Tensor, params: "list[SamplingParams]", seeds: list[int], positions: list[int],
@@ -206,7 +224,7 @@ def sample_tokens_async(logits: torch.Tensor, params: "list[SamplingParams]", se
     n = len(params)
     dev = logits.device
     st = SamplingTensors.from_params(params, seeds, dev)
-    pos = torch.tensor(positions, device=dev)
+    pos = host_to_device(positions, torch.int64, dev)
     ks = [p.logprobs for p in params]
     masks = grammar_bitmask(grammars, logits.shape[1], dev) if grammars is not None else None
     if not any(p.needs_features for p in params):
@@ -219,7 +237,7 @@ def sample_tokens_async(logits: torch.Tensor, params: "list[SamplingParams]", se
     state = SamplingState.for_rows([p if s else SamplingParams() for p, s in zip(params, slotted)],
                                    [pr if s else () for pr, s in zip(prompts, slotted)],
                                    [o if s else () for o, s in zip(outputs, slotted)], logits.shape[1], dev)
-    row_slots = torch.tensor([i if s else -1 for i, s in enumerate(slotted)], dtype=torch.int32, device=dev)
+    row_slots = host_to_device([i if s else -1 for i, s in enumerate(slotted)], torch.int32, dev)
     out = StepOutputs.allocate(n, logits.shape[1], dev)
     sample_step(logits, st, pos, row_slots, state, out, update_state=False, bitmask=masks)
     if all(k is None for k in ks):

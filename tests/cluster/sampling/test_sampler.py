@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from cluster.errors import InvalidRequestError
-from cluster.sampling.sampler import SamplingTensors, sample, uniform_noise
+from cluster.sampling.sampler import SamplingTensors, sample, sample_tokens_async, take_rows, uniform_noise
 from cluster.sampling.sampling_params import SamplingParams
 
 
@@ -65,3 +65,36 @@ def test_uniform_noise_is_in_the_open_unit_interval():
 def test_invalid_params_are_rejected(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_take_rows_selects_rows_and_keeps_the_tensor_when_all_rows_in_order():
+    t = torch.arange(12.0).view(4, 3)
+    assert take_rows(t, [0, 1, 2, 3]) is t
+    assert torch.equal(take_rows(t, [3, 1]), t[[3, 1]])
+
+
+def test_a_host_draw_matches_the_plain_draw_of_its_rows():
+    """sample_tokens_async over take_rows: the same tokens as `sample` over the rows picked by hand
+    (the prefill worker's and the local prefill's draw of the rows a pass completed)."""
+    logits = torch.randn(5, 300)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3, top_k=7)]
+    got, _ = sample_tokens_async(take_rows(logits, [4, 1]), params, [11, 12], [7, 9]).result()
+    want = sample(logits[[4, 1]], _tensors(params, [11, 12]), torch.tensor([7, 9]), True)
+    assert got == want.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_queued_draw_does_not_wait_for_the_work_ahead_of_it():
+    """The first-token draw is queued right behind a prefill pass (prefill_worker.PrefillWorker.step):
+    uploading its parameters and row index must not sync the host with the stream, or the host work
+    meant to overlap the pass would wait for it. A ~0.5 s device sleep stands for the pass."""
+    logits = torch.randn(3, 1000, device="cuda")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=5, top_p=0.9)]
+    want, _ = sample_tokens_async(take_rows(logits, [2, 0]), params, [1, 2], [10, 11]).result()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # cycles: ~0.5 s at H100/H200 clocks
+    drawn = sample_tokens_async(take_rows(logits, [2, 0]), params, [1, 2], [10, 11])
+    assert not drawn._event.query(), "the draw's upload waited for the work queued before it"
+    got, _ = drawn.result()
+    assert got == want
