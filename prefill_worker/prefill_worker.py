@@ -3,10 +3,12 @@ first token and ships its KV to the decode worker that reserved blocks for it. N
 
 One loop thread computes and ships. Before a forward that completes prompts, their transfers are
 claimed (`KVSender.begin`); during it a forward hook on every decoder layer reports the layer done, so
-a long prompt's layer i is on the wire while layer i+1 computes; after sampling, each first token goes
-to its gateway (FirstTokenSender: the client has it before the KV lands), then `commit` sends it to the
-decode worker, which continues from it. Nothing here waits for a transfer: the next forward starts at once. A prompt's blocks go
-back to this worker's pool when its transfer future resolves (the payload left them, or failed).
+a long prompt's layer i is on the wire while layer i+1 computes. After it, the first tokens' draw is
+queued right behind it, the rest of the KV is launched, and the host waits once, for the draw; each
+first token goes to its gateway (FirstTokenSender: the client has it before the KV lands), then
+`commit` sends it to the decode worker, which continues from it. Nothing here waits for a transfer:
+the next forward starts at once. A prompt's blocks go back to this worker's pool when its transfer
+future resolves (the payload left them, or failed).
 
 Dispatched before its reservation (the router reserves on the decode worker meanwhile: PlacementWalk),
 a prompt is computed all the same and its first token sent; its KV waits in its blocks (`parked`)
@@ -244,10 +246,9 @@ class PrefillWorker:
     def stats(self) -> WorkerStats:
         with self._cv:
             expired = self._ahead.expired()  # (polled: a held reservation's deadline is kept within a poll)
-            calls_ahead = len(self._ahead)
             outstanding = sum(len(j.prompt) - j.done_tokens for j in self._waiting)
-            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens, "calls_ahead": calls_ahead,
-                     **self.allocator.stats_extra()}
+            extra = {"sending": self._sending, "computed_prompt_tokens": self._computed_tokens,
+                     "calls_ahead": len(self._ahead), **self.allocator.stats_extra()}
         for rid, res in expired:
             self._aborts.send(res, rid, "its prompt did not come")
         if self.transport is not None and hasattr(self.transport, "metrics"):
@@ -357,9 +358,8 @@ class PrefillWorker:
             forward_done_at, pass_host_s = time.time(), time.perf_counter() - pass_t0
             self._shipment = None
             end = self._timer.stop(start, tokens_in_pass)
-            # The draw goes on the stream first, right behind the pass, with no host sync: the host work
-            # below (the KV shipment's last launches, the prefix cache's bookkeeping) runs while the
-            # device finishes, and the first token is on the host once the pass and the draw are.
+            # NOTE: the draw goes on the stream right behind the pass, with no host sync (its uploads are pinned):
+            # the host work below (the rest of the KV's launches, the prefix cache's bookkeeping) overlaps the device.
             drawn = draw_first_tokens(logits, rows, finishing) if rows else None
             if shipment is not None:
                 shipment.kv_done()  # every layer not shipped yet goes now (on the pair's stream)
@@ -390,7 +390,7 @@ class PrefillWorker:
                     job.future.set_result(failed_result(job.task, 0.0, f"prefill failed: {e}"))
                     self._aborts.send(job.reservation, job.request_id)
             return True
-        # The draws above synced the device: the pass's device time is ready without a wait.
+        # The draw's wait above came after the pass's end event: its device time is ready without a wait.
         device_s = self._timer.seconds(start, end) if finishing else 0.0
         first, lps, errors = {}, {}, {}
         with self._cv:

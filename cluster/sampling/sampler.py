@@ -42,7 +42,8 @@ from cluster.structured.grammar import bitmask_words
 from cluster.structured.request_grammar import RequestGrammar, fill_bitmasks
 
 __all__ = ["SampledTokens", "SamplingTensors", "StepOutputs", "features_state_bytes", "grammar_bitmask", "sample",
-           "host_to_device", "sample_step", "sample_tokens", "sample_tokens_async", "take_rows", "uniform_noise", "log_min_p"]
+           "host_to_device", "sample_step", "sample_tokens", "sample_tokens_async", "take_rows", "uniform_noise",
+           "log_min_p"]
 
 
 def log_min_p(min_p: float) -> float:
