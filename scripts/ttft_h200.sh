@@ -15,7 +15,10 @@
 # share of the budget), SKIP (comma-separated: 1b,8b), COMMIT (git's; the device's copy has no .git),
 # MPS=1: the two workers' processes share the GPU through an MPS daemon (scripts/gpu_sharing.sh); the
 # header's `gpu_sharing` says which sharing ran. DISPATCH (zmq): the router's dispatch to the prefill
-# worker, `--prefill-dispatch` (zmq: a signed frame; ray: a Ray actor call).
+# worker, `--prefill-dispatch` (zmq: a signed frame; ray: a Ray actor call). USERS_PER_PROCESS (16; 1 in a
+# dry run): ttft_cases' `--users-per-process`, the most users one client process (one event loop) reads, so
+# a levels run can check whether the client's own loop is what lags (64 users: 4 processes at 16, 16 at 4).
+# SKIP=cases: no 1-user cases, the levels alone (a levels-only pass, e.g. SKIP=8b,cases LEVELS=1,64).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -44,23 +47,26 @@ VOCAB=500
 if [ -n "${DRY_RUN:-}" ]; then
   MODEL_1B=$($PY -c 'from cluster.model.demo import ensure_demo_model as e; print(e())'); MODEL_8B=$MODEL_1B
   SERVE="--device cpu --dtype float32 --cpu-num-blocks 1024 --max-model-len 1024 --api-servers 1"
-  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8 --users-per-process 1)  # 2 users: 2 processes
+  USERS_PER_PROCESS=${USERS_PER_PROCESS:-1}  # 2 users: 2 processes
+  CASES="1x32,1x64,1x96c64"; LEVELS=${LEVELS:-1,2}; CASE_ARGS=(--requests 4 --output-tokens 4 --level-output-tokens 8)
   CASE_SECONDS=${CASE_SECONDS:-4}; LEVEL_SECONDS=${LEVEL_SECONDS:-3}
   SKIP="$SKIP,8b,"
 else
   MODEL_1B=${MODEL_1B:-/tmp/pdserve-llama-1b-random}; MODEL_8B=${MODEL_8B:-/tmp/pdserve-llama-8b-random}
   SERVE="--device cuda --dtype bfloat16 --gpus-per-worker 0.5 --kv-memory-fraction 0.2 --max-model-len 4096 \
     --max-num-seqs 256 --attention-backend triton --api-servers 4"
+  USERS_PER_PROCESS=${USERS_PER_PROCESS:-16}
   CASES="1x128,1x512,1x2048,1x2048c1920"; LEVELS=${LEVELS:-1,2,4,8,16,32,64,128,256}; CASE_ARGS=()
   CASE_SECONDS=${CASE_SECONDS:-8}; LEVEL_SECONDS=${LEVEL_SECONDS:-8}
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 fi
 DISPATCH=${DISPATCH:-zmq}
+CASE_ARGS+=(--users-per-process "$USERS_PER_PROCESS")
 SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching --prefill-dispatch $DISPATCH"
 # The file's header (benchmarks.ttft_cases appends the rows and keeps it): this run's command, with the
 # knobs it ran under, the commit, and what served.
 $PY - "$RESULT" "$COMMIT" "SKIP=$SKIP_ARG BUDGET=$BUDGET CASE_SECONDS=$CASE_SECONDS LEVEL_SECONDS=$LEVEL_SECONDS \
-LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150} DISPATCH=$DISPATCH${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
+LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150} DISPATCH=$DISPATCH USERS_PER_PROCESS=$USERS_PER_PROCESS${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
 import json, sys
 path, commit, command, serve, sharing = sys.argv[1:]
 json.dump({"command": command, "commit": commit, "serve_args": " ".join(serve.split()), "gpu_sharing": sharing,
@@ -110,9 +116,11 @@ measure() {  # name model_dir shape row_name levels
   serve "$name" "$model" "$shape" || return 0
   url=$(wait_url "$name" "$(limit 240)") || { stamp "the $name server is not up"; stop_server; return 0; }
   stamp "$name server ready at $url"
-  timeout "$(limit 150)" $PY -m benchmarks.ttft_cases --url "$url" --model-name "$row" --vocab-size "$VOCAB" \
-    --cases "$CASES" --seconds "$CASE_SECONDS" "${CASE_ARGS[@]}" --out "$RESULT" > "$OUT/ttft_cases_$name.log" 2>&1
-  stamp "$name cases exit $?"
+  if ! skip cases; then
+    timeout "$(limit 150)" $PY -m benchmarks.ttft_cases --url "$url" --model-name "$row" --vocab-size "$VOCAB" \
+      --cases "$CASES" --seconds "$CASE_SECONDS" "${CASE_ARGS[@]}" --out "$RESULT" > "$OUT/ttft_cases_$name.log" 2>&1
+    stamp "$name cases exit $?"
+  fi
   if [ -n "$levels" ]; then
     timeout "$(limit "${LEVELS_LIMIT:-150}")" $PY -m benchmarks.ttft_cases --url "$url" --model-name "$row" --vocab-size "$VOCAB" \
       --levels "$levels" --seconds "$LEVEL_SECONDS" "${CASE_ARGS[@]}" --out "$RESULT" > "$OUT/ttft_levels_$name.log" 2>&1
