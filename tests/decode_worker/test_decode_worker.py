@@ -495,3 +495,30 @@ def test_a_thread_publisher_is_the_same_publisher(demo_model_dir, engine):
         worker.shutdown()
     with pytest.raises(ValueError, match="token_publisher"):
         DecodeWorker("d0", cfg, token_publisher="fibre")
+
+
+def test_an_empty_worker_naps_long_and_new_work_wakes_it(demo_model_dir, engine, monkeypatch):
+    """Holding no request, the loop naps _EMPTY_WAIT_S (not the 2 ms nap it takes while it holds
+    requests); a request that comes, locally or as a landed transfer, wakes it at once. The long nap is
+    made 600 s here: a wake-up that went missing would leave the request waiting out the test's timeout."""
+    import decode_worker.decode_worker as dw
+
+    monkeypatch.setattr(dw, "_EMPTY_WAIT_S", 600.0)
+    ps = prompts(5, [14, 30])
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (5, 7)]
+    ref = engine.generate(ps, params)
+    worker = make_worker(demo_model_dir)
+    naps = []
+    wait = worker._wake.wait
+    monkeypatch.setattr(worker._wake, "wait", lambda timeout=None: naps.append(timeout) or wait(timeout))
+    try:
+        col = Collector(worker)
+        worker.submit_local(GenerateRequest("local", tuple(ps[0]), params[0], 0, 0.0))
+        col.wait(lambda: "local" in col.finish)
+        pre = FakePrefill(demo_model_dir, worker)
+        col.wait(lambda: worker.stats().free_blocks == worker.stats().total_blocks and naps[-1] == 600.0)
+        pre.prefill_and_send(pre.reserve(worker, "remote", ps[1], params[1]), ps[1])
+        col.wait(lambda: "remote" in col.finish)
+        assert col.tokens == {"local": list(ref[0].token_ids), "remote": list(ref[1].token_ids)}
+    finally:
+        worker.shutdown()
