@@ -2,8 +2,13 @@
 
 - Polls: every `stats_interval_s`, each worker's `stats()` updates its WorkerView (admission and
   placement decide on those); with a `prefix_aware` policy each healthy worker's block events
-  (`kv_events`) then feed the router's KVBlockIndex. `refresh()` polls at once (shared by concurrent
-  callers) when a decision needs fresher stats than the last poll.
+  (`kv_events`) then feed the router's KVBlockIndex. `refresh()` polls every worker at once (shared
+  by concurrent callers) when a decision needs fresher stats than the last poll.
+- An idle worker (healthy, holding no request by its last stats, and none of the router's requests
+  placed on it) is polled every IDLE_POLL_S only: nothing changes on it until the router places a
+  request there, which makes it busy again for the next poll. (An idle 1P+2D cluster spent ~7 % of a
+  core on 30 polls a second, on both ends of the Ray calls.) A worker that dies idle is found within
+  IDLE_POLL_S, or at once by the call that places a request on it.
 - Liveness: a worker that misses `unhealthy_after_failures` polls, or that Ray reports dead (at
   once), or that reports itself unhealthy, is marked unhealthy; the requests placed on it are failed
   (`fail_requests_on`: with migration on they are marked lost and their gateways told, and the
@@ -34,6 +39,8 @@ from router.workers.worker_client import ActorDead
 from router.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 1.0  # the poll interval of an idle worker (at least stats_interval_s)
 
 # (worker id, role, ids of the healthy workers of the other role): makes a restarted worker (a new
 # incarnation) ready to serve again: joins its KV transport, warms it up. Raises if it could not.
@@ -75,6 +82,7 @@ class WorkerHealth:
         self.gone: set[str] = set()  # workers dead past their restart limit: never back
         self.gone_check = gone_check
         self._gone_asked: dict[str, float] = {}  # worker id -> when gone_check was last asked
+        self._polled_at: dict[str, float] = {}  # worker id -> when its last stats poll was issued
 
     # -- polls --------------------------------------------------------------------------------------
     def start_polling(self) -> None:
@@ -91,18 +99,32 @@ class WorkerHealth:
         while True:
             await asyncio.sleep(self.cfg.stats_interval_s)
             try:
-                await self.poll_once()
+                await self.poll_once(idle_too=False)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("stats poll failed")
 
-    async def poll_once(self) -> None:
+    async def poll_once(self, idle_too: bool = True) -> None:
+        """Polls every worker, or (`idle_too` False: the poll loop) the busy ones and the idle ones
+        whose last poll is IDLE_POLL_S old."""
         issued = time.monotonic()
-        await asyncio.gather(*(self.poll(v) for v in list(self.workers.views.values())))
-        self.fresh_as_of = max(self.fresh_as_of, issued)
+        views = list(self.workers.views.values())
+        if not idle_too:
+            idle_s = max(IDLE_POLL_S, self.cfg.stats_interval_s)
+            views = [v for v in views if not self._idle(v) or issued - self._polled_at.get(v.worker_id, -1e9) >= idle_s]
+        await asyncio.gather(*(self.poll(v) for v in views))
+        if len(views) == len(self.workers.views):  # (the views that stayed idle are as fresh as this)
+            self.fresh_as_of = max(self.fresh_as_of, issued)
         self.polled_once = True
         self.polled()
+
+    @staticmethod
+    def _idle(v: WorkerView) -> bool:
+        """Nothing on the worker, and nothing the router did there that a poll has still to confirm."""
+        s = v.stats
+        return (v.healthy and not v.refused and not v.draining and not v.inflight and not v.placing and not v.released
+                and not s.running and not s.waiting and not s.outstanding_prefill_tokens)
 
     async def refresh(self, max_wait_s: float | None = None) -> None:
         """Polls every worker now, unless a poll went out a moment ago; concurrent callers share
@@ -128,7 +150,7 @@ class WorkerHealth:
         client = self.workers.clients.get(v.worker_id)
         if client is None:  # removed meanwhile
             return
-        issued = time.monotonic()
+        issued = self._polled_at[v.worker_id] = time.monotonic()
         try:
             stats = await client.stats(timeout=self._poll_timeout(10.0))
         except asyncio.CancelledError:

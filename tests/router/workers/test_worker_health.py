@@ -309,3 +309,44 @@ def test_the_launchers_gone_check_names_a_worker_killed_for_good():
         await asyncio.sleep(0.01)
         assert h.health.gone == {"d0"}
     asyncio.run(main())
+
+
+def test_the_poll_loop_polls_idle_workers_every_idle_poll_s_and_busy_ones_every_time(monkeypatch):
+    """The loop's polls (idle_too=False) skip a worker that holds nothing by its last stats and has
+    nothing of the router's on it, until its last poll is IDLE_POLL_S old; a request placed on it
+    makes it busy again for the very next poll; refresh()'s full poll asks every worker."""
+    from router.workers import worker_health
+
+    async def main():
+        d0, d1 = StubWorker("d0", "decode"), StubWorker("d1", "decode")
+        h = Harness([], [d0, d1], stats_interval_s=1e-3)
+        polls = lambda w: w.names().count("stats")  # noqa: E731
+        await h.health.poll_once(idle_too=False)  # never polled: both
+        assert polls(d0) == polls(d1) == 1
+        h.place("r1", "d1")
+        full = h.health.fresh_as_of
+        for _ in range(3):
+            await h.health.poll_once(idle_too=False)
+        assert (polls(d0), polls(d1)) == (1, 4)  # d0 idle, d1 holds r1
+        assert h.health.fresh_as_of == full and h.polls == 4  # a partial poll is not a fresh picture of all
+        h.workers.views["d0"].refused = True  # refused a placement: ranked again only after a poll
+        await h.health.poll_once(idle_too=False)
+        assert (polls(d0), polls(d1)) == (2, 5)
+        h.place("r2", "d0")
+        await h.health.poll_once(idle_too=False)
+        assert (polls(d0), polls(d1)) == (3, 6)
+        for w, rid in (("d0", "r2"), ("d1", "r1")):
+            h.workers.views[w].inflight.discard(rid)
+        await h.health.poll_once(idle_too=False)
+        assert (polls(d0), polls(d1)) == (3, 6)  # both idle now
+        await h.health.poll_once()  # refresh()'s poll, for a decision that wants fresh stats: every worker
+        assert (polls(d0), polls(d1)) == (4, 7) and h.health.fresh_as_of > full
+        monkeypatch.setattr(worker_health, "IDLE_POLL_S", 0.0)
+        await asyncio.sleep(2e-3)  # their last poll is now max(IDLE_POLL_S, stats_interval_s) old
+        await h.health.poll_once(idle_too=False)
+        assert (polls(d0), polls(d1)) == (5, 8)
+        d0.fail = RayActorError()  # dies idle: the next poll that reaches it finds it
+        await asyncio.sleep(2e-3)
+        await h.health.poll_once(idle_too=False)
+        assert not h.workers.views["d0"].healthy
+    asyncio.run(main())
