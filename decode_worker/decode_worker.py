@@ -61,12 +61,10 @@ from decode_worker.warmup import DecodeWorkerWarmup, WarmupParts
 
 log = logging.getLogger(__name__)
 
-# The loop's nap when there is nothing to do; new work wakes it at once (`_wake`: a submit, a landed
-# or failed transfer, a compiled grammar, stop). While it holds requests it naps _IDLE_WAIT_S: what it
-# checks by time (the local-prefill pacer, a transfer's deadline) belongs to a held request. Holding
-# none it naps _EMPTY_WAIT_S: ~20 wake-ups a second instead of 500 (an idle worker cost ~2 % of a core).
-_IDLE_WAIT_S = 0.002
-_EMPTY_WAIT_S = 0.05
+# The loop's nap with nothing to do; new work wakes it at once (`_wake`: a submit, a landed or failed
+# transfer, a compiled grammar, stop). Holding requests it naps _IDLE_WAIT_S (what it checks by time is a
+# held request's); holding none (read unlocked: a request that came meanwhile set `_wake`), _EMPTY_WAIT_S.
+_IDLE_WAIT_S, _EMPTY_WAIT_S = 0.002, 0.05
 _LOST_KEPT = 100_000  # request ids a failed loop dropped, remembered for the router's `lost()`
 
 
@@ -413,7 +411,6 @@ class DecodeWorker:
                 return self._fire(fault)
             if inflight is None and not deltas:
                 t_nap = time.perf_counter()
-                # Read without the lock: a request that comes meanwhile has set `_wake` (cleared above).
                 self._wake.wait(_IDLE_WAIT_S if self.scheduler.num_seqs else _EMPTY_WAIT_S)
                 self._interval_clock.idle(time.perf_counter() - t_nap)
 
