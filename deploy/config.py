@@ -258,7 +258,8 @@ class ClusterConfig(BaseModel):
     """A dead worker's requests are placed again elsewhere (prompt + tokens so far; the stream goes on);
     off: they end with an error event."""
     stats_interval_s: float = Field(_d("stats_interval_s"), gt=0.0)
-    """How often the router polls every worker's stats."""
+    """How often the router polls a busy worker's stats (an idle one: every second,
+    router.workers.worker_health.IDLE_POLL_S, or at this interval if it is longer)."""
     prefill_dispatch: Literal["zmq", "ray"] = "zmq"
     """How a prompt reaches its prefill worker. 'zmq': a signed frame to its dispatch socket and its answer
     as a frame back to the router (cluster/wire/prefill_dispatch.py; one Ray call per worker watches it
