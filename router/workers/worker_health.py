@@ -121,10 +121,10 @@ class WorkerHealth:
 
     @staticmethod
     def _idle(v: WorkerView) -> bool:
-        """Nothing on the worker, and nothing the router did there that a poll has still to confirm."""
-        s = v.stats
-        return (v.healthy and not v.refused and not v.draining and not v.inflight and not v.placing and not v.released
-                and not s.running and not s.waiting and not s.outstanding_prefill_tokens)
+        """Nothing on the worker, and nothing the router did there that a poll has still to confirm
+        (the view's `running` and `outstanding_prefill_tokens` count its stats and its placements)."""
+        return (v.healthy and not v.refused and not v.draining and not v.inflight and not v.released
+                and not v.running and not v.outstanding_prefill_tokens)
 
     async def refresh(self, max_wait_s: float | None = None) -> None:
         """Polls every worker now, unless a poll went out a moment ago; concurrent callers share
