@@ -198,7 +198,8 @@ def client_main(host: str, port: int, users: int, body: bytes, t_start: float, t
 
 # -- one measurement --------------------------------------------------------------------------------
 def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
-    from deploy.api_server import APIServerPool
+    from cluster.process.process_template import ProcessTemplate
+    from deploy.api_server import PRELOAD, APIServerPool
     from router.requests.admission import AdmissionController, AdmissionLimits
     from router.stats.metrics import RouterMetrics
     from router.router import Router, RouterConfig, WorkerClient
@@ -224,7 +225,7 @@ def measure(args, k: int, model_dir: str, poll_stats: bool = False) -> dict:
     pool = APIServerPool(k, listen, dict(router_address=rs.address, model_dir=model_dir, served_model_name=MODEL,
                                          max_model_len=1 << 20, api_key=None, max_body_bytes=1 << 20,
                                          token_timeout_s=60.0, drain_timeout_s=5.0, sink_host="127.0.0.1"),
-                         f"{tmp}/metrics")
+                         f"{tmp}/metrics", ProcessTemplate.shared(PRELOAD))
     pool.start()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

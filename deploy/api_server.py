@@ -1,8 +1,9 @@
 """The API-server processes: K gateways serving one port (the pattern of vLLM's `--api-server-count`).
 
 The launcher binds the listening socket once (a port in use is a one-line error there, and port 0 is
-resolved before any child starts) and hands that same socket to K processes started as
-`python -m deploy.api_server`; the kernel gives each new connection to one of them, and a
+resolved before any child starts) and hands that same socket to K processes that run
+`python -m deploy.api_server`, forked from the launcher's process template (cluster/process/: what
+they import, PRELOAD, is imported once there); the kernel gives each new connection to one of them, and a
 connection stays with its process for its whole life, so a request's tokens only ever go to the
 process holding it (its token sink is the request's `reply_to`). Each process runs uvicorn on uvloop
 with the httptools parser and the FastAPI app of router/openai/, with its own token sink and its
@@ -10,7 +11,8 @@ own channel to the one router (router/channel/client.py). Its settings come on s
 API key and the cluster's secret (its token sink's MAC key, cluster/wire/frame_auth.py) never show in `ps`.
 
 A child drains on SIGTERM or when the router says so (the launcher got SIGTERM), exits at once on
-SIGINT, and stops by itself if the launcher goes away (its parent pid changes).
+SIGINT, and stops by itself if the launcher goes away (its parent, the template, exits with the
+launcher: its parent pid changes).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +30,8 @@ import msgspec
 import uvicorn
 
 from cluster.errors import PdserveError
+from cluster.process.process_template import PIPE, ProcessTemplate
+from cluster.process.template_child import TemplateChild
 from cluster.sampling.generation_defaults import SamplingDefaults
 from cluster.model.config import ModelArchConfig
 from cluster.text.tokenizer import load_tokenizer
@@ -43,6 +46,14 @@ from router.openai.routes import build_app
 from router.streams.token_stream import TokenStreamReceiver
 
 log = logging.getLogger("pdserve.api_server")
+
+# What an API server imports before it serves (~2.5 s of CPU: torch, through transformers and xgrammar):
+# its processes are forked from a template that imported them (APIServerPool). Not prometheus_client:
+# it reads PROMETHEUS_MULTIPROC_DIR, each process's own, at import. transformers.core_model_loading is
+# what the tokenizer's AutoConfig lookup imports (torch.distributed.tensor: ~0.8 s).
+PRELOAD = ("torch", "transformers", "transformers.models.auto.tokenization_auto",
+           "transformers.models.auto.configuration_auto", "transformers.core_model_loading", "xgrammar",
+           "fastapi", "uvicorn", "uvloop", "httptools", "zmq", "msgspec", "pydantic")
 
 # Connections and requests one API-server process holds at once (uvicorn answers 503 past it): far
 # above what its loop streams well (~10k events/s), far below what exhausts its file descriptors.
@@ -97,30 +108,54 @@ def default_api_servers(cpus: int | None = None) -> int:
 
 
 class APIServerPool:
-    """Starts, watches and stops the K API-server processes of one launcher."""
+    """Starts, watches and stops the K API-server processes of one launcher. They are forked from
+    `template` (cluster/process/process_template.py: torch, transformers, xgrammar, FastAPI and
+    uvicorn imported once), on a thread of their own: `start()` returns at once, while the template
+    may still be importing, so the workers' model loads start at the same time."""
 
-    def __init__(self, count: int, listen_sock: socket.socket, spec: dict, metrics_dir: str):
+    def __init__(self, count: int, listen_sock: socket.socket, spec: dict, metrics_dir: str,
+                 template: ProcessTemplate):
         self.count = count
         self.listen_sock = listen_sock
         self.spec = spec
         self.metrics_dir = metrics_dir
-        self.procs: list[subprocess.Popen] = []
+        self.template = template
+        self.procs: list[TemplateChild] = []
+        self.start_error: str | None = None
+        self._starter: threading.Thread | None = None
 
     def start(self) -> None:
         fd = self.listen_sock.fileno()
-        os.set_inheritable(fd, True)
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "PYTHONUNBUFFERED": "1"}
-        for i in range(self.count):
-            spec = APIServerSpec(index=i, listen_fd=fd, parent_pid=os.getpid(), **self.spec)
-            proc = subprocess.Popen([sys.executable, "-m", "deploy.api_server"], stdin=subprocess.PIPE,
-                                    pass_fds=(fd,), env=env)
-            proc.stdin.write(msgspec.json.encode(spec))
-            proc.stdin.close()
-            self.procs.append(proc)
+        env = {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir, "PYTHONUNBUFFERED": "1"}
+
+        def start_all() -> None:
+            try:
+                for i in range(self.count):
+                    # parent_pid: the template's, whose child it is; it ends when the launcher does.
+                    spec = APIServerSpec(index=i, listen_fd=fd, parent_pid=self.template.pid, **self.spec)
+                    proc = self.template.spawn("deploy.api_server", stdin=PIPE, pass_fds=(fd,), env=env)
+                    proc.stdin.write(msgspec.json.encode(spec))
+                    proc.stdin.close()
+                    self.procs.append(proc)
+            except (OSError, RuntimeError) as e:
+                self.start_error = f"cannot start the API servers: {e}"
+                log.error("%s", self.start_error)
+
+        self._starter = threading.Thread(target=start_all, name="api-server-start", daemon=True)
+        self._starter.start()
+
+    def _started(self, timeout_s: float | None = None) -> bool:
+        if self._starter is not None:
+            self._starter.join(timeout_s)
+            return not self._starter.is_alive()
+        return True
 
     def exited(self) -> list[tuple[int, int]]:
-        """(index, exit code) of the processes that have ended."""
-        return [(i, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+        """(index, exit code) of the processes that have ended; (count, 1) for one that could not start."""
+        if not self._started(0):
+            return []
+        dead = [(i, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+        return dead + [(len(self.procs), 1)] if self.start_error else dead
 
     def alive(self) -> int:
         return sum(p.poll() is None for p in self.procs)
@@ -133,6 +168,7 @@ class APIServerPool:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGINT (stop now), then SIGKILL what is left."""
+        self._started()  # (a start in progress finishes first: none is left behind)
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)

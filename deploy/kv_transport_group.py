@@ -22,6 +22,7 @@ import ray
 
 from cluster.errors import PdserveError
 from cluster.transport.factory import TransportSpec
+from cluster.process.process_template import ProcessTemplate
 from cluster.transport.store_process import StoreProcess
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig
@@ -61,11 +62,13 @@ class KVTransportGroup:
         return dict(zip(prefill, warm))
 
 
-def start_kv_store(cfg: ClusterConfig, store_host: str, secret: bytes, namespace: str) -> StoreProcess:
-    """The rendezvous store's process (returns at once: form_kv_transport_group waits for it)."""
+def start_kv_store(cfg: ClusterConfig, store_host: str, secret: bytes, namespace: str,
+                   template: ProcessTemplate | None = None) -> StoreProcess:
+    """The rendezvous store's process (returns at once: form_kv_transport_group waits for it), forked
+    from `template` (default: this process's shared one for the store alone)."""
     return StoreProcess.start(store_host, cfg.kv_store_port, secret=secret, namespace=namespace,
                               memory_limit_mib=cfg.kv_store_memory_limit_mib, sweep_s=cfg.kv_store_sweep_s,
-                              timeout_s=300.0)
+                              timeout_s=300.0, template=template)
 
 
 def form_kv_transport_group(prefill: dict[str, Any], decode: dict[str, Any], cfg: ClusterConfig,

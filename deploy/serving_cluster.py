@@ -44,9 +44,12 @@ from typing import Any, Callable
 import ray
 
 from cluster.errors import PdserveError
+from cluster.process.process_template import ProcessTemplate
+from cluster.transport.store_process import PRELOAD as STORE_PRELOAD
 from cluster.wire.frame_auth import new_cluster_secret
 from cluster.kv.request_limits import served_max_model_len
 from cluster.worker.startup_heap import freeze_startup_heap
+from deploy.api_server import PRELOAD as API_SERVER_PRELOAD
 from deploy.api_server import APIServerPool, default_api_servers
 from deploy.component_configs import admission_limits, api_server_settings, cache_config_info, router_config
 from deploy.config import ClusterConfig
@@ -127,6 +130,9 @@ class ServingCluster:
         self.model_name = name = served.name
         api_servers = cfg.api_servers or default_api_servers()
 
+        # The API servers' and the store's processes are forked from this process's template, which
+        # imports their libraries (seconds) while Ray starts and the workers load the model.
+        template = ProcessTemplate.shared(API_SERVER_PRELOAD + STORE_PRELOAD)
         self._owns_ray = init_ray(cfg)
         # The cluster's internal sockets (token streams, stats sink, KV control and payload) bind the
         # loopback when the whole cluster is this one node: nothing else on the network reaches them.
@@ -136,9 +142,9 @@ class ServingCluster:
         # on their stdin.
         secret = new_cluster_secret()
         if cfg.prefill_workers and self._form_transport_group is form_kv_transport_group:
-            # The store's process imports torch (~1.3 s of CPU) while the API servers and the workers
-            # start; forming the transport group waits for it. (A test's own former starts its own.)
-            self._early_store = start_kv_store(cfg, stream_host, secret, self.tag)
+            # The store's process starts while the API servers and the workers do; forming the
+            # transport group waits for it. (A test's own former starts its own.)
+            self._early_store = start_kv_store(cfg, stream_host, secret, self.tag, template)
         self._tmp = tempfile.mkdtemp(prefix="pdserve-")
         metrics = RouterMetrics(name, cache_config=cache_config_info(cfg), precision=served.precision())
         self.router_server = RouterServer(f"ipc://{self._tmp}/router", stream_host, metrics,
@@ -153,7 +159,7 @@ class ServingCluster:
             max_model_len=max_model_len, sink_host=stream_host,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             chat_template=served.chat_template, sampling_defaults=served.sampling_defaults.as_dict(),
-            cluster_secret=secret, precision=served.precision()), metrics_dir)
+            cluster_secret=secret, precision=served.precision()), metrics_dir, template)
         self.api_servers.start()  # they load the tokenizer while the workers load the model
 
         workers = self.workers

@@ -1,5 +1,5 @@
 """StoreProcess: the cluster's rendezvous store (a TCPStore server, rendezvous_store.start_store) in a
-child process of the launcher, so that a client filling the store fills that child, never the
+child process of the launcher (forked from its process template), so that a client filling the store fills that child, never the
 launcher (which also runs the router and supervises the API servers).
 
 - A memory cap: the child sets RLIMIT_DATA to what it uses once torch is imported plus
@@ -16,10 +16,12 @@ launcher (which also runs the router and supervises the API servers).
   started from a thread that ends before it stops.)
 - The secret reaches the child on that pipe, never in argv or the environment.
 
-Start-up (`start`) does not wait: the child imports torch (~2 s of CPU, most of its start) while the
-launcher places the workers; `wait_ready` is called where the port is needed. The child reports on
-its stdout, one JSON line each: first {"port", "pid", "cpu_s", "data_limit"} (or {"error"}), then
-the warden's totals after a sweep that removed something, and at least every `_REPORT_S`.
+Start-up (`start`) does not wait: the child is forked from a process template (cluster/process/:
+torch imported once, ~1 s of CPU, in the template) on the reader thread, while the launcher places
+the workers; `wait_ready` is called where the port is needed. The child reports on its stdout, one
+JSON line each: first {"port", "pid", "cpu_s", "data_limit"} (or {"error"}), then the warden's
+totals after a sweep that removed something, and at least every `_REPORT_S`. Its `cpu_s` counts
+what it used after the fork only.
 """
 
 from __future__ import annotations
@@ -35,17 +37,23 @@ import time
 from typing import Callable
 
 from cluster.errors import PdserveError
+from cluster.process.process_template import PIPE, ProcessTemplate
+from cluster.process.template_child import TemplateChild
 
 log = logging.getLogger("pdserve.store")
 
 _REPORT_S = 1.0
+PRELOAD = ("torch.distributed",)  # what the child imports (rendezvous_store: torch, most of its start)
 
 
 class StoreProcess:
     """The launcher's handle on the store's child process."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, started: float):
-        self._proc = proc
+    def __init__(self, template: ProcessTemplate, settings: dict, host: str, started: float):
+        self._template = template
+        self._settings = settings
+        self._proc: TemplateChild | None = None  # once forked (on the reader thread)
+        self._spawned = threading.Event()
         self.host = host
         self._started = started
         self._ready = threading.Event()
@@ -60,22 +68,38 @@ class StoreProcess:
 
     @classmethod
     def start(cls, host: str, port: int = 0, *, secret: bytes, namespace: str, memory_limit_mib: int = 1024,
-              sweep_s: float = 1.0, timeout_s: float = 300.0) -> StoreProcess:
-        """Starts the child (returns at once). `sweep_s` 0: no warden (benchmarks, the cap's own test)."""
-        started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.transport.store_process"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                                start_new_session=True)  # (a Ctrl-C at the terminal is the launcher's to handle)
+              sweep_s: float = 1.0, timeout_s: float = 300.0, template: ProcessTemplate | None = None) -> StoreProcess:
+        """Starts the child (returns at once). `sweep_s` 0: no warden (benchmarks, the cap's own test).
+        `template`: the process template to fork it from (its preload must include PRELOAD's); by
+        default this process's shared one for PRELOAD."""
+        template = template or ProcessTemplate.shared(PRELOAD)
+        # parent: the template, whose child it is (it ends when the launcher does).
         settings = {"host": host, "port": port, "secret": secret.hex(), "namespace": namespace,
                     "memory_limit_bytes": memory_limit_mib << 20, "sweep_s": sweep_s, "timeout_s": timeout_s,
-                    "parent": os.getpid()}
-        proc.stdin.write(json.dumps(settings).encode() + b"\n")
-        proc.stdin.flush()  # (the pipe stays open: it is the child's lifeline)
-        return cls(proc, host, started)
+                    "parent": template.pid}
+        return cls(template, settings, host, time.monotonic())
 
     # -- the child's reports ----------------------------------------------------------------------------
     def _read(self) -> None:
-        for line in self._proc.stdout:
+        try:
+            # Forked here, not in start(): the first fork waits for the template's imports, while the
+            # launcher goes on placing the workers. Its own session: a Ctrl-C at the terminal is the
+            # launcher's to handle.
+            self._proc = proc = self._template.spawn("cluster.transport.store_process", stdin=PIPE, stdout=PIPE,
+                                                     new_session=True)
+            proc.stdin.write(json.dumps(self._settings).encode() + b"\n")
+            proc.stdin.flush()  # (the pipe stays open: it is the child's lifeline)
+        except (OSError, RuntimeError) as e:
+            with self._lock:
+                self._hello = {"error": f"its process could not start: {e}"}
+            self._spawned.set()
+            self._ready.set()
+            if not self._stopping and self.on_exit is not None:
+                self.on_exit(1)
+            return
+        finally:
+            self._spawned.set()
+        for line in proc.stdout:
             try:
                 msg = json.loads(line)
             except ValueError:
@@ -87,10 +111,10 @@ class StoreProcess:
                     self._ready.set()
                 else:
                     self._stats = msg
-        code = self._proc.wait()
+        code = proc.wait()
         self._ready.set()
         if not self._stopping:
-            log.error("the KV rendezvous store's process (pid %d) exited with code %d", self._proc.pid, code)
+            log.error("the KV rendezvous store's process (pid %d) exited with code %d", proc.pid, code)
             if self.on_exit is not None:
                 self.on_exit(code)
 
@@ -101,7 +125,7 @@ class StoreProcess:
         with self._lock:
             hello = dict(self._hello)
         if "port" not in hello:
-            why = hello.get("error") or f"its process exited with code {self._proc.poll()}"
+            why = hello.get("error") or f"its process exited with code {self.exited()}"
             raise PdserveError(f"the KV rendezvous store did not start: {why}")
         return hello["port"]
 
@@ -110,8 +134,9 @@ class StoreProcess:
         return self.wait_ready()
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        """The child's pid (None before it was forked, or if it could not be)."""
+        return self._proc.pid if self._proc is not None else None
 
     @property
     def startup(self) -> dict:
@@ -128,8 +153,10 @@ class StoreProcess:
             return dict(self._stats)
 
     def exited(self) -> int | None:
-        """The child's exit code, or None while it runs."""
-        return self._proc.poll()
+        """The child's exit code, or None while it runs (or is being started); 1 if it could not start."""
+        if not self._spawned.is_set():
+            return None
+        return self._proc.poll() if self._proc is not None else 1
 
     def client(self, timeout_s: float = 10.0):
         """A new raw client of the store (no secret: reads and writes as any client would)."""
@@ -141,16 +168,19 @@ class StoreProcess:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ends the child (closing its lifeline), then waits for it; kills it past `timeout_s`. Idempotent."""
         self._stopping = True
-        if self._proc.stdin and not self._proc.stdin.closed:
+        self._spawned.wait()  # (bounded: the template's start times out)
+        proc = self._proc
+        if proc is not None:
+            if proc.stdin and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
             try:
-                self._proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self._proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._reader.join(timeout_s)
 
 

@@ -96,7 +96,7 @@ def _worker_listeners() -> set[tuple[int, str, int]]:
 
 
 def test_internal_sockets_listen_on_loopback_only(cluster):
-    """In the local cluster the KV rendezvous store (its own process, the launcher's child), the
+    """In the local cluster the KV rendezvous store (its own process, the launcher's grandchild), the
     router's step-record sink and prefill answer socket (launcher), the token streams and the HTTP port (API servers), the
     decode workers' KV control inboxes and the gloo pairs (both formed before /ready) listen on
     127.0.0.1, never a wildcard. (Each worker process also has Ray's own core-worker server, there
@@ -106,7 +106,8 @@ def test_internal_sockets_listen_on_loopback_only(cluster):
     mine = {c.laddr.port: c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN}
     store = cluster._kv_store
-    assert psutil.Process(store.pid).ppid() == os.getpid() and store.port not in mine
+    # its own process, forked from the launcher's process template (cluster/process/)
+    assert psutil.Process(store.pid).parent().ppid() == os.getpid() and store.port not in mine
     assert {c.laddr.port: c.laddr.ip for c in psutil.Process(store.pid).net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN} == {store.port: "127.0.0.1"}
     assert mine[int(cluster.router_server.stats_sink.rsplit(":", 1)[1])] == "127.0.0.1"

@@ -62,7 +62,8 @@ def test_sigterm_drains_then_exits(demo_model_dir, request, api_servers):
 
         import psutil
 
-        api = [c for c in psutil.Process(proc.pid).children() if "deploy.api_server" in " ".join(c.cmdline())]
+        # (forked from the launcher's process template: named after their module)
+        api = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "api_server"]
         assert len(api) == api_servers
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -54,7 +54,9 @@ def _wait(cond, timeout_s: float = 20.0) -> bool:
 def test_the_store_serves_from_its_own_process_without_the_secret_in_argv():
     sp = _start()
     try:
-        assert sp.pid != os.getpid() and psutil.Process(sp.pid).ppid() == os.getpid()
+        # Forked from this process's process template (cluster/process/), named after its module.
+        child = psutil.Process(sp.pid)
+        assert sp.pid != os.getpid() and child.parent().ppid() == os.getpid() and child.name() == "store_process"
         assert SECRET.hex() not in " ".join(psutil.Process(sp.pid).cmdline())
         listening = {c.laddr.port: c.laddr.ip for c in psutil.Process(sp.pid).net_connections("inet")
                      if c.status == psutil.CONN_LISTEN}
