@@ -31,6 +31,7 @@ from cluster.text.tokenizer import encode_chat
 from router.stats.metrics import CONTENT_TYPE
 from router.openai.errors import APIError, api_error, error_response, http_error, invalid_body, unexpected_error
 from router.openai.gateway import Gateway
+from router.openai.json_body import JSONBodyRoute
 from router.openai.middleware import APIKeyAuth, BodySizeLimit, ReceivedStamp
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai.protocol_responses import (DetokenizeResponse, ModelCard, ModelList, TokenizeResponse,
@@ -104,7 +105,8 @@ def build_app(gw: Gateway) -> FastAPI:
         log.error("request failed", exc_info=e)
         return error_response(unexpected_error(e))
 
-    v1 = APIRouter(prefix="/v1")  # the API key is checked before routing (APIKeyAuth)
+    # The API key is checked before routing (APIKeyAuth); bodies are parsed by msgspec (json_body.py).
+    v1 = APIRouter(prefix="/v1", route_class=JSONBodyRoute)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -126,7 +128,7 @@ def build_app(gw: Gateway) -> FastAPI:
     app.include_router(v1)
 
     # vLLM's tokenizer endpoints (at the root, as vLLM serves them), behind the key (KEYED_PATHS).
-    keyed = APIRouter()
+    keyed = APIRouter(route_class=JSONBodyRoute)
 
     @keyed.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
