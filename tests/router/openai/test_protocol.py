@@ -124,3 +124,28 @@ def test_no_op_values_of_unsupported_fields_are_accepted():
     CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 3, "best_of": 3, "echo": True, "suffix": "",
                                       "response_format": {"type": "text"},
                                       "use_beam_search": False}).check_unsupported()
+
+
+@pytest.mark.parametrize("prompt", [[1, 2**63], [2**63], [-(2**63) - 1], [2**70], [[1], [2**63]], [1, 2.0], [1, True],
+                                    [1, "a"], [1, None], [[1, "x"]]])
+def test_prompt_token_ids_out_of_int64_or_not_ints_are_400_naming_the_prompt(prompt):
+    from fastapi.exceptions import RequestValidationError
+
+    from router.openai.errors import invalid_body
+
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    # The union's first member (the string) names the error, as when the ids were list[Int64].
+    err = invalid_body(RequestValidationError(e.value.errors()))
+    assert (err.status, err.param) == (400, "prompt")
+    assert err.message == "prompt.function-after[_valid_unicode(), str]: Input should be a valid string"
+
+
+def test_prompt_token_ids_at_the_int64_bounds_are_accepted_and_the_schema_keeps_them():
+    ids = [-(2**63), 0, 2**63 - 1]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ids}).prompt == ids
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [ids, []]}).prompt == [ids, []]
+    items = {"type": "integer", "minimum": -(2**63), "exclusiveMaximum": 2**63}
+    members = CompletionRequest.model_json_schema()["properties"]["prompt"]["anyOf"]
+    assert {"type": "array", "items": items} in members
+    assert {"type": "array", "items": {"type": "array", "items": items}} in members
