@@ -63,6 +63,9 @@ def check_chat_template(tokenizer, source: str) -> None:
             raise ModelLoadError(f"the chat template of {source} does not render: {type(e).__name__}: {e}") from None
 
 
+_PLAIN_INT = frozenset({int})
+
+
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
@@ -72,7 +75,14 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     vocab = len(tokenizer)  # once: a Hugging Face tokenizer's len() is a call into it
-    if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+    # Plain ints (every prompt parsed from JSON) are checked at C speed (the loop below cost ~0.09 ms of
+    # a 2048-token prompt's TTFT on a CPU host, this ~0.07); anything else (a bool, an int subclass, a
+    # float) takes the loop, whose answer it is.
+    if set(map(type, ids)) <= _PLAIN_INT:
+        ok = min(ids) >= 0 and max(ids) < vocab
+    else:
+        ok = all(isinstance(t, int) and 0 <= t < vocab for t in ids)
+    if not ok:
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
     return ids
 
