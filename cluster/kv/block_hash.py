@@ -44,7 +44,7 @@ class BlockHasher:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.salt = salt
-        self._pack = struct.Struct(f"<{block_size}q").pack
+        self._fresh = hashlib.blake2b(digest_size=_DIGEST).copy  # a new hash of the addresses' kind
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """Appends to `hashes` (the addresses of the first len(hashes) blocks of `token_ids`) those of
@@ -53,11 +53,20 @@ class BlockHasher:
         A sequence's tokens only grow, so a caller keeps one list per sequence and extends it as
         blocks fill: every block is hashed once."""
         bs = self.block_size
-        num_blocks = min(num_blocks, len(token_ids) // bs)
+        first, num_blocks = len(hashes), min(num_blocks, len(token_ids) // bs)
+        if num_blocks <= first:
+            return hashes
         parent = hashes[-1] if hashes else self.salt
-        for i in range(len(hashes), num_blocks):
-            parent = hashlib.blake2b(parent + self._pack(*token_ids[i * bs:(i + 1) * bs]),
-                                     digest_size=_DIGEST).digest()
+        # NOTE: the same bytes as one `<{bs}q` pack per block, packed in one call, and each block's
+        # digest from a copy of a prepared blake2b: no tuple slice, argument unpacking or keyword
+        # parsing per block. This runs on the first token's path (a prompt's lookup, before its pass).
+        packed = struct.pack(f"<{(num_blocks - first) * bs}q", *token_ids[first * bs:num_blocks * bs])
+        width, fresh = 8 * bs, self._fresh
+        for off in range(0, len(packed), width):
+            h = fresh()
+            h.update(parent)
+            h.update(packed[off:off + width])
+            parent = h.digest()
             hashes.append(parent)
         return hashes
 
