@@ -25,6 +25,7 @@ class KVBlockIndex:
         self._blocks_of: dict[str, set[BlockHash]] = {}
         self._position: dict[str, tuple[str | None, int]] = {}
         self._hasher: BlockHasher | None = None  # the workers' address space (salt, block size)
+        self._last: tuple = ((), None, ())  # (prompt, hasher, its hashes): the last prompt hashed
 
     # -- feeding ----------------------------------------------------------------------------------
     def position(self, worker_id: str) -> tuple[str | None, int]:
@@ -72,12 +73,23 @@ class KVBlockIndex:
     def block_size(self) -> int | None:
         return self._hasher.block_size if self._hasher else None
 
-    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+    def hashes(self, token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
         """The addresses of the prompt's blocks that a hit may cover (never the last token's block:
-        the cache-hit rule of cluster.kv.block_pool); empty before any worker reported."""
+        the cache-hit rule of cluster.kv.block_pool); empty before any worker reported.
+
+        One placement asks for one prompt's up to four times (the walk for each indexed role, each
+        prefix-aware policy's ranking; ~0.1 ms each for 2048 tokens on a CPU host, on the router's
+        loop): the last prompt's are kept, for the same tuple (immutable: the same object is the same
+        ids) in the same address space."""
         if self._hasher is None or not token_ids:
-            return []
-        return self._hasher.extend([], token_ids, (len(token_ids) - 1) // self._hasher.block_size)
+            return ()
+        prompt, hasher, hashes = self._last
+        if prompt is token_ids and hasher is self._hasher:
+            return hashes
+        hashes = tuple(self._hasher.extend([], token_ids, (len(token_ids) - 1) // self._hasher.block_size))
+        if isinstance(token_ids, tuple):
+            self._last = (token_ids, self._hasher, hashes)
+        return hashes
 
     def overlap(self, hashes: Sequence[BlockHash], worker_ids: Iterable[str]) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds (as last reported)."""

@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
-from cluster.kv.block_hash import BlockHash
 from cluster.engine.graph_buckets import padding_fraction
 from cluster.wire.messages import GenerateRequest, WorkerStats
 from router.placement.kv_index import KVBlockIndex
@@ -147,18 +146,14 @@ class UsesKVIndex:
 
     def bind_kv_index(self, index: KVBlockIndex) -> None:
         self.kv_index = index
-        self._memo: tuple[str, list[BlockHash]] = ("", [])
 
     def overlap_blocks(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
         """Leading blocks of the prompt each worker holds in its cache, as last reported."""
         index = getattr(self, "kv_index", None)
         if index is None or index.block_size is None:
             return {v.worker_id: 0 for v in views}
-        rid, hashes = self._memo
-        if rid != request.request_id:  # one request is ranked again while it waits for room
-            hashes = index.hashes(request.prompt_token_ids)
-            self._memo = (request.request_id, hashes)
-        return index.overlap(hashes, [v.worker_id for v in views])
+        # (The index keeps the prompt's hashes: a request ranked again, or by both policies, hashes once.)
+        return index.overlap(index.hashes(request.prompt_token_ids), [v.worker_id for v in views])
 
     def overlap_tokens(self, views: list[WorkerView], request: GenerateRequest) -> dict[str, int]:
         """Prompt tokens each worker holds in its cache, as last reported (leading whole blocks)."""

@@ -25,7 +25,7 @@ class Worker:
 
 def test_overlap_follows_what_each_worker_caches():
     index, a, b = KVBlockIndex(), Worker("a"), Worker("b")
-    assert index.hashes(list(range(20))) == []  # nothing reported yet: no address space
+    assert index.hashes(list(range(20))) == ()  # nothing reported yet: no address space
     system = list(range(100, 112))  # 3 blocks
     a.run(system + [1, 2, 3, 4, 5])  # a: 4 full blocks
     b.run(system[:8] + [9] * 6)  # b: shares the first 2 blocks
@@ -69,3 +69,25 @@ def test_a_worker_with_another_address_space_replaces_the_index():
     b.run(list(range(9)))
     b.poll(index)
     assert index.num_blocks("a") == 0 and index.num_blocks("b") == 2
+
+
+def test_a_prompt_is_hashed_once_per_address_space(monkeypatch):
+    from cluster.kv.block_hash import BlockHasher
+
+    index, a, b = KVBlockIndex(), Worker("a"), Worker("b", salt=b"other")
+    a.run(list(range(20)))
+    b.run(list(range(20)))
+    a.poll(index)
+    calls = []
+    real = BlockHasher.extend
+    monkeypatch.setattr(BlockHasher, "extend", lambda self, *args: calls.append(1) or real(self, *args))
+    prompt = tuple(range(40))
+    first = index.hashes(prompt)
+    assert index.hashes(prompt) is first and len(calls) == 1  # the walk and the policies ask again
+    assert index.hashes(tuple(range(40))) == first and len(calls) == 2  # another request's tuple
+    ids = list(prompt)
+    index.hashes(ids)
+    ids[0] = 99  # a list may change under the same identity: never kept
+    assert index.hashes(ids) != first and len(calls) == 4
+    b.poll(index)  # a new address space: the index starts over, and so do the prompt's hashes
+    assert index.hashes(prompt) != first and len(calls) == 5
