@@ -45,6 +45,9 @@ class BlockHasher:
         self.block_size = block_size
         self.salt = salt
         self._fresh = hashlib.blake2b(digest_size=_DIGEST).copy  # a new hash of the addresses' kind
+        # The last sequence hashed from its first block: its packed ids and their addresses (one tuple:
+        # replaced whole, so a reader on another thread sees a consistent pair).
+        self._last: tuple[bytes, tuple[BlockHash, ...]] = (b"", ())
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
         """Appends to `hashes` (the addresses of the first len(hashes) blocks of `token_ids`) those of
@@ -56,20 +59,43 @@ class BlockHasher:
         first, num_blocks = len(hashes), min(num_blocks, len(token_ids) // bs)
         if num_blocks <= first:
             return hashes
-        parent = hashes[-1] if hashes else self.salt
         # NOTE: the same bytes as one `<{bs}q` pack per block, packed in one call, and each block's
         # digest from a copy of a prepared blake2b: no tuple slice, argument unpacking or keyword
         # parsing per block. This runs on the first token's path (a prompt's lookup, before its pass).
         packed = struct.pack(f"<{(num_blocks - first) * bs}q", *token_ids[first * bs:num_blocks * bs])
         width, fresh = 8 * bs, self._fresh
-        for off in range(0, len(packed), width):
+        if first == 0:
+            # Prompts that share a prefix (a system prompt, the turns of a conversation) follow each
+            # other: the blocks whose ids equal the last sequence's have its addresses (an address is
+            # a function of the ids up to its block's end), found by comparing bytes, not hashing.
+            last_packed, last_hashes = self._last
+            hashes.extend(last_hashes[:_common_blocks(packed, last_packed, width)])
+        parent = hashes[-1] if hashes else self.salt
+        for off in range((len(hashes) - first) * width, len(packed), width):
             h = fresh()
             h.update(parent)
             h.update(packed[off:off + width])
             parent = h.digest()
             hashes.append(parent)
+        if first == 0:
+            self._last = (packed, tuple(hashes))
         return hashes
 
     def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """The addresses of every full block of `token_ids`."""
         return self.extend([], token_ids, len(token_ids) // self.block_size)
+
+
+def _common_blocks(a: bytes, b: bytes, width: int) -> int:
+    """How many leading `width`-byte blocks a and b share (memcmp through startswith, by bisection)."""
+    lo, hi = 0, min(len(a), len(b)) // width
+    view = memoryview(b)
+    if a.startswith(view[:hi * width]):
+        return hi
+    while hi - lo > 1:  # the first lo blocks are shared, the first hi are not
+        mid = (lo + hi) // 2
+        if a.startswith(view[:mid * width]):
+            lo = mid
+        else:
+            hi = mid
+    return lo

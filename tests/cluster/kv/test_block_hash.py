@@ -42,3 +42,27 @@ def test_addresses_are_the_chain_whatever_the_steps(bs):
 def test_ids_outside_int64_are_refused():
     with pytest.raises(struct.error):
         BlockHasher(2, b"").hashes([1, 2**63])
+
+
+def test_prompts_sharing_a_prefix_get_the_chain_and_hash_only_what_differs():
+    bs, rng = 4, random.Random(7)
+    h = BlockHasher(bs, b"salt")
+    digests = []
+    real = h._fresh
+    h._fresh = lambda: digests.append(1) or real()  # counts the blocks hashed
+    base = [rng.randrange(1000) for _ in range(40 * bs)]
+    for _ in range(300):
+        keep = rng.randrange(0, len(base) + 1)  # diverges anywhere: mid-block, at a block's end, never
+        ids = base[:keep] + [rng.randrange(1000) for _ in range(rng.randrange(0, 20 * bs))]
+        if rng.random() < 0.5:
+            base = ids  # the next prompt shares a prefix with this one
+        last = h._last
+        digests.clear()
+        got = h.extend([], ids, len(ids) // bs) if rng.random() < 0.8 else h.hashes(tuple(ids))
+        assert got == _reference(b"salt", bs, ids, len(ids) // bs)
+        shared = 0
+        while shared < min(len(got), len(last[1])) and got[shared] == last[1][shared]:
+            shared += 1
+        assert len(digests) == len(got) - shared  # the blocks equal to the last prompt's are not hashed
+        more = h.extend(list(got), ids + [1] * bs, len(got) + 1)  # a sequence grows from its own list
+        assert more == _reference(b"salt", bs, ids + [1] * bs, len(got) + 1)
