@@ -71,25 +71,33 @@ class ProcessTemplate:
         self._alive = True
         self.retired = False
         self.ready: Ready | None = None
+        self._failed: str | None = None
         self._ready_timeout_s = ready_timeout_s
         self._reader = threading.Thread(target=self._read, name="process-template-reader", daemon=True)
         self._reader.start()
 
     def _wait_ready(self) -> None:
-        """Under _lock: until the template imported its modules (the first spawn waits for them)."""
+        """Under _lock: until the template imported its modules (the first spawn waits for them).
+        A template that failed stays failed: every later spawn raises at once."""
         if self.ready is not None:
             return
-        try:
-            first = self._replies.get(timeout=self._ready_timeout_s)
-        except queue.Empty:
-            first = None
-        if not isinstance(first, Ready):
-            raise RuntimeError(f"the process template did not start (exit code {self._proc.poll()})")
-        if first.threads != 1:
-            # A fork copies only the forking thread: whatever the others held (locks) stays held.
-            raise RuntimeError(f"the process template has {first.threads} threads after importing "
-                               f"{', '.join(self.preload)}; forking it is unsafe")
-        self.ready = first
+        if self._failed is None:
+            try:
+                first = self._replies.get(timeout=self._ready_timeout_s)
+            except queue.Empty:
+                first = None
+            if not isinstance(first, Ready):
+                self._failed = f"the process template did not start (exit code {self._proc.poll()})"
+            elif first.threads != 1:
+                # A fork copies only the forking thread: whatever the others held (locks) stays held.
+                self._failed = (f"the process template has {first.threads} threads after importing "
+                                f"{', '.join(self.preload)}; forking it is unsafe")
+            else:
+                self.ready = first
+                return
+            self._alive = False  # (shared() starts a new one)
+            threading.Thread(target=self.close, daemon=True).start()
+        raise RuntimeError(self._failed)
 
     @classmethod
     def shared(cls, preload: Sequence[str]) -> ProcessTemplate:
@@ -143,7 +151,10 @@ class ProcessTemplate:
                 try:
                     reply = self._replies.get(timeout=SPAWN_TIMEOUT_S)
                 except queue.Empty:
+                    # A late answer would be read as the next spawn's: this template is done.
                     reply = SpawnFailed(f"no answer within {SPAWN_TIMEOUT_S:g}s")
+                    self._alive = False
+                    threading.Thread(target=self.close, daemon=True).start()
         except BaseException:
             for fd in mine:
                 if fd >= 0:

@@ -125,6 +125,10 @@ def test_a_template_running_a_python_thread_is_refused(modules):
     try:
         with pytest.raises(RuntimeError, match="2 threads.*unsafe"):
             t.spawn("pt_child")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="2 threads.*unsafe"):  # at once, every time
+            t.spawn("pt_child")
+        assert time.monotonic() - t0 < 1 and not t.alive
     finally:
         t.close()
 
