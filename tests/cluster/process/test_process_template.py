@@ -59,7 +59,8 @@ threading.Thread(target=threading.Event().wait, daemon=True).start()
 def modules(tmp_path, monkeypatch):
     for name, text in (("pt_child", CHILD), ("pt_heavy", HEAVY), ("pt_threaded", THREADED)):
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    # (before whatever PYTHONPATH holds: where msgspec and this checkout are on a host without a venv)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("PT_COUNT", str(tmp_path / "count"))
     return tmp_path
 
