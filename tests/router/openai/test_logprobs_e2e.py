@@ -82,7 +82,12 @@ def test_completions_logprobs_streaming_and_not(fake_cluster, reference_engine, 
     streamed = out.choices[0].logprobs.model_copy(deep=True)
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         setattr(streamed, name, [x for c in chunks for x in getattr(c.choices[0].logprobs, name)])
-    assert streamed == out.choices[0].logprobs
+    # The same tokens, offsets and top tokens; the values as the engine's, within the float rule above:
+    # the streamed request may find the first one's prompt cached on its worker (a pass of another shape).
+    _check_completion_logprobs(streamed, ref, reference_engine, k, 1e-5)
+    want = out.choices[0].logprobs
+    assert (streamed.tokens, streamed.text_offset) == (want.tokens, want.text_offset)
+    assert [d.keys() for d in streamed.top_logprobs] == [d.keys() for d in want.top_logprobs]
     assert "".join(c.choices[0].text for c in chunks) == ref.text
 
 
@@ -99,7 +104,13 @@ def test_chat_logprobs_streaming_and_not(fake_cluster, reference_engine):
                                                  logprobs=True, top_logprobs=2, stream=True,
                                                  extra_body={"ignore_eos": True}))
     content = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
-    assert content == chat.choices[0].logprobs.content
+    # As the non-streamed answer: the same tokens, bytes and top tokens, and the engine's values within
+    # the float rule above. Not bit for bit: "Tell me a story." is other tests' prompt too, and either
+    # request may find it cached on its worker (test_openai_features_e2e.py; one fresh run at 6dabfa3
+    # got -7.922342 against -7.922353 for the second top logprob of the first token).
+    _check_chat_logprobs(content, ref, reference_engine, 2, 1e-5)
+    assert ([(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in content]
+            == [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content])
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
 
