@@ -106,8 +106,8 @@ def test_chat_logprobs_streaming_and_not(fake_cluster, reference_engine):
     content = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     # As the non-streamed answer: the same tokens, bytes and top tokens, and the engine's values within
     # the float rule above. Not bit for bit: "Tell me a story." is other tests' prompt too, and either
-    # request may find it cached on its worker (test_openai_features_e2e.py; one fresh run at 6dabfa3
-    # got -7.922342 against -7.922353 for the second top logprob of the first token).
+    # request may find it cached on its worker (test_openai_features_e2e.py). The engine alone gives the
+    # first token's second top logprob as -7.922342 uncached and -7.922353 with the first block cached.
     _check_chat_logprobs(content, ref, reference_engine, 2, 1e-5)
     assert ([(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in content]
             == [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content])
