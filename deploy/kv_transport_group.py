@@ -21,8 +21,8 @@ from typing import Any, Callable
 import ray
 
 from cluster.errors import PdserveError
-from cluster.transport.factory import TransportSpec
 from cluster.process.process_template import ProcessTemplate
+from cluster.transport.factory import TransportSpec
 from cluster.transport.store_process import StoreProcess
 from deploy.component_configs import gpus_per_actor
 from deploy.config import ClusterConfig

@@ -155,6 +155,9 @@ class ProcessTemplate:
                     reply = SpawnFailed(f"no answer within {SPAWN_TIMEOUT_S:g}s")
                     self._alive = False
                     threading.Thread(target=self.close, daemon=True).start()
+            if not isinstance(reply, Spawned):
+                raise RuntimeError(f"the process template could not start {module}: "
+                                   f"{getattr(reply, 'error', 'it is gone')}")
         except BaseException:
             for fd in mine:
                 if fd >= 0:
@@ -164,12 +167,6 @@ class ProcessTemplate:
             for fd, want in zip(theirs, (stdin, stdout)):
                 if want == PIPE:
                     os.close(fd)
-        if not isinstance(reply, Spawned):
-            for fd in mine:
-                if fd >= 0:
-                    os.close(fd)
-            raise RuntimeError(f"the process template could not start {module}: "
-                               f"{getattr(reply, 'error', 'it is gone')}")
         child = TemplateChild(reply.pid, [sys.executable, "-m", module, *args],
                               os.fdopen(mine[0], "wb") if stdin == PIPE else None,
                               os.fdopen(mine[1], "rb") if stdout == PIPE else None, lambda: self.alive)

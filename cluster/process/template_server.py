@@ -119,8 +119,8 @@ class TemplateServer:
     def _child(self, req: Spawn, fds: list[int]) -> int:
         self.control.detach()  # closed below with the rest; its object must never close a reused number
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a new interpreter's)
         if req.new_session:
             os.setsid()
         # Each passed descriptor to its target number: first all above every target (so no move

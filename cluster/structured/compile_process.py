@@ -4,10 +4,10 @@ stops it.
 A compile on a thread cannot be stopped: past its deadline the request fails, but the thread goes on
 compiling (a pathological grammar: minutes) and a few distinct such grammars pin every compile
 thread of a worker. Here the compile runs in a child (`python -m cluster.structured.compile_process`,
-forked from the worker's process template: cluster/process/) that built the same backend from the parent's export (`GrammarBackend.export`, the tokenizer's
-table: no tokenizer load); past the deadline the child is killed and the next compile starts a new
-one. The compiled grammar comes back serialized (`GrammarBackend.serialize`), read by the parent's
-backend.
+forked from the worker's process template: cluster/process/) that built the same backend from the
+parent's export (`GrammarBackend.export`, the tokenizer's table: no tokenizer load); past the deadline
+the child is killed and the next compile starts a new one. The compiled grammar comes back serialized
+(`GrammarBackend.serialize`), read by the parent's backend.
 
 Frames on the child's stdin/stdout pipes (nothing listens on a socket): a 4-byte big-endian length,
 then msgpack. In: first {backend, vocab_size, export}, then {kind, spec} per compile. Out: {ready}

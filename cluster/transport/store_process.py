@@ -1,6 +1,6 @@
 """StoreProcess: the cluster's rendezvous store (a TCPStore server, rendezvous_store.start_store) in a
-child process of the launcher (forked from its process template), so that a client filling the store fills that child, never the
-launcher (which also runs the router and supervises the API servers).
+child process of the launcher (forked from its process template), so that a client filling the store
+fills that child, never the launcher (which also runs the router and supervises the API servers).
 
 - A memory cap: the child sets RLIMIT_DATA to what it uses once torch is imported plus
   `memory_limit_mib`, before the store takes its first connection. An allocation past it fails in the

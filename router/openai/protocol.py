@@ -34,11 +34,12 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 
 # Integers that reach the workers become int64 tensors: anything wider is a 400 here, never an
 # overflow inside a decode step (which would fail every request on that worker).
-Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+INT64_MIN, INT64_END = -(2**63), 2**63
+Int64 = Annotated[int, Field(ge=INT64_MIN, lt=INT64_END)]
 
 
 def _int64_ids(ids: list[int]) -> list[int]:
-    if ids and (min(ids) < -(2**63) or max(ids) >= 2**63):
+    if ids and (min(ids) < INT64_MIN or max(ids) >= INT64_END):
         raise ValueError("token ids must be integers in [-2**63, 2**63)")
     return ids
 
@@ -48,8 +49,8 @@ def _int64_ids(ids: list[int]) -> list[int]:
 # intake on the TTFT path with this). Only the prompt's union uses it: there a refusal's message is
 # the union's first member's (the string's) either way, so the client's 400 is the same.
 PromptTokenIds = Annotated[list[int], AfterValidator(_int64_ids),
-                           WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": -(2**63),
-                                                                       "exclusiveMaximum": 2**63}})]
+                           WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": INT64_MIN,
+                                                                       "exclusiveMaximum": INT64_END}})]
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request (OpenAI's n limit)
 MAX_TOOLS = 128  # OpenAI's limit of tools per request
