@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.records import token_chunks
+from benchmarks.sse_connection import SSEConnection
 from loadtest.report import percentile
 from loadtest.server_stats import ServerStatsPoller, summarize_requests
 
@@ -71,89 +71,92 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-async def stream_request(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str] | str:
-    """One streamed request -> (its start, the chunk carrying its first token parsed: perf_counter
-    each; the response's id), or why it failed. The request (its JSON body, headers) is built before
-    its start: encoding it is the client's own work before it sends, no part of the server's TTFT
-    (benchmarks/ttft_http.py measured ~0.1 ms of it on the CPU host)."""
-    request = client.build_request("POST", "/v1/completions", json=body)
-    t0 = time.perf_counter()
-    lines: list[tuple[float, bytes]] = []
-    try:
-        r = await client.send(request, stream=True)
-        try:
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            async for line in r.aiter_lines():
-                if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                    lines.append((time.perf_counter(), line.encode()))
-        finally:
-            await r.aclose()
-    except httpx.HTTPError as e:  # a dropped connection or a timeout fails this request, not the case
-        return repr(e)
-    carried, _, err = token_chunks(lines)
-    if not carried or err is not None:
-        return f"no token chunk: {err!r}"
-    return t0, carried[0][0], json.loads(lines[0][1][5:]).get("id", "")
+async def stream_request(conn: SSEConnection, body: dict) -> tuple[float, float, str] | str:
+    """One streamed request on `conn` -> (its start, the bytes of the event carrying its first token read:
+    perf_counter each; the response's id), or why it failed. The request's bytes (its JSON body, headers)
+    are built before its start: encoding it is the client's own work before it sends, no part of the
+    server's TTFT (benchmarks/ttft_http.py measured ~0.1 ms of it on the CPU host)."""
+    return await conn.stream(conn.request("/v1/completions", body))
 
 
-async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> float | str:
+async def _stream(conn: SSEConnection, model: str, prompt: list[int], output_tokens: int) -> float | str:
     """One streamed request; its TTFT (ms) to the chunk carrying its first token, or why it failed."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    got = await stream_request(client, body)
+    got = await stream_request(conn, body)
     if isinstance(got, str):
         return got
     return (got[1] - got[0]) * 1e3
 
 
+def _run_loop(main):
+    """uvloop where it is installed (a client loop's own cost per event is part of every TTFT it reads)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def _run_users(url: str, model: str, users: range, prefix: list[int], unique: int, vocab: int, output_tokens: int,
-               requests: int, seconds: float, seed: int, start_at: float) -> tuple[list[float], list[str], float, float]:
+               requests: int, seconds: float, seed: int, start_at: float
+               ) -> tuple[list[float], list[str], float, float, float]:
     """One process's share of a case's users, from wall-clock `start_at` on: each sends until it made
-    `requests` requests or `seconds` passed. -> (TTFTs in ms, failures' reasons, its start and end)."""
+    `requests` requests or `seconds` passed, on its own connection (opened before the window). -> (TTFTs in
+    ms, failures' reasons, its start and end, the CPU seconds this process used in between)."""
     ttfts: list[float] = []
     failures: list[str] = []
 
-    async def user(client, i):
+    async def user(conn, i):
         r = random.Random(seed * 1000 + i)
         until = time.perf_counter() + seconds
         for _ in range(requests):
             if time.perf_counter() >= until:
                 break
-            got = await _stream(client, model, prefix + _ids(r, unique, vocab), output_tokens)
+            got = await _stream(conn, model, prefix + _ids(r, unique, vocab), output_tokens)
             (failures if isinstance(got, str) else ttfts).append(got)
 
-    async def run() -> tuple[float, float]:
-        limits = httpx.Limits(max_connections=len(users) + 4)
-        async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
-            # One untimed request first: a client process's first request pays its own lazy imports and
-            # its connection. On the H200 host each new client process had one request of 68-95 ms
-            # (the others <= 13 ms, the server's slowest 10-24 ms: loadtest/results/ttft_recheck_h200.md),
-            # which made the p99 of a 60-request case.
-            await _stream(client, model, _ids(random.Random(seed), 4, vocab), 1)
+    async def run() -> tuple[float, float, float]:
+        conns = [SSEConnection(url) for _ in users]
+        try:
+            for conn in conns:
+                await conn.connect()
+            # One untimed request first: a client process's first request pays its own lazy imports. On the
+            # H200 host each new client process had one request of 68-95 ms (the others <= 13 ms, the
+            # server's slowest 10-24 ms: loadtest/results/ttft_recheck_h200.md), which made the p99 of a
+            # 60-request case.
+            await _stream(conns[0], model, _ids(random.Random(seed), 4, vocab), 1)
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            start = time.time()
-            await asyncio.gather(*(user(client, i) for i in users))
-            return start, time.time()
+            start, cpu0 = time.time(), time.process_time()
+            await asyncio.gather(*(user(conn, i) for conn, i in zip(conns, users)))
+            return start, time.time(), time.process_time() - cpu0
+        finally:
+            for conn in conns:
+                conn.close()
 
-    start, end = asyncio.run(run())
-    return ttfts, failures, start, end
+    start, end, cpu_s = _run_loop(run())
+    return ttfts, failures, start, end, cpu_s
 
 
 def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, requests: int, seconds: float,
-             seed: int = 0, users_per_process: int = 16) -> tuple[list[float], list[str], float, float]:
+             seed: int = 0, users_per_process: int = 16) -> tuple[list[float], list[str], float, float, list[float]]:
     """Runs the case: its users send until each made `requests` requests or `seconds` passed (whichever
     comes first), at most `users_per_process` of them on one process's event loop (one loop reading the
     streams of 64 users of 256 tokens each can itself be the bottleneck: on one H200 at a9322c6 the client's
     TTFT p50 was 193 ms where the server's was 21 ms). -> (client TTFTs in ms, the failed requests' reasons, the
-    window's start and end, time.time())."""
+    window's start and end (time.time()), each client process's share of one core over its window)."""
     rng = random.Random(seed)
     prefix = _ids(rng, case.cached_tokens, vocab)
     if prefix:  # the shared prefix into the cache first, outside the window
 
         async def warm():
-            async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
-                await _stream(client, model, prefix + _ids(rng, 1, vocab), 1)
+            conn = SSEConnection(url)
+            try:
+                got = await _stream(conn, model, prefix + _ids(rng, 1, vocab), 1)
+            finally:
+                conn.close()
+            if isinstance(got, str):
+                raise RuntimeError(f"the shared prefix's request failed: {got}")
 
         asyncio.run(warm())
     shares = [range(i, min(i + users_per_process, case.users)) for i in range(0, case.users, users_per_process)]
@@ -167,7 +170,8 @@ def run_case(url: str, model: str, case: Case, vocab: int, output_tokens: int, r
             results = [f.result() for f in futures]
     ttfts = [t for r in results for t in r[0]]
     failures = [f for r in results for f in r[1]]
-    return ttfts, failures, min(r[2] for r in results), max(r[3] for r in results)
+    busy = [round(r[4] / (r[3] - r[2]), 3) if r[3] > r[2] else 0.0 for r in results]
+    return ttfts, failures, min(r[2] for r in results), max(r[3] for r in results), busy
 
 
 def build_row(model_name: str, case: Case, ttfts: list[float], reqs: list, poller: ServerStatsPoller, t0: float,
@@ -190,12 +194,13 @@ def build_row(model_name: str, case: Case, ttfts: list[float], reqs: list, polle
 TAIL_REQUESTS = 3  # per case: the client's and the server's slowest this many
 
 
-def build_tail(model_name: str, case: Case, ttfts: list[float], reqs: list) -> dict:
+def build_tail(model_name: str, case: Case, ttfts: list[float], reqs: list, client_busy: list[float]) -> dict:
     """The case's slowest first tokens: the client's TTFTs and the server's slowest records (parts) among
-    `reqs`, the window's (build_row)."""
+    `reqs`, the window's (build_row); client_busy: each client process's CPU over the window, in cores (near
+    1.0: that process's loop was the limit, and its lateness is in the TTFTs it read)."""
     reqs = sorted(reqs, key=lambda r: -r.ttft_ms)
     return {"model": model_name, "users": case.users, "prompt_tokens": case.prompt_tokens,
-            "cached_tokens": case.cached_tokens, "requests": len(ttfts),
+            "cached_tokens": case.cached_tokens, "requests": len(ttfts), "client_cpu_per_process": client_busy,
             "client_ttft_slowest_ms": [round(t, 3) for t in sorted(ttfts, reverse=True)[:TAIL_REQUESTS]],
             "server_ttft_p99_ms": round(percentile([r.ttft_ms for r in reqs], 99), 3) if reqs else None,
             "server_slowest": [{"ttft_ms": r.ttft_ms, "t_first": r.t_first, "parts_ms": r.parts_ms,
@@ -227,19 +232,19 @@ def main(argv=None) -> int:
     todo += [(Case(int(u), args.level_prompt), args.level_output_tokens) for u in args.levels.split(",") if u]
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"rows": []}
-    doc["client"] = (f"benchmarks.ttft_cases: httpx streams, at most {args.users_per_process} users per client process "
-                     "(each its own event loop)")
+    doc["client"] = (f"benchmarks.ttft_cases: benchmarks.sse_connection (httptools on uvloop, a connection per user), "
+                     f"at most {args.users_per_process} users per client process (each its own event loop)")
     poller = ServerStatsPoller(url, interval_s=0.25).start()
     try:
         for i, (case, output_tokens) in enumerate(todo):
             name = f"{args.model_name} {case.users}x{case.prompt_tokens}c{case.cached_tokens}"
             try:
-                ttfts, failures, t0, t1 = run_case(url, model, case, args.vocab_size, output_tokens, args.requests,
+                ttfts, failures, t0, t1, busy = run_case(url, model, case, args.vocab_size, output_tokens, args.requests,
                                                    args.seconds, seed=i + 1, users_per_process=args.users_per_process)
                 time.sleep(1.0)  # the window's last records reach /stats and the poller (every 0.25 s)
                 reqs = [r for r in poller.requests if t0 <= r.t_first < t1]
                 row = build_row(args.model_name, case, ttfts, reqs, poller, t0, t1)
-                tail = build_tail(args.model_name, case, ttfts, reqs)
+                tail = build_tail(args.model_name, case, ttfts, reqs, busy)
             except Exception as e:  # noqa: BLE001 - the case is named in `errors`; the next ones still run
                 traceback.print_exc()
                 doc.setdefault("errors", []).append(f"{name}: {e!r}")

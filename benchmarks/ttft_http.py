@@ -13,9 +13,10 @@ request joined with its `/stats` record (by the response's id) to split its TTFT
 
 (with a server older than the `received`/`written` stamps, client_send includes intake and
 client_read includes write). Clients: `raw` (asyncio streams, the request's bytes prepared before its
-start, the chunked body parsed by hand: the least a client can cost), `httpx` (benchmarks.
-ttft_cases.stream_request, the project's load client: the request built before its start) and
-`httpx_inline` (the same client building the request inside the timing, as ttft_cases did before).
+start, the chunked body parsed by hand: the least a client can cost), `sse` (benchmarks.ttft_cases.
+stream_request, the project's load client: benchmarks.sse_connection, httptools), `httpx` (httpx, the
+request built before its start: the load client before sse_connection) and `httpx_inline` (httpx building
+the request inside the timing, as ttft_cases did before that).
 All time the first token as a user sees it: to the moment the bytes of the SSE event carrying it
 were read and parsed.
 
@@ -35,7 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.ttft_cases import _ids, stream_request
+from benchmarks.sse_connection import SSEConnection
+from benchmarks.ttft_cases import _ids, _run_loop, stream_request
+from loadtest.records import token_chunks
 from loadtest.report import percentile
 
 STEPS = ("client_send", "intake", "core", "write", "client_read")
@@ -102,15 +105,43 @@ async def run_raw(url: str, model: str, n: int, prompt_tokens: int, output_token
     return out
 
 
-async def _httpx_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str | None]:
-    """benchmarks.ttft_cases' request and timing rule (stream_request), on the wall clock."""
-    wall, perf = time.time(), time.perf_counter()
-    got = stream_request(client, body)
-    got = await got
+def _wall(got: tuple[float, float, str] | str) -> tuple[float, float, str | None]:
+    """(start, first token: perf_counter) -> the same on the wall clock (the /stats stamps' clock)."""
     if isinstance(got, str):
         raise RuntimeError(got)
+    wall, perf = time.time(), time.perf_counter()
     t0, first, rid = got
     return wall + (t0 - perf), wall + (first - perf), rid
+
+
+async def run_sse(url, model, n, prompt_tokens, output_tokens, vocab, seed):
+    """benchmarks.ttft_cases' client and timing rule (stream_request on an SSEConnection)."""
+    rng = random.Random(seed)
+    conn = SSEConnection(url)
+    await conn.connect()
+    try:
+        return [_wall(await stream_request(conn, _body(model, _ids(rng, prompt_tokens, vocab), output_tokens)))
+                for _ in range(n)]
+    finally:
+        conn.close()
+
+
+async def _httpx_stream(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str | None]:
+    """httpx with the request built before its start, every SSE line read and parsed."""
+    request = client.build_request("POST", "/v1/completions", json=body)
+    t0 = time.perf_counter()
+    lines: list[tuple[float, bytes]] = []
+    r = await client.send(request, stream=True)
+    try:
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                lines.append((time.perf_counter(), line.encode()))
+    finally:
+        await r.aclose()
+    carried, _, err = token_chunks(lines)
+    if not carried or err is not None:
+        raise RuntimeError(f"no token chunk: {err!r}")
+    return _wall((t0, carried[0][0], json.loads(lines[0][1][5:]).get("id", "")))
 
 
 async def _httpx_stream_inline(client: httpx.AsyncClient, body: dict) -> tuple[float, float, str | None]:
@@ -184,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=500)
-    ap.add_argument("--clients", default="raw,httpx,httpx_inline")
+    ap.add_argument("--clients", default="raw,sse,httpx,httpx_inline")
     ap.add_argument("--label", default="", help="names the run in the JSON (the tree measured)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -200,17 +231,20 @@ def main(argv=None) -> int:
         url = cluster.url
     else:
         url = (args.url or "http://127.0.0.1:8000").rstrip("/")
-    runners = {"raw": run_raw, "httpx": run_httpx, "httpx_inline": run_httpx_inline}
+    runners = {"raw": run_raw, "sse": run_sse, "httpx": run_httpx, "httpx_inline": run_httpx_inline}
     clients = args.clients.split(",")
     results: dict[str, list] = {c: [] for c in clients}
+    cpu_s = dict.fromkeys(clients, 0.0)  # this process's CPU while each client ran: the client's own cost
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for c in clients:  # warm-up: connections, caches
-            asyncio.run(runners[c](url, model, 20, args.prompt_tokens, args.output_tokens, args.vocab_size, 99))
+            _run_loop(runners[c](url, model, 20, args.prompt_tokens, args.output_tokens, args.vocab_size, 99))
         for rnd in range(args.rounds):
             for i, c in enumerate(clients):
-                results[c] += asyncio.run(runners[c](url, model, args.requests, args.prompt_tokens, args.output_tokens,
-                                                     args.vocab_size, 1000 * rnd + i))
+                cpu0 = time.process_time()
+                results[c] += _run_loop(runners[c](url, model, args.requests, args.prompt_tokens, args.output_tokens,
+                                                   args.vocab_size, 1000 * rnd + i))
+                cpu_s[c] += time.process_time() - cpu0
         time.sleep(1.0)  # the last Finish reaches the router's stats
         recs = fetch_records(url)
     finally:
@@ -222,12 +256,13 @@ def main(argv=None) -> int:
         rows = [steps(t0, t1, recs[rid]) for t0, t1, rid in results[c] if rid in recs]
         doc["clients"][c] = summarize(rows)
         doc["clients"][c]["unmatched"] = len(results[c]) - len(rows)
+        doc["clients"][c]["client_cpu_ms_per_request"] = round(cpu_s[c] * 1e3 / max(1, len(results[c])), 3)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{'client':>6} {'n':>4} {'client p50/p99':>15} {'server p50/p99':>15} "
+    print(f"{'client':>12} {'n':>4} {'cpu/req':>8} {'client p50/p99':>15} {'server p50/p99':>15} "
           + " ".join(f"{s:>12}" for s in STEPS))
     for c, s in doc["clients"].items():
-        print(f"{c:>6} {s['requests']:4d} {s['client_ms_p50']:7.2f}/{s['client_ms_p99']:<7.2f} "
-              f"{s['server_ms_p50']:7.2f}/{s['server_ms_p99']:<7.2f} "
+        print(f"{c:>12} {s['requests']:4d} {s['client_cpu_ms_per_request']:8.2f} "
+              f"{s['client_ms_p50']:7.2f}/{s['client_ms_p99']:<7.2f} {s['server_ms_p50']:7.2f}/{s['server_ms_p99']:<7.2f} "
               + " ".join(f"{s[k + '_p50']:5.2f}/{s[k + '_p99']:<6.2f}" for k in STEPS))
     return 0
 

@@ -31,6 +31,8 @@ def test_ttft_cases_write_the_issues_rows(real_pd_cluster, tmp_path):
         slowest = tail["server_slowest"]
         assert 1 <= len(slowest) <= ttft_cases.TAIL_REQUESTS and slowest[0]["ttft_ms"] >= row["server_ttft_p50_ms"]
         assert all({"intake", "forward", "write"} <= set(s["parts_ms"]) for s in slowest), slowest
+        # One client process per case here (at most 16 users each); its CPU over the window, in cores.
+        assert len(tail["client_cpu_per_process"]) == 1 and 0 < tail["client_cpu_per_process"][0] < 1.5, tail
     for r in rows:
         assert tuple(r) == ttft_cases.ROW_FIELDS, r
         assert r["model"] == "demo" and r["client_ttft_p50_ms"] > 0 and r["server_ttft_p50_ms"] > 0, r
@@ -48,10 +50,11 @@ def test_ttft_http_splits_each_requests_ttft_into_steps(real_pd_cluster, tmp_pat
     assert ttft_http.main(["--url", real_pd_cluster.url, "--requests", "4", "--rounds", "1", "--prompt-tokens", "20",
                            "--vocab-size", "400", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["clients"]) == {"raw", "httpx", "httpx_inline"}
+    assert set(doc["clients"]) == {"raw", "sse", "httpx", "httpx_inline"}
     for name, s in doc["clients"].items():
         assert s["requests"] == 4 and s["unmatched"] == 0, (name, s)
         assert s["intake_p50"] > 0 and s["write_p50"] > 0 and s["client_send_p50"] > 0, (name, s)
+        assert s["client_cpu_ms_per_request"] > 0, (name, s)
 
 
 def test_ttft_http_steps_add_up_with_and_without_the_http_stamps():
