@@ -148,7 +148,7 @@ class SSEConnection:
         proto.transport.write(raw)
         try:
             await asyncio.wait_for(ex.done, self.timeout_s)
-        except (ConnectionError, TimeoutError) as e:
+        except (ConnectionError, asyncio.TimeoutError) as e:  # (asyncio's is the builtin from 3.11 on)
             proto.transport.close()  # a half-read response leaves the connection unusable
             return repr(e)
         return ex.result(t0)

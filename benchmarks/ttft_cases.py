@@ -103,7 +103,7 @@ def _run_users(url: str, model: str, users: range, prefix: list[int], unique: in
                ) -> tuple[list[float], list[str], float, float, float]:
     """One process's share of a case's users, from wall-clock `start_at` on: each sends until it made
     `requests` requests or `seconds` passed, on its own connection (opened before the window). -> (TTFTs in
-    ms, failures' reasons, its start and end, the CPU seconds this process used in between)."""
+    ms, failures' reasons, its start and end, the CPU seconds its loop's thread used in between)."""
     ttfts: list[float] = []
     failures: list[str] = []
 
@@ -119,17 +119,20 @@ def _run_users(url: str, model: str, users: range, prefix: list[int], unique: in
     async def run() -> tuple[float, float, float]:
         conns = [SSEConnection(url) for _ in users]
         try:
-            for conn in conns:
-                await conn.connect()
             # One untimed request first: a client process's first request pays its own lazy imports. On the
             # H200 host each new client process had one request of 68-95 ms (the others <= 13 ms, the
             # server's slowest 10-24 ms: loadtest/results/ttft_recheck_h200.md), which made the p99 of a
             # 60-request case.
             await _stream(conns[0], model, _ids(random.Random(seed), 4, vocab), 1)
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            start, cpu0 = time.time(), time.process_time()
+            # The connections open after the wait: the API server closes one idle for 5 s (its keep-alive).
+            for conn in conns:
+                await conn.connect()
+            # This thread's CPU: the loop reading the streams (not the stats poller's thread, where it shares
+            # the process).
+            start, cpu0 = time.time(), time.thread_time()
             await asyncio.gather(*(user(conn, i) for conn, i in zip(conns, users)))
-            return start, time.time(), time.process_time() - cpu0
+            return start, time.time(), time.thread_time() - cpu0
         finally:
             for conn in conns:
                 conn.close()
