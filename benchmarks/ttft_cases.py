@@ -197,13 +197,43 @@ def build_row(model_name: str, case: Case, ttfts: list[float], reqs: list, polle
 TAIL_REQUESTS = 3  # per case: the client's and the server's slowest this many
 
 
+BURST_S = 0.001  # arrivals at the prefill worker this close to another one count as one burst
+
+
+def queue_profile(reqs: list) -> dict:
+    """How the requests met the prefill worker: the `prefill_queue` part's p10 / p50 / p90 (ms), and the
+    fraction that reached the worker within BURST_S of another request. Closed-loop users with one output
+    length finish in the same decode step when they were prefilled in the same pass, and send their next
+    requests together: the first of such a burst starts a pass alone and the others wait for it, which
+    shows as a queue of ~0 for some requests and ~a pass for the rest while the worker is mostly idle."""
+    arrivals, queue = [], []
+    for r in reqs:
+        parts = r.parts_ms or {}
+        if "prefill_queue" not in parts:
+            continue  # prefilled on its decode worker
+        before = 0.0
+        for name, ms in parts.items():  # consecutive parts: the worker got it where prefill_queue begins
+            if name == "prefill_queue":
+                break
+            before += ms
+        arrivals.append(r.t_first - r.ttft_ms / 1e3 + before / 1e3)
+        queue.append(parts["prefill_queue"])
+    arrivals.sort()
+    near = sum(1 for i, t in enumerate(arrivals)
+               if (i > 0 and t - arrivals[i - 1] <= BURST_S) or (i + 1 < len(arrivals) and arrivals[i + 1] - t <= BURST_S))
+    return {"prefill_queue_p10_p50_p90_ms": [round(percentile(queue, q), 3) for q in (10, 50, 90)] if queue else None,
+            "arrived_in_bursts": round(near / len(arrivals), 3) if arrivals else None}
+
+
 def build_tail(model_name: str, case: Case, ttfts: list[float], reqs: list, client_busy: list[float]) -> dict:
     """The case's slowest first tokens: the client's TTFTs and the server's slowest records (parts) among
     `reqs`, the window's (build_row); client_busy: each client process's CPU over the window, in cores (near
-    1.0: that process's loop was the limit, and its lateness is in the TTFTs it read)."""
+    1.0: that process's loop was the limit, and its lateness is in the TTFTs it read); queue_profile."""
+    profile = queue_profile(reqs)
     reqs = sorted(reqs, key=lambda r: -r.ttft_ms)
     return {"model": model_name, "users": case.users, "prompt_tokens": case.prompt_tokens,
             "cached_tokens": case.cached_tokens, "requests": len(ttfts), "client_cpu_per_process": client_busy,
+            **profile,
             "client_ttft_slowest_ms": [round(t, 3) for t in sorted(ttfts, reverse=True)[:TAIL_REQUESTS]],
             "server_ttft_p99_ms": round(percentile([r.ttft_ms for r in reqs], 99), 3) if reqs else None,
             "server_slowest": [{"ttft_ms": r.ttft_ms, "t_first": r.t_first, "parts_ms": r.parts_ms,

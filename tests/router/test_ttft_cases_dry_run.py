@@ -33,6 +33,7 @@ def test_ttft_cases_write_the_issues_rows(real_pd_cluster, tmp_path):
         assert all({"intake", "forward", "write"} <= set(s["parts_ms"]) for s in slowest), slowest
         # One client process per case here (at most 16 users each); its CPU over the window, in cores.
         assert len(tail["client_cpu_per_process"]) == 1 and 0 < tail["client_cpu_per_process"][0] < 1.5, tail
+        assert 0 <= tail["arrived_in_bursts"] <= 1 and len(tail["prefill_queue_p10_p50_p90_ms"]) == 3, tail
     for r in rows:
         assert tuple(r) == ttft_cases.ROW_FIELDS, r
         assert r["model"] == "demo" and r["client_ttft_p50_ms"] > 0 and r["server_ttft_p50_ms"] > 0, r
