@@ -187,11 +187,19 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return mix32((k + _mul32(positions.long() & _M32, POSITION_MUL)) & _M32)
 
 
+# The largest float32 below 1. NOTE: the top 24-bit value plus half a step, 2^24 - 0.5, rounds to 2^24 in
+# float32, so its u came out as 1.0: a noise of +inf, and a token whose logit is -inf (outside a grammar's
+# mask, allowed_token_ids, a bad word) scored -inf + inf = NaN, which argmax picks (one element in 2^24:
+# a structured-output request failed with "not allowed by the grammar" about once in 20 fuzz runs).
+MAX_UNIFORM = 1.0 - 2.0**-24
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1): 24 bits of mix32(key + token * golden), plus half a step."""
+    """[B, V] float32 uniforms in (0, 1): 24 bits of mix32(key + token * golden), plus half a step, at
+    most MAX_UNIFORM."""
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     h = mix32((row_keys(seeds, positions)[:, None] + _mul32(cols, GOLDEN32)[None, :]) & _M32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=MAX_UNIFORM)
 
 
 def kept_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

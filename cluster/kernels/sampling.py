@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.kernels.reference import GOLDEN32, MIX_MUL1, MIX_MUL2, POSITION_MUL
+from cluster.kernels.reference import GOLDEN32, MAX_UNIFORM, MIX_MUL1, MIX_MUL2, POSITION_MUL
 
 BLOCK = 2048  # tokens a program reads per iteration
 CHUNK = 8192  # tokens of a row per first-pass program (16 chunks for a 128k vocabulary)
@@ -51,6 +51,7 @@ UB = 32  # uncertain tokens compared at a time
 BINS_PER_UNIT = 8.0
 GRID_LIMIT = 4194304.0  # |max| * 8 beyond this: bins lose integer precision; the row takes the exact path
 _GOLDEN = tl.constexpr(GOLDEN32)
+_MAX_U = tl.constexpr(MAX_UNIFORM)
 _POS_MUL = tl.constexpr(POSITION_MUL)
 _MUL1 = tl.constexpr(MIX_MUL1)
 _MUL2 = tl.constexpr(MIX_MUL2)
@@ -69,6 +70,7 @@ def _mix32(x):
 def _gumbel(key, offs):
     h = _mix32(key + offs.to(tl.uint32) * _GOLDEN)
     u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, _MAX_U)  # the top value rounds to 1.0: a NaN score for a -inf logit (reference.MAX_UNIFORM)
     return -tl.log(-tl.log(u))
 
 

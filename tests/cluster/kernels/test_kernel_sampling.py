@@ -137,3 +137,18 @@ def test_replays_in_a_cuda_graph():
         logits.copy_(3 * torch.randn_like(logits, dtype=torch.float32))
         graph.replay()
         assert out.tolist() == reference.sample(logits, t, k, p, seeds, pos).tolist()
+
+
+def test_a_banned_token_with_the_top_noise_is_not_drawn():
+    """(seed 6181, position 7, token 128) hashes to the top 24-bit value, whose u rounded to 1.0: a
+    -inf logit plus +inf noise scored NaN. The kernel clamps u as the reference does."""
+    logits = torch.zeros(2, 512, device=DEVICE)
+    logits[:, 128] = float("-inf")
+    t = torch.tensor([1.0, 0.5], device=DEVICE)
+    k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    p = torch.ones(2, device=DEVICE)
+    seeds = torch.tensor([6181, 6181], dtype=torch.int64, device=DEVICE)
+    pos = torch.tensor([7, 7], device=DEVICE)
+    got = sample(logits, t, k, p, seeds, pos)
+    want = reference.sample(logits, t, k, p, seeds, pos)
+    assert got.tolist() == want.tolist() and 128 not in got.tolist()

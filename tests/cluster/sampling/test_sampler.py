@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from cluster.errors import InvalidRequestError
+from cluster.kernels import reference
 from cluster.sampling.sampler import SamplingTensors, sample, sample_tokens_async, take_rows, uniform_noise
 from cluster.sampling.sampling_params import SamplingParams
 
@@ -54,9 +55,35 @@ def test_temperature_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03)
 
 
+# (seed, position, token) whose 24 hashed bits are all ones: before MAX_UNIFORM its u rounded to 1.0.
+TOP_NOISE = (6181, 7, 128)
+
+
 def test_uniform_noise_is_in_the_open_unit_interval():
     u = uniform_noise(torch.tensor([0, 2**62]), torch.tensor([0, 123456]), 100_000)
     assert u.min() > 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    seed, pos, token = TOP_NOISE
+    top = uniform_noise(torch.tensor([seed]), torch.tensor([pos]), token + 1)[0, token]
+    assert top.item() == reference.MAX_UNIFORM < 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_a_banned_token_is_never_drawn_even_with_the_top_noise(temperature):
+    """A token at -inf (a grammar's mask, allowed_token_ids, a bad word) whose noise is the largest the
+    hash gives: it scored NaN (-inf + inf) and argmax picked it; now its score is -inf."""
+    seed, pos, token = TOP_NOISE
+    logits = torch.zeros(1, 512)
+    logits[0, token] = float("-inf")
+    got = reference.sample(logits, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]),
+                           torch.tensor([seed]), torch.tensor([pos]))
+    assert got.item() != token
+    # The same through the grammar path: only two tokens allowed, the banned one has the top noise.
+    logits[0, token] = 5.0
+    allowed = torch.full((1, 512), float("-inf"))
+    allowed[0, [3, 4]] = 0.0
+    got = reference.sample(logits + allowed, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]),
+                           torch.tensor([seed]), torch.tensor([pos]))
+    assert got.item() in (3, 4)
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1), dict(temperature="hot"),
