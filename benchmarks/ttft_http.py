@@ -1,5 +1,5 @@
 """Where the TTFT goes outside the server's core parts (issue 35): one user, streamed completions of
-`--prompt-tokens` token ids, sent back to back by two clients in turn against one gateway, each
+`--prompt-tokens` token ids, sent back to back by each client in turn against one gateway, each
 request joined with its `/stats` record (by the response's id) to split its TTFT into steps:
 
     client_send    the client's start -> the gateway received the request (ttft_points.received: the
@@ -13,7 +13,7 @@ request joined with its `/stats` record (by the response's id) to split its TTFT
 
 (with a server older than the `received`/`written` stamps, client_send includes intake and
 client_read includes write). Clients: `raw` (asyncio streams, the request's bytes prepared before its
-start, the chunked body parsed by hand: the least a client can cost), `sse` (benchmarks.ttft_cases.
+start, the chunked body parsed by hand; on the CPU host it costs more CPU than sse), `sse` (benchmarks.ttft_cases.
 stream_request, the project's load client: benchmarks.sse_connection, httptools), `httpx` (httpx, the
 request built before its start: the load client before sse_connection) and `httpx_inline` (httpx building
 the request inside the timing, as ttft_cases did before that).
