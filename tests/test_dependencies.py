@@ -24,6 +24,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from test_layering import PACKAGES, ROOT, imports_of, modules
+from python_source import parse
 
 SERVE_ROOTS = ("deploy.cli", "deploy.serving_cluster", "deploy.api_server", "prefill_worker.actor",
                "decode_worker.actor")
@@ -59,7 +60,7 @@ def _ours(name: str) -> bool:
 def _by_name(path: Path) -> list[str]:
     """Modules a library imports by the name it is given: uvicorn's loop and HTTP implementations."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "Config":
             out += [kw.value.value for kw in node.keywords
                     if kw.arg in ("loop", "http") and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)

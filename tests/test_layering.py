@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import pytest
 
+from python_source import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "deploy", "loadtest", "benchmarks")
 TOOLS = ("loadtest", "benchmarks")
@@ -69,7 +71,7 @@ def _import_nodes(node: ast.AST, types_only: bool = False) -> Iterator[tuple[ast
 
 
 def imports_of(path: Path, module: str) -> list[Imported]:
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path.read_text(), str(path))
     pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node, types_only in _import_nodes(tree):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from python_source import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "deploy")
 # Names of helpers that take the method to call as their first argument.
@@ -28,7 +30,7 @@ def _callee_name(func: ast.AST) -> str | None:
 
 def string_dispatch(source: str, filename: str = "<src>") -> list[str]:
     """Where `source` calls a method it names by a string."""
-    tree = ast.parse(source, filename)
+    tree = parse(source, filename)
     found = []
     scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for scope in scopes:

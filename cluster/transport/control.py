@@ -87,6 +87,8 @@ from cluster.wire.socket_bounds import RateLimitedLog
 
 log = logging.getLogger(__name__)
 _beat_failures = RateLimitedLog(log, interval_s=30.0)
+# A store gone for good fails every round of the watch thread: one traceback per 30 s, not one per beat.
+_watch_failures = RateLimitedLog(log, interval_s=30.0)
 
 _LIVE: "weakref.WeakSet[ControlledTransport]" = weakref.WeakSet()
 
@@ -263,7 +265,8 @@ class ControlledTransport(KVTransport):
                 self.sender.watch_pairs(store)  # broken by the decode side? re-form what broke
             except Exception:  # noqa: BLE001
                 if not link.closed.is_set():  # (closing: the store may be gone first)
-                    log.exception("watching KV transfers failed")
+                    _watch_failures.warn("KV transport %s: watching KV transfers failed", link.worker_id,
+                                         exc_info=True)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -51,7 +51,7 @@ class Link:
         # Prefill: pairs that broke while their peer lived on, peer -> its heartbeat count when the pair
         # broke; SenderSide.watch_pairs re-forms them once the peer is seen beating after that.
         self.broken: dict[str, int] = {}
-        self._liveness: dict[str, tuple[int, float]] = {}
+        self._liveness: dict[str, tuple[int, float, float]] = {}  # peer -> (count, no news since, last look)
         self._records: deque[dict] = deque(maxlen=1024)
         self._totals = {"transfers": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self._on_down: Callable[[], None] | None = None
@@ -101,10 +101,17 @@ class Link:
         if v < 0:
             raise PeerDeadError(f"peer {peer} has shut down its KV transport")
         with self.lock:
-            last_v, since = self._liveness.get(peer, (None, now))
-            if v != last_v:
-                self._liveness[peer] = (v, now)
-            elif v > 0 and now - since > self.spec.peer_timeout_s:
+            last_v, since, looked = self._liveness.get(peer, (None, now, now))
+            # Silence counts only over continuous watching. The sender looks at a peer only while
+            # transfers to it are in flight: after an idle gap, one look that meets a forged or replayed
+            # record (no news, heartbeat_records.py) said "silent since the last look, seconds ago" and
+            # killed a beating peer (seen: test_store_attacks, one CI run). A look after a gap of
+            # peer_timeout_s/2 or more starts the window again: a dead peer is still found within
+            # peer_timeout_s of watching, and a forgery must stand that long, as a partition would.
+            if v != last_v or now - looked >= self.spec.peer_timeout_s / 2:
+                since = now
+            self._liveness[peer] = (v, since, now)
+            if v > 0 and now - since > self.spec.peer_timeout_s:
                 # (v == 0: the peer never started its transport; only deadlines judge it)
                 raise PeerDeadError(f"peer {peer} silent for {now - since:.1f}s (no heartbeat within "
                                     f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")

@@ -22,6 +22,7 @@ import torch
 
 from cluster.kv.kv_blocks import blocks_for_tokens
 from cluster.wire.messages import KVHeader, Reservation
+from cluster.wire.socket_bounds import RateLimitedLog
 from cluster.transport.base import KVArrival, KVReceiver, TransferStats
 from cluster.transport.channel import Abort, Begin, Broken, Commit, Hello, Inbox, Message
 from cluster.transport.in_bundle import Expected, InBundle
@@ -31,6 +32,8 @@ from cluster.transport.payload import KVPayload
 from cluster.transport.plan import PlanSpec, fingerprint
 
 log = logging.getLogger(__name__)
+# A store gone for good fails every control round: one traceback per 30 s, not one per beat.
+_round_failures = RateLimitedLog(log, interval_s=30.0)
 
 
 class ReceiverSide(KVReceiver):
@@ -161,7 +164,7 @@ class ReceiverSide(KVReceiver):
             except Exception:  # noqa: BLE001 - the store is gone (shutting down); retry next round
                 if link.closed.is_set():
                     return
-                log.exception("KV control round failed")
+                _round_failures.warn("KV transport %s: a KV control round failed", link.worker_id, exc_info=True)
                 link.closed.wait(link.spec.heartbeat_s)
 
     # -- the control thread's side: one round ---------------------------------------------------------

@@ -40,6 +40,9 @@ class TransportSpec:
             raise ValueError("store_host must be the cluster's internal address, not a wildcard")
         if min(self.expect_timeout_s, self.transfer_timeout_s, self.peer_timeout_s, self.heartbeat_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.peer_timeout_s < 4 * self.heartbeat_s:  # Link.check_beating watches over peer_timeout_s/2 gaps
+            raise ValueError(f"peer_timeout_s={self.peer_timeout_s} must span at least 4 heartbeats "
+                             f"(heartbeat_s={self.heartbeat_s}): a peer is dead only after missing several")
         if self.layerwise_min_tokens < 0 or self.staging_bytes <= 0:
             raise ValueError("layerwise_min_tokens must be >= 0, staging_bytes > 0")
         if self.staging_slots < 2:

@@ -52,7 +52,8 @@ def bound(sock, max_frame: int, queued: int = RECV_QUEUED):
 
 
 class RateLimitedLog:
-    """`warn(msg, *args)` logs at most once per `interval_s`, saying how many were suppressed."""
+    """`warn(msg, *args)` logs at most once per `interval_s`, saying how many were suppressed
+    (`exc_info=True` inside an except block: with the traceback of the one it logs)."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
         self._log = logger
@@ -61,7 +62,7 @@ class RateLimitedLog:
         self._suppressed = 0
         self._lock = threading.Lock()
 
-    def warn(self, msg: str, *args) -> None:
+    def warn(self, msg: str, *args, exc_info: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
             if now < self._next:
@@ -70,7 +71,7 @@ class RateLimitedLog:
             suppressed, self._suppressed, self._next = self._suppressed, 0, now + self._interval_s
         if suppressed:
             msg += f" ({suppressed} more like it in the last {self._interval_s:.0f} s)"
-        self._log.warning(msg, *args)
+        self._log.warning(msg, *args, exc_info=exc_info)
 
 
 _PRIVATE_DIR: str | None = None

@@ -22,6 +22,7 @@ from cluster.worker.worker_config import WorkerConfig
 from decode_worker.block_manager import BlockManager
 from decode_worker.decode_worker import DecodeWorker
 from decode_worker.scheduler import DecodeScheduler
+from python_source import parse
 
 SAMPLED = [SamplingParams(max_tokens=1, temperature=0.9, seed=s, ignore_eos=True) for s in (11, 12)] + [
     SamplingParams(max_tokens=1, temperature=1.3, top_k=7, top_p=0.8, seed=13, ignore_eos=True),
@@ -203,7 +204,7 @@ def test_no_module_clamps_the_context_length_itself():
             if path.relative_to(root).as_posix() == "cluster/kv/request_limits.py":
                 continue
             src = path.read_text()
-            for node in ast.walk(ast.parse(src)):
+            for node in ast.walk(parse(src, str(path))):
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max")
                         and "max_position_embeddings" in ast.get_source_segment(src, node)):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")

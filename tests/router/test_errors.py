@@ -20,6 +20,7 @@ from router.channel.messages import Reply, decode_to_gateway, encode, error_from
 from router.errors import (CapacityShortError, DrainingError, GenerationError, NoHealthyWorkerError, OverloadedError,
                            RouterUnavailableError)
 from router.openai.errors import api_error
+from python_source import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "deploy", "loadtest", "benchmarks")
@@ -162,7 +163,7 @@ def second_mappings(root: Path) -> list[str]:
     for top in PACKAGES:
         for path in sorted((root / top).rglob("*.py")):
             rel = str(path.relative_to(root))
-            for node in ast.walk(ast.parse(path.read_text(), rel)):
+            for node in ast.walk(parse(path.read_text(), rel)):
                 where = f"{rel}:{getattr(node, 'lineno', 0)}"
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                     if node.func.id == "APIError" and rel != MAPPING:
