@@ -8,7 +8,8 @@ of its main loop: every `heartbeat_s` it writes its next count in the group's st
 process; sealed under the group's secret, AuthenticatedStore) and checks its peers' (rank 0 checks
 every follower, a follower checks rank 0); a value that does not verify, or an older count (a replay),
 is no news: a local user who reaches the store can make a rank look silent at most, never failed or
-closed, nor a dead one alive for longer than it keeps overwriting. A peer whose count stalls for `peer_timeout_s`, that marked itself failed, or a store that stops answering (rank
+closed, nor a dead one alive for longer than it keeps overwriting. A peer whose count stalls for `peer_timeout_s` of
+watching (cluster/transport/silence_watch.py), that marked itself failed, or a store that stops answering (rank
 0's process is gone) calls `on_failure(why)`, which by default ends this process at once (os._exit:
 nothing waits for a collective). Ray then restarts the worker's rank 0 (whose followers go with it:
 they are its actors), the router migrates its requests (as for any dead worker), and the new rank 0
@@ -24,6 +25,8 @@ import os
 import threading
 import time
 from typing import Callable
+
+from cluster.transport.silence_watch import SilenceWatch, check_timing
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +47,13 @@ class RankWatchdog(threading.Thread):
     def __init__(self, store_factory: Callable[[], object], namespace: str, rank: int, size: int,
                  heartbeat_s: float, peer_timeout_s: float, on_failure: Callable[[str], None] = exit_process):
         super().__init__(name=f"tp-watchdog-{rank}", daemon=True)
+        check_timing(heartbeat_s, peer_timeout_s)
         self._store_factory = store_factory
         self.ns, self.rank, self.size = namespace, rank, size
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.on_failure = on_failure
         self.peers = list(range(1, size)) if rank == 0 else [0]
-        self._stop = threading.Event()
+        self._halted = threading.Event()  # (not `_stop`: threading.Thread.join calls its own _stop())
         self.failed: str | None = None
 
     def key(self, rank: int) -> str:
@@ -61,35 +65,39 @@ class RankWatchdog(threading.Thread):
         except Exception as e:  # noqa: BLE001
             self._fail(f"rank {self.rank} cannot reach its group's store: {type(e).__name__}: {e}")
             return
-        seen = {p: (None, time.monotonic()) for p in self.peers}
+        counts: dict[int, int | None] = {p: None for p in self.peers}  # the latest count taken per peer
+        silence, start = SilenceWatch(self.peer_timeout_s), time.monotonic()
+        for p in counts:
+            silence.look(p, None, start)  # a peer that never beats is dead peer_timeout_s from now
         count = 0
-        while not self._stop.is_set():
+        while not self._halted.is_set():
             now = time.monotonic()
             try:
                 count += 1
                 store.set(self.key(self.rank), str(count))
-                for p in list(seen):
+                for p in list(counts):
                     raw = store.read(self.key(p))  # None: not there yet, or not sealed (no news)
-                    v = int(raw) if raw is not None else seen[p][0]
+                    v = int(raw) if raw is not None else None
                     if v == CLOSED:
-                        del seen[p]  # left cleanly: nothing to watch
+                        del counts[p]  # left cleanly: nothing to watch
+                        silence.forget(p)
                         continue
                     if v is not None and v <= FAILED:
                         self._fail(f"rank {p} of the group failed")
                         return
-                    last, since = seen[p]
-                    if v is not None and (last is None or v > last):  # (an older count: a replay)
-                        seen[p] = (v, now)
-                    elif now - since > self.peer_timeout_s:
-                        self._fail(f"rank {p} of the group sent no heartbeat for {now - since:.1f}s "
+                    if v is not None and (counts[p] is None or v > counts[p]):  # (an older count: a replay)
+                        counts[p] = v
+                    quiet = silence.silent(p, counts[p], now)  # (silence_watch.py: only watched silence)
+                    if quiet is not None:
+                        self._fail(f"rank {p} of the group sent no heartbeat for {quiet:.1f}s "
                                    f"(peer_timeout_s={self.peer_timeout_s}): presumed dead")
                         return
             except Exception as e:  # noqa: BLE001 - rank 0's store is gone: so is rank 0
-                if self._stop.is_set():
+                if self._halted.is_set():
                     return
                 self._fail(f"rank {self.rank} lost its group's store (rank 0's process): {type(e).__name__}: {e}")
                 return
-            self._stop.wait(self.heartbeat_s)
+            self._halted.wait(self.heartbeat_s)
 
     def _fail(self, why: str) -> None:
         self.failed = why
@@ -101,7 +109,7 @@ class RankWatchdog(threading.Thread):
 
     def stop(self, clean: bool = True) -> None:
         """Stops watching; with `clean`, marks this rank closed so its peers stop watching it."""
-        self._stop.set()
+        self._halted.set()
         if clean:
             try:
                 self._store_factory().set(self.key(self.rank), str(CLOSED))

@@ -21,6 +21,7 @@ from cluster.transport.heartbeat_records import HeartbeatRecords
 from cluster.transport.pair import Pair, PeerDeadError, down_key
 from cluster.transport.payload import KVPayload
 from cluster.transport.plan import KVNumerics, PlanSpec
+from cluster.transport.silence_watch import SilenceWatch
 from cluster.transport.transport_faults import TransportFaults
 from cluster.transport.transport_spec import TransportSpec
 
@@ -51,7 +52,7 @@ class Link:
         # Prefill: pairs that broke while their peer lived on, peer -> its heartbeat count when the pair
         # broke; SenderSide.watch_pairs re-forms them once the peer is seen beating after that.
         self.broken: dict[str, int] = {}
-        self._liveness: dict[str, tuple[int, float, float]] = {}  # peer -> (count, no news since, last look)
+        self._silence = SilenceWatch(spec.peer_timeout_s)  # the peers' heartbeat counts, under `lock`
         self._records: deque[dict] = deque(maxlen=1024)
         self._totals = {"transfers": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self._on_down: Callable[[], None] | None = None
@@ -101,20 +102,10 @@ class Link:
         if v < 0:
             raise PeerDeadError(f"peer {peer} has shut down its KV transport")
         with self.lock:
-            last_v, since, looked = self._liveness.get(peer, (None, now, now))
-            # Silence counts only over continuous watching. The sender looks at a peer only while
-            # transfers to it are in flight: after an idle gap, one look that meets a forged or replayed
-            # record (no news, heartbeat_records.py) said "silent since the last look, seconds ago" and
-            # killed a beating peer (seen: test_store_attacks, one CI run). A look after a gap of
-            # peer_timeout_s/2 or more starts the window again: a dead peer is still found within
-            # peer_timeout_s of watching, and a forgery must stand that long, as a partition would.
-            if v != last_v or now - looked >= self.spec.peer_timeout_s / 2:
-                since = now
-            self._liveness[peer] = (v, since, now)
-            if v > 0 and now - since > self.spec.peer_timeout_s:
-                # (v == 0: the peer never started its transport; only deadlines judge it)
-                raise PeerDeadError(f"peer {peer} silent for {now - since:.1f}s (no heartbeat within "
-                                    f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")
+            quiet = self._silence.silent(peer, v, now) if v > 0 else None  # (silence_watch.py: only watched silence)
+        if quiet is not None:  # (v == 0: the peer never started its transport; only deadlines judge it)
+            raise PeerDeadError(f"peer {peer} silent for {quiet:.1f}s (no heartbeat within "
+                                f"peer_timeout_s={self.spec.peer_timeout_s}): presumed dead")
 
     def check_incarnation(self, store, peer: str, inc: int) -> None:
         """Connecting: raises PeerDeadError if a later incarnation of `peer` than `inc` has started (the
@@ -236,7 +227,7 @@ class Link:
             self._on_forgotten(peer)
         with self.lock:
             self.dead_peers.pop(peer, None)
-            self._liveness.pop(peer, None)
+            self._silence.forget(peer)
             old = self.pairs.pop(peer, None)
         if old is not None:
             self.drop(old)
