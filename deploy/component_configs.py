@@ -33,6 +33,7 @@ def worker_config(cfg: ClusterConfig, model_dir: str, device: str, gpu_share: fl
         max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
         graph_buckets=cfg.graph_buckets, use_cuda_graph=cfg.use_cuda_graph and not cfg.enforce_eager,
         prefill_graph_max_tokens=0 if cfg.enforce_eager else cfg.prefill_graph_max_tokens,
+        prefill_overlap=cfg.prefill_overlap,
         seed=cfg.seed, tensor_parallel_size=1 if role is None else cfg.tp_of(role),
         gpu_memory_utilization=cfg.gpu_memory_utilization, quantization=cfg.quantization,
         kv_cache_dtype=cfg.kv_cache_dtype, max_loop_restarts=cfg.max_loop_restarts, cluster_secret=cluster_secret,

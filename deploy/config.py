@@ -49,7 +49,7 @@ COMPONENT_DEFAULTS: dict[str, tuple[type, str]] = {
     **{n: (WorkerConfig, n) for n in (
         "dtype", "attention_backend", "block_size", "num_blocks", "kv_memory_fraction", "cpu_num_blocks",
         "max_num_seqs", "max_prefill_tokens", "local_prefill_chunk_tokens", "max_model_len",
-        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "prefill_graph_max_tokens", "seed", "gpu_memory_utilization",
+        "enable_prefix_caching", "graph_buckets", "use_cuda_graph", "prefill_graph_max_tokens", "prefill_overlap", "seed", "gpu_memory_utilization",
         "quantization", "kv_cache_dtype", "max_loop_restarts")},
     **{n: (RouterConfig, n) for n in (
         "prefill_placement", "local_prefill_threshold", "itl_cost_weight", "stats_interval_s", "call_timeout_s",
@@ -200,6 +200,10 @@ class ClusterConfig(BaseModel):
     """Replay decode steps as CUDA graphs (GPU only)."""
     prefill_graph_max_tokens: int = Field(_d("prefill_graph_max_tokens"), ge=0)
     """Prefill passes up to this many tokens replay CUDA graphs (GPU, triton, TP 1); 0: all eager."""
+    prefill_overlap: Literal["auto", "on", "off"] = _d("prefill_overlap")
+    """Prefill worker: launch a short (graph-replayed) pass while the pass ahead of it is still on the GPU,
+    before that one's first tokens are read, so a prompt arriving just after a pass began does not wait
+    for it to finish on the host. 'auto': on CUDA."""
     enforce_eager: bool = False
     """vLLM's: no CUDA graphs, decode or prefill (--no-use-cuda-graph --prefill-graph-max-tokens 0)."""
     chat_template: str | None = None

@@ -2,13 +2,13 @@
 first token and ships its KV to the decode worker that reserved blocks for it. No Ray here (actor.py).
 
 One loop thread computes and ships. Before a forward that completes prompts, their transfers are
-claimed (`KVSender.begin`); during it a forward hook on every decoder layer reports the layer done, so
-a long prompt's layer i is on the wire while layer i+1 computes. After it, the first tokens' draw is
-queued right behind it, the rest of the KV is launched, and the host waits once, for the draw; each
-first token goes to its gateway (FirstTokenSender: the client has it before the KV lands), then
-`commit` sends it to the decode worker, which continues from it. Nothing here waits for a transfer:
-the next forward starts at once. A prompt's blocks go back to this worker's pool when its transfer
-future resolves (the payload left them, or failed).
+claimed (`KVSender.begin`); PassLauncher (pass_launcher.py) runs the forward, shipping each layer as it
+is done, queues the first tokens' draw behind it and launches the rest of the KV, without a host sync.
+The loop then reads the draw (its one wait), sends each first token to its gateway (FirstTokenSender:
+the client has it before the KV lands) and `commit`s it to the decode worker, which continues from it.
+With overlap on, a short pass launches first, while the one ahead is still on the device
+(launched_pass.py). Nothing waits for a transfer: a prompt's blocks go back to this worker's pool
+when its transfer future resolves (the payload left them, or failed).
 
 Dispatched before its reservation (the router reserves on the decode worker meanwhile: PlacementWalk),
 a prompt is computed all the same and its first token sent; its KV waits in its blocks (`parked`)
@@ -53,7 +53,6 @@ from cluster.sampling.logprobs import PrefillLogprobs
 from cluster.wire.messages import KVCacheEvents, PrefillTask, Reservation, WorkerStats
 from cluster.model.config import ModelArchConfig
 from cluster.engine.model_runner import PrefillChunk
-from cluster.worker.pass_rate import DevicePassTimer, PassRateMeter
 from cluster.engine.prefill_graph_runner import PrefillGraphRunner
 from cluster.kv.request_limits import served_max_model_len
 from cluster.structured.grammar_compiler import GrammarCompiler
@@ -65,8 +64,9 @@ from cluster.engine.worker_model import WorkerModel
 from prefill_worker.abort_notices import AbortNotices
 from prefill_worker.calls_ahead import CallsAhead
 from prefill_worker.first_token_sender import FirstTokenSender
-from prefill_worker.layer_hooks import hook_layers
-from prefill_worker.prefill_job import PrefillJob, check_task, draw_first_tokens, failed_result, reservation_error
+from prefill_worker.launched_pass import LaunchedPass
+from prefill_worker.pass_launcher import PassLauncher
+from prefill_worker.prefill_job import PrefillJob, check_task, failed_result, reservation_error
 from prefill_worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,7 @@ class PrefillWorker:
         # Short passes replay CUDA graphs (cluster/engine/prefill_graph_runner.py), captured now, before serving.
         self.graphs_off = PrefillGraphRunner.eager_reason(cfg, self.group is not None)
         self.prefill_graphs = None if self.graphs_off else PrefillGraphRunner.for_worker(wm, cfg, self.max_model_len)
-        self.runner.prefill_graphs = self.prefill_graphs
-        # Measured cost of a packed prefill (per token + per pass), reported in stats().
-        self.rate_meter = PassRateMeter()
-        self._timer = DevicePassTimer(self.rate_meter, self.device)
+        self.overlap = cfg.prefill_overlap == "on" or (cfg.prefill_overlap == "auto" and self.device.type == "cuda")
         self.prefill_tokens_total = 0
         self.warmup_info: dict = {}
         self._waiting: deque[PrefillJob] = deque()
@@ -114,7 +111,6 @@ class PrefillWorker:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._shipment: Shipment | None = None  # the forward in progress ships these transfers
         if self.group is not None:  # the followers ship their heads' part of it (cluster/transport/tp_payload.py)
             self.runner.shipment_of_pass = self._shipment_for_followers
         self.grammars = GrammarCompiler(lambda: load_tokenizer(cfg.model_dir), self.arch.vocab_size,
@@ -122,7 +118,7 @@ class PrefillWorker:
         # The first tokens go to their gateways from here (prefill_worker/first_token_sender.py).
         self.first_tokens = FirstTokenSender(worker_id, lambda: load_tokenizer(cfg.model_dir), self.arch.eos_token_ids,
                                              cfg.cluster_secret)
-        hook_layers(self.model, self.spec.num_layers, self.device.type == "cuda", lambda: self._shipment)
+        self.passes = PassLauncher(self.runner, self.prefill_graphs, self.model, self.spec.num_layers, self.device)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -130,7 +126,8 @@ class PrefillWorker:
 
     def _shipment_for_followers(self) -> bytes:
         ship = getattr(self.transport, "shipment_for_followers", None)
-        return ship(self._shipment) if ship is not None and self._shipment is not None else b""
+        shipment = self.passes.shipment
+        return ship(shipment) if ship is not None and shipment is not None else b""
 
     # -- API ------------------------------------------------------------------------------------
     def start(self) -> "PrefillWorker":
@@ -228,7 +225,7 @@ class PrefillWorker:
 
     def warmup(self) -> dict:
         """Before serving: every prefill shape class twice, the grammar engine (prefill_worker/warmup.py)."""
-        self.warmup_info = warm_up(self.runner, self.allocator, self.spec.blocks_for_tokens, self._timer, self.grammars,
+        self.warmup_info = warm_up(self.runner, self.allocator, self.spec.blocks_for_tokens, self.passes.timer, self.grammars,
                                    self.first_tokens, max_prefill_tokens=self.max_prefill_tokens,
                                    max_model_len=self.max_model_len, vocab_size=self.arch.vocab_size,
                                    device=self.device)
@@ -257,14 +254,15 @@ class PrefillWorker:
         if self.warmup_info:
             extra["warmup"] = self.warmup_info
         extra["prefill_graphs"] = self.prefill_graphs.summary() if self.prefill_graphs else {"off": self.graphs_off}
-        self._timer.harvest()
+        extra["prefill_passes"] = {"launched": self.passes.launched, "overlapped": self.passes.overlapped}
+        self.passes.timer.harvest()
         if self.group is not None:
             extra["tensor_parallel"] = self.group.describe()
         healthy = not self._stop and (self.group is None or self.group.failed is None)
         return WorkerStats(self.worker_id, "prefill", healthy=healthy, free_blocks=self.allocator.num_free,
                            total_blocks=self.allocator.capacity, running=extra["sending"],
                            waiting=len(self._waiting), outstanding_prefill_tokens=outstanding, extra=extra,
-                           prefill_rate=self.rate_meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
+                           prefill_rate=self.passes.timer.meter.rate(), prefill_tokens_total=self.prefill_tokens_total)
 
     def kv_events(self, epoch: str | None, seq: int) -> KVCacheEvents:
         """How this worker's cached blocks changed since (epoch, seq) (router.placement.kv_index)."""
@@ -290,20 +288,26 @@ class PrefillWorker:
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
+        launched: LaunchedPass | None = None  # on the device, its first tokens not read yet
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._to_ship:
+                while not self._stop and not self._waiting and not self._to_ship and launched is None:
                     self._cv.wait()
-                if self._stop:
+                if self._stop and launched is None:
                     return
-                late, self._to_ship = self._to_ship, []
+                # A late shipment commits at once: it goes out between passes, never ahead of the commit of
+                # a pass launched before it (and while one waits, no pass launches behind another).
+                late, self._to_ship = (self._to_ship, []) if launched is None else ([], self._to_ship)
+                go = self._waiting and not self._stop and (launched is None or (self.overlap and not self._to_ship))
             for job in late:
                 self._ship_late(job)
-            if not self._waiting:
-                continue
-            if not self.step():
+            ran, nxt = self._launch(short_only=launched is not None) if go else (False, None)
+            if launched is not None:
+                self._complete(launched)
+            elif not ran and self._waiting:
                 with self._cv:  # blocks held by transfers in flight: wait for one to finish
                     self._cv.wait(timeout=0.01)
+            launched = nxt
 
     def _schedule(self) -> list[tuple[PrefillJob, PrefillChunk]]:
         def admit(job: PrefillJob) -> bool:
@@ -325,73 +329,70 @@ class PrefillWorker:
                     self._finish_aborted(job, error)
             # A prompt whose grammar is still compiling waits for it; the others go ahead. Under tensor
             # parallelism the followers ship their heads' KV during the pass that completes a prompt
-            # (no late shipment): a prompt waits for its reservation there.
+            # (no late shipment): a prompt waits for its reservation there. A prompt whose last chunk
+            # is in a launched pass stays waiting until that pass completes (all its tokens are done).
             ready = [j for j in self._waiting if (j.grammar is None or j.grammar.ready())
-                     and (self.group is None or j.reservation is not None)]
+                     and (self.group is None or j.reservation is not None) and j.done_tokens < len(j.prompt)]
             return fcfs_chunks(ready, self.max_prefill_tokens,
                                lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
-    def step(self) -> bool:
-        """One packed forward over the scheduled chunks; False if nothing could be scheduled."""
+    def _launch(self, short_only: bool = False) -> tuple[bool, LaunchedPass | None]:
+        """Launches one packed forward over the scheduled chunks and queues its first tokens' draw, with
+        no host sync -> (whether a pass ran, the pass to complete: None if it failed, handled here).
+        `short_only` (a pass is on the device already): only a pass that replays a graph launches; an
+        eager one's host launches (milliseconds) would hold back the first tokens of the pass ahead."""
         chunks = self._schedule()
         if not chunks:
-            return False
+            return False, None
+        wants = [(job.prompt, job.task.request.params.prompt_logprobs)
+                 if job.task.request.params.prompt_logprobs is not None else None for job, _ in chunks]
+        if short_only and not self.passes.replays_graph([c for _, c in chunks], wants):
+            return False, None
         rows = [i for i, (job, c) in enumerate(chunks) if job.done_tokens + len(c.token_ids) == len(job.prompt)]
-        finishing = [chunks[i][0] for i in rows]
-        self.first_tokens.connect([job.task.request for job in finishing])  # before the forward: see there
-        shipment = self._begin(finishing)
-        self._shipment = shipment
+        self.first_tokens.connect([chunks[i][0].task.request for i in rows])  # before the forward: see there
+        shipment = self._begin([chunks[i][0] for i in rows])
         try:
-            tokens_in_pass = sum(len(c.token_ids) for _, c in chunks)
-            pass_at, pass_t0 = time.time(), time.perf_counter()
-            for job, _ in chunks:
-                job.forward_start_at = job.forward_start_at or pass_at
-            start = self._timer.start()
-            # Prompt logprobs need every position's logits (such a request skipped the prefix cache:
-            # SamplingParams.reads_prefix_cache), gathered chunk by chunk.
-            wants = [(job.prompt, job.task.request.params.prompt_logprobs)
-                     if job.task.request.params.prompt_logprobs is not None else None for job, _ in chunks]
-            logits, prompt_lps = self.runner.prefill_with_prompt_logprobs([c for _, c in chunks], wants)
-            for (job, _), lps in zip(chunks, prompt_lps):
-                if lps is not None:
-                    job.prompt_logprobs = (job.prompt_logprobs or []) + lps
-            forward_done_at, pass_host_s = time.time(), time.perf_counter() - pass_t0
-            self._shipment = None
-            end = self._timer.stop(start, tokens_in_pass)
-            # NOTE: the draw goes on the stream right behind the pass, with no host sync (its uploads are pinned):
-            # the host work below (the rest of the KV's launches, the prefix cache's bookkeeping) overlaps the device.
-            drawn = draw_first_tokens(logits, rows, finishing) if rows else None
-            if shipment is not None:
-                shipment.kv_done()  # every layer not shipped yet goes now (on the pair's stream)
-            self.prefill_tokens_total += tokens_in_pass
+            launched = self.passes.launch(chunks, rows, shipment, wants, behind=short_only)
+            self.prefill_tokens_total += launched.tokens
             with self._cv:  # the pool is shared with the send threads' releases
                 for job, c in chunks:
                     job.done_tokens += len(c.token_ids)
                     self._computed_tokens += len(c.token_ids)
                     self.allocator.cache_full_blocks(job.blocks, job.prompt, job.hashes, c.start, job.done_tokens)
-            tokens, logprobs = drawn.result() if drawn is not None else ([], [])  # syncs: the pass and the draw
         except Exception as e:  # fail this batch, keep serving
-            self._shipment = None
-            if self.group is not None:  # the group cannot go on (see the module docstring)
-                log.exception("prefill pass of %s failed", self.worker_id)
-                self.group.fail(f"prefill worker {self.worker_id} failed a pass: {type(e).__name__}: {e}")
-            if shipment is not None:
-                shipment.commit({})  # their decode workers free the blocks once the payload drained
-            with self._cv:
-                for job, _ in chunks:
-                    if job in self._waiting:
-                        self._waiting.remove(job)
-                    if shipment is None or job.request_id not in shipment.futures:
-                        self._release(job)
+            self._fail_pass(chunks, shipment, e)
+            return True, None
+        return True, launched
+
+    def _fail_pass(self, chunks: list[tuple[PrefillJob, PrefillChunk]], shipment: Shipment | None, e: Exception) -> None:
+        if self.group is not None:  # the group cannot go on (see the module docstring)
+            log.exception("prefill pass of %s failed", self.worker_id)
+            self.group.fail(f"prefill worker {self.worker_id} failed a pass: {type(e).__name__}: {e}")
+        if shipment is not None:
+            shipment.commit({})  # their decode workers free the blocks once the payload drained
+        with self._cv:
             for job, _ in chunks:
-                if shipment is not None and job.request_id in shipment.futures:
-                    self._await_send(job, shipment, -1, f"prefill failed: {e}")
-                else:
-                    job.future.set_result(failed_result(job.task, 0.0, f"prefill failed: {e}"))
-                    self._aborts.send(job.reservation, job.request_id)
-            return True
+                if job in self._waiting:
+                    self._waiting.remove(job)
+                if shipment is None or job.request_id not in shipment.futures:
+                    self._release(job)
+        for job, _ in chunks:
+            if shipment is not None and job.request_id in shipment.futures:
+                self._await_send(job, shipment, -1, f"prefill failed: {e}")
+            else:
+                job.future.set_result(failed_result(job.task, 0.0, f"prefill failed: {e}"))
+                self._aborts.send(job.reservation, job.request_id)
+
+    def _complete(self, p: LaunchedPass) -> None:
+        """Reads a launched pass's first tokens (the host's one wait), sends them, commits the KV."""
+        finishing, shipment = p.finishing, p.shipment
+        try:
+            tokens, logprobs = p.drawn.result() if p.drawn is not None else ([], [])  # syncs: the pass and the draw
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+            self._fail_pass(p.chunks, shipment, e)
+            return
         # The draw's wait above came after the pass's end event: its device time is ready without a wait.
-        device_s = self._timer.seconds(start, end) if finishing else 0.0
+        device_s = self.passes.device_seconds(p) if finishing else 0.0
         first, lps, errors = {}, {}, {}
         with self._cv:
             for job, tok, lp in zip(finishing, tokens, logprobs):
@@ -411,7 +412,7 @@ class PrefillWorker:
         committed_at = time.time()
         for job in finishing:
             rid = job.request_id
-            job.pass_points = (forward_done_at, sent_at.get(rid), pass_host_s, device_s, tokens_in_pass)
+            job.pass_points = (p.forward_done_at, sent_at.get(rid), p.host_s, device_s, p.tokens)
             if self.transport is not None and (shipment is None or rid not in shipment.futures):
                 job.first_token, job.first_logprobs = first[rid], lps.get(rid)
                 self._park(job, errors.get(rid, "aborted"))  # its reservation had not come: ships later
@@ -426,7 +427,6 @@ class PrefillWorker:
             else:
                 self._await_send(job, shipment, -1 if tok is None else tok,
                                  errors.get(rid, "aborted") if tok is None else None)
-        return True
 
     def _begin(self, jobs: list[PrefillJob]) -> Shipment | None:
         """Claims the transfers of the prompts this forward completes (before it runs)."""

@@ -19,6 +19,7 @@
 # dry run): ttft_cases' `--users-per-process`, the most users one client process (one event loop) reads, so
 # a levels run can check whether the client's own loop is what lags (64 users: 4 processes at 16, 16 at 4).
 # SKIP=cases: no 1-user cases, the levels alone (a levels-only pass, e.g. SKIP=8b,cases LEVELS=1,64).
+# OVERLAP (auto): the prefill worker's `--prefill-overlap` (auto: on, on a GPU; off: one pass at a time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -62,11 +63,13 @@ else
 fi
 DISPATCH=${DISPATCH:-zmq}
 CASE_ARGS+=(--users-per-process "$USERS_PER_PROCESS")
-SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching --prefill-dispatch $DISPATCH"
+OVERLAP=${OVERLAP:-auto}
+SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching --prefill-dispatch $DISPATCH \
+  --prefill-overlap $OVERLAP"
 # The file's header (benchmarks.ttft_cases appends the rows and keeps it): this run's command, with the
 # knobs it ran under, the commit, and what served.
 $PY - "$RESULT" "$COMMIT" "SKIP=$SKIP_ARG BUDGET=$BUDGET CASE_SECONDS=$CASE_SECONDS LEVEL_SECONDS=$LEVEL_SECONDS \
-LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150} DISPATCH=$DISPATCH USERS_PER_PROCESS=$USERS_PER_PROCESS${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
+LEVELS=$LEVELS LEVELS_LIMIT=${LEVELS_LIMIT:-150} DISPATCH=$DISPATCH OVERLAP=$OVERLAP USERS_PER_PROCESS=$USERS_PER_PROCESS${DRY_RUN:+ DRY_RUN=1}${MPS:+ MPS=1} bash scripts/ttft_h200.sh $1" "$SERVE" "$SHARING" <<'PYEOF'
 import json, sys
 path, commit, command, serve, sharing = sys.argv[1:]
 json.dump({"command": command, "commit": commit, "serve_args": " ".join(serve.split()), "gpu_sharing": sharing,

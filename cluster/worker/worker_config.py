@@ -34,6 +34,10 @@ class WorkerConfig:
     # Prefill worker: passes of at most this many tokens replay CUDA graphs captured at token buckets
     # (cluster/engine/prefill_graph_runner.py; one GPU, triton attention); longer ones run eagerly. 0: all eager.
     prefill_graph_max_tokens: int = 512
+    # Prefill worker: launch a short (graph-replayed) pass while the pass ahead of it is still on the device,
+    # before reading that one's first tokens (prefill_worker/launched_pass.py). "auto": on CUDA (on CPU a pass
+    # runs as it is launched: the pass ahead's first tokens would wait for it); "on"; "off".
+    prefill_overlap: str = "auto"
     seed: int = 0
     # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
     # (cluster/distributed/tp_group.py). 1: the worker is this one process.
@@ -46,3 +50,7 @@ class WorkerConfig:
     # The cluster's secret (cluster/wire/frame_auth.py): the frames a worker sends on the token streams and
     # the stats sink carry a MAC under it. Drawn by the launcher, handed over through Ray; never printed.
     cluster_secret: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self):
+        if self.prefill_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"prefill_overlap must be 'auto', 'on' or 'off', got {self.prefill_overlap!r}")

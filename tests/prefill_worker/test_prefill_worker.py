@@ -13,14 +13,21 @@ from cluster.engine.engine import LLMEngine  # noqa: E402
 from cluster.sampling.sampling_params import SamplingParams  # noqa: E402
 from cluster.transport.factory import TransportSpec, create_transport  # noqa: E402
 from cluster.worker.worker_config import WorkerConfig  # noqa: E402
+from prefill_worker.pass_launcher import PassLauncher  # noqa: E402
 from prefill_worker.prefill_worker import PrefillWorker  # noqa: E402
 
 
-@pytest.fixture
-def setup(demo_model_dir, request):
-    spec = TransportSpec("local", namespace=request.node.name, heartbeat_s=0.05)
+@pytest.fixture(params=["sequential", "overlap"])
+def setup(demo_model_dir, request, monkeypatch):
+    """Every test runs twice: passes one after the other, and with overlap (the next pass launches before
+    the one ahead is read: launched_pass.py). On CPU no pass replays a graph, and only such a pass may
+    overlap, so here every pass without prompt logprobs counts as one."""
+    if request.param == "overlap":
+        monkeypatch.setattr(PassLauncher, "replays_graph", lambda self, chunks, wants: not any(wants))
+    spec = TransportSpec("local", namespace=f"{request.node.name}-{request.param}", heartbeat_s=0.05)
     dec = harness.DecodeSide("d0", demo_model_dir, spec)
-    w = PrefillWorker("p0", WorkerConfig(model_dir=str(demo_model_dir), num_blocks=64, max_prefill_tokens=40))
+    w = PrefillWorker("p0", WorkerConfig(model_dir=str(demo_model_dir), num_blocks=64, max_prefill_tokens=40,
+                                         prefill_overlap="on" if request.param == "overlap" else "off"))
     w.set_transport(create_transport(spec, w.kv_cache, "p0", "prefill"), send_timeout_s=5.0)
     yield dec, w
     w.shutdown()
@@ -53,6 +60,36 @@ def test_packed_and_chunked_prefill_matches_engine(setup, demo_model_dir):
     assert w.allocator.num_free == w.allocator.capacity  # own blocks freed after the sends
     st = w.stats()
     assert st.role == "prefill" and st.outstanding_prefill_tokens == 0 and st.extra["transfers"] == 4
+
+
+def test_overlap_launches_the_next_pass_before_reading_the_one_ahead(setup, monkeypatch):
+    """A long prompt over three passes (the budget is 40 tokens) and a short one behind it: with overlap each
+    pass launches while the one ahead is unread, and the chunks still continue exactly (the results: the
+    test above); without it, never."""
+    dec, w = setup
+    events, launch, complete = [], PassLauncher.launch, PrefillWorker._complete
+
+    def launching(self, chunks, *a, **kw):
+        events.append(("launch", tuple(len(c.token_ids) for _, c in chunks)))
+        return launch(self, chunks, *a, **kw)
+
+    def completing(self, p):
+        events.append(("complete", tuple(len(c.token_ids) for _, c in p.chunks)))
+        return complete(self, p)
+    monkeypatch.setattr(PassLauncher, "launch", launching)
+    monkeypatch.setattr(PrefillWorker, "_complete", completing)
+    tasks = [dec.reserve(harness.request(list(range(5, 5 + n))), "p0") for n in (100, 12)]
+    futs = [w.submit(t) for t in tasks]
+    w.start()
+    results = [f.result(timeout=30) for f in futs]
+    assert all(r.ok for r in results), results
+    assert [e for e in events if e[0] == "launch"] == [("launch", (40,)), ("launch", (40,)), ("launch", (20, 12))]
+    unread = overlapped = 0
+    for kind, _ in events:  # launches made while a pass was still unread
+        overlapped += kind == "launch" and unread > 0
+        unread += 1 if kind == "launch" else -1
+    assert overlapped == (2 if w.overlap else 0), events
+    assert w.stats().extra["prefill_passes"] == {"launched": 3, "overlapped": overlapped}
 
 
 def test_abort_queued_request_tells_decode_side(setup):
@@ -123,6 +160,45 @@ def test_only_the_blocks_the_decode_worker_lacks_are_sent(setup, demo_model_dir)
         out = eng.generate([list(req.prompt_token_ids)], params)[0]
         assert dec.greedy_decode(req, blocks, first) == list(out.token_ids)
     w.allocator.check([])
+
+
+@pytest.mark.parametrize("fails", ["forward", "draw"])
+def test_a_failed_pass_fails_its_prompts_and_the_worker_serves_on(setup, monkeypatch, fails):
+    """The second of three passes raises (its forward, or the read of its draw, where a device error shows):
+    its prompts fail and free every block, the passes around it (overlapped or not) finish."""
+    dec, w = setup
+    calls = []
+    if fails == "forward":
+        forward = w.runner.prefill_with_prompt_logprobs
+
+        def flaky(chunks, wants):
+            calls.append(len(chunks))
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return forward(chunks, wants)
+        monkeypatch.setattr(w.runner, "prefill_with_prompt_logprobs", flaky)
+    else:
+        from cluster.sampling.sampler import SampledTokens
+        result = SampledTokens.result
+
+        def flaky(self):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return result(self)
+        monkeypatch.setattr(SampledTokens, "result", flaky)
+    tasks = [dec.reserve(harness.request(list(range(5 + n, 45 + n))), "p0") for n in range(3)]  # a pass each (budget 40)
+    futs = [w.submit(t) for t in tasks]
+    w.start()
+    results = [f.result(timeout=30) for f in futs]
+    assert [r.ok for r in results] == [True, False, True] and "device lost" in results[1].error, results
+    after = w.submit(dec.reserve(harness.request(list(range(7, 27))), "p0")).result(timeout=30)
+    assert after.ok
+    deadline = time.monotonic() + 10
+    while w.allocator.num_free != w.allocator.capacity and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.check_blocks()
+    assert w.allocator.num_free == w.allocator.capacity
 
 
 def test_a_reservation_that_skips_the_last_token_is_refused(setup):

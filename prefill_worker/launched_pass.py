@@ -1,0 +1,32 @@
+"""LaunchedPass: one packed prefill forward on the device, its first tokens' draw queued behind it and
+not read yet: what PrefillWorker._launch hands to PrefillWorker._complete.
+
+With overlap on (WorkerConfig.prefill_overlap), the loop launches the next short pass before it reads
+this one's draw: the next pass's host work (scheduling, staging, the graph replay, its draw) runs while
+this one is still on the device, and its kernels queue right behind this one's on the stream, so a
+prompt that arrived just after a pass began does not wait for that pass's first tokens to leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.engine.model_runner import PrefillChunk
+    from cluster.sampling.sampler import SampledTokens
+    from cluster.transport.base import Shipment
+    from prefill_worker.prefill_job import PrefillJob
+
+
+@dataclass(frozen=True)
+class LaunchedPass:
+    chunks: list[tuple["PrefillJob", "PrefillChunk"]]
+    finishing: list["PrefillJob"]  # the prompts the pass completes, in the draw's row order
+    shipment: "Shipment | None"  # their transfers, claimed before the forward (None: no reservation yet)
+    drawn: "SampledTokens | None"  # their first tokens (None: the pass completes no prompt)
+    timer_start: object  # DevicePassTimer marks around the forward
+    timer_end: object
+    tokens: int  # tokens computed in the pass
+    forward_done_at: float  # time.time() when the forward's host work was done
+    host_s: float  # the forward's host time
