@@ -203,7 +203,7 @@ class ClusterConfig(BaseModel):
     prefill_overlap: Literal["auto", "on", "off"] = _d("prefill_overlap")
     """Prefill worker: launch a short (graph-replayed) pass while the pass ahead of it is still on the GPU,
     before that one's first tokens are read, so a prompt arriving just after a pass began does not wait
-    for it to finish on the host. 'auto': on CUDA."""
+    for it to finish on the host. 'auto': on CUDA only. Off by default until a GPU run measures it."""
     enforce_eager: bool = False
     """vLLM's: no CUDA graphs, decode or prefill (--no-use-cuda-graph --prefill-graph-max-tokens 0)."""
     chat_template: str | None = None

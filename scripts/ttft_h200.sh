@@ -19,7 +19,8 @@
 # dry run): ttft_cases' `--users-per-process`, the most users one client process (one event loop) reads, so
 # a levels run can check whether the client's own loop is what lags (64 users: 4 processes at 16, 16 at 4).
 # SKIP=cases: no 1-user cases, the levels alone (a levels-only pass, e.g. SKIP=8b,cases LEVELS=1,64).
-# OVERLAP (auto): the prefill worker's `--prefill-overlap` (auto: on, on a GPU; off: one pass at a time).
+# OVERLAP (off): the prefill worker's `--prefill-overlap` (on / auto: a short pass launches while the one ahead is
+# on the GPU; off: one pass at a time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR}
@@ -63,7 +64,7 @@ else
 fi
 DISPATCH=${DISPATCH:-zmq}
 CASE_ARGS+=(--users-per-process "$USERS_PER_PROCESS")
-OVERLAP=${OVERLAP:-auto}
+OVERLAP=${OVERLAP:-off}
 SERVE="$SERVE --prefill-placement static --local-prefill-threshold 0 --enable-prefix-caching --prefill-dispatch $DISPATCH \
   --prefill-overlap $OVERLAP"
 # The file's header (benchmarks.ttft_cases appends the rows and keeps it): this run's command, with the

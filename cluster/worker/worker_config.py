@@ -35,9 +35,10 @@ class WorkerConfig:
     # (cluster/engine/prefill_graph_runner.py; one GPU, triton attention); longer ones run eagerly. 0: all eager.
     prefill_graph_max_tokens: int = 512
     # Prefill worker: launch a short (graph-replayed) pass while the pass ahead of it is still on the device,
-    # before reading that one's first tokens (prefill_worker/launched_pass.py). "auto": on CUDA (on CPU a pass
-    # runs as it is launched: the pass ahead's first tokens would wait for it); "on"; "off".
-    prefill_overlap: str = "auto"
+    # before reading that one's first tokens (prefill_worker/launched_pass.py). "on"; "auto": on CUDA only (on
+    # CPU a pass runs as it is launched: the pass ahead's first tokens would wait for it); "off" (the default
+    # until a GPU run measures it: issue 35's closing notes).
+    prefill_overlap: str = "off"
     seed: int = 0
     # Ranks of the worker's tensor-parallel group, one process (one GPU) each; this process is rank 0
     # (cluster/distributed/tp_group.py). 1: the worker is this one process.

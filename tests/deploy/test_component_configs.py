@@ -20,7 +20,7 @@ NOT_DEFAULT = dict(
     dtype="float16", attention_backend="triton", block_size=32, num_blocks=77, kv_memory_fraction=0.5,
     cpu_num_blocks=99, max_num_seqs=7, max_prefill_tokens=1000, local_prefill_chunk_tokens=33, max_model_len=999,
     enable_prefix_caching=False, graph_buckets=(1, 3), use_cuda_graph=False, prefill_graph_max_tokens=96,
-    prefill_overlap="off", seed=5,
+    prefill_overlap="on", seed=5,
     gpu_memory_utilization=0.7,
     quantization="fp8", kv_cache_dtype="fp8", max_loop_restarts=9,
     prefill_placement="static", local_prefill_threshold=9, itl_cost_weight=3.5, stats_interval_s=0.7,
