@@ -4,6 +4,7 @@ peers, restarts and rejoins, shared refreshes. The workers are router_fakes.Stub
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray.exceptions import RayActorError
@@ -14,6 +15,7 @@ from router.placement.kv_index import KVBlockIndex
 from router.placed_request import PlacedRequest
 from router.router_config import RouterConfig
 from router.workers.worker_client import WorkerClient
+from router.workers import worker_health
 from router.workers.worker_health import WorkerHealth
 from router.workers.worker_set import WorkerSet
 from router_fakes import StubWorker
@@ -158,14 +160,34 @@ def test_a_failed_rejoin_is_retried_from_a_later_poll():
     asyncio.run(main())
 
 
-def test_concurrent_refreshes_share_one_poll():
+class FrozenClock:
+    """worker_health's `time`, its monotonic() moved by hand (asyncio's own clock keeps running)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_concurrent_refreshes_share_one_poll(monkeypatch):
+    clock = FrozenClock()  # "a moment ago" is 20 ms: a loaded 2-core runner once spent that between two lines
+    monkeypatch.setattr(worker_health, "time", clock)
+
     async def main():
         d0 = StubWorker("d0", "decode")
         h = Harness([], [d0])
         await asyncio.gather(*(h.health.refresh(1.0) for _ in range(5)))
         assert d0.names() == ["stats"] and h.polls == 1
+        clock.now += 0.019
         await h.health.refresh(1.0)  # right after a poll: nothing new to learn
         assert h.polls == 1
+        clock.now += 0.002
+        await h.health.refresh(1.0)  # a moment later: polled again
+        assert h.polls == 2
     asyncio.run(main())
 
 
