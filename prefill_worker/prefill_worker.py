@@ -337,10 +337,9 @@ class PrefillWorker:
                                lambda j: (j.prompt, j.done_tokens, j.blocks), admit)
 
     def _launch(self, short_only: bool = False) -> tuple[bool, LaunchedPass | None]:
-        """Launches one packed forward over the scheduled chunks and queues its first tokens' draw, with
-        no host sync -> (whether a pass ran, the pass to complete: None if it failed, handled here).
-        `short_only` (a pass is on the device already): only a pass that replays a graph launches; an
-        eager one's host launches (milliseconds) would hold back the first tokens of the pass ahead."""
+        """One packed forward and its first tokens' draw, launched with no host sync -> (whether a pass ran,
+        the pass to complete: None if it failed, handled here). `short_only` (a pass is on the device): only a
+        graph replay launches; an eager pass's host launches would hold back the pass ahead's first tokens."""
         chunks = self._schedule()
         if not chunks:
             return False, None
@@ -349,8 +348,9 @@ class PrefillWorker:
         if short_only and not self.passes.replays_graph([c for _, c in chunks], wants):
             return False, None
         rows = [i for i, (job, c) in enumerate(chunks) if job.done_tokens + len(c.token_ids) == len(job.prompt)]
-        self.first_tokens.connect([chunks[i][0].task.request for i in rows])  # before the forward: see there
-        shipment = self._begin([chunks[i][0] for i in rows])
+        finishing = [chunks[i][0] for i in rows]
+        self.first_tokens.connect([job.task.request for job in finishing])  # before the forward: see there
+        shipment = self._begin(finishing)
         try:
             launched = self.passes.launch(chunks, rows, shipment, wants, behind=short_only)
             self.prefill_tokens_total += launched.tokens

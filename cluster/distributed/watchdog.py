@@ -66,9 +66,7 @@ class RankWatchdog(threading.Thread):
             self._fail(f"rank {self.rank} cannot reach its group's store: {type(e).__name__}: {e}")
             return
         counts: dict[int, int | None] = {p: None for p in self.peers}  # the latest count taken per peer
-        silence, start = SilenceWatch(self.peer_timeout_s), time.monotonic()
-        for p in counts:
-            silence.look(p, None, start)  # a peer that never beats is dead peer_timeout_s from now
+        silence = SilenceWatch(self.peer_timeout_s)  # (a peer that never beats: dead peer_timeout_s after the first look)
         count = 0
         while not self._halted.is_set():
             now = time.monotonic()

@@ -39,9 +39,8 @@ class SilenceWatch:
     def look(self, peer: Hashable, count: object, now: float) -> float:
         """Records a look at `peer`, whose latest count is `count` (None: none yet); returns the seconds
         it has been watched without news (0.0 on news)."""
-        last, since, looked = self._peers.get(peer, (None, now, now))
-        if peer not in self._peers or count != last or now - looked >= self.timeout_s / 2:
-            since = now
+        prev = self._peers.get(peer)
+        since = now if prev is None or count != prev[0] or now - prev[2] >= self.timeout_s / 2 else prev[1]
         self._peers[peer] = (count, since, now)
         return now - since
 
